@@ -1,0 +1,126 @@
+"""Schema migrations: numbered plain-SQL files under ``sql/``, applied once each.
+
+Guarantees:
+
+* files ``NNN_name.sql`` are applied in numeric order, each in its own
+  transaction together with its row in ``outbox_cdc_schema_migrations``, so a
+  failing file leaves nothing of itself behind;
+* a second run applies nothing (the recorded versions are skipped);
+* an applied file whose text changed since is refused, not silently re-run;
+* two concurrent runs serialise on an advisory lock;
+* a server whose ``wal_level`` is not ``logical`` is refused up front with the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+from cdc.constants import MIGRATION_LOCK_KEY
+from cdc.errors import DatabaseSetupError, MigrationError
+
+log = logging.getLogger(__name__)
+
+_FILE_RE = re.compile(r"^(\d{3,})_[\w-]+\.sql$")
+HISTORY_TABLE = "outbox_cdc_schema_migrations"
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One migration file."""
+
+    version: str
+    path: Path
+
+    @property
+    def sql(self) -> str:
+        return self.path.read_text(encoding="utf-8")
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+def sql_dir() -> Path:
+    """Where the migration files are: ``CDC_SQL_DIR`` or the repository's ``sql/``."""
+    override = os.environ.get("CDC_SQL_DIR")
+    return Path(override) if override else Path(__file__).resolve().parent.parent / "sql"
+
+
+def discover(directory: Path | None = None) -> list[Migration]:
+    """The migration files of ``directory`` in application order."""
+    directory = directory or sql_dir()
+    if not directory.is_dir():
+        raise MigrationError(f"migration directory {directory} not found (set CDC_SQL_DIR)")
+    found = []
+    for path in directory.iterdir():
+        match = _FILE_RE.match(path.name)
+        if match:
+            found.append(Migration(version=match.group(1), path=path))
+    found.sort(key=lambda m: int(m.version))
+    versions = [m.version for m in found]
+    if len(set(versions)) != len(versions):
+        raise MigrationError(f"duplicate migration numbers in {directory}: {versions}")
+    return found
+
+
+def check_wal_level(conn: psycopg.Connection[object]) -> None:
+    """Raise :class:`DatabaseSetupError` unless the server runs ``wal_level=logical``."""
+    row = conn.execute("SHOW wal_level").fetchone()
+    level = str(row[0]) if row else "unknown"
+    if level != "logical":
+        raise DatabaseSetupError(
+            f"wal_level is {level!r} but logical replication needs 'logical': "
+            "set wal_level = logical in postgresql.conf (or -c wal_level=logical) "
+            "and restart PostgreSQL"
+        )
+
+
+def migrate(dsn: str, *, directory: Path | None = None) -> list[str]:
+    """Apply every pending migration; return the versions applied by this run."""
+    migrations = discover(directory)
+    applied_now: list[str] = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        check_wal_level(conn)
+        conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
+        try:
+            conn.execute(
+                f"CREATE TABLE IF NOT EXISTS {HISTORY_TABLE} ("
+                " version text PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
+                " applied_at timestamptz NOT NULL DEFAULT now())"
+            )
+            done = dict(
+                conn.execute(f"SELECT version, checksum FROM {HISTORY_TABLE}").fetchall()
+            )
+            for migration in migrations:
+                if migration.version in done:
+                    if done[migration.version] != migration.checksum:
+                        raise MigrationError(
+                            f"migration {migration.path.name} was applied but has changed "
+                            "since; add a new numbered file instead of editing it"
+                        )
+                    continue
+                _apply(conn, migration)
+                applied_now.append(migration.version)
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK_KEY,))
+    return applied_now
+
+
+def _apply(conn: psycopg.Connection[object], migration: Migration) -> None:
+    log.info("migration %s applying", migration.path.name)
+    try:
+        with conn.transaction():
+            conn.execute(migration.sql.encode())
+            conn.execute(
+                f"INSERT INTO {HISTORY_TABLE} (version, name, checksum) VALUES (%s, %s, %s)",
+                (migration.version, migration.path.name, migration.checksum),
+            )
+    except psycopg.Error as exc:
+        raise MigrationError(f"migration {migration.path.name} failed: {exc}") from exc

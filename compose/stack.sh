@@ -1,0 +1,284 @@
+#!/usr/bin/env bash
+# Local stack without Docker: PostgreSQL (system server binaries, wal_level=logical)
+# and Apache Kafka (KRaft, one combined broker/controller, jars from Maven Central).
+#
+#   compose/stack.sh up [pg|kafka]     start (idempotent: a running service is left alone)
+#   compose/stack.sh down [pg|kafka]   stop (SIGTERM, then SIGKILL after a grace period)
+#   compose/stack.sh kill [pg|kafka]   SIGKILL (fault tests)
+#   compose/stack.sh status            one line per service
+#
+# Everything lives under .dev/ (data, logs, the Kafka jars cache). Ports are
+# loopback-only and non-default; override with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT,
+# OUTBOX_KAFKA_CONTROLLER_PORT. `up` writes .dev/env with CDC_PG_DSN and
+# KAFKA_BOOTSTRAP_SERVERS. Missing system packages (PostgreSQL server, Java,
+# Maven) are installed with apt-get when running as root.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DEV="$ROOT/.dev"
+PG_PORT=${OUTBOX_PG_PORT:-55432}
+KAFKA_PORT=${OUTBOX_KAFKA_PORT:-59092}
+KAFKA_CONTROLLER_PORT=${OUTBOX_KAFKA_CONTROLLER_PORT:-59093}
+PG_DB=outbox
+PG_SUPERUSER=postgres
+KAFKA_HEAP=${OUTBOX_KAFKA_HEAP:--Xms256m -Xmx768m}
+START_TIMEOUT_S=${OUTBOX_START_TIMEOUT_S:-120}
+
+log() { printf '[stack] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+apt_install() {
+    # Installs Debian packages non-interactively; only possible as root.
+    [ "$(id -u)" = 0 ] || die "missing $*: install it (apt-get install $*) or run as root"
+    log "installing $* (apt-get)"
+    export DEBIAN_FRONTEND=noninteractive
+    if [ ! -f "$DEV/.apt-updated" ]; then
+        apt-get update -qq >&2 && mkdir -p "$DEV" && touch "$DEV/.apt-updated"
+    fi
+    apt-get install -y -qq --no-install-recommends "$@" >&2
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# ---------------------------------------------------------------- PostgreSQL
+pg_bindir() {
+    local d
+    d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+    if [ -z "$d" ] || [ ! -x "$d/postgres" ]; then
+        # Do not let the package create and start its own cluster on 5432.
+        mkdir -p /etc/postgresql-common
+        grep -qs '^create_main_cluster' /etc/postgresql-common/createcluster.conf ||
+            echo 'create_main_cluster = false' >> /etc/postgresql-common/createcluster.conf
+        apt_install postgresql postgresql-contrib
+        d=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+    fi
+    echo "$d"
+}
+
+# The server refuses to run as root: as root, run it as the unprivileged
+# 'postgres' user (created by the Debian package), else as ourselves.
+as_pg() {
+    if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+pg_dir() {
+    # .dev/pg when the postgres user can reach it, else a private dir in /tmp.
+    local d="$DEV/pg"
+    mkdir -p "$d"
+    if [ "$(id -u)" = 0 ]; then
+        chown postgres: "$d"
+        if ! runuser -u postgres -- test -w "$d"; then
+            d="/tmp/outbox-cdc-pg-$(echo "$ROOT" | md5sum | cut -c1-8)"
+            mkdir -p "$d" && chown postgres: "$d" && chmod 700 "$d"
+        fi
+    fi
+    echo "$d"
+}
+
+pg_password() {
+    local f="$DEV/pg.password"
+    if [ ! -s "$f" ]; then
+        mkdir -p "$DEV"
+        (umask 077; head -c 18 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$f")
+    fi
+    cat "$f"
+}
+
+pg_up() {
+    local bin dir data pw
+    bin=$(pg_bindir)
+    dir=$(pg_dir)
+    data="$dir/data"
+    pw=$(pg_password)
+    if [ ! -s "$data/PG_VERSION" ]; then
+        log "initdb $data"
+        local pwfile="$dir/.pw"
+        (umask 077; printf '%s\n' "$pw" > "$pwfile")
+        [ "$(id -u)" = 0 ] && chown postgres: "$pwfile"
+        as_pg "$bin/initdb" -D "$data" -U "$PG_SUPERUSER" -E UTF8 --locale=C \
+            --auth-local=scram-sha-256 --auth-host=scram-sha-256 --pwfile="$pwfile" >"$dir/initdb.log" 2>&1 ||
+            { tail -n 30 "$dir/initdb.log" >&2; die "initdb failed"; }
+        rm -f "$pwfile"
+        mkdir -p "$dir/run" && { [ "$(id -u)" != 0 ] || chown postgres: "$dir/run"; }
+        cat >> "$data/postgresql.conf" <<CONF
+
+# --- outbox-cdc local stack ---
+listen_addresses = '127.0.0.1'
+port = $PG_PORT
+unix_socket_directories = '$dir/run'
+wal_level = logical
+max_replication_slots = 32
+max_wal_senders = 32
+wal_sender_timeout = 60s
+max_connections = 200
+shared_buffers = 256MB
+# A development stack: durability against OS crashes is traded for speed.
+fsync = off
+synchronous_commit = off
+full_page_writes = off
+log_min_messages = warning
+log_line_prefix = '%m [%p] %q%u@%d '
+CONF
+        echo "host replication all 127.0.0.1/32 scram-sha-256" >> "$data/pg_hba.conf"
+    fi
+    if as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
+        log "postgresql already running on 127.0.0.1:$PG_PORT"
+    else
+        log "starting postgresql on 127.0.0.1:$PG_PORT"
+        as_pg "$bin/pg_ctl" -D "$data" -l "$dir/postgresql.log" -w -t "$START_TIMEOUT_S" start >/dev/null ||
+            { tail -n 40 "$dir/postgresql.log" >&2; die "postgresql did not start"; }
+    fi
+    PGPASSWORD=$pw "$bin/psql" -qAt -h 127.0.0.1 -p "$PG_PORT" -U "$PG_SUPERUSER" -d postgres \
+        -c "SELECT 1 FROM pg_database WHERE datname = '$PG_DB'" | grep -q 1 ||
+        PGPASSWORD=$pw "$bin/psql" -q -h 127.0.0.1 -p "$PG_PORT" -U "$PG_SUPERUSER" -d postgres \
+            -c "CREATE DATABASE $PG_DB" >/dev/null
+}
+
+pg_stop() {  # $1: pg_ctl mode (fast | immediate)
+    local bin dir
+    bin=$(pg_bindir); dir=$(pg_dir)
+    if as_pg "$bin/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+        log "stopping postgresql ($1)"
+        as_pg "$bin/pg_ctl" -D "$dir/data" -m "$1" -w stop >/dev/null
+    fi
+}
+
+pg_status() {
+    local bin dir
+    bin=$(pg_bindir); dir=$(pg_dir)
+    if as_pg "$bin/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+        echo "postgresql  up    127.0.0.1:$PG_PORT  data=$dir/data"
+    else
+        echo "postgresql  down"
+    fi
+}
+
+# --------------------------------------------------------------------- Kafka
+KAFKA_DIR="$DEV/kafka"
+
+kafka_libs() {
+    local pom="$ROOT/compose/kafka/pom.xml" stamp="$KAFKA_DIR/libs/.pom.sha"
+    local want
+    want=$(sha1sum "$pom" | cut -c1-40)
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
+    command -v java >/dev/null || apt_install openjdk-17-jre-headless
+    command -v mvn >/dev/null || apt_install maven
+    log "resolving Kafka jars from Maven Central (compose/kafka/pom.xml)"
+    rm -rf "$KAFKA_DIR/libs"
+    mvn -q -B -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
+        -DoutputDirectory="$KAFKA_DIR/libs" >&2 || die "mvn could not resolve the Kafka jars"
+    echo "$want" > "$stamp"
+}
+
+kafka_pid() {
+    local f="$KAFKA_DIR/kafka.pid"
+    [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && cat "$f"
+}
+
+kafka_java() {
+    java $KAFKA_HEAP -XX:+UseG1GC -Djava.awt.headless=true \
+        -Dlog4j2.configurationFile="$ROOT/compose/kafka/log4j2.properties" \
+        -cp "$KAFKA_DIR/libs/*" "$@"
+}
+
+kafka_up() {
+    kafka_libs
+    if kafka_pid >/dev/null; then
+        log "kafka already running on 127.0.0.1:$KAFKA_PORT"
+        return
+    fi
+    mkdir -p "$KAFKA_DIR/data"
+    cat > "$KAFKA_DIR/server.properties" <<CONF
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$KAFKA_DIR/data
+num.partitions=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=10
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+# Topics are created by the relay with explicit partitions, never by accident.
+auto.create.topics.enable=false
+CONF
+    if [ ! -f "$KAFKA_DIR/data/meta.properties" ]; then
+        log "formatting kafka storage"
+        kafka_java kafka.tools.StorageTool format -t "$(cat /proc/sys/kernel/random/uuid | tr -d '-' | head -c 22)" \
+            -c "$KAFKA_DIR/server.properties" > "$KAFKA_DIR/format.log" 2>&1 ||
+            { tail -n 30 "$KAFKA_DIR/format.log" >&2; die "kafka storage format failed"; }
+    fi
+    log "starting kafka on 127.0.0.1:$KAFKA_PORT"
+    : > "$KAFKA_DIR/kafka.log"
+    nohup bash -c "$(declare -f kafka_java); ROOT='$ROOT' KAFKA_DIR='$KAFKA_DIR' KAFKA_HEAP='$KAFKA_HEAP'; \
+        exec java \$KAFKA_HEAP -XX:+UseG1GC -Djava.awt.headless=true \
+        -Dlog4j2.configurationFile=\"\$ROOT/compose/kafka/log4j2.properties\" \
+        -cp \"\$KAFKA_DIR/libs/*\" kafka.Kafka \"\$KAFKA_DIR/server.properties\"" \
+        >> "$KAFKA_DIR/kafka.log" 2>&1 < /dev/null &
+    echo $! > "$KAFKA_DIR/kafka.pid"
+    local waited=0
+    until grep -q "Kafka Server started" "$KAFKA_DIR/kafka.log" && port_open "$KAFKA_PORT"; do
+        if ! kafka_pid >/dev/null; then
+            tail -n 40 "$KAFKA_DIR/kafka.log" >&2; die "kafka exited during start-up"
+        fi
+        if [ "$waited" -ge "$START_TIMEOUT_S" ]; then
+            tail -n 40 "$KAFKA_DIR/kafka.log" >&2; die "kafka did not start in ${START_TIMEOUT_S}s"
+        fi
+        sleep 1; waited=$((waited + 1))
+    done
+}
+
+kafka_stop() {  # $1: signal (TERM | KILL)
+    local pid
+    pid=$(kafka_pid) || return 0
+    log "stopping kafka (SIG$1)"
+    kill -"$1" "$pid" 2>/dev/null || true
+    for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid"; sleep 0.5; fi
+    rm -f "$KAFKA_DIR/kafka.pid"
+}
+
+kafka_status() {
+    local pid
+    if pid=$(kafka_pid); then
+        echo "kafka       up    127.0.0.1:$KAFKA_PORT  pid=$pid"
+    else
+        echo "kafka       down"
+    fi
+}
+
+write_env() {
+    local pw
+    pw=$(pg_password)
+    (umask 077; cat > "$DEV/env" <<ENV
+export CDC_PG_DSN='postgresql://$PG_SUPERUSER:$pw@127.0.0.1:$PG_PORT/$PG_DB'
+export KAFKA_BOOTSTRAP_SERVERS='127.0.0.1:$KAFKA_PORT'
+ENV
+)
+}
+
+main() {
+    local cmd=${1:-status} what=${2:-all}
+    mkdir -p "$DEV"
+    case "$cmd:$what" in
+        up:all)      pg_up; kafka_up; write_env; log "stack up; source .dev/env" ;;
+        up:pg)       pg_up; write_env ;;
+        up:kafka)    kafka_up; write_env ;;
+        down:all)    kafka_stop TERM; pg_stop fast ;;
+        down:pg)     pg_stop fast ;;
+        down:kafka)  kafka_stop TERM ;;
+        kill:pg)     pg_stop immediate ;;
+        kill:kafka)  kafka_stop KILL ;;
+        status:*)    pg_status; kafka_status ;;
+        *) die "usage: $0 up|down|kill|status [pg|kafka]" ;;
+    esac
+}
+
+main "$@"

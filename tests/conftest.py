@@ -1,0 +1,170 @@
+"""Fixtures that reach the real services.
+
+Endpoints, in order of preference:
+
+1. ``CDC_PG_DSN`` / ``KAFKA_BOOTSTRAP_SERVERS`` from the environment;
+2. the local stack (``compose/stack.sh up``, which also writes ``.dev/env``);
+3. testcontainers, when a Docker engine answers.
+
+When none works the test fails in CI (``CI=true``) and is skipped, with the
+reason, elsewhere. Each session works in its own freshly migrated database and
+every test gets unique slot/publication/topic names, so tests never see each
+other's events.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from cdc.migrate import migrate
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+@dataclass(frozen=True)
+class Services:
+    """Where the real services are."""
+
+    pg_dsn: str  # superuser DSN of the server's maintenance database
+    kafka_bootstrap: str
+    origin: str  # env | local-stack | testcontainers
+
+
+def _unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"required service unavailable in CI: {reason}", pytrace=False)
+    pytest.skip(f"service unavailable: {reason}")
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("export ") and "=" in line:
+            key, _, value = line[len("export ") :].partition("=")
+            out[key] = value.strip().strip("'\"")
+    return out
+
+
+def _local_stack() -> Services | None:
+    script = ROOT / "compose" / "stack.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "up"], capture_output=True, text=True, timeout=900, check=False
+    )
+    env_file = ROOT / ".dev" / "env"
+    if proc.returncode != 0 or not env_file.exists():
+        print(proc.stderr[-4000:])
+        return None
+    env = _read_env_file(env_file)
+    return Services(env["CDC_PG_DSN"], env["KAFKA_BOOTSTRAP_SERVERS"], "local-stack")
+
+
+def _testcontainers() -> Services | None:  # pragma: no cover - needs a Docker engine
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env().ping()
+    except Exception:
+        return None
+    from testcontainers.kafka import KafkaContainer
+    from testcontainers.postgres import PostgresContainer
+
+    pg = PostgresContainer("postgres:16").with_command("postgres -c wal_level=logical")
+    kafka = KafkaContainer("apache/kafka:4.1.1").with_kraft()
+    pg.start()
+    kafka.start()
+    dsn = pg.get_connection_url(driver=None)
+    return Services(dsn, kafka.get_bootstrap_server(), "testcontainers")
+
+
+@pytest.fixture(scope="session")
+def services() -> Services:
+    dsn = os.environ.get("CDC_PG_DSN")
+    kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if dsn and kafka:
+        return Services(dsn, kafka, "env")
+    found = _local_stack() or _testcontainers()
+    if found is None:
+        _unavailable("no CDC_PG_DSN/KAFKA_BOOTSTRAP_SERVERS, local stack failed, no Docker engine")
+        raise AssertionError("unreachable")
+    return found
+
+
+def dsn_for_db(dsn: str, dbname: str) -> str:
+    """The same server and credentials, another database."""
+    return psycopg.conninfo.make_conninfo(dsn, dbname=dbname)
+
+
+@pytest.fixture(scope="session")
+def pg_server(services: Services) -> str:
+    """Superuser DSN; fails loudly when the server does not answer."""
+    try:
+        with psycopg.connect(services.pg_dsn, connect_timeout=10) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.OperationalError as exc:
+        _unavailable(f"PostgreSQL at {services.origin}: {exc}")
+    return services.pg_dsn
+
+
+def create_database(server_dsn: str, prefix: str) -> str:
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return dsn_for_db(server_dsn, name)
+
+
+def drop_database(server_dsn: str, db_dsn: str) -> None:
+    name = psycopg.conninfo.conninfo_to_dict(db_dsn)["dbname"]
+    with psycopg.connect(server_dsn, autocommit=True) as conn:
+        for (slot,) in conn.execute(
+            "SELECT slot_name FROM pg_replication_slots WHERE database = %s AND NOT active",
+            (name,),
+        ).fetchall():
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(str(name)))
+        )
+
+
+@pytest.fixture(scope="session")
+def db_dsn(pg_server: str) -> Iterator[str]:
+    """A migrated database private to this test session."""
+    dsn = create_database(pg_server, "cdc_test")
+    migrate(dsn)
+    yield dsn
+    drop_database(pg_server, dsn)
+
+
+@pytest.fixture
+def empty_db_dsn(pg_server: str) -> Iterator[str]:
+    """An empty database private to one test."""
+    dsn = create_database(pg_server, "cdc_empty")
+    yield dsn
+    drop_database(pg_server, dsn)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(services: Services) -> str:
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": services.kafka_bootstrap})
+    try:
+        admin.list_topics(timeout=15)
+    except Exception as exc:
+        _unavailable(f"Kafka at {services.kafka_bootstrap}: {exc}")
+    return services.kafka_bootstrap
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short unique suffix for slot, publication, topic and group names."""
+    return uuid.uuid4().hex[:10]
