@@ -19,6 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -29,6 +30,11 @@ log = logging.getLogger(__name__)
 
 _FILE_RE = re.compile(r"^(\d{3,})_[\w-]+\.sql$")
 HISTORY_TABLE = "outbox_cdc_schema_migrations"
+_CREATE_HISTORY = (
+    "CREATE TABLE IF NOT EXISTS outbox_cdc_schema_migrations ("
+    " version text PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
+    " applied_at timestamptz NOT NULL DEFAULT now())"
+)
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ def discover(directory: Path | None = None) -> list[Migration]:
     return found
 
 
-def check_wal_level(conn: psycopg.Connection[object]) -> None:
+def check_wal_level(conn: psycopg.Connection[Any]) -> None:
     """Raise :class:`DatabaseSetupError` unless the server runs ``wal_level=logical``."""
     row = conn.execute("SHOW wal_level").fetchone()
     level = str(row[0]) if row else "unknown"
@@ -90,14 +96,13 @@ def migrate(dsn: str, *, directory: Path | None = None) -> list[str]:
         check_wal_level(conn)
         conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
         try:
-            conn.execute(
-                f"CREATE TABLE IF NOT EXISTS {HISTORY_TABLE} ("
-                " version text PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
-                " applied_at timestamptz NOT NULL DEFAULT now())"
-            )
-            done = dict(
-                conn.execute(f"SELECT version, checksum FROM {HISTORY_TABLE}").fetchall()
-            )
+            conn.execute(_CREATE_HISTORY)
+            done: dict[str, str] = {
+                str(v): str(c)
+                for v, c in conn.execute(
+                    "SELECT version, checksum FROM outbox_cdc_schema_migrations"
+                ).fetchall()
+            }
             for migration in migrations:
                 if migration.version in done:
                     if done[migration.version] != migration.checksum:
@@ -113,13 +118,14 @@ def migrate(dsn: str, *, directory: Path | None = None) -> list[str]:
     return applied_now
 
 
-def _apply(conn: psycopg.Connection[object], migration: Migration) -> None:
+def _apply(conn: psycopg.Connection[Any], migration: Migration) -> None:
     log.info("migration %s applying", migration.path.name)
     try:
         with conn.transaction():
             conn.execute(migration.sql.encode())
             conn.execute(
-                f"INSERT INTO {HISTORY_TABLE} (version, name, checksum) VALUES (%s, %s, %s)",
+                "INSERT INTO outbox_cdc_schema_migrations (version, name, checksum)"
+                " VALUES (%s, %s, %s)",
                 (migration.version, migration.path.name, migration.checksum),
             )
     except psycopg.Error as exc:

@@ -33,6 +33,8 @@ ENV: dict[str, str] = {
     "dlq_topic": "CDC_DLQ_TOPIC",
     "heartbeat_interval_s": "CDC_HEARTBEAT_INTERVAL_S",
     "relay_http_port": "CDC_RELAY_HTTP_PORT",
+    "relay_max_in_flight": "CDC_MAX_IN_FLIGHT",
+    "http_host": "CDC_HTTP_HOST",
     "kafka_bootstrap_servers": "KAFKA_BOOTSTRAP_SERVERS",
     "sink_group_id": "SINK_GROUP_ID",
     "sink_topics_pattern": "SINK_TOPICS_PATTERN",
@@ -83,6 +85,11 @@ class Settings:
     #: 0 disables; else a pg_logical_emit_message heartbeat this often.
     heartbeat_interval_s: float = 0.0
     relay_http_port: int = 9101
+    #: Records handed to Kafka but not yet acknowledged before the relay stops
+    #: reading WAL (back-pressure); bounds memory while Kafka is slow or away.
+    relay_max_in_flight: int = 50_000
+    #: Address the /metrics, /healthz, /readyz (and admin) servers bind.
+    http_host: str = "127.0.0.1"
     kafka_bootstrap_servers: str = ""
     kafka_config: Mapping[str, str] = field(default_factory=dict, repr=False)
     sink_group_id: str = "engine-sync"

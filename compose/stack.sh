@@ -112,9 +112,9 @@ max_wal_senders = 32
 wal_sender_timeout = 60s
 max_connections = 200
 shared_buffers = 256MB
-# A development stack: durability against OS crashes is traded for speed.
+# A development stack: durability against OS crashes is traded for speed
+# (synchronous_commit stays on: walsenders only send flushed WAL).
 fsync = off
-synchronous_commit = off
 full_page_writes = off
 log_min_messages = warning
 log_line_prefix = '%m [%p] %q%u@%d '

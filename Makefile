@@ -1,0 +1,55 @@
+# outbox-cdc — the two commands are `make demo` and `make test`.
+# Everything the project needs is installed by these targets: the Python
+# virtualenv (.venv), the PostgreSQL server (Debian package, when missing) and
+# the Kafka jars (Maven Central, cached under .dev/kafka/libs).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: help venv up down status lint test test-unit bench demo clean
+
+help:
+	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
+	@echo "make test    venv, stack up, ruff + mypy, pytest (unit, integration, fault)"
+	@echo "make bench   benchmarks under tests/bench (print figures)"
+	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/)"
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+up:
+	@bash compose/stack.sh up
+
+down:
+	@bash compose/stack.sh down
+
+status:
+	@bash compose/stack.sh status
+
+lint: venv
+	$(BIN)/ruff check cdc sinks tests
+	$(BIN)/ruff format --check cdc sinks tests
+	$(BIN)/mypy
+
+test-unit: venv
+	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
+
+test: venv up lint
+	. ./.dev/env && $(BIN)/pytest tests/unit tests/integration $(PYTEST_ARGS)
+
+bench: venv up
+	. ./.dev/env && $(BIN)/pytest tests/bench -s -p no:randomly $(PYTEST_ARGS)
+
+demo: venv up
+	. ./.dev/env && $(BIN)/outbox-cdc demo
+
+clean: down
+	rm -rf .dev $(VENV)

@@ -1,0 +1,113 @@
+"""The ``outbox-cdc`` command line: parse, build settings, call a library function.
+
+Exit codes scripts can trust: 0 success, 1 the operation failed or found a
+problem (e.g. refused), 2 usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from cdc.errors import CdcError, ConfigError
+from cdc.logs import setup_logging
+from cdc.settings import Settings
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def load_settings(*required: str) -> Settings:
+    """Settings from the environment, failing with exit 2 when one is missing."""
+    try:
+        return Settings.from_env().require(*required)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+class CliGroup(click.Group):
+    """Turns the package's own errors into one clear line and a trustworthy exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_USAGE)
+        except CdcError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(EXIT_FAILED)
+
+
+@click.group(cls=CliGroup)
+@click.version_option(package_name="outbox-cdc")
+def main() -> None:
+    """outbox-cdc: PostgreSQL outbox -> WAL -> Kafka -> engine."""
+    setup_logging()
+
+
+@main.command()
+def migrate() -> None:
+    """Apply pending SQL migrations (sql/NNN_*.sql), once each, in order."""
+    from cdc.migrate import migrate as run_migrations
+
+    settings = load_settings("pg_dsn")
+    applied = run_migrations(settings.pg_dsn)
+    if applied:
+        click.echo(f"applied migrations: {', '.join(applied)}")
+    else:
+        click.echo("schema is up to date")
+
+
+@main.command()
+@click.option(
+    "--older-than",
+    "older_than_s",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="delete outbox rows older than this many seconds",
+)
+def prune(older_than_s: float) -> None:
+    """Delete old outbox rows (safe: the relay reads the WAL, not the table)."""
+    import psycopg
+
+    from cdc.outbox import prune_outbox
+
+    settings = load_settings("pg_dsn")
+    with psycopg.connect(settings.pg_dsn, autocommit=True) as conn:
+        deleted = prune_outbox(conn, older_than_s=older_than_s, table=settings.outbox_table)
+    click.echo(f"deleted {deleted} outbox rows older than {older_than_s:g}s")
+
+
+def _on_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT ask the running loop to stop cleanly."""
+
+    def handler(signum: int, _frame: object) -> None:
+        click.echo(f"signal {signal.Signals(signum).name}: stopping", err=True)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+@main.command()
+def relay() -> None:
+    """Stream committed outbox inserts from the WAL into Kafka (runs until SIGTERM)."""
+    import logging
+
+    from cdc.relay import Relay
+
+    settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    logging.getLogger("cdc").info("relay starting with %s", settings.safe_summary())
+    runner = Relay(settings)
+    _on_signals(runner.stop)
+    sys.exit(runner.run())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,45 @@
+"""Logging set-up shared by every process: one line per event, text or JSON.
+
+``LOG_LEVEL`` (default INFO) and ``LOG_FORMAT`` (``text`` | ``json``) choose the
+output. Nothing here formats settings: callers log ``Settings.safe_summary()``,
+never a DSN or a key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from datetime import UTC, datetime
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, logger, msg (+ exc)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, separators=(",", ":"))
+
+
+def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
+    """Configure the root logger once, to stderr."""
+    level = (level or os.environ.get("LOG_LEVEL", "INFO")).upper()
+    fmt = fmt or os.environ.get("LOG_FORMAT", "text")
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for noisy in ("httpx", "httpcore", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,581 @@
+"""The relay: committed outbox inserts from the WAL (pgoutput) into Kafka.
+
+Invariants (DESIGN.md, "Relay invariants"):
+
+1. The slot's confirmed LSN advances only past transactions all of whose
+   records Kafka acknowledged (or that were dead-lettered and acknowledged):
+   :class:`cdc.lsn.LsnTracker` decides, this loop only reports its answer.
+2. With nothing in flight the keepalive WAL end is confirmed, so an idle
+   outbox never pins WAL.
+3. When Kafka is slow or away the in-flight count reaches its bound and the
+   relay stops reading WAL, but keeps sending status updates, so the
+   walsender does not time it out; it resumes where it stopped.
+4. A second relay on the same slot waits as a hot standby and takes over when
+   the first one's walsender goes away.
+5. SIGTERM: stop reading, flush the producer, confirm, exit 0.
+6. A record Kafka refuses for itself goes to the dead-letter topic with the
+   reason in headers; the stream never stalls on one row, never drops one.
+
+States and transitions::
+
+    STARTING --slot held elsewhere--> STANDBY --slot free--> STREAMING
+    STREAMING <--in-flight at bound / below--> BACKPRESSURE
+    STARTING | STREAMING | BACKPRESSURE --stream or Kafka error--> RECONNECTING --> STARTING
+    any --SIGTERM--> STOPPING --> STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, cast
+
+import psycopg
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cdc import constants as c
+from cdc import pgoutput as pgo
+from cdc.errors import CdcError, KafkaUnavailableError, SlotInUseError
+from cdc.health import HealthServer, Liveness
+from cdc.lsn import LsnTracker
+from cdc.producer import TopicManager, is_record_error, make_producer
+from cdc.replproto import Keepalive, lsn_to_str, parse_copy_data
+from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_message, route_row
+from cdc.settings import Settings
+from cdc.stream import ReplicationStream, ensure_publication, ensure_slot, slot_info
+
+log = logging.getLogger(__name__)
+
+#: CopyData messages handled per loop turn before the producer is polled again.
+READ_BATCH = 2_000
+#: Longest a turn blocks waiting for WAL, so status and signals stay timely.
+READ_WAIT_S = 0.1
+#: Reconnect backoff after stream or Kafka trouble.
+RECONNECT_MIN_S = 0.5
+RECONNECT_MAX_S = 30.0
+#: How long shutdown waits for Kafka to acknowledge what is in flight.
+SHUTDOWN_FLUSH_S = 15.0
+#: Slot lag and heartbeat period of the monitor thread.
+MONITOR_INTERVAL_S = 5.0
+#: A dead-letter value larger than this is replaced by a note (see router.dead_letter).
+DLQ_MAX_VALUE_BYTES = 512 * 1024
+_TAG_INSERT, _TAG_BEGIN, _TAG_COMMIT = ord("I"), ord("B"), ord("C")
+_TAG_RELATION, _TAG_MESSAGE = ord("R"), ord("M")
+_IGNORED_CHANGES = {ord("U"): "update", ord("D"): "delete", ord("T"): "truncate"}
+
+
+class RelayState(enum.Enum):
+    STARTING = "starting"  # connecting, ensuring slot and publication
+    STANDBY = "standby"  # another relay streams the slot; we wait to take over
+    STREAMING = "streaming"  # reading WAL and producing
+    BACKPRESSURE = "backpressure"  # in-flight at its bound: not reading WAL
+    RECONNECTING = "reconnecting"  # after an error, waiting before a new session
+    STOPPING = "stopping"  # SIGTERM received: flushing and confirming
+    STOPPED = "stopped"  # done; the process exits 0
+
+
+class RelayMetrics:
+    """The relay's Prometheus metrics, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.relayed = Counter(
+            "outbox_relay_events_total",
+            "Events acknowledged by Kafka",
+            ["topic"],
+            registry=registry,
+        )
+        self.dead_lettered = Counter(
+            "outbox_relay_dead_lettered_total",
+            "Events sent to the dead-letter topic",
+            ["reason"],
+            registry=registry,
+        )
+        self.ignored = Counter(
+            "outbox_relay_ignored_changes_total",
+            "Outbox updates/deletes/truncates seen and not published",
+            ["kind"],
+            registry=registry,
+        )
+        self.kafka_errors = Counter(
+            "outbox_relay_kafka_errors_total",
+            "Kafka errors seen by the producer",
+            ["code"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "outbox_relay_commit_to_ack_seconds",
+            "Transaction commit to Kafka ack",
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+        self.confirmed_lsn = Gauge(
+            "outbox_relay_confirmed_lsn", "LSN last confirmed to the slot", registry=registry
+        )
+        self.slot_lag = Gauge(
+            "outbox_relay_slot_lag_bytes",
+            "pg_current_wal_lsn() - confirmed_flush_lsn",
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "outbox_relay_in_flight", "Records produced, not yet acknowledged", registry=registry
+        )
+        self.state = Gauge(
+            "outbox_relay_state", "1 for the current state", ["state"], registry=registry
+        )
+
+
+@dataclass
+class _PendingDlq:
+    tx_id: int
+    reason: str
+    topic: str
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    timestamp_ms: int
+
+
+@dataclass
+class Session:
+    """One streaming session: the stream, its LSN bookkeeping and relation cache."""
+
+    stream: ReplicationStream
+    tracker: LsnTracker
+    relations: pgo.RelationCache = field(default_factory=pgo.RelationCache)
+    tx_id: int | None = None
+    tx: TxContext | None = None
+    reply_requested: bool = False
+    fatal: KafkaError | None = None
+    pending_dlq: list[_PendingDlq] = field(default_factory=list)
+    last_confirmed: int = 0
+
+
+class Relay:
+    """Runs sessions until stopped; see the module docstring for the contract."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        serve_http: bool = True,
+    ) -> None:
+        self.settings = settings.require("pg_dsn", "kafka_bootstrap_servers")
+        self.registry = registry or CollectorRegistry()
+        self.metrics = RelayMetrics(self.registry)
+        self.liveness = Liveness()
+        self._stop = threading.Event()
+        self._state = RelayState.STARTING
+        self._serve_http = serve_http
+        self._producer: Producer | None = None
+        self._topics = TopicManager(
+            bootstrap=settings.kafka_bootstrap_servers,
+            overrides=settings.kafka_config,
+            partitions=settings.topic_partitions,
+            replication_factor=settings.topic_replication_factor,
+        )
+        table = settings.outbox_table
+        self._table = tuple(table.split(".", 1)) if "." in table else (None, table)
+        self.poison: dict[str, str] = {}
+
+    # -- lifecycle -----------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the relay to stop (signal-safe)."""
+        self._stop.set()
+
+    @property
+    def state(self) -> RelayState:
+        return self._state
+
+    def _set_state(self, state: RelayState) -> None:
+        if state is self._state:
+            return
+        log.info("relay %s -> %s", self._state.value, state.value)
+        self.metrics.state.labels(self._state.value).set(0)
+        self.metrics.state.labels(state.value).set(1)
+        self._state = state
+        self.liveness.set(
+            state.value, ready=state in (RelayState.STREAMING, RelayState.BACKPRESSURE)
+        )
+
+    def run(self) -> int:
+        """Stream until :meth:`stop`; return the process exit code."""
+        server = None
+        if self._serve_http:
+            server = HealthServer(
+                host=self.settings.http_host,
+                port=self.settings.relay_http_port,
+                registry=self.registry,
+                liveness=self.liveness,
+            ).start()
+        monitor = threading.Thread(target=self._monitor, name="slot-monitor", daemon=True)
+        monitor.start()
+        try:
+            self._run_sessions()
+        finally:
+            if self._producer is not None:
+                self._producer.flush(SHUTDOWN_FLUSH_S)
+            self._set_state(RelayState.STOPPED)
+            if server:
+                server.stop()
+        return 0
+
+    def _run_sessions(self) -> None:
+        delay_s = RECONNECT_MIN_S
+        while not self._stop.is_set():
+            self._set_state(RelayState.STARTING)
+            started = time.monotonic()
+            try:
+                self._session()
+            except SlotInUseError as exc:
+                self._standby(str(exc))
+                continue
+            except (CdcError, psycopg.OperationalError) as exc:
+                if isinstance(exc, CdcError) and not exc.retriable:
+                    raise
+                if time.monotonic() - started > RECONNECT_MAX_S:
+                    delay_s = RECONNECT_MIN_S
+                log.warning("relay session ended: %s; reconnecting in %.1fs", exc, delay_s)
+                self._set_state(RelayState.RECONNECTING)
+                self._stop.wait(delay_s)
+                delay_s = min(delay_s * 2, RECONNECT_MAX_S)
+
+    def _standby(self, reason: str) -> None:
+        if self._state is not RelayState.STANDBY:
+            log.info("slot %s busy (%s): waiting as hot standby", self.settings.slot, reason)
+        self._set_state(RelayState.STANDBY)
+        deadline = time.monotonic() + c.STANDBY_RETRY_S
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            self.liveness.tick()
+            self._stop.wait(0.2)
+
+    # -- one session -----------------------------------------------------------
+    def _session(self) -> None:
+        s = self.settings
+        with psycopg.connect(s.pg_dsn, autocommit=True, connect_timeout=10) as conn:
+            ensure_publication(conn, s.publication, self._table[1])
+            info = ensure_slot(conn, s.slot)
+        self._topics.ensure([s.dlq_topic])
+        if self._producer is None:
+            self._producer = make_producer(s.kafka_bootstrap_servers, s.kafka_config)
+        stream = ReplicationStream(s.pg_dsn, slot=s.slot, publication=s.publication)
+        try:
+            stream.start(0)
+            sess = Session(
+                stream=stream,
+                tracker=LsnTracker(info.confirmed_flush_lsn),
+                last_confirmed=info.confirmed_flush_lsn,
+            )
+            self._stream_loop(sess)
+            if self._stop.is_set():
+                self._shutdown(sess)
+        finally:
+            stream.close()
+
+    def _stream_loop(self, sess: Session) -> None:
+        producer = self._producer
+        assert producer is not None
+        next_status = 0.0
+        while not self._stop.is_set():
+            self.liveness.tick()
+            producer.poll(0)
+            self._drain_dlq(sess)
+            if sess.fatal is not None:
+                raise KafkaUnavailableError(f"producer error: {sess.fatal}")
+            if sess.tracker.in_flight >= self.settings.relay_max_in_flight:
+                self._set_state(RelayState.BACKPRESSURE)
+                producer.poll(c.BACKPRESSURE_POLL_S)
+            else:
+                self._set_state(RelayState.STREAMING)
+                self._read_batch(sess)
+            now = time.monotonic()
+            if now >= next_status or sess.reply_requested:
+                self._send_status(sess)
+                next_status = now + c.STATUS_INTERVAL_S
+
+    def _read_batch(self, sess: Session) -> None:
+        wait_s = READ_WAIT_S
+        for _ in range(READ_BATCH):
+            data = sess.stream.read(wait_s)
+            if data is None:
+                return
+            wait_s = 0.0
+            self._handle(sess, data)
+            if sess.reply_requested or sess.tracker.in_flight >= self.settings.relay_max_in_flight:
+                return
+
+    def _send_status(self, sess: Session) -> None:
+        lsn = sess.tracker.confirmable
+        sess.stream.send_status(lsn)
+        sess.reply_requested = False
+        if lsn != sess.last_confirmed:
+            log.debug("slot %s confirmed %s", self.settings.slot, lsn_to_str(lsn))
+            sess.last_confirmed = lsn
+        self.metrics.confirmed_lsn.set(lsn)
+        self.metrics.in_flight.set(sess.tracker.in_flight)
+
+    def _shutdown(self, sess: Session) -> None:
+        self._set_state(RelayState.STOPPING)
+        producer = self._producer
+        assert producer is not None
+        deadline = time.monotonic() + SHUTDOWN_FLUSH_S
+        while time.monotonic() < deadline and (sess.tracker.in_flight or sess.pending_dlq):
+            producer.poll(0.05)
+            self._drain_dlq(sess)
+        self._send_status(sess)
+        log.info(
+            "relay stopped at %s with %d records unacknowledged",
+            lsn_to_str(sess.tracker.confirmable),
+            sess.tracker.in_flight,
+        )
+
+    # -- protocol --------------------------------------------------------------
+    def _handle(self, sess: Session, data: memoryview | bytes) -> None:
+        msg = parse_copy_data(data)
+        if isinstance(msg, Keepalive):
+            sess.tracker.observe_wal_end(msg.wal_end)
+            if msg.reply_requested:
+                sess.reply_requested = True
+            return
+        payload = msg.payload
+        tag = payload[0]
+        if tag == _TAG_INSERT:
+            self._on_insert(sess, pgo.decode(payload))
+        elif tag == _TAG_BEGIN:
+            begin = pgo.decode(payload)
+            assert isinstance(begin, pgo.Begin)
+            sess.tx_id = begin.final_lsn
+            sess.tx = TxContext(lsn_to_str(begin.final_lsn), begin.commit_ts_us)
+            sess.tracker.open(begin.final_lsn)
+        elif tag == _TAG_COMMIT:
+            commit = pgo.decode(payload)
+            assert isinstance(commit, pgo.Commit) and sess.tx_id is not None
+            sess.tracker.close(sess.tx_id, commit.end_lsn)
+            sess.tx_id = sess.tx = None
+        elif tag == _TAG_RELATION:
+            rel = pgo.decode(payload)
+            assert isinstance(rel, pgo.Relation)
+            sess.relations.update(rel)
+        elif tag == _TAG_MESSAGE:
+            self._on_message(sess, pgo.decode(payload))
+        elif tag in _IGNORED_CHANGES:
+            self.metrics.ignored.labels(_IGNORED_CHANGES[tag]).inc()
+
+    def _is_outbox(self, rel: pgo.Relation) -> bool:
+        schema, name = self._table
+        return rel.name == name and (schema is None or rel.namespace == schema)
+
+    def _on_insert(self, sess: Session, ins: Any) -> None:
+        assert isinstance(ins, pgo.Insert) and sess.tx is not None and sess.tx_id is not None
+        rel = sess.relations.get(ins.relation_oid)
+        if not self._is_outbox(rel):
+            return
+        row = sess.relations.row_dict(ins)
+        try:
+            record = route_row(row, sess.tx, topic_prefix=self.settings.topic_prefix)
+        except RouteError as exc:
+            self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
+            return
+        self._produce(sess, sess.tx_id, record)
+
+    def _on_message(self, sess: Session, msg: Any) -> None:
+        assert isinstance(msg, pgo.Message)
+        if msg.prefix != c.OUTBOX_MESSAGE_PREFIX:
+            return
+        if sess.tx is None or sess.tx_id is None:
+            # A non-transactional outbox message: never atomic with business
+            # data, so it is dead-lettered rather than published.
+            tx = TxContext(lsn_to_str(msg.lsn), int(time.time() * 1_000_000))
+            sess.tracker.open(msg.lsn)
+            self._dead_letter_route(
+                sess,
+                msg.lsn,
+                tx,
+                RouteError(
+                    "non-transactional outbox message (use pg_logical_emit_message(true, ...))",
+                    raw=bytes(msg.content),
+                ),
+            )
+            sess.tracker.close(msg.lsn, msg.lsn)
+            return
+        try:
+            record = route_message(
+                bytes(msg.content), sess.tx, topic_prefix=self.settings.topic_prefix
+            )
+        except RouteError as exc:
+            self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
+            return
+        self._produce(sess, sess.tx_id, record)
+
+    # -- Kafka -----------------------------------------------------------------
+    def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
+        reason = self.poison.get(record.event_id)
+        if reason is not None:
+            sess.tracker.add(tx_id)
+            self._queue_dlq(
+                sess,
+                tx_id,
+                reason,
+                record.topic,
+                record.key,
+                record.value,
+                record.headers,
+                record.timestamp_ms,
+            )
+            return
+        self._topics.ensure([record.topic])
+        sess.tracker.add(tx_id)
+        try:
+            self._send(sess, tx_id, record)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not (isinstance(err, KafkaError) and is_record_error(err)):
+                raise KafkaUnavailableError(f"produce failed: {exc}") from exc
+            self._queue_dlq(
+                sess,
+                tx_id,
+                err.str(),
+                record.topic,
+                record.key,
+                record.value,
+                record.headers,
+                record.timestamp_ms,
+            )
+
+    def _send(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
+        producer = self._producer
+        assert producer is not None
+        callback = partial(self._on_delivery, sess, tx_id)
+        while True:
+            try:
+                producer.produce(
+                    record.topic,
+                    value=record.value,
+                    key=record.key,
+                    headers=cast("list[tuple[str, str | bytes | None]]", record.headers),
+                    timestamp=record.timestamp_ms,
+                    on_delivery=callback,
+                )
+                return
+            except BufferError:
+                # Local queue full: Kafka is slow. Serve callbacks and keep the
+                # walsender happy while waiting for room.
+                producer.poll(c.BACKPRESSURE_POLL_S)
+                self._set_state(RelayState.BACKPRESSURE)
+                self.liveness.tick()
+                self._send_status(sess)
+                if self._stop.is_set() or sess.fatal is not None:
+                    raise KafkaUnavailableError("stopped while Kafka's queue was full") from None
+
+    def _on_delivery(self, sess: Session, tx_id: int, err: KafkaError | None, msg: Message) -> None:
+        if err is None:
+            sess.tracker.ack(tx_id)
+            topic = msg.topic() or ""
+            self.metrics.relayed.labels(topic).inc()
+            _, ts_ms = msg.timestamp()
+            self.metrics.latency.observe(max(time.time() - ts_ms / 1000.0, 0.0))
+            return
+        self.metrics.kafka_errors.labels(err.name()).inc()
+        if is_record_error(err) and msg.topic() != self.settings.dlq_topic:
+            headers = [(str(h[0]), _as_bytes(h[1])) for h in (msg.headers() or [])]
+            event_id = dict(headers).get(c.HEADER_ID, b"").decode()
+            self.poison[event_id] = err.str()
+            self._queue_dlq(
+                sess,
+                tx_id,
+                err.str(),
+                msg.topic() or "",
+                msg.key() or b"",
+                msg.value() or b"",
+                headers,
+                msg.timestamp()[1],
+            )
+            return
+        log.error("kafka delivery failed: %s", err)
+        sess.fatal = err
+
+    def _dead_letter_route(self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError) -> None:
+        log.warning("event %s dead-lettered: %s", exc.event_id or "?", exc.reason)
+        sess.tracker.add(tx_id)
+        self._queue_dlq(
+            sess,
+            tx_id,
+            exc.reason,
+            "",
+            b"",
+            exc.raw,
+            [(c.HEADER_ID, exc.event_id.encode())],
+            tx.timestamp_ms,
+        )
+
+    def _queue_dlq(
+        self,
+        sess: Session,
+        tx_id: int,
+        reason: str,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        headers: list[tuple[str, bytes]],
+        timestamp_ms: int,
+    ) -> None:
+        sess.pending_dlq.append(
+            _PendingDlq(tx_id, reason, topic, key, value, headers, timestamp_ms)
+        )
+
+    def _drain_dlq(self, sess: Session) -> None:
+        while sess.pending_dlq:
+            item = sess.pending_dlq.pop(0)
+            ids = dict(item.headers).get(c.HEADER_ID, b"").decode()
+            record = dead_letter(
+                reason=item.reason,
+                event_id=ids,
+                original_topic=item.topic,
+                key=item.key,
+                raw=item.value,
+                headers=item.headers,
+                tx=TxContext("", item.timestamp_ms * 1000),
+                dlq_topic=self.settings.dlq_topic,
+                max_value_bytes=DLQ_MAX_VALUE_BYTES,
+            )
+            self.metrics.dead_lettered.labels(item.reason[:60]).inc()
+            log.warning("event %s -> %s: %s", ids or "?", self.settings.dlq_topic, item.reason)
+            self._send(sess, item.tx_id, record)
+
+    # -- monitor thread ----------------------------------------------------------
+    def _monitor(self) -> None:
+        """Slot lag gauge and optional heartbeat, on a connection of its own."""
+        s = self.settings
+        last_beat = 0.0
+        while not self._stop.wait(
+            MONITOR_INTERVAL_S
+            if s.heartbeat_interval_s <= 0
+            else min(MONITOR_INTERVAL_S, s.heartbeat_interval_s)
+        ):
+            try:
+                with psycopg.connect(s.pg_dsn, autocommit=True, connect_timeout=5) as conn:
+                    info = slot_info(conn, s.slot)
+                    if info is not None and info.lag_bytes is not None:
+                        self.metrics.slot_lag.set(info.lag_bytes)
+                    if (
+                        s.heartbeat_interval_s > 0
+                        and time.monotonic() - last_beat >= s.heartbeat_interval_s
+                    ):
+                        conn.execute(
+                            "SELECT pg_logical_emit_message(false, %s, '')",
+                            (c.OUTBOX_MESSAGE_PREFIX + "-heartbeat",),
+                        )
+                        last_beat = time.monotonic()
+            except psycopg.Error as exc:
+                log.debug("slot monitor: %s", exc)
+
+
+def _as_bytes(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    return str(value or "").encode()

@@ -1,0 +1,201 @@
+"""Router: an outbox event (table row or logical message) -> one Kafka record.
+
+Pure. The record is the contract any topic consumer relies on (DESIGN.md):
+
+* topic  = ``topic_prefix + aggregatetype``
+* key    = ``aggregateid`` (UTF-8), so one aggregate's events share a partition
+* value  = the payload JSON, compact UTF-8
+* headers ``id`` (event uuid = idempotency key), ``type``, ``aggregatetype``,
+  ``lsn`` (commit LSN), ``commit_ts`` (ISO-8601 UTC), ``traceparent`` when present
+* timestamp = the transaction's commit time in milliseconds
+
+An event that cannot become a record (a missing field, a payload that is not
+JSON, a topic name Kafka would refuse) raises :class:`RouteError` with the
+reason; the relay dead-letters it, it is never dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import orjson
+
+from cdc import constants as c
+from cdc.errors import CdcError
+
+_TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_REQUIRED = ("id", "aggregatetype", "aggregateid", "type", "payload")
+
+
+class RouteError(CdcError):
+    """The event cannot be turned into a Kafka record; ``reason`` says why."""
+
+    def __init__(self, reason: str, *, event_id: str = "", raw: bytes = b"") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.event_id = event_id
+        self.raw = raw
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaRecord:
+    """One record ready for ``Producer.produce``."""
+
+    topic: str
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    timestamp_ms: int
+    event_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class TxContext:
+    """What the enclosing transaction contributes to each of its records."""
+
+    commit_lsn: str
+    commit_ts_us: int
+
+    @property
+    def timestamp_ms(self) -> int:
+        return self.commit_ts_us // 1000
+
+    @property
+    def commit_ts_iso(self) -> str:
+        dt = datetime.fromtimestamp(self.commit_ts_us / 1_000_000, UTC)
+        return dt.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def route_row(row: dict[str, str | None], tx: TxContext, *, topic_prefix: str) -> KafkaRecord:
+    """Route an outbox table row (column name -> text value)."""
+    missing = [name for name in _REQUIRED if not row.get(name)]
+    event_id = row.get("id") or ""
+    if missing:
+        raise RouteError(
+            f"outbox row lacks {', '.join(missing)}", event_id=event_id, raw=orjson.dumps(row)
+        )
+    payload = row["payload"] or ""
+    try:
+        value = orjson.dumps(orjson.loads(payload))
+    except orjson.JSONDecodeError as exc:
+        raise RouteError(
+            f"payload is not JSON: {exc}", event_id=event_id, raw=payload.encode()
+        ) from exc
+    return _record(
+        event_id=event_id,
+        aggregate_type=row["aggregatetype"] or "",
+        aggregate_id=row["aggregateid"] or "",
+        event_type=row["type"] or "",
+        value=value,
+        traceparent=row.get("tracingspancontext"),
+        tx=tx,
+        topic_prefix=topic_prefix,
+    )
+
+
+def route_message(content: bytes, tx: TxContext, *, topic_prefix: str) -> KafkaRecord:
+    """Route a ``pg_logical_emit_message(true, 'outbox', json)`` event."""
+    try:
+        doc = orjson.loads(content)
+    except orjson.JSONDecodeError as exc:
+        raise RouteError(f"outbox message is not JSON: {exc}", raw=content) from exc
+    if not isinstance(doc, dict):
+        raise RouteError("outbox message is not a JSON object", raw=content)
+    event_id = str(doc.get("id") or "")
+    missing = [name for name in _REQUIRED if doc.get(name) in (None, "")]
+    if missing:
+        raise RouteError(
+            f"outbox message lacks {', '.join(missing)}", event_id=event_id, raw=content
+        )
+    trace = doc.get("tracingspancontext")
+    return _record(
+        event_id=event_id,
+        aggregate_type=str(doc["aggregatetype"]),
+        aggregate_id=str(doc["aggregateid"]),
+        event_type=str(doc["type"]),
+        value=orjson.dumps(doc["payload"]),
+        traceparent=str(trace) if trace else None,
+        tx=tx,
+        topic_prefix=topic_prefix,
+    )
+
+
+def _record(
+    *,
+    event_id: str,
+    aggregate_type: str,
+    aggregate_id: str,
+    event_type: str,
+    value: bytes,
+    traceparent: str | None,
+    tx: TxContext,
+    topic_prefix: str,
+) -> KafkaRecord:
+    topic = topic_prefix + aggregate_type
+    if not _TOPIC_RE.match(topic):
+        raise RouteError(
+            f"aggregatetype {aggregate_type!r} makes an invalid topic name {topic!r}",
+            event_id=event_id,
+            raw=value,
+        )
+    headers = [
+        (c.HEADER_ID, event_id.encode()),
+        (c.HEADER_TYPE, event_type.encode()),
+        (c.HEADER_AGGREGATE_TYPE, aggregate_type.encode()),
+        (c.HEADER_LSN, tx.commit_lsn.encode()),
+        (c.HEADER_COMMIT_TS, tx.commit_ts_iso.encode()),
+    ]
+    if traceparent:
+        headers.append((c.HEADER_TRACEPARENT, traceparent.encode()))
+    return KafkaRecord(
+        topic=topic,
+        key=aggregate_id.encode(),
+        value=value,
+        headers=headers,
+        timestamp_ms=tx.timestamp_ms,
+        event_id=event_id,
+    )
+
+
+def dead_letter(
+    *,
+    reason: str,
+    event_id: str,
+    original_topic: str,
+    key: bytes,
+    raw: bytes,
+    headers: list[tuple[str, bytes]],
+    tx: TxContext,
+    dlq_topic: str,
+    max_value_bytes: int,
+) -> KafkaRecord:
+    """The dead-letter record of an event: reason and origin in headers.
+
+    The value is the original bytes when they fit under ``max_value_bytes``,
+    else a JSON note with the original size and a prefix (the full row is still
+    in the outbox table until pruned, found by the ``id`` header).
+    """
+    if len(raw) <= max_value_bytes:
+        value = raw
+    else:
+        value = orjson.dumps(
+            {
+                "truncated": True,
+                "original_size": len(raw),
+                "prefix": raw[:1024].decode("utf-8", "replace"),
+            }
+        )
+    kept = [(k, v) for k, v in headers if k not in (c.HEADER_DLQ_REASON, c.HEADER_DLQ_TOPIC)]
+    if not any(k == c.HEADER_ID for k, _ in kept):
+        kept.append((c.HEADER_ID, event_id.encode()))
+    kept += [(c.HEADER_DLQ_REASON, reason.encode()), (c.HEADER_DLQ_TOPIC, original_topic.encode())]
+    return KafkaRecord(
+        topic=dlq_topic,
+        key=key,
+        value=value,
+        headers=kept,
+        timestamp_ms=tx.timestamp_ms,
+        event_id=event_id,
+    )

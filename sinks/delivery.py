@@ -1,0 +1,378 @@
+"""Delivery bookkeeping: which offsets may be committed, which records may start. Pure.
+
+Guarantees (Sink invariant 1):
+
+- :class:`OffsetWatermark` - an offset is offered for commit only when every
+  record taken in below it, in that partition, is done (delivered or parked).
+  Kafka's convention: the committed offset is the *next* one to read, i.e. the
+  last done contiguous offset + 1. Gaps (compaction, transaction markers) never
+  hold it back.
+- :class:`KeyScheduler` - records of one key are handed out strictly in
+  submission order, one at a time; different keys run concurrently, never more
+  than ``max_in_flight`` records at once.
+
+Neither talks to Kafka or HTTP: the consumer loop drives them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from cdc.constants import (
+    HEADER_AGGREGATE_TYPE,
+    HEADER_COMMIT_TS,
+    HEADER_ID,
+    HEADER_LSN,
+    HEADER_TYPE,
+)
+
+#: (topic, partition, offset): where a record sits in Kafka; unique per record.
+Position = tuple[str, int, int]
+#: (topic, partition)
+TopicPartition = tuple[str, int]
+
+#: confluent-kafka's TIMESTAMP_NOT_AVAILABLE timestamp type.
+_KAFKA_TIMESTAMP_NOT_AVAILABLE = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Envelope:
+    """One Kafka record as the sink sees it (key = aggregateid, value = payload JSON)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: dict[str, bytes] = field(default_factory=dict, hash=False)
+    timestamp_ms: int | None = None
+
+    @classmethod
+    def from_kafka(cls, message: Any) -> Envelope:
+        """An envelope from a confluent-kafka ``Message`` (duck-typed; last header wins)."""
+        ts_type, ts_ms = message.timestamp()
+        return cls(
+            topic=message.topic(),
+            partition=message.partition(),
+            offset=message.offset(),
+            key=message.key(),
+            value=message.value(),
+            headers=headers_dict(message.headers()),
+            timestamp_ms=None if ts_type == _KAFKA_TIMESTAMP_NOT_AVAILABLE else ts_ms,
+        )
+
+    @property
+    def position(self) -> Position:
+        """(topic, partition, offset)."""
+        return (self.topic, self.partition, self.offset)
+
+    @property
+    def topic_partition(self) -> TopicPartition:
+        """(topic, partition)."""
+        return (self.topic, self.partition)
+
+    @property
+    def event_id(self) -> str:
+        """The ``id`` header: the event uuid and idempotency key; ``""`` when missing."""
+        return self.header(HEADER_ID)
+
+    @property
+    def event_type(self) -> str:
+        """The ``type`` header (``UserRegistered`` ...); ``""`` when missing."""
+        return self.header(HEADER_TYPE)
+
+    @property
+    def aggregate_type(self) -> str:
+        """The ``aggregatetype`` header; ``""`` when missing."""
+        return self.header(HEADER_AGGREGATE_TYPE)
+
+    @property
+    def lsn(self) -> str:
+        """The commit LSN header (lineage); ``""`` when missing."""
+        return self.header(HEADER_LSN)
+
+    @property
+    def commit_ts(self) -> str:
+        """The commit timestamp header (lineage); ``""`` when missing."""
+        return self.header(HEADER_COMMIT_TS)
+
+    def header(self, name: str) -> str:
+        """A header as text (UTF-8, undecodable bytes replaced); ``""`` when missing."""
+        raw = self.headers.get(name)
+        return "" if raw is None else raw.decode("utf-8", errors="replace")
+
+
+def headers_dict(headers: Iterable[tuple[str, bytes | None]] | None) -> dict[str, bytes]:
+    """Kafka's header list as a dict; a ``None`` value becomes ``b""``, the last one wins."""
+    return {name: value or b"" for name, value in headers or ()}
+
+
+class OffsetState(Enum):
+    """Where one offset of a partition stands in an :class:`OffsetWatermark`."""
+
+    UNTRACKED = "untracked"  # never taken in (ahead of the stream, or a gap between pending ones)
+    PENDING = "pending"  # taken in, not yet delivered or parked: holds the commit back
+    DONE = "done"  # delivered or parked, but a lower offset is still pending
+    COMMITTABLE = "committable"  # below `committable`: everything up to here is settled
+
+
+class OffsetWatermark:
+    """The commit point of one partition.
+
+    Transitions, each O(1) amortised::
+
+        UNTRACKED --track(o)--> PENDING --done(o)--> DONE --(all lower settled)--> COMMITTABLE
+
+    ``track`` takes strictly increasing offsets (gaps allowed); ``done`` accepts
+    only a PENDING offset. A rebalance or seek starts a new watermark.
+    """
+
+    def __init__(self) -> None:
+        self._queue: deque[int] = deque()  # tracked, not yet below `committable`, in order
+        self._pending: set[int] = set()
+        self._done: set[int] = set()  # done offsets still in _queue
+        self._last_tracked: int | None = None
+        self._committable: int | None = None
+        self._last_taken: int | None = None
+
+    def track(self, offset: int) -> None:
+        """A record at ``offset`` was taken in; it holds the commit until done."""
+        if self._last_tracked is not None and offset <= self._last_tracked:
+            raise ValueError(f"offset {offset} tracked after {self._last_tracked}")
+        self._last_tracked = offset
+        self._queue.append(offset)
+        self._pending.add(offset)
+
+    def done(self, offset: int) -> None:
+        """The record at ``offset`` is delivered or parked."""
+        try:
+            self._pending.remove(offset)
+        except KeyError:
+            raise ValueError(f"offset {offset} is not pending") from None
+        self._done.add(offset)
+        queue = self._queue
+        while queue and queue[0] in self._done:
+            settled = queue.popleft()
+            self._done.remove(settled)
+            self._committable = settled + 1
+
+    @property
+    def committable(self) -> int | None:
+        """The offset to commit (every tracked offset below it is done); ``None`` if none yet."""
+        return self._committable
+
+    def take_committable(self) -> int | None:
+        """:attr:`committable` if it moved since the last take, else ``None`` (commit once)."""
+        if self._committable is None or self._committable == self._last_taken:
+            return None
+        self._last_taken = self._committable
+        return self._committable
+
+    @property
+    def oldest_pending(self) -> int | None:
+        """The lowest offset still holding the commit back (lag / oldest-age metrics)."""
+        return self._queue[0] if self._queue else None
+
+    @property
+    def pending(self) -> int:
+        """Offsets tracked and not yet delivered or parked."""
+        return len(self._pending)
+
+    @property
+    def held(self) -> int:
+        """Offsets tracked and not yet committable (pending + done above a pending one)."""
+        return len(self._queue)
+
+    def state(self, offset: int) -> OffsetState:
+        """Where ``offset`` stands."""
+        if offset in self._pending:
+            return OffsetState.PENDING
+        if offset in self._done:
+            return OffsetState.DONE
+        if self._committable is not None and offset < self._committable:
+            return OffsetState.COMMITTABLE
+        return OffsetState.UNTRACKED
+
+
+class RecordState(Enum):
+    """Where one record stands in a :class:`KeyScheduler`."""
+
+    UNKNOWN = "unknown"  # not held: never submitted, finished, or dropped with its partition
+    QUEUED = "queued"  # submitted; waits for its key's turn or for a free in-flight slot
+    IN_FLIGHT = "in_flight"  # handed out by ready(); its key waits for finish() or release()
+
+
+#: Records with the same lane key run one at a time, in order. A keyed record's
+#: lane is its key (aggregateid: a user's registration and attempts share it,
+#: across topics); a record without a key has a lane of its own.
+LaneKey = bytes | Position
+
+
+class KeyScheduler:
+    """Per-key order with bounded concurrency across keys.
+
+    Transitions (one record)::
+
+        UNKNOWN   --submit-------------------------------> QUEUED
+        QUEUED    --ready (head of its lane, slot free)--> IN_FLIGHT
+        IN_FLIGHT --finish (delivered or parked)---------> UNKNOWN   (the lane's next may start)
+        IN_FLIGHT --release (try again later)------------> QUEUED    (still the head of its lane)
+        QUEUED    --drop_partition-----------------------> UNKNOWN
+
+    A record in flight when its partition is dropped stays IN_FLIGHT (it cannot
+    be recalled) and keeps its slot and its lane until ``finish`` or ``release``,
+    which then forgets it. The scheduler does not bound what is queued: the
+    consumer pauses its partitions when :attr:`pending` is high.
+    """
+
+    def __init__(self, *, max_in_flight: int) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self._max_in_flight = max_in_flight
+        self._lanes: dict[LaneKey, deque[Envelope]] = {}  # head first; the head may be in flight
+        self._busy: set[LaneKey] = set()  # lanes whose head is in flight
+        self._runnable: deque[LaneKey] = deque()  # lanes that may start their head (may be stale)
+        self._runnable_set: set[LaneKey] = set()  # every non-empty, non-busy lane is in here
+        self._in_flight: dict[Position, Envelope] = {}
+        self._orphans: set[Position] = set()  # in flight, partition dropped meanwhile
+        self._queued: set[Position] = set()
+        self._per_partition: Counter[TopicPartition] = Counter()
+
+    @property
+    def max_in_flight(self) -> int:
+        """The bound on records in flight at once."""
+        return self._max_in_flight
+
+    @property
+    def in_flight(self) -> int:
+        """Records handed out and not yet finished or released."""
+        return len(self._in_flight)
+
+    @property
+    def queued(self) -> int:
+        """Records submitted and not yet handed out."""
+        return len(self._queued)
+
+    @property
+    def pending(self) -> int:
+        """Queued + in flight."""
+        return len(self._queued) + len(self._in_flight)
+
+    def pending_for(self, topic: str, partition: int) -> int:
+        """Queued + in flight of one partition (in-flight records of a dropped one included)."""
+        return self._per_partition[(topic, partition)]
+
+    def submit(self, record: Envelope) -> None:
+        """Queue ``record`` behind the earlier records of its key."""
+        if self.state(record) is not RecordState.UNKNOWN:
+            raise ValueError(f"record {record.position} is already held")
+        lane = lane_key(record)
+        queue = self._lanes.get(lane)
+        if queue is None:
+            queue = self._lanes[lane] = deque()
+        queue.append(record)
+        self._queued.add(record.position)
+        self._per_partition[record.topic_partition] += 1
+        if lane not in self._busy:
+            self._make_runnable(lane)
+
+    def ready(self, limit: int | None = None) -> list[Envelope]:
+        """Records that may start now (at most ``limit``); they become IN_FLIGHT."""
+        started: list[Envelope] = []
+        room = self._max_in_flight - len(self._in_flight)
+        if limit is not None:
+            room = min(room, limit)
+        while self._runnable and len(started) < room:
+            lane = self._runnable.popleft()
+            self._runnable_set.discard(lane)
+            queue = self._lanes.get(lane)
+            if not queue or lane in self._busy:
+                continue  # stale: emptied by drop_partition, or started meanwhile
+            record = queue[0]
+            self._busy.add(lane)
+            self._in_flight[record.position] = record
+            self._queued.remove(record.position)
+            started.append(record)
+        return started
+
+    def finish(self, record: Envelope) -> None:
+        """``record`` is delivered or parked: the next record of its key may start."""
+        self._take_in_flight(record)
+        self._pop_head(record)
+
+    def release(self, record: Envelope) -> None:
+        """``record`` goes back, still first of its key, to be handed out again by ready()."""
+        self._take_in_flight(record)
+        if record.position in self._orphans:
+            self._pop_head(record)
+            return
+        lane = lane_key(record)
+        self._busy.discard(lane)
+        self._queued.add(record.position)
+        self._make_runnable(lane)
+
+    def drop_partition(self, topic: str, partition: int) -> list[Envelope]:
+        """Forget the queued records of a revoked partition; returns them, in order."""
+        dropped: list[Envelope] = []
+        for lane, queue in list(self._lanes.items()):
+            kept: deque[Envelope] = deque()
+            for record in queue:
+                lost = record.topic_partition == (topic, partition)
+                if lost and record.position not in self._in_flight:
+                    dropped.append(record)
+                else:
+                    kept.append(record)
+                    if lost:
+                        self._orphans.add(record.position)
+            if kept:
+                self._lanes[lane] = kept
+            else:
+                del self._lanes[lane]
+        self._queued.difference_update(r.position for r in dropped)
+        self._per_partition[(topic, partition)] -= len(dropped)
+        self._forget_partition_if_empty((topic, partition))
+        return dropped
+
+    def state(self, record: Envelope) -> RecordState:
+        """Where ``record`` stands."""
+        if record.position in self._in_flight:
+            return RecordState.IN_FLIGHT
+        if record.position in self._queued:
+            return RecordState.QUEUED
+        return RecordState.UNKNOWN
+
+    def _make_runnable(self, lane: LaneKey) -> None:
+        if lane not in self._runnable_set:
+            self._runnable_set.add(lane)
+            self._runnable.append(lane)
+
+    def _take_in_flight(self, record: Envelope) -> None:
+        if self._in_flight.pop(record.position, None) is None:
+            raise ValueError(f"record {record.position} is not in flight")
+
+    def _pop_head(self, record: Envelope) -> None:
+        """Remove the in-flight head ``record`` from its lane; the lane moves on."""
+        lane = lane_key(record)
+        queue = self._lanes[lane]
+        queue.popleft()
+        self._busy.discard(lane)
+        self._orphans.discard(record.position)
+        self._per_partition[record.topic_partition] -= 1
+        self._forget_partition_if_empty(record.topic_partition)
+        if queue:
+            self._make_runnable(lane)
+        else:
+            del self._lanes[lane]
+
+    def _forget_partition_if_empty(self, tp: TopicPartition) -> None:
+        if self._per_partition.get(tp, 0) <= 0:
+            self._per_partition.pop(tp, None)
+
+
+def lane_key(record: Envelope) -> LaneKey:
+    """The lane of a record: its key, or its own position when it has none."""
+    return record.key if record.key is not None else record.position

@@ -1,0 +1,86 @@
+"""Errors of the ``sinks`` package: every engine outcome that is not a 2xx.
+
+Every error raised on purpose derives from :class:`SinkError`. Delivery loops
+test the class attributes instead of listing types:
+
+- ``retriable``: sending the same record again may succeed;
+- ``spends_attempt``: the failure counts toward the record's ``max_attempts``.
+
+``retriable and not spends_attempt`` means engine-wide trouble: pause the
+partitions and probe with backoff; Kafka holds the backlog, nothing is parked::
+
+    SinkError                                       retriable  spends_attempt
+    ├── EngineUnavailable   refused, timeout, 408,      yes         no
+    │                       429, 5xx, 401/403
+    ├── EngineRejected      other 4xx for THIS record   yes         yes  (parked at max)
+    │   └── UserNotFound    quiz attempt 404            yes         yes  (sync user first)
+    │                       {"error":"user_not_found"}
+    └── Unroutable          no route / bad payload /    no          -    (parked now)
+                            no idempotency key
+"""
+
+from __future__ import annotations
+
+
+class SinkError(Exception):
+    """Root of the package's errors; ``reason`` is fit for a log line and the parking lot."""
+
+    #: Sending the same record again may succeed.
+    retriable: bool = False
+    #: The failure counts toward the record's max attempts.
+    spends_attempt: bool = True
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EngineUnavailable(SinkError):  # noqa: N818 - the name is the contract
+    """Engine-wide trouble; the record is fine. Pause, probe with backoff, spend no attempt.
+
+    ``retry_after_s`` is the engine's ``Retry-After`` (a floor for the next
+    probe) when it sent one; ``status`` is ``None`` when no response arrived.
+    """
+
+    retriable = True
+    spends_attempt = False
+
+    def __init__(
+        self, reason: str, *, status: int | None = None, retry_after_s: float | None = None
+    ) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+class EngineRejected(SinkError):  # noqa: N818 - the name is the contract
+    """A healthy engine refused this record (a 4xx other than the engine-wide ones).
+
+    Spends an attempt; the record is parked after ``max_attempts``.
+    ``body_excerpt`` is the start of the response body, for ``last_error``.
+    """
+
+    retriable = True
+    spends_attempt = True
+
+    def __init__(self, reason: str, *, status: int, body_excerpt: str = "") -> None:
+        super().__init__(reason)
+        self.status = status
+        self.body_excerpt = body_excerpt
+
+
+class UserNotFound(EngineRejected):
+    """A quiz attempt reached the engine before its user: sync ``user_id`` first, then retry."""
+
+    def __init__(self, reason: str, *, user_id: str | None, body_excerpt: str = "") -> None:
+        super().__init__(reason, status=404, body_excerpt=body_excerpt)
+        self.user_id = user_id
+
+
+class Unroutable(SinkError):  # noqa: N818 - the name is the contract
+    """Bad input: no route for the event type, a malformed payload, no idempotency key.
+
+    Never retried, never dropped: the record is parked at once with ``reason``.
+    """
+
+    retriable = False

@@ -1,0 +1,253 @@
+"""Retry policy: what an engine response means, and how long to wait. Pure.
+
+Guarantees:
+
+- :func:`classify` maps every HTTP status to exactly one :class:`OutcomeKind`;
+  only a 4xx other than 401/403/408/429 blames the record (spends an attempt),
+  so an engine that is down, overloaded, misconfigured or unauthorised never
+  gets a record parked. Statuses outside 2xx/4xx (1xx, 3xx, 5xx) are engine-wide.
+- :class:`Backoff` hands out growing, jittered delays for probing a down
+  engine, never above ``cap_s`` unless the engine's ``Retry-After`` asks for
+  more (it is a floor, itself capped at :data:`RETRY_AFTER_MAX_S`).
+- :func:`next_retry_at` is the parking lot's exponential schedule, capped at
+  :data:`PARKING_RETRY_CAP_S`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from email.utils import parsedate_to_datetime
+from enum import Enum
+
+from sinks.errors import EngineRejected, EngineUnavailable, SinkError, UserNotFound
+
+#: A Retry-After beyond an hour is read as an hour: a typo or a hostile value
+#: must not silence the sink for days; an hour still honours real maintenance.
+RETRY_AFTER_MAX_S = 3600.0
+#: Response bytes kept for ``last_error``: enough for a JSON error object,
+#: small enough for a log line and a table column.
+BODY_EXCERPT_BYTES = 200
+#: The parking lot never waits more than a day between two retries of a row.
+PARKING_RETRY_CAP_S = 24 * 3600.0
+#: 4xx that say nothing about the record: the engine times out, sheds load or
+#: does not accept our API key - trouble shared by every record.
+ENGINE_WIDE_4XX = frozenset({401, 403, 408, 429})
+#: Exponents above this are past any cap anyway; keeps ``2**n`` finite.
+_MAX_EXPONENT = 64
+
+_DELTA_SECONDS = re.compile(r"\d+(\.\d+)?")
+
+
+class OutcomeKind(Enum):
+    """What one engine response means for the record that was sent."""
+
+    DELIVERED = "delivered"  # 2xx: applied now or earlier (duplicate); the record is done
+    UNAVAILABLE = "unavailable"  # engine-wide trouble: pause and probe, spend no attempt
+    REJECTED = "rejected"  # a healthy engine refused this record: spend an attempt
+    USER_NOT_FOUND = "user_not_found"  # quiz attempt before its user: sync the user, retry
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Outcome:
+    """A classified engine response; :meth:`error` turns a failure into its exception."""
+
+    kind: OutcomeKind
+    status: int
+    reason: str
+    retry_after_s: float | None = None
+    body_excerpt: str = ""
+
+    @property
+    def delivered(self) -> bool:
+        """True for a 2xx."""
+        return self.kind is OutcomeKind.DELIVERED
+
+    def error(self, *, user_id: str | None = None) -> SinkError | None:
+        """The exception this outcome stands for; ``None`` when delivered.
+
+        ``user_id`` names the user of a :class:`~sinks.errors.UserNotFound`.
+        """
+        if self.kind is OutcomeKind.UNAVAILABLE:
+            return EngineUnavailable(
+                self.reason, status=self.status, retry_after_s=self.retry_after_s
+            )
+        if self.kind is OutcomeKind.REJECTED:
+            return EngineRejected(self.reason, status=self.status, body_excerpt=self.body_excerpt)
+        if self.kind is OutcomeKind.USER_NOT_FOUND:
+            return UserNotFound(self.reason, user_id=user_id, body_excerpt=self.body_excerpt)
+        return None
+
+
+def classify(
+    status: int, body: bytes, headers: Mapping[str, str], *, now_s: float | None = None
+) -> Outcome:
+    """Classify one engine response (``now_s`` dates an HTTP-date ``Retry-After``)."""
+    if 200 <= status < 300:
+        return Outcome(kind=OutcomeKind.DELIVERED, status=status, reason=f"HTTP {status}")
+    excerpt = body_excerpt(body)
+    if status == 404 and _is_user_not_found(body):
+        return Outcome(
+            kind=OutcomeKind.USER_NOT_FOUND,
+            status=status,
+            reason="HTTP 404 user_not_found",
+            body_excerpt=excerpt,
+        )
+    if 400 <= status < 500 and status not in ENGINE_WIDE_4XX:
+        return Outcome(
+            kind=OutcomeKind.REJECTED,
+            status=status,
+            reason=f"HTTP {status}: {excerpt}" if excerpt else f"HTTP {status}",
+            body_excerpt=excerpt,
+        )
+    retry_after_s = parse_retry_after(_header(headers, "retry-after"), now_s=now_s)
+    return Outcome(
+        kind=OutcomeKind.UNAVAILABLE,
+        status=status,
+        reason=_unavailable_reason(status, excerpt),
+        retry_after_s=retry_after_s,
+        body_excerpt=excerpt,
+    )
+
+
+def parse_retry_after(value: str | None, *, now_s: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` value (delta-seconds or HTTP-date).
+
+    ``None`` when absent or unparseable; a date in the past is 0; the result
+    is capped at :data:`RETRY_AFTER_MAX_S`.
+    """
+    if value is None or not value.strip():
+        return None
+    text = value.strip()
+    if _DELTA_SECONDS.fullmatch(text):
+        return min(float(text), RETRY_AFTER_MAX_S)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    now = time.time() if now_s is None else now_s
+    return min(max(0.0, when.timestamp() - now), RETRY_AFTER_MAX_S)
+
+
+def body_excerpt(body: bytes) -> str:
+    """The start of a response body as text, for logs and ``last_error``."""
+    text = body[:BODY_EXCERPT_BYTES].decode("utf-8", errors="replace").strip()
+    return text + "..." if len(body) > BODY_EXCERPT_BYTES else text
+
+
+def _is_user_not_found(body: bytes) -> bool:
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(value, dict) and value.get("error") == "user_not_found"
+
+
+def _unavailable_reason(status: int, excerpt: str) -> str:
+    if status in {401, 403}:
+        return f"HTTP {status}: the engine refuses our API key (INTERNAL_API_KEY)"
+    return f"HTTP {status}: {excerpt}" if excerpt else f"HTTP {status}"
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    """Case-insensitive header lookup that also works on a plain ``dict``."""
+    value = headers.get(name)
+    if value is not None:
+        return value
+    for key, item in headers.items():
+        if key.lower() == name:
+            return item
+    return None
+
+
+class Jitter(Enum):
+    """How :class:`Backoff` spreads its delays."""
+
+    NONE = "none"  # exactly base * factor**n, capped: deterministic, for reasoning and tests
+    FULL = "full"  # uniform(0, base * factor**n capped): spreads a fleet's probes widest
+    DECORRELATED = "decorrelated"  # uniform(base, previous * factor) capped: grows, never ~0
+
+
+class Backoff:
+    """Growing, jittered delays between probes of a down engine.
+
+    Transitions: ``next_delay_s()`` -> the n-th delay (n counts since the last
+    ``reset()``); ``reset()`` -> back to the first delay, called after a success.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_s: float = 0.5,
+        cap_s: float = 30.0,
+        factor: float = 2.0,
+        jitter: Jitter = Jitter.FULL,
+        rand: Callable[[float, float], float] = random.uniform,
+    ) -> None:
+        if not 0 < base_s <= cap_s or factor < 1:
+            raise ValueError("Backoff needs 0 < base_s <= cap_s and factor >= 1")
+        self._base_s = base_s
+        self._cap_s = cap_s
+        self._factor = factor
+        self._jitter = jitter
+        self._rand = rand
+        self._attempts = 0
+        self._previous_s = base_s
+        #: base_s * factor**attempts, capped; grown by multiplication so it never overflows
+        self._ceiling_s = base_s
+
+    @property
+    def attempts(self) -> int:
+        """Delays handed out since the last reset."""
+        return self._attempts
+
+    def next_delay_s(self, retry_after_s: float | None = None) -> float:
+        """The next delay; at least ``retry_after_s`` when the engine sent one."""
+        delay_s = self._jittered_s()
+        self._attempts += 1
+        self._previous_s = delay_s
+        self._ceiling_s = min(self._cap_s, self._ceiling_s * self._factor)
+        if retry_after_s is not None:
+            delay_s = max(delay_s, min(retry_after_s, RETRY_AFTER_MAX_S))
+        return delay_s
+
+    def reset(self) -> None:
+        """Start over from the first delay (the engine answered)."""
+        self._attempts = 0
+        self._previous_s = self._base_s
+        self._ceiling_s = self._base_s
+
+    def _jittered_s(self) -> float:
+        if self._jitter is Jitter.DECORRELATED:
+            upper_s = min(self._cap_s, self._previous_s * self._factor)
+            return min(self._cap_s, self._rand(self._base_s, max(upper_s, self._base_s)))
+        if self._jitter is Jitter.FULL:
+            return self._rand(0.0, self._ceiling_s)
+        return self._ceiling_s
+
+
+def retry_delay_s(retry_count: int, base_s: float, *, cap_s: float = PARKING_RETRY_CAP_S) -> float:
+    """``base_s * 2**retry_count``, capped at ``cap_s``: the parking lot's wait."""
+    if retry_count < 0 or base_s < 0:
+        raise ValueError("retry_count and base_s must not be negative")
+    return min(cap_s, math.ldexp(base_s, min(retry_count, _MAX_EXPONENT)))
+
+
+def next_retry_at(
+    retry_count: int,
+    base_s: float,
+    *,
+    now: datetime | None = None,
+    cap_s: float = PARKING_RETRY_CAP_S,
+) -> datetime:
+    """When a parked row that failed ``retry_count`` times is due again (UTC-aware)."""
+    start = datetime.now(UTC) if now is None else now
+    return start + timedelta(seconds=retry_delay_s(retry_count, base_s, cap_s=cap_s))

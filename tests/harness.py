@@ -1,0 +1,212 @@
+"""Helpers for tests that run the real processes (relay, sink, engine stub).
+
+Processes are started as ``python -m cdc.cli ...`` subprocesses so tests can
+SIGTERM or SIGKILL them like an operator or a crash would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@dataclass
+class Proc:
+    """A running ``outbox-cdc`` subcommand with its log file."""
+
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    _log: object = field(default=None, repr=False)
+
+    def start(self) -> Proc:
+        log = self.log_path.open("ab")
+        self._log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cdc.cli", *self.args],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.alive():
+            self.kill()
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class RelayConfig:
+    """Per-test names so tests never see each other's slots or topics."""
+
+    db_dsn: str
+    kafka: str
+    unique: str
+    partitions: int = 3
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def slot(self) -> str:
+        return f"slot_{self.unique}"
+
+    @property
+    def topic_prefix(self) -> str:
+        return f"t{self.unique}.outbox.event."
+
+    @property
+    def dlq_topic(self) -> str:
+        return f"t{self.unique}.dlq"
+
+    def env(self, http_port: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("CDC_", "KAFKA_", "SINK_", "ENGINE_", "OUTBOX_"))}
+        env.update({
+            "CDC_PG_DSN": self.db_dsn,
+            "KAFKA_BOOTSTRAP_SERVERS": self.kafka,
+            "CDC_SLOT": self.slot,
+            "CDC_TOPIC_PREFIX": self.topic_prefix,
+            "CDC_DLQ_TOPIC": self.dlq_topic,
+            "CDC_TOPIC_PARTITIONS": str(self.partitions),
+            "CDC_RELAY_HTTP_PORT": str(http_port),
+            "LOG_LEVEL": "INFO",
+        })
+        env.update(self.extra)
+        return env
+
+
+def start_relay(cfg: RelayConfig, tmp: Path, *, name: str = "relay",
+                wait_ready: bool = True) -> tuple[Proc, int]:
+    port = free_port()
+    proc = Proc(["relay"], cfg.env(port), tmp / f"{name}.log").start()
+    if wait_ready:
+        wait_for_ready(proc, port)
+    return proc, port
+
+
+def wait_for_ready(proc: Proc, port: int, timeout_s: float = 60.0) -> None:
+    def ready() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"process exited early:\n{proc.log_tail()}")
+        return http_status(f"http://127.0.0.1:{port}/readyz") == 200
+
+    try:
+        wait_until(ready, timeout_s, "readyz")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{proc.log_tail()}") from None
+
+
+def topics_with_prefix(kafka: str, prefix: str) -> list[str]:
+    admin = AdminClient({"bootstrap.servers": kafka})
+    return sorted(t for t in admin.list_topics(timeout=15).topics if t.startswith(prefix))
+
+
+def read_topics(kafka: str, topics: Iterable[str], *, expect: int, timeout_s: float = 120.0,
+                idle_s: float = 3.0) -> list:  # type: ignore[type-arg]
+    """Every record of ``topics`` from the beginning, waiting until at least
+    ``expect`` arrived (then ``idle_s`` more to catch surplus duplicates)."""
+    consumer = Consumer({
+        "bootstrap.servers": kafka, "group.id": "reader-unused",
+        "enable.auto.commit": False, "enable.partition.eof": False,
+    })
+    topics = list(topics)
+    try:
+        wait_until(lambda: all(t in consumer.list_topics(timeout=15).topics for t in topics),
+                   timeout_s, f"topics {topics}", interval_s=0.3)
+        meta = consumer.list_topics(timeout=15)
+        parts = [TopicPartition(t, p, 0) for t in topics for p in meta.topics[t].partitions]
+        consumer.assign(parts)
+        out = []
+        deadline = time.monotonic() + timeout_s
+        last_new = time.monotonic()
+        while time.monotonic() < deadline:
+            batch = consumer.consume(5000, 0.5)
+            for msg in batch:
+                if msg.error():
+                    raise KafkaException(msg.error())
+                out.append(msg)
+            if batch:
+                last_new = time.monotonic()
+            elif len(out) >= expect and time.monotonic() - last_new >= idle_s:
+                break
+        return out
+    finally:
+        consumer.close()
+
+
+def headers_of(msg) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
+    return dict(msg.headers() or [])
+
+
+def stack(*args: str) -> None:
+    """Drive the local stack (fault tests): e.g. stack('kill', 'kafka')."""
+    subprocess.run(["bash", str(ROOT / "compose" / "stack.sh"), *args], check=True,
+                   timeout=300)
+
+
+def env_without(env: Mapping[str, str], *prefixes: str) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(prefixes)}

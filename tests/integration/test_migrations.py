@@ -1,0 +1,98 @@
+"""Migrations against a real PostgreSQL: order, idempotence, refusal of edits."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from cdc.errors import DatabaseSetupError, MigrationError
+from cdc.migrate import check_wal_level, discover, migrate
+
+
+def _tables(dsn: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
+        ).fetchall()
+    return {r[0] for r in rows}
+
+
+def test_migrations_apply_in_order_on_an_empty_database(empty_db_dsn: str) -> None:
+    applied = migrate(empty_db_dsn)
+    assert applied == [m.version for m in discover()]
+    assert {"outbox", "users", "quiz_attempts", "failed_sync_events"} <= _tables(empty_db_dsn)
+    with psycopg.connect(empty_db_dsn) as conn:
+        pub = conn.execute(
+            "SELECT pubinsert, pubupdate, pubdelete, pubtruncate FROM pg_publication"
+            " WHERE pubname = 'outbox_pub'"
+        ).fetchone()
+        tables = conn.execute(
+            "SELECT tablename FROM pg_publication_tables WHERE pubname = 'outbox_pub'"
+        ).fetchall()
+    assert pub == (True, False, False, False)
+    assert tables == [("outbox",)]
+
+
+def test_second_run_applies_nothing_and_changes_nothing(empty_db_dsn: str) -> None:
+    migrate(empty_db_dsn)
+    with psycopg.connect(empty_db_dsn) as conn:
+        before = conn.execute(
+            "SELECT version, checksum, applied_at FROM outbox_cdc_schema_migrations ORDER BY 1"
+        ).fetchall()
+    assert migrate(empty_db_dsn) == []
+    with psycopg.connect(empty_db_dsn) as conn:
+        after = conn.execute(
+            "SELECT version, checksum, applied_at FROM outbox_cdc_schema_migrations ORDER BY 1"
+        ).fetchall()
+    assert before == after
+
+
+def test_an_edited_applied_migration_is_refused(empty_db_dsn: str, tmp_path: Path) -> None:
+    src = Path(__file__).resolve().parents[2] / "sql"
+    for f in src.glob("*.sql"):
+        shutil.copy(f, tmp_path / f.name)
+    migrate(empty_db_dsn, directory=tmp_path)
+    target = tmp_path / "002_domain.sql"
+    target.write_text(target.read_text() + "\n-- edited\n")
+    with pytest.raises(MigrationError, match="002_domain.sql"):
+        migrate(empty_db_dsn, directory=tmp_path)
+
+
+def test_a_failing_migration_leaves_nothing_of_itself(empty_db_dsn: str, tmp_path: Path) -> None:
+    (tmp_path / "001_ok.sql").write_text("CREATE TABLE t_ok (id int);")
+    (tmp_path / "002_bad.sql").write_text("CREATE TABLE t_bad (id int); SELECT no_such_fn();")
+    with pytest.raises(MigrationError, match="002_bad.sql"):
+        migrate(empty_db_dsn, directory=tmp_path)
+    assert "t_ok" in _tables(empty_db_dsn)
+    assert "t_bad" not in _tables(empty_db_dsn)
+
+
+class _FakeConn:
+    """Answers SHOW wal_level like a server configured with ``level``."""
+
+    def __init__(self, level: str) -> None:
+        self.level = level
+
+    def execute(self, query: str) -> Any:
+        assert query == "SHOW wal_level"
+        return self
+
+    def fetchone(self) -> tuple[str]:
+        return (self.level,)
+
+
+def test_wal_level_other_than_logical_names_setting_and_fix() -> None:
+    with pytest.raises(DatabaseSetupError) as info:
+        check_wal_level(_FakeConn("replica"))  # type: ignore[arg-type]
+    assert "wal_level" in str(info.value)
+    assert "wal_level = logical" in str(info.value)
+    assert "restart" in str(info.value)
+
+
+def test_real_server_runs_logical_wal(pg_server: str) -> None:
+    with psycopg.connect(pg_server) as conn:
+        check_wal_level(conn)

@@ -1,0 +1,199 @@
+"""The relay against real PostgreSQL and Kafka: the record contract, order,
+dead letters, idle confirmation and clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cdc.outbox import OutboxEvent, emit_event, register_user, submit_quiz_attempt, write_event
+from cdc.replproto import str_to_lsn
+from tests.harness import (
+    Proc,
+    RelayConfig,
+    headers_of,
+    read_topics,
+    start_relay,
+    topics_with_prefix,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
+    config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique)
+    yield config
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+            " WHERE slot_name = %s AND NOT active", (config.slot,))
+
+
+@pytest.fixture
+def relay(cfg: RelayConfig, tmp_path: Path) -> Iterator[Proc]:
+    proc, _ = start_relay(cfg, tmp_path)
+    yield proc
+    proc.close()
+
+
+def _slot_confirmed(dsn: str, slot: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
+                           " WHERE slot_name = %s", (slot,)).fetchone()
+    assert row is not None
+    return str_to_lsn(row[0])
+
+
+def test_committed_events_arrive_once_with_the_record_contract(
+    cfg: RelayConfig, relay: Proc
+) -> None:
+    with psycopg.connect(cfg.db_dsn) as conn:
+        user = register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="Ana")
+        attempt = submit_quiz_attempt(conn, user_id=user.entity_id, quiz_id="q1", score=9)
+        with pytest.raises(RuntimeError), conn.transaction():
+            register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="Rolled")
+            raise RuntimeError("roll back")
+        commit_ts = conn.execute(
+            "SELECT created_at FROM outbox WHERE id = %s", (user.event_id,)).fetchone()
+    msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "user", cfg.topic_prefix + "quiz_attempt"],
+                       expect=2)
+    assert len(msgs) == 2
+    by_id = {headers_of(m)["id"].decode(): m for m in msgs}
+    assert set(by_id) == {str(user.event_id), str(attempt.event_id)}
+
+    u = by_id[str(user.event_id)]
+    h = headers_of(u)
+    assert u.topic() == cfg.topic_prefix + "user"
+    assert u.key() == str(user.entity_id).encode()
+    assert h["type"] == b"UserRegistered"
+    assert h["aggregatetype"] == b"user"
+    value = json.loads(u.value())
+    assert value["user_id"] == str(user.entity_id)
+    assert b" " not in u.value().replace(b"Ana", b"")  # compact JSON
+    assert str_to_lsn(h["lsn"].decode()) > 0
+    commit = datetime.fromisoformat(h["commit_ts"].decode().replace("Z", "+00:00"))
+    assert u.timestamp()[1] == int(commit.timestamp() * 1000)
+    assert commit_ts is not None
+    assert abs(commit.timestamp() - commit_ts[0].timestamp()) < 5
+
+    q = by_id[str(attempt.event_id)]
+    assert q.topic() == cfg.topic_prefix + "quiz_attempt"
+    assert q.key() == str(user.entity_id).encode(), "quiz attempts are keyed by user"
+    assert json.loads(q.value())["score"] == 9
+
+
+def test_logical_message_events_are_routed_like_rows_with_traceparent(
+    cfg: RelayConfig, relay: Proc
+) -> None:
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    event = OutboxEvent(aggregate_type="user", aggregate_id="agg-7", event_type="UserRegistered",
+                        payload={"user_id": "agg-7"}, traceparent=trace)
+    with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
+        emit_event(conn, event)
+    msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "user"], expect=1)
+    assert len(msgs) == 1
+    h = headers_of(msgs[0])
+    assert h["id"] == str(event.event_id).encode()
+    assert h["traceparent"] == trace.encode()
+    assert msgs[0].key() == b"agg-7"
+    assert json.loads(msgs[0].value()) == {"user_id": "agg-7"}
+
+
+def test_per_key_order_holds_over_ten_thousand_events_and_multi_event_transactions(
+    cfg: RelayConfig, relay: Proc
+) -> None:
+    keys = [f"k{i:03d}" for i in range(200)]
+    expected: dict[str, list[int]] = defaultdict(list)
+    seq = 0
+    with psycopg.connect(cfg.db_dsn) as conn:
+        for batch in range(100):  # 100 transactions of 100 events
+            with conn.transaction():
+                for j in range(100):
+                    key = keys[(batch * 7 + j) % len(keys)]
+                    write_event(conn, OutboxEvent(aggregate_type="order", aggregate_id=key,
+                                                  event_type="Seq", payload={"seq": seq}))
+                    expected[key].append(seq)
+                    seq += 1
+    msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "order"], expect=seq, timeout_s=180)
+    ids = [headers_of(m)["id"] for m in msgs]
+    assert len(set(ids)) == seq, "every event arrives"
+    assert len(ids) == seq, "and exactly once"
+    got: dict[str, list[int]] = defaultdict(list)
+    for m in sorted(msgs, key=lambda m: (m.partition(), m.offset())):
+        got[m.key().decode()].append(json.loads(m.value())["seq"])
+    assert dict(got) == dict(expected)
+
+
+def test_oversize_payload_is_dead_lettered_and_later_events_flow(
+    cfg: RelayConfig, relay: Proc
+) -> None:
+    big = OutboxEvent(aggregate_type="blob", aggregate_id="b1", event_type="Huge",
+                      payload={"data": "x" * 1_500_000})
+    after = OutboxEvent(aggregate_type="blob", aggregate_id="b1", event_type="Small",
+                        payload={"n": 1})
+    with psycopg.connect(cfg.db_dsn) as conn:
+        with conn.transaction():
+            write_event(conn, big)
+        with conn.transaction():
+            write_event(conn, after)
+    flowed = read_topics(cfg.kafka, [cfg.topic_prefix + "blob"], expect=1)
+    assert [headers_of(m)["id"] for m in flowed] == [str(after.event_id).encode()]
+    dead = read_topics(cfg.kafka, [cfg.dlq_topic], expect=1)
+    assert len(dead) == 1
+    h = headers_of(dead[0])
+    assert h["id"] == str(big.event_id).encode()
+    assert b"too large" in h["dlq.reason"].lower() or b"size" in h["dlq.reason"].lower()
+    assert h["dlq.original.topic"] == (cfg.topic_prefix + "blob").encode()
+    assert json.loads(dead[0].value())["original_size"] > 1_000_000
+
+
+def test_malformed_event_is_dead_lettered_with_its_reason(
+    cfg: RelayConfig, relay: Proc
+) -> None:
+    with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
+        conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json at all')")
+    dead = read_topics(cfg.kafka, [cfg.dlq_topic], expect=1)
+    assert len(dead) == 1
+    assert b"not JSON" in headers_of(dead[0])["dlq.reason"]
+    assert dead[0].value() == b"not json at all"
+
+
+def test_idle_outbox_does_not_pin_wal_while_other_tables_write(
+    cfg: RelayConfig, relay: Proc
+) -> None:
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS noise (id serial, pad text)")
+        start = _slot_confirmed(cfg.db_dsn, cfg.slot)
+        for _ in range(20):
+            conn.execute("INSERT INTO noise (pad) SELECT repeat('x', 500) FROM generate_series(1, 200)")
+        written = str_to_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+    wait_until(lambda: _slot_confirmed(cfg.db_dsn, cfg.slot) >= written, 30,
+               "confirmed_flush_lsn to pass the noise")
+    assert _slot_confirmed(cfg.db_dsn, cfg.slot) > start
+
+
+def test_sigterm_exits_zero_within_seconds_and_loses_nothing(
+    cfg: RelayConfig, relay: Proc, tmp_path: Path
+) -> None:
+    with psycopg.connect(cfg.db_dsn) as conn:
+        ids = [register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="S").event_id
+               for _ in range(300)]
+    started = time.monotonic()
+    assert relay.terminate(timeout_s=20) == 0
+    assert time.monotonic() - started < 20
+    after, _ = start_relay(cfg, tmp_path, name="relay-after")
+    try:
+        msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "user"], expect=300)
+    finally:
+        after.close()
+    assert {headers_of(m)["id"].decode() for m in msgs} == {str(i) for i in ids}

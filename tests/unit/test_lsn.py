@@ -1,0 +1,330 @@
+"""cdc.lsn.LsnTracker: the relay confirms only what Kafka holds.
+
+Examples pin the contract; a hypothesis state machine drives random
+interleavings of open/add/ack/close/observe_wal_end, shaped like a real
+replication stream (one transaction decoded at a time, ids and end LSNs
+increasing, keepalive positions never ahead of an undecoded commit), and checks
+the tracker against a brute-force reference after every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from cdc.lsn import LsnTracker
+
+# --- examples ------------------------------------------------------------------
+
+
+def test_confirmable_starts_at_the_start_lsn() -> None:
+    tracker = LsnTracker(100)
+    assert (tracker.confirmable, tracker.in_flight, tracker.open_transactions) == (100, 0, 0)
+
+
+def test_idle_stream_confirms_the_keepalive_wal_end() -> None:
+    tracker = LsnTracker(100)
+    tracker.observe_wal_end(500)
+    assert tracker.confirmable == 500
+
+
+def test_transaction_is_confirmed_only_after_close_and_every_ack() -> None:
+    tracker = LsnTracker(100)
+    tracker.open(200)
+    tracker.add(200)
+    tracker.add(200)
+    tracker.ack(200)
+    tracker.close(200, 260)
+    assert tracker.confirmable == 100
+    assert tracker.in_flight == 1
+    tracker.ack(200)
+    assert tracker.confirmable == 260
+    assert tracker.in_flight == 0
+
+
+def test_acks_arriving_before_close_confirm_at_close() -> None:
+    tracker = LsnTracker(100)
+    tracker.open(200)
+    tracker.add(200)
+    tracker.ack(200)
+    assert tracker.confirmable == 100
+    tracker.close(200, 260)
+    assert tracker.confirmable == 260
+
+
+def test_transaction_without_records_is_confirmed_at_close() -> None:
+    tracker = LsnTracker(100)
+    tracker.open(200)
+    tracker.close(200, 260)
+    assert tracker.confirmable == 260
+
+
+def test_later_transaction_acked_first_waits_for_the_earlier_one() -> None:
+    tracker = LsnTracker(100)
+    for tx_id, end in ((200, 260), (300, 360)):
+        tracker.open(tx_id)
+        tracker.add(tx_id)
+        tracker.close(tx_id, end)
+    tracker.ack(300)
+    assert tracker.confirmable == 100
+    tracker.ack(200)
+    assert tracker.confirmable == 360
+
+
+def test_wal_end_is_not_confirmed_while_a_transaction_is_open() -> None:
+    tracker = LsnTracker(100)
+    tracker.open(200)
+    tracker.observe_wal_end(190)
+    assert tracker.confirmable == 100
+    tracker.close(200, 260)
+    assert tracker.confirmable == 260
+
+
+def test_wal_end_is_not_confirmed_while_records_are_unacked() -> None:
+    tracker = LsnTracker(100)
+    tracker.open(200)
+    tracker.add(200)
+    tracker.close(200, 260)
+    tracker.observe_wal_end(900)
+    assert tracker.confirmable == 100
+    tracker.ack(200)
+    assert tracker.confirmable == 900  # the remembered wal_end, once drained
+
+
+def test_confirmable_never_decreases_on_a_stale_wal_end() -> None:
+    tracker = LsnTracker(100)
+    tracker.observe_wal_end(500)
+    tracker.observe_wal_end(0)  # e.g. a Relation XLogData frame carries 0
+    assert tracker.confirmable == 500
+    assert tracker.wal_end == 500
+
+
+def test_interleaved_open_transactions_confirm_in_id_order() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(10)
+    tracker.open(20)
+    tracker.close(20, 30)
+    assert (tracker.confirmable, tracker.open_transactions, tracker.pending_transactions) == (
+        0,
+        1,
+        2,
+    )
+    tracker.close(10, 15)
+    assert tracker.confirmable == 30
+    assert tracker.pending_transactions == 0
+
+
+def test_open_rejects_an_id_not_greater_than_the_previous_one() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(10)
+    with pytest.raises(ValueError, match="ids must increase"):
+        tracker.open(10)
+    with pytest.raises(ValueError, match="ids must increase"):
+        tracker.open(5)
+
+
+def test_ack_of_unknown_transaction_raises() -> None:
+    tracker = LsnTracker(0)
+    with pytest.raises(ValueError, match="unknown transaction 7"):
+        tracker.ack(7)
+
+
+def test_more_acks_than_adds_raise() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(10)
+    tracker.add(10)
+    tracker.ack(10)
+    with pytest.raises(ValueError, match="beyond its added records"):
+        tracker.ack(10)
+
+
+def test_ack_after_the_transaction_was_confirmed_raises() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(10)
+    tracker.add(10)
+    tracker.close(10, 20)
+    tracker.ack(10)
+    with pytest.raises(ValueError, match="unknown transaction 10"):
+        tracker.ack(10)
+
+
+def test_add_to_a_closed_or_unknown_transaction_raises() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(10)
+    tracker.add(10)
+    tracker.close(10, 20)
+    with pytest.raises(ValueError, match="already closed"):
+        tracker.add(10)
+    with pytest.raises(ValueError, match="unknown"):
+        tracker.add(99)
+
+
+def test_close_twice_or_of_unknown_transaction_raises() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(10)
+    tracker.add(10)
+    tracker.close(10, 20)
+    with pytest.raises(ValueError, match="already closed"):
+        tracker.close(10, 20)
+    with pytest.raises(ValueError, match="unknown"):
+        tracker.close(99, 120)
+
+
+def test_close_with_end_lsn_not_after_the_id_raises() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(10)
+    with pytest.raises(ValueError, match="end LSN"):
+        tracker.close(10, 10)
+
+
+def test_negative_start_lsn_raises() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        LsnTracker(-1)
+
+
+# --- random interleavings --------------------------------------------------------
+
+
+@dataclass
+class ModelTx:
+    tx_id: int
+    added: int = 0
+    acked: int = 0
+    end_lsn: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.end_lsn is not None and self.acked == self.added
+
+
+class TrackerMachine(RuleBasedStateMachine):
+    """A replication stream as the relay sees it, with Kafka acks in any order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tracker = LsnTracker(0)
+        self.txs: list[ModelTx] = []
+        self.unacked: list[ModelTx] = []  # one entry per record Kafka still owes
+        self.position = 0  # the server has sent everything that committed below this
+        self.max_wal_end = 0
+        self.expected = 0
+        self.previous = 0
+
+    @initialize(start=st.integers(min_value=0, max_value=2**40))
+    def start(self, start: int) -> None:
+        self.tracker = LsnTracker(start)
+        self.position = self.max_wal_end = self.expected = self.previous = start
+
+    def open_tx(self) -> ModelTx | None:
+        last = self.txs[-1] if self.txs else None
+        return last if last is not None and last.end_lsn is None else None
+
+    @precondition(lambda self: self.open_tx() is None)
+    @rule(gap=st.integers(min_value=0, max_value=1000))
+    def begin(self, gap: int) -> None:
+        tx = ModelTx(self.position + gap)  # the commit record lies at or after the position
+        self.txs.append(tx)
+        self.tracker.open(tx.tx_id)
+
+    @precondition(lambda self: self.open_tx() is not None)
+    @rule(records=st.integers(min_value=1, max_value=3))
+    def hand_records_to_kafka(self, records: int) -> None:
+        tx = self.open_tx()
+        assert tx is not None
+        for _ in range(records):
+            tx.added += 1
+            self.unacked.append(tx)
+            self.tracker.add(tx.tx_id)
+
+    @precondition(lambda self: self.open_tx() is not None)
+    @rule(record_size=st.integers(min_value=1, max_value=200))
+    def commit(self, record_size: int) -> None:
+        tx = self.open_tx()
+        assert tx is not None
+        tx.end_lsn = tx.tx_id + record_size
+        self.position = tx.end_lsn
+        self.tracker.close(tx.tx_id, tx.end_lsn)
+
+    @precondition(lambda self: bool(self.unacked))
+    @rule(data=st.data())
+    def kafka_acks_any_record(self, data: st.DataObject) -> None:
+        index = data.draw(st.integers(min_value=0, max_value=len(self.unacked) - 1))
+        tx = self.unacked.pop(index)
+        tx.acked += 1
+        self.tracker.ack(tx.tx_id)
+
+    @rule(data=st.data())
+    def server_reports_wal_end(self, data: st.DataObject) -> None:
+        tx = self.open_tx()
+        # While a transaction is being sent, the server has not passed its commit
+        # record; between transactions it may be anywhere ahead. 0 stands for the
+        # position-less Relation frames.
+        ceiling = tx.tx_id if tx is not None else self.position + 1000
+        lsn = data.draw(st.one_of(st.just(0), st.integers(min_value=0, max_value=ceiling)))
+        if tx is None:
+            self.position = max(self.position, lsn)
+        self.max_wal_end = max(self.max_wal_end, lsn)
+        self.tracker.observe_wal_end(lsn)
+
+    @rule()
+    def everything_settles(self) -> None:
+        tx = self.open_tx()
+        if tx is not None:
+            self.commit(1)
+        while self.unacked:
+            self.kafka_acks_any_record_at(0)
+        last_end = max((t.end_lsn or 0 for t in self.txs), default=0)
+        assert self.tracker.confirmable == max(last_end, self.max_wal_end, self.previous)
+        assert self.tracker.confirmable >= last_end
+
+    def kafka_acks_any_record_at(self, index: int) -> None:
+        tx = self.unacked.pop(index)
+        tx.acked += 1
+        self.tracker.ack(tx.tx_id)
+
+    def reference(self) -> int:
+        """Brute force: the end of the longest DONE prefix, or wal_end once all is DONE."""
+        confirmable = self.expected
+        for tx in self.txs:
+            if not tx.done:
+                return confirmable
+            assert tx.end_lsn is not None
+            confirmable = max(confirmable, tx.end_lsn)
+        return max(confirmable, self.max_wal_end)
+
+    @invariant()
+    def confirmable_equals_the_reference_model(self) -> None:
+        self.expected = self.reference()
+        assert self.tracker.confirmable == self.expected
+
+    @invariant()
+    def confirmable_never_decreases(self) -> None:
+        assert self.tracker.confirmable >= self.previous
+        self.previous = self.tracker.confirmable
+
+    @invariant()
+    def confirmable_never_passes_an_open_or_unacked_transaction(self) -> None:
+        for tx in self.txs:
+            if not tx.done:
+                assert self.tracker.confirmable <= tx.tx_id
+                if tx.end_lsn is not None:
+                    assert self.tracker.confirmable < tx.end_lsn
+
+    @invariant()
+    def counters_match_the_model(self) -> None:
+        assert self.tracker.in_flight == len(self.unacked)
+        assert self.tracker.open_transactions == (0 if self.open_tx() is None else 1)
+
+
+TrackerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
+TestLsnTrackerConfirmsOnlyFullyAckedCommitsUnderRandomInterleavings = TrackerMachine.TestCase
