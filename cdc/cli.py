@@ -109,5 +109,41 @@ def relay() -> None:
     sys.exit(runner.run())
 
 
+@main.command()
+def sink() -> None:
+    """Deliver outbox events from Kafka to the engine (consumer group; runs until SIGTERM)."""
+    import asyncio
+    import logging
+
+    from sinks.service import run_sink
+
+    settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    logging.getLogger("sinks").info("sink starting with %s", settings.safe_summary())
+    sys.exit(asyncio.run(run_sink(settings)))
+
+
+@main.command("engine-stub")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+@click.option("--port", type=int, default=None, help="port (default ENGINE_STUB_PORT, 8081)")
+@click.option(
+    "--latency-ms",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="fixed latency added to every engine request",
+)
+def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
+    """Run the engine stub: a real HTTP server standing in for the engine."""
+    from sinks.stub import run_stub
+
+    settings = load_settings()
+    run_stub(
+        host=host,
+        port=port or settings.engine_stub_port,
+        api_key=settings.internal_api_key,
+        latency_ms=latency_ms,
+    )
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -140,7 +140,7 @@ class LsnTracker:
             raise ValueError(f"ack for transaction {tx_id} beyond its added records")
         tx.unacked -= 1
         self._in_flight -= 1
-        if tx.unacked == 0 and tx.end_lsn is not None and tx is self._queue[0]:
+        if tx.unacked == 0 and tx is self._queue[0]:
             self._drain()
 
     def close(self, tx_id: int, end_lsn: int) -> None:
@@ -160,7 +160,7 @@ class LsnTracker:
         """The server reported ``lsn`` as its WAL end (keepalive or XLogData)."""
         if lsn > self._wal_end:
             self._wal_end = lsn
-            if lsn > self._confirmed:
+            if not self._queue and lsn > self._confirmed:
                 self._confirmed = lsn
 
     def _drain(self) -> None:

@@ -40,6 +40,7 @@ ENV: dict[str, str] = {
     "sink_topics_pattern": "SINK_TOPICS_PATTERN",
     "sink_max_in_flight": "SINK_MAX_IN_FLIGHT",
     "sink_http_port": "SINK_HTTP_PORT",
+    "sink_backoff_max_s": "SINK_BACKOFF_MAX_S",
     "engine_base_url": "ENGINE_BASE_URL",
     "internal_api_key": "INTERNAL_API_KEY",
     "engine_connect_timeout_s": "ENGINE_CONNECT_TIMEOUT_S",
@@ -96,6 +97,8 @@ class Settings:
     sink_topics_pattern: str = ""
     sink_max_in_flight: int = 64
     sink_http_port: int = 9102
+    #: Longest wait between probes of an engine that is down (jittered, growing).
+    sink_backoff_max_s: float = 15.0
     engine_base_url: str = "http://localhost:8081"
     internal_api_key: str = field(default="", repr=False)
     engine_connect_timeout_s: float = 2.0

@@ -175,7 +175,9 @@ class Sink:
         self._generation = 0
         self._stash: dict[tuple[str, int, int], Envelope] = {}
         self._record_gen: dict[tuple[str, int, int], int] = {}
-        self._backoff = Backoff(base_s=0.5, cap_s=30.0)
+        self._backoff = Backoff(
+            base_s=min(0.5, settings.sink_backoff_max_s), cap_s=settings.sink_backoff_max_s
+        )
         self._next_probe = 0.0
         self._successes = 0
         self._paused = False

@@ -225,8 +225,9 @@ class KeyScheduler:
 
     A record in flight when its partition is dropped stays IN_FLIGHT (it cannot
     be recalled) and keeps its slot and its lane until ``finish`` or ``release``,
-    which then forgets it. The scheduler does not bound what is queued: the
-    consumer pauses its partitions when :attr:`pending` is high.
+    which then forgets it; if the partition comes back meanwhile, a resubmitted
+    copy of it queues behind it. The scheduler does not bound what is queued:
+    the consumer pauses its partitions when :attr:`pending` is high.
     """
 
     def __init__(self, *, max_in_flight: int) -> None:
@@ -267,9 +268,16 @@ class KeyScheduler:
         return self._per_partition[(topic, partition)]
 
     def submit(self, record: Envelope) -> None:
-        """Queue ``record`` behind the earlier records of its key."""
-        if self.state(record) is not RecordState.UNKNOWN:
-            raise ValueError(f"record {record.position} is already held")
+        """Queue ``record`` behind the earlier records of its key.
+
+        The same position may come back while its copy from before a
+        revocation is still in flight (an orphan): it then waits behind it.
+        """
+        position = record.position
+        if position in self._queued or (
+            position in self._in_flight and position not in self._orphans
+        ):
+            raise ValueError(f"record {position} is already held")
         lane = lane_key(record)
         queue = self._lanes.get(lane)
         if queue is None:
@@ -322,7 +330,7 @@ class KeyScheduler:
             kept: deque[Envelope] = deque()
             for record in queue:
                 lost = record.topic_partition == (topic, partition)
-                if lost and record.position not in self._in_flight:
+                if lost and self._in_flight.get(record.position) is not record:
                     dropped.append(record)
                 else:
                     kept.append(record)

@@ -37,6 +37,10 @@ API_KEY_HEADER = "x-api-key"
 #: Idle pooled connections are closed after this; below the usual 5-75 s idle
 #: timeouts of servers, so the client never reuses one the server is closing.
 KEEPALIVE_EXPIRY_S = 4.0
+#: Connections per httpx pool. httpcore scans its whole pool (a poll() per
+#: connection) on every request and response: measured with 64 requests in
+#: flight against the stub, one pool of 64 gave ~110 req/s, pools of 4 ~900.
+CONNECTIONS_PER_POOL = 4
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,8 +56,22 @@ class EngineTimeouts:
         return httpx.Timeout(connect=self.connect_s, read=self.read_s, write=self.read_s, pool=None)
 
 
+@dataclass(slots=True)
+class _Pool:
+    """One httpx client (one connection pool) and the requests it carries now."""
+
+    client: httpx.AsyncClient
+    in_flight: int = 0
+
+
 class EngineClient:
-    """Async client of the engine's internal API; use as ``async with`` or call :meth:`aclose`."""
+    """Async client of the engine's internal API; use as ``async with`` or call :meth:`aclose`.
+
+    At most ``max_in_flight`` requests run at once (more wait their turn, which
+    is not engine trouble). They are spread over pools of
+    :data:`CONNECTIONS_PER_POOL` connections, each request to the least busy
+    pool; an injected ``transport`` (tests) is used as one pool.
+    """
 
     def __init__(
         self,
@@ -64,23 +82,43 @@ class EngineClient:
         max_in_flight: int = 64,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        headers = {"content-type": "application/json"}
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"content-type": "application/json"}
         if api_key:
-            headers[API_KEY_HEADER] = api_key
+            self._headers[API_KEY_HEADER] = api_key
+        self._timeout = (timeouts or EngineTimeouts()).as_httpx()
+        self._ssl_context = httpx.create_ssl_context()  # built once, shared by the pools
+        self._slots = asyncio.Semaphore(max_in_flight)
+        if transport is not None:
+            self._pools = [_Pool(self._client(max_in_flight, transport))]
+        else:
+            sizes = [CONNECTIONS_PER_POOL] * (max_in_flight // CONNECTIONS_PER_POOL)
+            sizes += (
+                [max_in_flight % CONNECTIONS_PER_POOL]
+                if max_in_flight % CONNECTIONS_PER_POOL
+                else []
+            )
+            self._pools = [_Pool(self._client(size, None)) for size in sizes]
+
+    def _client(
+        self, connections: int, transport: httpx.AsyncBaseTransport | None
+    ) -> httpx.AsyncClient:
         limits = httpx.Limits(
-            max_connections=max_in_flight,
-            max_keepalive_connections=max_in_flight,
+            max_connections=connections,
+            max_keepalive_connections=connections,
             keepalive_expiry=KEEPALIVE_EXPIRY_S,
         )
-        self.base_url = base_url.rstrip("/")
-        self._slots = asyncio.Semaphore(max_in_flight)
-        self._client = httpx.AsyncClient(
+        return httpx.AsyncClient(
             base_url=self.base_url,
-            headers=headers,
-            timeout=(timeouts or EngineTimeouts()).as_httpx(),
+            headers=self._headers,
+            timeout=self._timeout,
             limits=limits,
             transport=transport,
             follow_redirects=False,
+            verify=self._ssl_context,
+            trust_env=False,  # the engine is an internal service: no proxies from the env
         )
 
     @classmethod
@@ -109,10 +147,7 @@ class EngineClient:
             raise Unroutable(f"{call.path}: body is not JSON ({exc})") from exc
         started = time.perf_counter()
         try:
-            async with self._slots:
-                response = await self._client.post(
-                    call.path, content=content, headers={IDEMPOTENCY_HEADER: event_id}
-                )
+            response = await self._post(call.path, content, event_id)
         except httpx.RequestError as exc:  # transport failures and undecodable responses
             log.debug("engine %s event %s: %r", call.path, event_id, exc)
             raise EngineUnavailable(_transport_reason(exc)) from exc
@@ -128,6 +163,17 @@ class EngineClient:
         if error is not None:
             raise error
 
+    async def _post(self, path: str, content: bytes, event_id: str) -> httpx.Response:
+        async with self._slots:
+            pool = min(self._pools, key=_busy)
+            pool.in_flight += 1
+            try:
+                return await pool.client.post(
+                    path, content=content, headers={IDEMPOTENCY_HEADER: event_id}
+                )
+            finally:
+                pool.in_flight -= 1
+
     async def sync_user(self, user_id: str, *, event_id: str) -> None:
         """Make ``user_id`` known to the engine (``users/sync``) under idempotency key ``event_id``.
 
@@ -138,7 +184,8 @@ class EngineClient:
 
     async def aclose(self) -> None:
         """Close pooled connections."""
-        await self._client.aclose()
+        for pool in self._pools:
+            await pool.client.aclose()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -153,6 +200,10 @@ class EngineClient:
 
     def __repr__(self) -> str:
         return f"EngineClient(base_url={self.base_url!r})"
+
+
+def _busy(pool: _Pool) -> int:
+    return pool.in_flight
 
 
 def _transport_reason(exc: httpx.RequestError) -> str:

@@ -622,6 +622,7 @@ def build_server(
         app,
         http=http_implementation(),
         lifespan="off",
+        ws="none",
         interface="asgi3",
         access_log=False,
         log_config=None,

@@ -210,3 +210,40 @@ def stack(*args: str) -> None:
 
 def env_without(env: Mapping[str, str], *prefixes: str) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(prefixes)}
+
+
+@dataclass
+class SinkConfig:
+    """The sink's environment for one test: same topics as the relay config."""
+
+    relay: RelayConfig
+    engine_url: str
+    api_key: str = "test-key"
+    admin_token: str = "test-admin-token"
+    scheduler: bool = False
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def group(self) -> str:
+        return f"sink-{self.relay.unique}"
+
+    def env(self, http_port: int) -> dict[str, str]:
+        env = self.relay.env(free_port())
+        env.update({
+            "SINK_GROUP_ID": self.group,
+            "SINK_HTTP_PORT": str(http_port),
+            "ENGINE_BASE_URL": self.engine_url,
+            "INTERNAL_API_KEY": self.api_key,
+            "ADMIN_API_TOKEN": self.admin_token,
+            "OUTBOX_SCHEDULER_ENABLED": "true" if self.scheduler else "false",
+            "SINK_BACKOFF_MAX_S": "2",
+        })
+        env.update(self.extra)
+        return env
+
+
+def start_sink(cfg: SinkConfig, tmp: Path, *, name: str = "sink") -> tuple[Proc, int]:
+    port = free_port()
+    proc = Proc(["sink"], cfg.env(port), tmp / f"{name}.log").start()
+    wait_for_ready(proc, port)
+    return proc, port

@@ -270,7 +270,8 @@ class TrackerMachine(RuleBasedStateMachine):
         # record; between transactions it may be anywhere ahead. 0 stands for the
         # position-less Relation frames.
         ceiling = tx.tx_id if tx is not None else self.position + 1000
-        lsn = data.draw(st.one_of(st.just(0), st.integers(min_value=0, max_value=ceiling)))
+        near = st.integers(min_value=max(0, ceiling - 2000), max_value=ceiling)
+        lsn = data.draw(st.one_of(st.just(0), near))
         if tx is None:
             self.position = max(self.position, lsn)
         self.max_wal_end = max(self.max_wal_end, lsn)

@@ -1,0 +1,1143 @@
+"""Ops over the sink's side of Kafka: group lag, offset replay, redelivery, parking lot.
+
+Guarantees:
+
+* Read-only unless named otherwise. :func:`group_lag`, :func:`plan_replay` and
+  :func:`redeliver` never move an offset of any group: they read committed
+  offsets with the AdminClient's *listing* call and read records with a
+  consumer whose group id is a throwaway (``outbox-cdc-ops-<uuid>``) that only
+  ``assign``s partitions - it never joins a group and never commits.
+* :func:`apply_replay` is the only writer: it commits exactly the plan's
+  targets for the plan's group, and refuses with :class:`GroupActiveError`
+  while the group has members (Kafka itself also refuses an offset change of
+  a non-empty group; that answer is reported the same way).
+* Replay targets are clamped to each partition's ``[low, high]`` watermarks; a
+  time target (``--to-datetime`` / ``--by-duration``) is the first record whose
+  timestamp - the commit time, by the record contract - is at or after the
+  time, or the partition's end when there is none.
+* A group that never committed a partition resumes at its low watermark (the
+  sink runs with ``auto.offset.reset=earliest``); its current offset is ``None``.
+* :func:`redeliver` sends each chosen record through
+  :func:`sinks.dispatch.deliver` with its own ``id`` header as
+  ``Idempotency-Key``, one at a time, in commit order (LSN header, else the
+  record timestamp; offset order within a partition is never changed). After
+  engine-wide trouble the rest are reported ``not_sent``, never skipped silently.
+* Everything computed from offsets alone (lag, clamping, targets, counts,
+  rates, ISO-8601 durations, topic selection) is a pure function below.
+
+Kafka failures surface as :class:`KafkaOpsError` with the librdkafka error
+chained; usage mistakes as :class:`OpsUsageError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import heapq
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_INVALID,
+    Consumer,
+    ConsumerGroupTopicPartitions,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
+
+from cdc.constants import HEADER_LSN
+from cdc.replproto import str_to_lsn
+from cdc.settings import Settings
+from sinks.delivery import Envelope
+from sinks.dispatch import deliver
+from sinks.engine import EngineClient
+from sinks.errors import EngineUnavailable, SinkError, Unroutable
+from sinks.parking import ParkedEvent, ParkingLot
+from sinks.retrier import Retrier, RetrySummary
+
+#: Every AdminClient / metadata / offset request gives up after this: long
+#: enough for a broker to elect a leader, short enough for an operator waiting.
+KAFKA_REQUEST_TIMEOUT_S = 15.0
+#: Reading the first unprocessed record of each lagging partition stops after this.
+FIRST_RECORD_TIMEOUT_S = 10.0
+#: A redelivery scan gives up when no record arrived for this long before the
+#: snapshot end offsets were reached (a broker gone, a partition unreadable).
+SCAN_IDLE_TIMEOUT_S = 20.0
+#: Records handed back per consume() call while scanning.
+SCAN_BATCH = 500
+#: Throwaway consumer groups of ops reads; never joined, never committed.
+OPS_GROUP_PREFIX = "outbox-cdc-ops-"
+#: Group states in which nothing consumes, so offsets may be changed.
+_IDLE_GROUP_STATES = frozenset({"EMPTY", "DEAD"})
+
+#: (topic, partition)
+TP = tuple[str, int]
+#: progress(phase, done, total): phases ``scan`` and ``deliver``; total may be None.
+ProgressFn = Callable[[str, int, int | None], None]
+
+
+class OpsError(SinkError):
+    """Root of the ops errors (a :class:`SinkError`, so one ``except`` catches the package)."""
+
+    retriable = False
+    spends_attempt = False
+
+
+class OpsUsageError(OpsError):
+    """The operator asked for something that does not make sense (bad topic, bad duration)."""
+
+
+class GroupActiveError(OpsError):
+    """The group has active members: its offsets cannot be changed under it."""
+
+    def __init__(self, group: str, *, state: str, members: int) -> None:
+        super().__init__(
+            f"consumer group {group} is active ({state}, {members} member(s)): "
+            "stop every sink of the group, then run the replay again"
+        )
+        self.group = group
+        self.state = state
+        self.members = members
+
+
+class KafkaOpsError(OpsError):
+    """Kafka did not answer as needed (unreachable, timed out, refused)."""
+
+    retriable = True
+
+
+# --- pure: durations, times, topics ---------------------------------------------------
+
+_DURATION = re.compile(
+    r"P(?:(?P<weeks>\d+(?:[.,]\d+)?)W)?(?:(?P<days>\d+(?:[.,]\d+)?)D)?"
+    r"(?:T(?:(?P<hours>\d+(?:[.,]\d+)?)H)?(?:(?P<minutes>\d+(?:[.,]\d+)?)M)?"
+    r"(?:(?P<seconds>\d+(?:[.,]\d+)?)S)?)?"
+)
+_DURATION_UNIT_S = {"weeks": 604_800, "days": 86_400, "hours": 3_600, "minutes": 60, "seconds": 1}
+
+
+def parse_iso_duration_s(text: str) -> float:
+    """An ISO-8601 duration in seconds: ``PT15M`` -> 900.0, ``P1DT2H`` -> 93600.0.
+
+    Weeks, days, hours, minutes and seconds, each optional, any may carry a
+    fraction (``PT1.5H``). Years and months are refused: they have no fixed
+    length. Raises :class:`OpsUsageError` naming the problem.
+    """
+    raw = text.strip().upper()
+    date_part = raw.partition("T")[0]
+    if raw.startswith("P") and ("Y" in date_part or "M" in date_part):
+        raise OpsUsageError(
+            f"duration {text!r}: years and months have no fixed length; use days (P30D)"
+        )
+    match = _DURATION.fullmatch(raw)
+    if match is None or raw in {"P", "PT"} or raw.endswith("T"):
+        raise OpsUsageError(
+            f"not an ISO-8601 duration: {text!r} (e.g. PT15M, PT1H30M, P1D, P1W)"
+        )
+    return float(
+        sum(
+            float(value.replace(",", ".")) * _DURATION_UNIT_S[unit]
+            for unit, value in match.groupdict().items()
+            if value is not None
+        )
+    )
+
+
+def parse_datetime_ms(text: str) -> int:
+    """An ISO-8601 date-time as Unix epoch milliseconds; without an offset it is UTC."""
+    try:
+        moment = datetime.fromisoformat(text.strip())
+    except ValueError as exc:
+        raise OpsUsageError(
+            f"not an ISO-8601 date-time: {text!r} (e.g. 2024-05-01T10:00:00+02:00)"
+        ) from exc
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.now().astimezone().tzinfo).astimezone()
+        moment = datetime.fromisoformat(text.strip() + "+00:00")
+    return int(moment.timestamp() * 1000)
+
+
+def now_ms() -> int:
+    """The wall clock in Unix epoch milliseconds (Kafka's record timestamp unit)."""
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopicSelection:
+    """A topic and, optionally, some of its partitions (``None`` = all)."""
+
+    topic: str
+    partitions: tuple[int, ...] | None = None
+
+
+def parse_topic_spec(spec: str) -> TopicSelection:
+    """``"T"`` -> all partitions of T; ``"T:0,2"`` -> partitions 0 and 2 of T."""
+    topic, sep, parts = spec.strip().partition(":")
+    if not topic:
+        raise OpsUsageError(f"topic spec {spec!r}: empty topic name")
+    if not sep:
+        return TopicSelection(topic=topic)
+    try:
+        partitions = tuple(sorted({int(p) for p in parts.split(",") if p.strip()}))
+    except ValueError as exc:
+        raise OpsUsageError(
+            f"topic spec {spec!r}: partitions must be integers (e.g. {topic}:0,2)"
+        ) from exc
+    if not partitions or min(partitions) < 0:
+        raise OpsUsageError(f"topic spec {spec!r}: give partitions as {topic}:0,2")
+    return TopicSelection(topic=topic, partitions=partitions)
+
+
+def default_topic_filter(settings: Settings) -> Callable[[str], bool]:
+    """The sink's own topics: ``SINK_TOPICS_PATTERN`` when set, else ``CDC_TOPIC_PREFIX``."""
+    if settings.sink_topics_pattern:
+        pattern = re.compile(settings.sink_topics_pattern.removeprefix("^"))
+        return lambda name: pattern.match(name) is not None
+    prefix = settings.topic_prefix
+    return lambda name: name.startswith(prefix)
+
+
+def select_topics(names: Iterable[str], accept: Callable[[str], bool]) -> list[str]:
+    """The accepted topic names, sorted; Kafka's internal ``__*`` topics never."""
+    return sorted(n for n in names if not n.startswith("__") and accept(n))
+
+
+# --- pure: offsets ----------------------------------------------------------------------
+
+
+def clamp_offset(offset: int, *, low: int, high: int) -> int:
+    """``offset`` moved into ``[low, high]`` (``high`` = the next offset to be written)."""
+    return min(max(offset, low), high)
+
+
+def effective_position(committed: int | None, *, low: int, high: int) -> int:
+    """Where the group resumes: its committed offset, or ``low`` when it never
+    committed or the committed records were deleted; never beyond ``high``."""
+    return clamp_offset(low if committed is None else committed, low=low, high=high)
+
+
+def lag_count(committed: int | None, *, low: int, high: int) -> int:
+    """Records the group has still to process in one partition."""
+    return high - effective_position(committed, low=low, high=high)
+
+
+def age_s(timestamp_ms: int | None, *, now_ms: int) -> float | None:
+    """Seconds since ``timestamp_ms`` (never negative); ``None`` when unknown."""
+    if timestamp_ms is None:
+        return None
+    return max(0, now_ms - timestamp_ms) / 1000
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionLag:
+    """How far a group is behind in one partition."""
+
+    topic: str
+    partition: int
+    committed_offset: int | None  # None: the group never committed here
+    low_offset: int
+    end_offset: int
+    lag: int
+    #: Timestamp (= commit time) of the first record not yet processed; None when lag is 0.
+    oldest_unprocessed_ts_ms: int | None
+    #: Its age; 0.0 when lag is 0, None when the record could not be read in time.
+    oldest_unprocessed_age_s: float | None
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "committed_offset": self.committed_offset,
+            "low_offset": self.low_offset,
+            "end_offset": self.end_offset,
+            "lag": self.lag,
+            "oldest_unprocessed_ts_ms": self.oldest_unprocessed_ts_ms,
+            "oldest_unprocessed_age_s": self.oldest_unprocessed_age_s,
+        }
+
+
+def partition_lag(
+    *,
+    topic: str,
+    partition: int,
+    committed: int | None,
+    low: int,
+    high: int,
+    first_ts_ms: int | None,
+    now_ms: int,
+) -> PartitionLag:
+    """The lag row of one partition from its offsets and the first unprocessed timestamp."""
+    lag = lag_count(committed, low=low, high=high)
+    ts_ms = first_ts_ms if lag > 0 else None
+    return PartitionLag(
+        topic=topic,
+        partition=partition,
+        committed_offset=committed,
+        low_offset=low,
+        end_offset=high,
+        lag=lag,
+        oldest_unprocessed_ts_ms=ts_ms,
+        oldest_unprocessed_age_s=age_s(ts_ms, now_ms=now_ms) if lag > 0 else 0.0,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LagTotals:
+    """The whole group: records behind and the oldest unprocessed event's age."""
+
+    lag: int
+    oldest_unprocessed_age_s: float | None
+    partitions: int
+    lagging_partitions: int
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "lag": self.lag,
+            "oldest_unprocessed_age_s": self.oldest_unprocessed_age_s,
+            "partitions": self.partitions,
+            "lagging_partitions": self.lagging_partitions,
+        }
+
+
+def lag_totals(rows: Sequence[PartitionLag]) -> LagTotals:
+    """Sum of lag; the largest known age (``None`` only if a lagging age is unknown
+    and no other is known)."""
+    ages = [r.oldest_unprocessed_age_s for r in rows if r.oldest_unprocessed_age_s is not None]
+    return LagTotals(
+        lag=sum(r.lag for r in rows),
+        oldest_unprocessed_age_s=max(ages) if ages else (None if rows else 0.0),
+        partitions=len(rows),
+        lagging_partitions=sum(1 for r in rows if r.lag > 0),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LagRate:
+    """Records per second between two lag snapshots of one partition."""
+
+    produced_per_s: float  # end offset growth
+    processed_per_s: float  # committed offset growth
+
+
+def lag_rates(
+    before: Sequence[PartitionLag], after: Sequence[PartitionLag], *, elapsed_s: float
+) -> dict[TP, LagRate]:
+    """Per-partition rates; partitions missing from ``before`` are left out."""
+    if elapsed_s <= 0:
+        return {}
+    old = {(r.topic, r.partition): r for r in before}
+    rates: dict[TP, LagRate] = {}
+    for row in after:
+        prev = old.get((row.topic, row.partition))
+        if prev is None:
+            continue
+        was = effective_position(prev.committed_offset, low=prev.low_offset, high=prev.end_offset)
+        now = effective_position(row.committed_offset, low=row.low_offset, high=row.end_offset)
+        rates[(row.topic, row.partition)] = LagRate(
+            produced_per_s=max(0, row.end_offset - prev.end_offset) / elapsed_s,
+            processed_per_s=max(0, now - was) / elapsed_s,
+        )
+    return rates
+
+
+# --- pure: replay plans -------------------------------------------------------------------
+
+
+class ReplayKind(enum.Enum):
+    """Where a replay moves each partition's committed offset."""
+
+    EARLIEST = "to-earliest"  # the low watermark: everything still in Kafka again
+    LATEST = "to-latest"  # the end: skip everything not yet processed
+    DATETIME = "to-datetime"  # first record committed at or after a time
+    DURATION = "by-duration"  # first record committed at or after now minus a duration
+    SHIFT = "shift-by"  # current position plus N (negative: back)
+    OFFSET = "to-offset"  # an absolute offset
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplaySpec:
+    """The operator's target. ``value``: ms since epoch (DATETIME), ms (DURATION),
+    a delta (SHIFT), an offset (OFFSET); unused otherwise."""
+
+    kind: ReplayKind
+    value: int = 0
+
+    def timestamp_ms(self, *, now_ms: int) -> int | None:
+        """The time a DATETIME/DURATION target resolves to; ``None`` for the others."""
+        if self.kind is ReplayKind.DATETIME:
+            return self.value
+        if self.kind is ReplayKind.DURATION:
+            return now_ms - self.value
+        return None
+
+    def describe(self) -> str:
+        if self.kind in (ReplayKind.EARLIEST, ReplayKind.LATEST):
+            return f"--{self.kind.value}"
+        if self.kind is ReplayKind.DATETIME:
+            return f"--to-datetime {_iso_ms(self.value)}"
+        if self.kind is ReplayKind.DURATION:
+            return f"--by-duration {self.value / 1000:g}s"
+        if self.kind is ReplayKind.SHIFT:
+            return f"--shift-by {self.value:+d}"
+        return f"--to-offset {self.value}"
+
+
+def _iso_ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000).astimezone().isoformat(timespec="milliseconds")
+
+
+def replay_target(
+    spec: ReplaySpec, *, current: int | None, low: int, high: int, time_offset: int | None
+) -> int:
+    """The offset a partition moves to, inside ``[low, high]``.
+
+    ``time_offset`` is ``offsets_for_times``' answer for time targets: the first
+    offset at or after the time, or ``None``/negative when no record is that
+    recent (then the partition goes to its end).
+    """
+    kind = spec.kind
+    if kind is ReplayKind.EARLIEST:
+        return low
+    if kind is ReplayKind.LATEST:
+        return high
+    if kind is ReplayKind.OFFSET:
+        return clamp_offset(spec.value, low=low, high=high)
+    if kind is ReplayKind.SHIFT:
+        start = effective_position(current, low=low, high=high)
+        return clamp_offset(start + spec.value, low=low, high=high)
+    if time_offset is None or time_offset < 0:
+        return high
+    return clamp_offset(time_offset, low=low, high=high)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionPlan:
+    """One partition of a replay: where the group is and where it would go."""
+
+    topic: str
+    partition: int
+    low_offset: int
+    high_offset: int
+    current_offset: int | None  # None: never committed (resumes at low_offset)
+    target_offset: int
+
+    @property
+    def start_offset(self) -> int:
+        """Where the group resumes today."""
+        return effective_position(self.current_offset, low=self.low_offset, high=self.high_offset)
+
+    @property
+    def redeliver_count(self) -> int:
+        """Records below the current position the group will process again."""
+        return max(0, self.start_offset - self.target_offset)
+
+    @property
+    def skip_count(self) -> int:
+        """Records not yet processed that the group will never process."""
+        return max(0, self.target_offset - self.start_offset)
+
+    @property
+    def changes(self) -> bool:
+        return self.current_offset != self.target_offset
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "low_offset": self.low_offset,
+            "high_offset": self.high_offset,
+            "current_offset": self.current_offset,
+            "target_offset": self.target_offset,
+            "redeliver_count": self.redeliver_count,
+            "skip_count": self.skip_count,
+        }
+
+
+def plan_partition(
+    spec: ReplaySpec,
+    *,
+    topic: str,
+    partition: int,
+    current: int | None,
+    low: int,
+    high: int,
+    time_offset: int | None = None,
+) -> PartitionPlan:
+    """The plan of one partition (pure)."""
+    return PartitionPlan(
+        topic=topic,
+        partition=partition,
+        low_offset=low,
+        high_offset=high,
+        current_offset=current,
+        target_offset=replay_target(
+            spec, current=current, low=low, high=high, time_offset=time_offset
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayPlan:
+    """A whole replay: per partition current -> target, and the group's state when planned."""
+
+    group: str
+    spec: ReplaySpec
+    at_ms: int | None  # the resolved time of a time target
+    partitions: tuple[PartitionPlan, ...]
+    group_state: str
+    active_members: int
+
+    @property
+    def active(self) -> bool:
+        """Members are consuming: :func:`apply_replay` would refuse."""
+        return group_is_active(self.group_state, self.active_members)
+
+    @property
+    def redeliver_count(self) -> int:
+        return sum(p.redeliver_count for p in self.partitions)
+
+    @property
+    def skip_count(self) -> int:
+        return sum(p.skip_count for p in self.partitions)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "group": self.group,
+            "target": self.spec.describe(),
+            "at": _iso_ms(self.at_ms) if self.at_ms is not None else None,
+            "group_state": self.group_state,
+            "active_members": self.active_members,
+            "redeliver_count": self.redeliver_count,
+            "skip_count": self.skip_count,
+            "partitions": [p.as_json() for p in self.partitions],
+        }
+
+
+def group_is_active(state: str, members: int) -> bool:
+    """A group with members, or in any state but EMPTY/DEAD, is consuming."""
+    return members > 0 or state.upper() not in _IDLE_GROUP_STATES
+
+
+# --- pure: redelivery selection -------------------------------------------------------------
+
+
+def normalize_event_id(value: str) -> str:
+    """A uuid in its canonical lower-case form (as the ``id`` header carries it)."""
+    try:
+        return str(uuid.UUID(value.strip()))
+    except ValueError:
+        return value.strip()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RedeliverySelector:
+    """Which records to send again: by event id (the ``id`` header) or by key."""
+
+    event_ids: frozenset[str] = frozenset()
+    key: bytes | None = None
+
+    @classmethod
+    def of(cls, *, event_ids: Iterable[str] | None, key: str | None) -> RedeliverySelector:
+        ids = frozenset(normalize_event_id(e) for e in event_ids or ())
+        if bool(ids) == (key is not None):
+            raise OpsUsageError("choose the events by event id or by key (exactly one)")
+        return cls(event_ids=ids, key=key.encode() if key is not None else None)
+
+    def matches(self, record: Envelope) -> bool:
+        if self.key is not None:
+            return record.key == self.key
+        return record.event_id in self.event_ids
+
+
+def commit_order_key(record: Envelope) -> tuple[int, int]:
+    """Commit order across partitions: the ``lsn`` header, then the record timestamp."""
+    try:
+        lsn = str_to_lsn(record.header(HEADER_LSN))
+    except ValueError:
+        lsn = 0
+    return (lsn, record.timestamp_ms or 0)
+
+
+def in_commit_order(per_partition: Iterable[Sequence[Envelope]]) -> list[Envelope]:
+    """Merge partitions (each in offset order, which is kept) into commit order; an
+    event id seen twice (an at-least-once duplicate in Kafka) is kept once."""
+    seen: set[str] = set()
+    out: list[Envelope] = []
+    for record in heapq.merge(*per_partition, key=commit_order_key):
+        event_id = record.event_id
+        if event_id and event_id in seen:
+            continue
+        seen.add(event_id)
+        out.append(record)
+    return out
+
+
+# --- Kafka shell -----------------------------------------------------------------------------
+
+
+def _client_config(settings: Settings) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap_servers,
+        "client.id": "outbox-cdc-ops",
+    }
+    config.update(settings.kafka_config)
+    return config
+
+
+def _check(error: Any, what: str) -> None:
+    if error is not None and error.code() != KafkaError.NO_ERROR:
+        raise KafkaOpsError(f"{what}: {error.str()}")
+
+
+class KafkaOps:
+    """One AdminClient and one never-committing, never-joining consumer (context manager)."""
+
+    def __init__(self, settings: Settings) -> None:
+        settings.require("kafka_bootstrap_servers")
+        base = _client_config(settings)
+        self.settings = settings
+        self._timeout_s = KAFKA_REQUEST_TIMEOUT_S
+        self.admin = AdminClient(base)
+        self.consumer = Consumer(
+            {
+                **base,
+                "group.id": f"{OPS_GROUP_PREFIX}{uuid.uuid4().hex}",
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "enable.partition.eof": True,
+                "auto.offset.reset": "earliest",
+            }
+        )
+
+    def __enter__(self) -> KafkaOps:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.consumer.close()
+
+    def _metadata(self) -> Any:
+        try:
+            return self.consumer.list_topics(timeout=self._timeout_s)
+        except KafkaException as exc:
+            raise KafkaOpsError(f"Kafka metadata: {exc}") from exc
+
+    def partitions(self, selections: Sequence[TopicSelection] | None) -> list[TP]:
+        """Chosen topic-partitions, sorted; ``None`` = every partition of the sink's topics."""
+        topics = self._metadata().topics
+        if selections is None:
+            names = select_topics(topics, default_topic_filter(self.settings))
+            selections = [TopicSelection(topic=n) for n in names]
+        out: set[TP] = set()
+        for sel in selections:
+            meta = topics.get(sel.topic)
+            if meta is None or meta.error is not None:
+                raise OpsUsageError(f"topic {sel.topic} does not exist")
+            existing = set(meta.partitions)
+            wanted = set(sel.partitions) if sel.partitions is not None else existing
+            missing = sorted(wanted - existing)
+            if missing:
+                raise OpsUsageError(f"topic {sel.topic} has no partition(s) {missing}")
+            out.update((sel.topic, p) for p in wanted)
+        return sorted(out)
+
+    def watermarks(self, tps: Iterable[TP]) -> dict[TP, tuple[int, int]]:
+        """(low, high) of each partition, asked of the brokers (not cached)."""
+        marks: dict[TP, tuple[int, int]] = {}
+        for topic, part in tps:
+            try:
+                low, high = self.consumer.get_watermark_offsets(
+                    TopicPartition(topic, part), timeout=self._timeout_s, cached=False
+                )
+            except KafkaException as exc:
+                raise KafkaOpsError(f"watermarks of {topic}[{part}]: {exc}") from exc
+            marks[(topic, part)] = (int(low), int(high))
+        return marks
+
+    def committed(self, group: str, tps: Sequence[TP]) -> dict[TP, int | None]:
+        """The group's committed offsets (``None`` where it never committed)."""
+        if not tps:
+            return {}
+        request = ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in tps])
+        try:
+            result = self.admin.list_consumer_group_offsets(
+                [request], request_timeout=self._timeout_s
+            )[group].result(timeout=self._timeout_s)
+        except KafkaException as exc:
+            raise KafkaOpsError(f"committed offsets of group {group}: {exc}") from exc
+        out: dict[TP, int | None] = dict.fromkeys(tps)
+        for tp in result.topic_partitions:
+            _check(tp.error, f"committed offset of {tp.topic}[{tp.partition}]")
+            out[(tp.topic, tp.partition)] = None if tp.offset < 0 else int(tp.offset)
+        return out
+
+    def offsets_for_time(self, tps: Sequence[TP], ts_ms: int) -> dict[TP, int | None]:
+        """The first offset at or after ``ts_ms`` per partition; ``None`` when none is."""
+        if not tps:
+            return {}
+        try:
+            found = self.consumer.offsets_for_times(
+                [TopicPartition(t, p, ts_ms) for t, p in tps], timeout=self._timeout_s
+            )
+        except KafkaException as exc:
+            raise KafkaOpsError(f"offsets for time {ts_ms}: {exc}") from exc
+        out: dict[TP, int | None] = {}
+        for tp in found:
+            _check(tp.error, f"offset for time in {tp.topic}[{tp.partition}]")
+            out[(tp.topic, tp.partition)] = None if tp.offset < 0 else int(tp.offset)
+        return out
+
+    def group_state(self, group: str) -> tuple[str, int]:
+        """(state name, member count) of ``group``; a group that never existed is DEAD."""
+        try:
+            desc = self.admin.describe_consumer_groups([group], request_timeout=self._timeout_s)[
+                group
+            ].result(timeout=self._timeout_s)
+        except KafkaException as exc:
+            raise KafkaOpsError(f"describe consumer group {group}: {exc}") from exc
+        state = getattr(desc.state, "name", str(desc.state))
+        return str(state), len(desc.members or [])
+
+    def commit_for_group(self, group: str, offsets: Mapping[TP, int]) -> None:
+        """Set the group's committed offsets (Kafka refuses for a non-empty group)."""
+        request = ConsumerGroupTopicPartitions(
+            group, [TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items())]
+        )
+        try:
+            result = self.admin.alter_consumer_group_offsets(
+                [request], request_timeout=self._timeout_s
+            )[group].result(timeout=self._timeout_s)
+        except KafkaException as exc:
+            raise _alter_error(group, exc.args[0] if exc.args else None, exc) from exc
+        for tp in result.topic_partitions:
+            if tp.error is not None and tp.error.code() != KafkaError.NO_ERROR:
+                raise _alter_error(group, tp.error, None)
+
+    def read(
+        self, starts: Mapping[TP, int], *, ends: Mapping[TP, int], idle_timeout_s: float
+    ) -> Iterator[Envelope]:
+        """Records of each partition from ``starts`` up to (excluding) ``ends``, as they
+        arrive (offset order within a partition). Stops when every partition reached its
+        end, or raises :class:`KafkaOpsError` after ``idle_timeout_s`` without progress."""
+        todo = {tp for tp, start in starts.items() if start < ends[tp]}
+        if not todo:
+            return
+        self.consumer.assign([TopicPartition(t, p, starts[(t, p)]) for t, p in sorted(todo)])
+        last_progress = time.monotonic()
+        try:
+            while todo:
+                batch = self.consumer.consume(SCAN_BATCH, 0.5)
+                if batch:
+                    last_progress = time.monotonic()
+                elif time.monotonic() - last_progress > idle_timeout_s:
+                    raise KafkaOpsError(
+                        f"no record from {sorted(todo)} for {idle_timeout_s:g}s: Kafka unreachable?"
+                    )
+                for msg in batch:
+                    yield from _take(msg, todo, ends)
+        finally:
+            self.consumer.unassign()
+
+
+def _take(msg: Any, todo: set[TP], ends: Mapping[TP, int]) -> Iterator[Envelope]:
+    """One consumed message: a record below its end is yielded; an end is noted."""
+    tp = (msg.topic(), msg.partition())
+    error = msg.error()
+    if error is not None:
+        if error.code() == KafkaError._PARTITION_EOF:
+            todo.discard(tp)
+            return
+        raise KafkaOpsError(f"reading {tp[0]}[{tp[1]}]: {error.str()}")
+    if tp not in todo:
+        return
+    if msg.offset() >= ends[tp]:
+        todo.discard(tp)
+        return
+    if msg.offset() >= ends[tp] - 1:
+        todo.discard(tp)
+    yield Envelope.from_kafka(msg)
+
+
+def _alter_error(group: str, error: Any, cause: BaseException | None) -> OpsError:
+    """Kafka's answer to an offset change of a group that has members, or another failure."""
+    code = error.code() if error is not None and hasattr(error, "code") else None
+    if code in (KafkaError.UNKNOWN_MEMBER_ID, KafkaError.REBALANCE_IN_PROGRESS):
+        return GroupActiveError(group, state="members joined", members=1)
+    detail = error.str() if error is not None and hasattr(error, "str") else str(cause)
+    return KafkaOpsError(f"commit offsets of group {group}: {detail}")
+
+
+# --- lag ---------------------------------------------------------------------------------------
+
+
+def group_lag(
+    settings: Settings,
+    *,
+    group: str | None = None,
+    topics: Sequence[TopicSelection] | None = None,
+    at_ms: int | None = None,
+) -> list[PartitionLag]:
+    """Per topic/partition: committed and end offsets, lag, and the oldest unprocessed
+    event's age (from the timestamp of the record at the committed offset, read with a
+    throwaway consumer). ``group`` defaults to ``SINK_GROUP_ID``; ``topics`` to the sink's."""
+    group = group or settings.sink_group_id
+    with KafkaOps(settings) as kafka:
+        tps = kafka.partitions(topics)
+        marks = kafka.watermarks(tps)
+        committed = kafka.committed(group, tps)
+        behind = {
+            tp: effective_position(committed[tp], low=marks[tp][0], high=marks[tp][1])
+            for tp in tps
+            if lag_count(committed[tp], low=marks[tp][0], high=marks[tp][1]) > 0
+        }
+        first_ts = _first_timestamps(kafka, behind, marks)
+    now = now_ms() if at_ms is None else at_ms
+    return [
+        partition_lag(
+            topic=t,
+            partition=p,
+            committed=committed[(t, p)],
+            low=marks[(t, p)][0],
+            high=marks[(t, p)][1],
+            first_ts_ms=first_ts.get((t, p)),
+            now_ms=now,
+        )
+        for t, p in tps
+    ]
+
+
+def _first_timestamps(
+    kafka: KafkaOps, positions: Mapping[TP, int], marks: Mapping[TP, tuple[int, int]]
+) -> dict[TP, int]:
+    """The timestamp of the first record at or after each position (nothing committed)."""
+    found: dict[TP, int] = {}
+    ends = {tp: marks[tp][1] for tp in positions}
+    try:
+        for record in kafka.read(positions, ends=ends, idle_timeout_s=FIRST_RECORD_TIMEOUT_S):
+            if record.topic_partition not in found and record.timestamp_ms is not None:
+                found[record.topic_partition] = record.timestamp_ms
+            if len(found) == len(positions):
+                break
+    except KafkaOpsError:
+        pass  # ages stay unknown (None) for partitions not read in time
+    return found
+
+
+# --- replay ----------------------------------------------------------------------------------
+
+
+def plan_replay(
+    settings: Settings,
+    *,
+    group: str,
+    spec: ReplaySpec,
+    topics: Sequence[TopicSelection] | None = None,
+    at_ms: int | None = None,
+) -> ReplayPlan:
+    """Per partition current -> target offsets and the records to deliver again.
+
+    ``topics=None`` takes every partition of the sink's topics. Reads only.
+    """
+    now = now_ms() if at_ms is None else at_ms
+    with KafkaOps(settings) as kafka:
+        tps = kafka.partitions(topics)
+        marks = kafka.watermarks(tps)
+        committed = kafka.committed(group, tps)
+        ts_ms = spec.timestamp_ms(now_ms=now)
+        by_time = kafka.offsets_for_time(tps, ts_ms) if ts_ms is not None else {}
+        state, members = kafka.group_state(group)
+    partitions = tuple(
+        plan_partition(
+            spec,
+            topic=t,
+            partition=p,
+            current=committed[(t, p)],
+            low=marks[(t, p)][0],
+            high=marks[(t, p)][1],
+            time_offset=by_time.get((t, p)),
+        )
+        for t, p in tps
+    )
+    return ReplayPlan(
+        group=group,
+        spec=spec,
+        at_ms=ts_ms,
+        partitions=partitions,
+        group_state=state,
+        active_members=members,
+    )
+
+
+def apply_replay(settings: Settings, plan: ReplayPlan) -> None:
+    """Commit the plan's targets for its group; :class:`GroupActiveError` while it has members."""
+    with KafkaOps(settings) as kafka:
+        state, members = kafka.group_state(plan.group)
+        if group_is_active(state, members):
+            raise GroupActiveError(plan.group, state=state, members=members)
+        offsets = {(p.topic, p.partition): p.target_offset for p in plan.partitions}
+        if offsets:
+            kafka.commit_for_group(plan.group, offsets)
+
+
+# --- redelivery ------------------------------------------------------------------------------
+
+
+class Outcome(enum.StrEnum):
+    """What became of one redelivered event."""
+
+    DELIVERED = "delivered"  # the engine answered 2xx (a duplicate key included)
+    REJECTED = "rejected"  # the healthy engine refused this event (4xx)
+    UNROUTABLE = "unroutable"  # no route, bad payload or no id header: never sent
+    ENGINE_UNAVAILABLE = "engine_unavailable"  # engine-wide trouble on this one
+    NOT_SENT = "not_sent"  # not tried: the engine was unavailable before its turn
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Redelivery:
+    """One event sent again and what the engine said."""
+
+    event_id: str
+    event_type: str
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    outcome: Outcome
+    detail: str = ""
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "event_id": self.event_id,
+            "event_type": self.event_type,
+            "topic": self.topic,
+            "partition": self.partition,
+            "offset": self.offset,
+            "key": self.key,
+            "outcome": self.outcome.value,
+            "detail": self.detail,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class RedeliveryReport:
+    """Everything a redelivery sent, in order; ids asked for but not found in Kafka."""
+
+    items: tuple[Redelivery, ...]
+    missing_event_ids: tuple[str, ...] = ()
+    scanned_count: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """Every chosen event was found and delivered."""
+        return not self.missing_event_ids and all(
+            i.outcome is Outcome.DELIVERED for i in self.items
+        )
+
+    def counts(self) -> dict[str, int]:
+        out = {o.value: 0 for o in Outcome}
+        for item in self.items:
+            out[item.outcome.value] += 1
+        return out
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "counts": self.counts(),
+            "scanned_count": self.scanned_count,
+            "missing_event_ids": list(self.missing_event_ids),
+            "events": [i.as_json() for i in self.items],
+        }
+
+
+def redeliver(
+    settings: Settings,
+    *,
+    event_ids: Iterable[str] | None = None,
+    key: str | None = None,
+    since: datetime | None = None,
+    topics: Sequence[TopicSelection] | None = None,
+    progress: ProgressFn | None = None,
+) -> RedeliveryReport:
+    """Find the chosen records in Kafka and deliver each to the engine again.
+
+    By event id (``id`` header) or by key (every record with that key, commit
+    order). The scan starts at ``offsets_for_times(since)`` or the beginning and
+    ends at the end offsets seen when it starts. No group offset moves.
+    """
+    selector = RedeliverySelector.of(event_ids=event_ids, key=key)
+    records, scanned = _find(settings, selector, since=since, topics=topics, progress=progress)
+    found = {r.event_id for r in records}
+    missing = tuple(sorted(selector.event_ids - found))
+    items = asyncio.run(_send_all(settings, records, progress=progress))
+    return RedeliveryReport(items=tuple(items), missing_event_ids=missing, scanned_count=scanned)
+
+
+def _find(
+    settings: Settings,
+    selector: RedeliverySelector,
+    *,
+    since: datetime | None,
+    topics: Sequence[TopicSelection] | None,
+    progress: ProgressFn | None,
+) -> tuple[list[Envelope], int]:
+    """The matching records in commit order, and how many records were read."""
+    with KafkaOps(settings) as kafka:
+        tps = kafka.partitions(topics)
+        marks = kafka.watermarks(tps)
+        starts = {tp: low for tp, (low, _high) in marks.items()}
+        if since is not None:
+            by_time = kafka.offsets_for_time(tps, int(since.timestamp() * 1000))
+            starts = {tp: _scan_start(by_time.get(tp), marks[tp]) for tp in tps}
+        ends = {tp: high for tp, (_low, high) in marks.items()}
+        total = sum(max(0, ends[tp] - starts[tp]) for tp in tps)
+        per_partition: dict[TP, list[Envelope]] = {tp: [] for tp in tps}
+        scanned = 0
+        wanted = set(selector.event_ids)
+        for record in kafka.read(starts, ends=ends, idle_timeout_s=SCAN_IDLE_TIMEOUT_S):
+            scanned += 1
+            if selector.matches(record):
+                per_partition[record.topic_partition].append(record)
+                wanted.discard(record.event_id)
+            if progress is not None and scanned % SCAN_BATCH == 0:
+                progress("scan", scanned, total)
+            if selector.event_ids and not wanted:
+                break
+        if progress is not None:
+            progress("scan", total, total)
+    return in_commit_order(per_partition.values()), scanned
+
+
+def _scan_start(time_offset: int | None, mark: tuple[int, int]) -> int:
+    low, high = mark
+    return high if time_offset is None else clamp_offset(time_offset, low=low, high=high)
+
+
+async def _send_all(
+    settings: Settings, records: Sequence[Envelope], *, progress: ProgressFn | None
+) -> list[Redelivery]:
+    """Deliver one after another; after engine-wide trouble the rest are NOT_SENT."""
+    out: list[Redelivery] = []
+    unavailable = False
+    async with EngineClient.from_settings(settings) as engine:
+        for done, record in enumerate(records, start=1):
+            if unavailable:
+                out.append(_redelivery(record, Outcome.NOT_SENT, "engine unavailable earlier"))
+                continue
+            outcome, detail = await _send_one(engine, record)
+            unavailable = outcome is Outcome.ENGINE_UNAVAILABLE
+            out.append(_redelivery(record, outcome, detail))
+            if progress is not None:
+                progress("deliver", done, len(records))
+    return out
+
+
+async def _send_one(engine: EngineClient, record: Envelope) -> tuple[Outcome, str]:
+    try:
+        call = await deliver(
+            engine, event_type=record.event_type, payload=record.value, event_id=record.event_id
+        )
+    except EngineUnavailable as exc:
+        return Outcome.ENGINE_UNAVAILABLE, exc.reason
+    except Unroutable as exc:
+        return Outcome.UNROUTABLE, exc.reason
+    except SinkError as exc:
+        return Outcome.REJECTED, exc.reason
+    return Outcome.DELIVERED, call.path
+
+
+def _redelivery(record: Envelope, outcome: Outcome, detail: str) -> Redelivery:
+    return Redelivery(
+        event_id=record.event_id,
+        event_type=record.event_type,
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        key=record.key.decode("utf-8", "replace") if record.key is not None else None,
+        outcome=outcome,
+        detail=detail,
+    )
+
+
+# --- parking lot (sync faces of the async repository, for the CLI) -----------------------------
+
+
+def parked_events(settings: Settings, *, limit: int = 100) -> list[ParkedEvent]:
+    """The oldest ``limit`` FAILED/PENDING rows of the parking lot."""
+    return asyncio.run(_with_lot(settings, lambda lot: lot.list_open(limit)))
+
+
+def parking_counts(settings: Settings) -> dict[str, int]:
+    """Rows of the parking lot per status (FAILED, PENDING, DONE)."""
+    return asyncio.run(_with_lot(settings, lambda lot: lot.counts()))
+
+
+def retry_parked(
+    settings: Settings, *, ids: Sequence[int] | None, retry_all: bool
+) -> RetrySummary:
+    """Retry chosen rows (or every open row, up to 100) exactly as the admin API does."""
+    if not ids and not retry_all:
+        raise OpsUsageError("give parked event ids or retry_all")
+
+    async def run(lot: ParkingLot) -> RetrySummary:
+        async with EngineClient.from_settings(settings) as engine:
+            retrier = Retrier(lot=lot, engine=engine, settings=settings)
+            return await retrier.retry(list(ids) if ids else None, retry_all=retry_all)
+
+    return asyncio.run(_with_lot(settings, run))
+
+
+async def _with_lot[T](settings: Settings, use: Callable[[ParkingLot], Any]) -> T:
+    lot = ParkingLot(settings.require("pg_dsn").pg_dsn)
+    try:
+        result: T = await use(lot)
+        return result
+    finally:
+        await lot.close()
+
+
+__all__ = [
+    "GroupActiveError",
+    "KafkaOps",
+    "KafkaOpsError",
+    "LagRate",
+    "LagTotals",
+    "OpsError",
+    "OpsUsageError",
+    "Outcome",
+    "PartitionLag",
+    "PartitionPlan",
+    "Redelivery",
+    "RedeliveryReport",
+    "RedeliverySelector",
+    "ReplayKind",
+    "ReplayPlan",
+    "ReplaySpec",
+    "TopicSelection",
+    "apply_replay",
+    "clamp_offset",
+    "group_lag",
+    "lag_rates",
+    "lag_totals",
+    "parked_events",
+    "parking_counts",
+    "parse_iso_duration_s",
+    "parse_topic_spec",
+    "plan_replay",
+    "redeliver",
+    "replay_target",
+    "retry_parked",
+]
+
+_unused = field  # keep dataclasses.field importable for subclasses' defaults

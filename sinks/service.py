@@ -1,0 +1,92 @@
+"""Wires the sink process: consumer loop, admin/metrics server, parking-lot scheduler.
+
+All three run on one asyncio event loop; SIGTERM stops the consumer (which
+drains in-flight deliveries and commits), then the server and scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Iterator
+
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from cdc.health import Liveness
+from cdc.settings import Settings
+from sinks.admin import create_app
+from sinks.consumer import Sink
+from sinks.engine import EngineClient
+from sinks.parking import ParkingLot
+from sinks.retrier import Retrier, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
+    """Run until SIGTERM/SIGINT; return the exit code."""
+    settings.require("pg_dsn", "kafka_bootstrap_servers")
+    registry = CollectorRegistry()
+    liveness = Liveness()
+    engine = EngineClient.from_settings(settings)
+    lot = ParkingLot(settings.pg_dsn)
+    retrier = Retrier(lot=lot, engine=engine, settings=settings)
+    sink = Sink(settings, engine=engine, lot=lot, registry=registry, liveness=liveness)
+    stop = asyncio.Event()
+    scheduler = Scheduler(
+        retrier, interval_s=settings.scheduler_interval_s, enabled=settings.scheduler_enabled
+    )
+    app = create_app(
+        lot=lot,
+        retrier=retrier,
+        token=settings.admin_api_token,
+        registry=registry,
+        liveness=liveness,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.http_host,
+            port=settings.sink_http_port,
+            log_level="warning",
+            lifespan="off",
+        )
+    )
+    if install_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _stopper(sink, stop, sig))
+    tasks = [
+        asyncio.create_task(server.serve(), name="http"),
+        asyncio.create_task(scheduler.run(stop), name="scheduler"),
+    ]
+    try:
+        await sink.run()
+    finally:
+        stop.set()
+        server.should_exit = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await engine.aclose()
+        await lot.close()
+    log.info("sink stopped: %d delivered, %d parked", sink.delivered_count, sink.parked_count)
+    return 0
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the sink owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _stopper(sink: Sink, stop: asyncio.Event, sig: signal.Signals) -> Callable[[], None]:
+    def handler() -> None:
+        log.info("signal %s: stopping the sink", sig.name)
+        sink.stop()
+        stop.set()
+
+    return handler

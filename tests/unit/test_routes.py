@@ -1,0 +1,123 @@
+"""Routing on the ``type`` header: catalog events map to engine calls, the rest is Unroutable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sinks.delivery import Envelope
+from sinks.errors import Unroutable
+from sinks.routes import (
+    QUIZ_ATTEMPTS_SYNC_PATH,
+    USERS_SYNC_PATH,
+    SyncType,
+    derived_user_sync_key,
+    route,
+    route_envelope,
+    sync_type_for,
+)
+
+USER = {
+    "user_id": "7b0c6f1e-0000-4000-8000-000000000001",
+    "email": "a@example.org",
+    "display_name": "A",
+    "registered_at": "2025-01-01T00:00:00Z",
+}
+ATTEMPT = {
+    "attempt_id": "a1",
+    "user_id": USER["user_id"],
+    "quiz_id": "q1",
+    "score": 7,
+    "submitted_at": "2025-01-01T00:01:00Z",
+}
+
+
+def _bytes(value: object) -> bytes:
+    return json.dumps(value).encode()
+
+
+def test_user_registered_routes_to_users_sync_with_only_the_user_id() -> None:
+    call = route("UserRegistered", _bytes(USER))
+    assert call.path == USERS_SYNC_PATH
+    assert call.body == {"user_id": USER["user_id"]}
+    assert call.sync_type is SyncType.USER_SYNC
+    assert call.sync_type == "USER_SYNC"
+    assert call.user_id == USER["user_id"]
+
+
+def test_quiz_attempt_routes_to_quiz_attempts_sync_with_the_whole_payload() -> None:
+    call = route("QuizAttemptSubmitted", _bytes(ATTEMPT))
+    assert call.path == QUIZ_ATTEMPTS_SYNC_PATH
+    assert call.body == ATTEMPT
+    assert call.sync_type == "QUIZ_SYNC"
+
+
+def test_unknown_event_type_is_unroutable_and_names_the_type() -> None:
+    with pytest.raises(Unroutable, match="no route for event type 'OrderPlaced'") as info:
+        route("OrderPlaced", _bytes(USER))
+    assert info.value.retriable is False
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[1, 2]", "JSON list, not an object"),
+        (b'"text"', "JSON str, not an object"),
+        (b"{}", "no user_id string"),
+        (b'{"user_id": ""}', "no user_id string"),
+        (b'{"user_id": 42}', "no user_id string"),
+        (b'{"user_id": "u", "score": NaN}', "not valid JSON"),
+        (None, "tombstone"),
+    ],
+)
+def test_malformed_payload_is_unroutable_with_the_reason(payload: bytes | None, reason: str) -> None:
+    for event_type in ("UserRegistered", "QuizAttemptSubmitted"):
+        with pytest.raises(Unroutable, match=reason):
+            route(event_type, payload)
+
+
+def test_sync_type_for_known_types_and_none_for_unknown() -> None:
+    assert sync_type_for("UserRegistered") is SyncType.USER_SYNC
+    assert sync_type_for("QuizAttemptSubmitted") is SyncType.QUIZ_SYNC
+    assert sync_type_for("Other") is None
+
+
+def _envelope(headers: dict[str, bytes], value: bytes | None = None) -> Envelope:
+    return Envelope(
+        topic="outbox.event.user",
+        partition=0,
+        offset=5,
+        key=b"k",
+        value=_bytes(USER) if value is None else value,
+        headers=headers,
+    )
+
+
+def test_route_envelope_uses_the_type_header_and_value() -> None:
+    call = route_envelope(_envelope({"id": b"e-1", "type": b"UserRegistered"}))
+    assert call.body == {"user_id": USER["user_id"]}
+
+
+def test_record_without_id_header_is_unroutable_because_it_has_no_idempotency_key() -> None:
+    with pytest.raises(Unroutable, match="no 'id' header"):
+        route_envelope(_envelope({"type": b"UserRegistered"}))
+
+
+def test_record_whose_id_is_not_ascii_is_unroutable() -> None:
+    with pytest.raises(Unroutable, match="unfit for HTTP"):
+        route_envelope(_envelope({"id": "é".encode(), "type": b"UserRegistered"}))
+
+
+def test_record_without_type_header_is_unroutable() -> None:
+    with pytest.raises(Unroutable, match="no route for event type ''"):
+        route_envelope(_envelope({"id": b"e-1"}))
+
+
+def test_derived_user_sync_key_is_stable_and_differs_from_the_event_id() -> None:
+    key = derived_user_sync_key("e-1")
+    assert key == derived_user_sync_key("e-1")
+    assert key != "e-1"
+    assert key != derived_user_sync_key("e-2")
