@@ -16,7 +16,8 @@ strictly in commit order):
     once per record Kafka acknowledged (delivered, or dead-lettered
     successfully). Any order, across transactions, before or after ``close``.
 ``close(tx_id, end_lsn)``
-    at Commit, with ``Commit.end_lsn`` (> ``tx_id``).
+    at Commit, with ``Commit.end_lsn`` (>= ``tx_id``; equal only for a
+    pseudo-transaction wrapping one position, e.g. a non-transactional message).
 ``observe_wal_end(lsn)``
     the ``wal_end`` of a keepalive (or an XLogData) message.
 
@@ -38,7 +39,7 @@ DONE.
 
 Errors (``ValueError``): ``open`` of a ``tx_id`` not greater than the previous
 one; ``add``/``close`` of an unknown or closed transaction; ``ack`` of an unknown
-transaction or beyond its adds; ``end_lsn`` not greater than ``tx_id``.
+transaction or beyond its adds; ``end_lsn`` below ``tx_id``.
 
 Costs: every operation is O(1) amortised (a dict by ``tx_id`` and a deque in
 ``tx_id`` order; each transaction is queued and dequeued once). Memory is
@@ -140,7 +141,7 @@ class LsnTracker:
             raise ValueError(f"ack for transaction {tx_id} beyond its added records")
         tx.unacked -= 1
         self._in_flight -= 1
-        if tx.unacked == 0 and tx is self._queue[0]:
+        if tx.unacked == 0 and tx.end_lsn is not None and tx is self._queue[0]:
             self._drain()
 
     def close(self, tx_id: int, end_lsn: int) -> None:
@@ -149,8 +150,8 @@ class LsnTracker:
         if tx is None or tx.end_lsn is not None:
             state = "unknown" if tx is None else "already closed"
             raise ValueError(f"close of transaction {tx_id}: {state}")
-        if end_lsn <= tx_id:
-            raise ValueError(f"transaction {tx_id} closed with end LSN {end_lsn} <= its id")
+        if end_lsn < tx_id:
+            raise ValueError(f"transaction {tx_id} closed with end LSN {end_lsn} below its id")
         tx.end_lsn = end_lsn
         self._open -= 1
         if tx.unacked == 0 and tx is self._queue[0]:

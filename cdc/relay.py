@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 READ_BATCH = 2_000
 #: Longest a turn blocks waiting for WAL, so status and signals stay timely.
 READ_WAIT_S = 0.1
+#: Confirm progress at most this often (fewer duplicates after a crash).
+STATUS_MIN_INTERVAL_S = 0.1
 #: Reconnect backoff after stream or Kafka trouble.
 RECONNECT_MIN_S = 0.5
 RECONNECT_MAX_S = 30.0
@@ -294,7 +296,12 @@ class Relay:
                 self._set_state(RelayState.STREAMING)
                 self._read_batch(sess)
             now = time.monotonic()
-            if now >= next_status or sess.reply_requested:
+            advanced = sess.tracker.confirmable != sess.last_confirmed
+            if (
+                now >= next_status
+                or sess.reply_requested
+                or (advanced and now >= next_status - c.STATUS_INTERVAL_S + STATUS_MIN_INTERVAL_S)
+            ):
                 self._send_status(sess)
                 next_status = now + c.STATUS_INTERVAL_S
 

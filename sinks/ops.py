@@ -37,14 +37,14 @@ import heapq
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
+import psycopg
 from confluent_kafka import (
-    OFFSET_INVALID,
     Consumer,
     ConsumerGroupTopicPartitions,
     KafkaError,
@@ -54,6 +54,8 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 
 from cdc.constants import HEADER_LSN
+from cdc.errors import CdcError
+from cdc.ops import SlotStatus, slot_status
 from cdc.replproto import str_to_lsn
 from cdc.settings import Settings
 from sinks.delivery import Envelope
@@ -80,6 +82,7 @@ _IDLE_GROUP_STATES = frozenset({"EMPTY", "DEAD"})
 
 #: (topic, partition)
 TP = tuple[str, int]
+_T = TypeVar("_T")
 #: progress(phase, done, total): phases ``scan`` and ``deliver``; total may be None.
 ProgressFn = Callable[[str, int, int | None], None]
 
@@ -139,9 +142,7 @@ def parse_iso_duration_s(text: str) -> float:
         )
     match = _DURATION.fullmatch(raw)
     if match is None or raw in {"P", "PT"} or raw.endswith("T"):
-        raise OpsUsageError(
-            f"not an ISO-8601 duration: {text!r} (e.g. PT15M, PT1H30M, P1D, P1W)"
-        )
+        raise OpsUsageError(f"not an ISO-8601 duration: {text!r} (e.g. PT15M, PT1H30M, P1D, P1W)")
     return float(
         sum(
             float(value.replace(",", ".")) * _DURATION_UNIT_S[unit]
@@ -160,8 +161,7 @@ def parse_datetime_ms(text: str) -> int:
             f"not an ISO-8601 date-time: {text!r} (e.g. 2024-05-01T10:00:00+02:00)"
         ) from exc
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=datetime.now().astimezone().tzinfo).astimezone()
-        moment = datetime.fromisoformat(text.strip() + "+00:00")
+        moment = moment.replace(tzinfo=UTC)
     return int(moment.timestamp() * 1000)
 
 
@@ -369,6 +369,24 @@ class ReplaySpec:
 
     kind: ReplayKind
     value: int = 0
+
+    @classmethod
+    def from_option(cls, kind: ReplayKind, raw: str | None = None) -> ReplaySpec:
+        """The spec of one CLI option and its text (``PT15M``, ``-100``, an ISO time)."""
+        if kind in (ReplayKind.EARLIEST, ReplayKind.LATEST):
+            return cls(kind=kind)
+        text = (raw or "").strip()
+        if kind is ReplayKind.DATETIME:
+            return cls(kind=kind, value=parse_datetime_ms(text))
+        if kind is ReplayKind.DURATION:
+            return cls(kind=kind, value=round(parse_iso_duration_s(text) * 1000))
+        try:
+            number = int(text)
+        except ValueError as exc:
+            raise OpsUsageError(f"--{kind.value} {text!r}: not an integer") from exc
+        if kind is ReplayKind.OFFSET and number < 0:
+            raise OpsUsageError(f"--to-offset {number}: offsets are not negative")
+        return cls(kind=kind, value=number)
 
     def timestamp_ms(self, *, now_ms: int) -> int | None:
         """The time a DATETIME/DURATION target resolves to; ``None`` for the others."""
@@ -835,6 +853,72 @@ def _first_timestamps(
     return found
 
 
+@dataclass(frozen=True, kw_only=True)
+class PipelineLag:
+    """``outbox-cdc lag``: the group's partitions, the slot, the parking lot, at one moment.
+
+    ``slot`` / ``parking`` are ``None`` when ``CDC_PG_DSN`` is not set or they
+    could not be read; ``problems`` then says why (a missing DSN is no problem).
+    """
+
+    group: str
+    at_ms: int
+    partitions: tuple[PartitionLag, ...]
+    slot: SlotStatus | None
+    parking: dict[str, int] | None
+    problems: tuple[str, ...] = ()
+
+    @property
+    def totals(self) -> LagTotals:
+        return lag_totals(self.partitions)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "group": self.group,
+            "at_ms": self.at_ms,
+            "totals": self.totals.as_json(),
+            "partitions": [p.as_json() for p in self.partitions],
+            "slot": dict(self.slot) if self.slot is not None else None,
+            "parking_lot": self.parking,
+            "problems": list(self.problems),
+        }
+
+
+def pipeline_lag(
+    settings: Settings,
+    *,
+    group: str | None = None,
+    topics: Sequence[TopicSelection] | None = None,
+) -> PipelineLag:
+    """Group lag (:func:`group_lag`) plus the slot's WAL lag and the parking-lot counts."""
+    group = group or settings.sink_group_id
+    partitions = group_lag(settings, group=group, topics=topics)
+    at = now_ms()
+    if not settings.pg_dsn:
+        return PipelineLag(
+            group=group, at_ms=at, partitions=tuple(partitions), slot=None, parking=None
+        )
+    problems: list[str] = []
+    slot: SlotStatus | None = None
+    parking: dict[str, int] | None = None
+    try:
+        slot = slot_status(settings)
+    except CdcError as exc:
+        problems.append(f"slot {settings.slot}: {exc}")
+    try:
+        parking = parking_counts(settings)
+    except (OSError, psycopg.Error) as exc:
+        problems.append(f"parking lot: {exc}")
+    return PipelineLag(
+        group=group,
+        at_ms=at,
+        partitions=tuple(partitions),
+        slot=slot,
+        parking=parking,
+        problems=tuple(problems),
+    )
+
+
 # --- replay ----------------------------------------------------------------------------------
 
 
@@ -966,18 +1050,20 @@ def redeliver(
     *,
     event_ids: Iterable[str] | None = None,
     key: str | None = None,
-    since: datetime | None = None,
+    since_ms: int | None = None,
     topics: Sequence[TopicSelection] | None = None,
     progress: ProgressFn | None = None,
 ) -> RedeliveryReport:
     """Find the chosen records in Kafka and deliver each to the engine again.
 
     By event id (``id`` header) or by key (every record with that key, commit
-    order). The scan starts at ``offsets_for_times(since)`` or the beginning and
+    order). The scan starts at ``offsets_for_times(since_ms)`` (epoch ms) or the beginning and
     ends at the end offsets seen when it starts. No group offset moves.
     """
     selector = RedeliverySelector.of(event_ids=event_ids, key=key)
-    records, scanned = _find(settings, selector, since=since, topics=topics, progress=progress)
+    records, scanned = _find(
+        settings, selector, since_ms=since_ms, topics=topics, progress=progress
+    )
     found = {r.event_id for r in records}
     missing = tuple(sorted(selector.event_ids - found))
     items = asyncio.run(_send_all(settings, records, progress=progress))
@@ -988,7 +1074,7 @@ def _find(
     settings: Settings,
     selector: RedeliverySelector,
     *,
-    since: datetime | None,
+    since_ms: int | None,
     topics: Sequence[TopicSelection] | None,
     progress: ProgressFn | None,
 ) -> tuple[list[Envelope], int]:
@@ -997,8 +1083,8 @@ def _find(
         tps = kafka.partitions(topics)
         marks = kafka.watermarks(tps)
         starts = {tp: low for tp, (low, _high) in marks.items()}
-        if since is not None:
-            by_time = kafka.offsets_for_time(tps, int(since.timestamp() * 1000))
+        if since_ms is not None:
+            by_time = kafka.offsets_for_time(tps, since_ms)
             starts = {tp: _scan_start(by_time.get(tp), marks[tp]) for tp in tps}
         ends = {tp: high for tp, (_low, high) in marks.items()}
         total = sum(max(0, ends[tp] - starts[tp]) for tp in tps)
@@ -1083,9 +1169,7 @@ def parking_counts(settings: Settings) -> dict[str, int]:
     return asyncio.run(_with_lot(settings, lambda lot: lot.counts()))
 
 
-def retry_parked(
-    settings: Settings, *, ids: Sequence[int] | None, retry_all: bool
-) -> RetrySummary:
+def retry_parked(settings: Settings, *, ids: Sequence[int] | None, retry_all: bool) -> RetrySummary:
     """Retry chosen rows (or every open row, up to 100) exactly as the admin API does."""
     if not ids and not retry_all:
         raise OpsUsageError("give parked event ids or retry_all")
@@ -1098,11 +1182,10 @@ def retry_parked(
     return asyncio.run(_with_lot(settings, run))
 
 
-async def _with_lot[T](settings: Settings, use: Callable[[ParkingLot], Any]) -> T:
+async def _with_lot(settings: Settings, use: Callable[[ParkingLot], Awaitable[_T]]) -> _T:
     lot = ParkingLot(settings.require("pg_dsn").pg_dsn)
     try:
-        result: T = await use(lot)
-        return result
+        return await use(lot)
     finally:
         await lot.close()
 
@@ -1118,6 +1201,7 @@ __all__ = [
     "Outcome",
     "PartitionLag",
     "PartitionPlan",
+    "PipelineLag",
     "Redelivery",
     "RedeliveryReport",
     "RedeliverySelector",
@@ -1134,10 +1218,9 @@ __all__ = [
     "parking_counts",
     "parse_iso_duration_s",
     "parse_topic_spec",
+    "pipeline_lag",
     "plan_replay",
     "redeliver",
     "replay_target",
     "retry_parked",
 ]
-
-_unused = field  # keep dataclasses.field importable for subclasses' defaults

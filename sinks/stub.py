@@ -722,16 +722,24 @@ class StubServer:
 
     # --- the control API over HTTP (thread-safe: the state stays on the server's loop)
 
-    def control(self, method: str, path: str, body: object = None, **query: str) -> Any:
+    def control(
+        self,
+        method: str,
+        endpoint: str,
+        body: object = None,
+        *,
+        query: Mapping[str, str] | None = None,
+    ) -> Any:
         """Call the control API; the decoded JSON answer (raises on non-2xx)."""
         with httpx.Client(base_url=self.url, timeout=STARTUP_TIMEOUT_S) as client:
-            response = client.request(method, path, json=body, params=query or None)
+            response = client.request(method, endpoint, json=body, params=query)
         response.raise_for_status()
         return response.json()
 
-    def applied(self, **filters: str) -> dict[str, Any]:
-        """``GET /_stub/applied`` with ``user_id`` / ``path`` / ``event_id`` / ``since`` filters."""
-        result: dict[str, Any] = self.control("GET", "/_stub/applied", **filters)
+    def applied(self, **filters: str | int) -> dict[str, Any]:
+        """``GET /_stub/applied`` filtered by user_id, path, event_id, since, limit."""
+        query = {k: str(v) for k, v in filters.items()}
+        result: dict[str, Any] = self.control("GET", "/_stub/applied", query=query)
         return result
 
     def stats(self) -> dict[str, Any]:

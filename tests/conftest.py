@@ -91,6 +91,11 @@ def services() -> Services:
     dsn = os.environ.get("CDC_PG_DSN")
     kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if dsn and kafka:
+        local = ROOT / ".dev" / "env"
+        if local.exists():
+            env = _read_env_file(local)
+            if (env.get("CDC_PG_DSN"), env.get("KAFKA_BOOTSTRAP_SERVERS")) == (dsn, kafka):
+                return Services(dsn, kafka, "local-stack")
         return Services(dsn, kafka, "env")
     found = _local_stack() or _testcontainers()
     if found is None:

@@ -187,7 +187,9 @@ def test_envelope_from_a_confluent_kafka_message() -> None:
     assert env.event_id == "e-9"
     assert env.headers["traceparent"] == b""
     assert env.timestamp_ms == 1_700_000_000_000
-    no_ts = SimpleNamespace(**{**vars(message), "timestamp": lambda: (0, -1), "headers": lambda: None})
+    no_ts = SimpleNamespace(
+        **{**vars(message), "timestamp": lambda: (0, -1), "headers": lambda: None}
+    )
     assert Envelope.from_kafka(no_ts).timestamp_ms is None
     assert headers_dict(None) == {}
 

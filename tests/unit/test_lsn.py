@@ -180,11 +180,21 @@ def test_close_twice_or_of_unknown_transaction_raises() -> None:
         tracker.close(99, 120)
 
 
-def test_close_with_end_lsn_not_after_the_id_raises() -> None:
+def test_close_with_end_lsn_below_the_id_raises() -> None:
     tracker = LsnTracker(0)
     tracker.open(10)
     with pytest.raises(ValueError, match="end LSN"):
-        tracker.close(10, 10)
+        tracker.close(10, 9)
+
+
+def test_single_position_pseudo_transaction_confirms_its_position_once_acked() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(40)  # e.g. a non-transactional message at LSN 40, dead-lettered
+    tracker.add(40)
+    tracker.close(40, 40)
+    assert tracker.confirmable == 0
+    tracker.ack(40)
+    assert tracker.confirmable == 40
 
 
 def test_negative_start_lsn_raises() -> None:

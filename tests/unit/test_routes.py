@@ -73,7 +73,9 @@ def test_unknown_event_type_is_unroutable_and_names_the_type() -> None:
         (None, "tombstone"),
     ],
 )
-def test_malformed_payload_is_unroutable_with_the_reason(payload: bytes | None, reason: str) -> None:
+def test_malformed_payload_is_unroutable_with_the_reason(
+    payload: bytes | None, reason: str
+) -> None:
     for event_type in ("UserRegistered", "QuizAttemptSubmitted"):
         with pytest.raises(Unroutable, match=reason):
             route(event_type, payload)

@@ -1,0 +1,209 @@
+"""Relay fault tests: kill -9, Kafka outage beyond wal_sender_timeout,
+PostgreSQL restart, hot-standby takeover. Every event id must reach Kafka.
+
+These drive the local stack (compose/stack.sh) and so need it: against
+externally provided services they fail in CI and skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cdc.replproto import str_to_lsn
+from tests.conftest import IN_CI, Services
+from tests.harness import (
+    Proc,
+    RelayConfig,
+    headers_of,
+    http_status,
+    read_topics,
+    stack,
+    start_relay,
+    wait_for_ready,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+
+@pytest.fixture(autouse=True)
+def local_stack(services: Services) -> None:
+    if services.origin != "local-stack":
+        msg = "fault tests stop and start services: they need the local stack"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+@pytest.fixture
+def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
+    config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=4)
+    yield config
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+                     " WHERE slot_name = %s AND NOT active", (config.slot,))
+
+
+def _bulk(dsn: str, aggregate: str, total: int, *, per_tx: int = 500, start: int = 0) -> None:
+    """``total`` events of ``aggregate`` over 200 keys, ``per_tx`` per transaction."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for first in range(start, start + total, per_tx):
+            conn.execute(
+                "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+                " SELECT %s, 'k' || (i %% 200), 'Bulk', jsonb_build_object('seq', i)"
+                " FROM generate_series(%s::int, %s::int) AS i",
+                (aggregate, first, min(first + per_tx, start + total) - 1))
+
+
+def _expected_ids(dsn: str, aggregate: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT id::text FROM outbox WHERE aggregatetype = %s",
+                            (aggregate,)).fetchall()
+    return {r[0] for r in rows}
+
+
+def _relayed(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(m) for m in re.findall(r"^outbox_relay_events_total\{[^}]*\} (\S+)$",
+                                             text, re.M))
+
+
+def _confirmed(dsn: str, slot: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
+                           " WHERE slot_name = %s", (slot,)).fetchone()
+    assert row is not None
+    return str_to_lsn(row[0])
+
+
+def _assert_all_arrived(cfg: RelayConfig, aggregate: str, expected: set[str],
+                        record_property: object) -> Counter[str]:
+    msgs = read_topics(cfg.kafka, [cfg.topic_prefix + aggregate], expect=len(expected),
+                       timeout_s=240)
+    seen = Counter(headers_of(m)["id"].decode() for m in msgs)
+    missing = expected - set(seen)
+    duplicates = sum(n - 1 for n in seen.values())
+    print(f"\n{aggregate}: {len(expected)} events, {len(msgs)} records, {duplicates} duplicates")
+    record_property("duplicates", duplicates)  # type: ignore[operator]
+    assert not missing, f"{len(missing)} events never reached Kafka"
+    return seen
+
+
+def test_kill_9_mid_stream_then_restart_loses_no_event(
+    cfg: RelayConfig, tmp_path: Path, record_property: object
+) -> None:
+    relay, port = start_relay(cfg, tmp_path)
+    try:
+        _bulk(cfg.db_dsn, "crash", 50_000)
+        wait_until(lambda: _relayed(port) >= 5_000, 120, "5,000 events relayed")
+        relay.kill()
+        relayed_before_kill = _relayed_safe(port)
+        assert relayed_before_kill is None, "the killed relay still answers"
+        again, _ = start_relay(cfg, tmp_path, name="relay-restarted")
+        try:
+            _assert_all_arrived(cfg, "crash", _expected_ids(cfg.db_dsn, "crash"),
+                                record_property)
+        finally:
+            again.close()
+    finally:
+        relay.close()
+
+
+def _relayed_safe(port: int) -> float | None:
+    try:
+        return _relayed(port)
+    except OSError:
+        return None
+
+
+@pytest.fixture
+def short_wal_sender_timeout(db_dsn: str) -> Iterator[None]:
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET wal_sender_timeout = '5s'")
+        conn.execute("SELECT pg_reload_conf()")
+    yield
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM RESET wal_sender_timeout")
+        conn.execute("SELECT pg_reload_conf()")
+
+
+def test_kafka_outage_longer_than_wal_sender_timeout_loses_nothing_and_never_confirms_early(
+    cfg: RelayConfig, tmp_path: Path, short_wal_sender_timeout: None, record_property: object
+) -> None:
+    relay, port = start_relay(cfg, tmp_path)
+    try:
+        _bulk(cfg.db_dsn, "outage", 2_000)
+        wait_until(lambda: _relayed(port) >= 2_000, 60, "first events relayed")
+        stack("kill", "kafka")
+        try:
+            with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+                boundary = str_to_lsn(conn.execute("SELECT pg_current_wal_lsn()::text")
+                                      .fetchone()[0])
+            samples = []
+            deadline = time.monotonic() + 15  # three times wal_sender_timeout
+            seq = 2_000
+            while time.monotonic() < deadline:
+                _bulk(cfg.db_dsn, "outage", 500, start=seq)
+                seq += 500
+                samples.append(_confirmed(cfg.db_dsn, cfg.slot))
+                time.sleep(0.5)
+            assert relay.alive(), f"relay died during the outage:\n{relay.log_tail()}"
+            assert max(samples) <= boundary, (
+                "confirmed_flush_lsn passed events Kafka never acknowledged")
+        finally:
+            stack("up", "kafka")
+        _assert_all_arrived(cfg, "outage", _expected_ids(cfg.db_dsn, "outage"),
+                            record_property)
+        assert relay.alive()
+        log = relay.log_path.read_text()
+        assert log.count("relay session ended") <= 3, "reconnect storm during the outage"
+    finally:
+        relay.close()
+
+
+def test_postgres_restart_relay_reconnects_and_resumes(
+    cfg: RelayConfig, tmp_path: Path, record_property: object
+) -> None:
+    relay, port = start_relay(cfg, tmp_path)
+    try:
+        _bulk(cfg.db_dsn, "pgrestart", 1_000)
+        wait_until(lambda: _relayed(port) >= 1_000, 60, "events before the restart")
+        stack("down", "pg")
+        time.sleep(2)
+        stack("up", "pg")
+        _bulk(cfg.db_dsn, "pgrestart", 1_000, start=1_000)
+        wait_for_ready(relay, port, timeout_s=90)
+        _assert_all_arrived(cfg, "pgrestart", _expected_ids(cfg.db_dsn, "pgrestart"),
+                            record_property)
+        assert relay.alive()
+    finally:
+        relay.close()
+
+
+def test_standby_takes_over_when_the_active_relay_is_killed(
+    cfg: RelayConfig, tmp_path: Path, record_property: object
+) -> None:
+    active, _ = start_relay(cfg, tmp_path, name="active")
+    standby: Proc | None = None
+    try:
+        standby, standby_port = start_relay(cfg, tmp_path, name="standby", wait_ready=False)
+        wait_until(lambda: http_status(f"http://127.0.0.1:{standby_port}/readyz") == 503
+                   and "standby" in standby.log_tail(), 60, "standby to wait")
+        _bulk(cfg.db_dsn, "ha", 1_000)
+        active.kill()
+        _bulk(cfg.db_dsn, "ha", 1_000, start=1_000)
+        wait_for_ready(standby, standby_port, timeout_s=60)
+        _assert_all_arrived(cfg, "ha", _expected_ids(cfg.db_dsn, "ha"), record_property)
+    finally:
+        active.close()
+        if standby is not None:
+            standby.close()
