@@ -398,17 +398,19 @@ class Relay:
             # A non-transactional outbox message: never atomic with business
             # data, so it is dead-lettered rather than published.
             tx = TxContext(lsn_to_str(msg.lsn), int(time.time() * 1_000_000))
-            sess.tracker.open(msg.lsn)
+            # msg.lsn is the record's end; a following commit may start there,
+            # so the pseudo-transaction's id sits just below it.
+            sess.tracker.open(msg.lsn - 1)
             self._dead_letter_route(
                 sess,
-                msg.lsn,
+                msg.lsn - 1,
                 tx,
                 RouteError(
                     "non-transactional outbox message (use pg_logical_emit_message(true, ...))",
                     raw=bytes(msg.content),
                 ),
             )
-            sess.tracker.close(msg.lsn, msg.lsn)
+            sess.tracker.close(msg.lsn - 1, msg.lsn)
             return
         try:
             record = route_message(

@@ -65,7 +65,10 @@ class Proc:
         self._log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cdc.cli", *self.args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
         )
         return self
 
@@ -123,24 +126,30 @@ class RelayConfig:
         return f"t{self.unique}.dlq"
 
     def env(self, http_port: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("CDC_", "KAFKA_", "SINK_", "ENGINE_", "OUTBOX_"))}
-        env.update({
-            "CDC_PG_DSN": self.db_dsn,
-            "KAFKA_BOOTSTRAP_SERVERS": self.kafka,
-            "CDC_SLOT": self.slot,
-            "CDC_TOPIC_PREFIX": self.topic_prefix,
-            "CDC_DLQ_TOPIC": self.dlq_topic,
-            "CDC_TOPIC_PARTITIONS": str(self.partitions),
-            "CDC_RELAY_HTTP_PORT": str(http_port),
-            "LOG_LEVEL": "INFO",
-        })
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("CDC_", "KAFKA_", "SINK_", "ENGINE_", "OUTBOX_"))
+        }
+        env.update(
+            {
+                "CDC_PG_DSN": self.db_dsn,
+                "KAFKA_BOOTSTRAP_SERVERS": self.kafka,
+                "CDC_SLOT": self.slot,
+                "CDC_TOPIC_PREFIX": self.topic_prefix,
+                "CDC_DLQ_TOPIC": self.dlq_topic,
+                "CDC_TOPIC_PARTITIONS": str(self.partitions),
+                "CDC_RELAY_HTTP_PORT": str(http_port),
+                "LOG_LEVEL": "INFO",
+            }
+        )
         env.update(self.extra)
         return env
 
 
-def start_relay(cfg: RelayConfig, tmp: Path, *, name: str = "relay",
-                wait_ready: bool = True) -> tuple[Proc, int]:
+def start_relay(
+    cfg: RelayConfig, tmp: Path, *, name: str = "relay", wait_ready: bool = True
+) -> tuple[Proc, int]:
     port = free_port()
     proc = Proc(["relay"], cfg.env(port), tmp / f"{name}.log").start()
     if wait_ready:
@@ -165,18 +174,27 @@ def topics_with_prefix(kafka: str, prefix: str) -> list[str]:
     return sorted(t for t in admin.list_topics(timeout=15).topics if t.startswith(prefix))
 
 
-def read_topics(kafka: str, topics: Iterable[str], *, expect: int, timeout_s: float = 120.0,
-                idle_s: float = 3.0) -> list:  # type: ignore[type-arg]
+def read_topics(
+    kafka: str, topics: Iterable[str], *, expect: int, timeout_s: float = 120.0, idle_s: float = 3.0
+) -> list:  # type: ignore[type-arg]
     """Every record of ``topics`` from the beginning, waiting until at least
     ``expect`` arrived (then ``idle_s`` more to catch surplus duplicates)."""
-    consumer = Consumer({
-        "bootstrap.servers": kafka, "group.id": "reader-unused",
-        "enable.auto.commit": False, "enable.partition.eof": False,
-    })
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka,
+            "group.id": "reader-unused",
+            "enable.auto.commit": False,
+            "enable.partition.eof": False,
+        }
+    )
     topics = list(topics)
     try:
-        wait_until(lambda: all(t in consumer.list_topics(timeout=15).topics for t in topics),
-                   timeout_s, f"topics {topics}", interval_s=0.3)
+        wait_until(
+            lambda: all(t in consumer.list_topics(timeout=15).topics for t in topics),
+            timeout_s,
+            f"topics {topics}",
+            interval_s=0.3,
+        )
         meta = consumer.list_topics(timeout=15)
         parts = [TopicPartition(t, p, 0) for t in topics for p in meta.topics[t].partitions]
         consumer.assign(parts)
@@ -204,8 +222,7 @@ def headers_of(msg) -> dict[str, bytes]:  # type: ignore[no-untyped-def]
 
 def stack(*args: str) -> None:
     """Drive the local stack (fault tests): e.g. stack('kill', 'kafka')."""
-    subprocess.run(["bash", str(ROOT / "compose" / "stack.sh"), *args], check=True,
-                   timeout=300)
+    subprocess.run(["bash", str(ROOT / "compose" / "stack.sh"), *args], check=True, timeout=300)
 
 
 def env_without(env: Mapping[str, str], *prefixes: str) -> dict[str, str]:
@@ -229,15 +246,17 @@ class SinkConfig:
 
     def env(self, http_port: int) -> dict[str, str]:
         env = self.relay.env(free_port())
-        env.update({
-            "SINK_GROUP_ID": self.group,
-            "SINK_HTTP_PORT": str(http_port),
-            "ENGINE_BASE_URL": self.engine_url,
-            "INTERNAL_API_KEY": self.api_key,
-            "ADMIN_API_TOKEN": self.admin_token,
-            "OUTBOX_SCHEDULER_ENABLED": "true" if self.scheduler else "false",
-            "SINK_BACKOFF_MAX_S": "2",
-        })
+        env.update(
+            {
+                "SINK_GROUP_ID": self.group,
+                "SINK_HTTP_PORT": str(http_port),
+                "ENGINE_BASE_URL": self.engine_url,
+                "INTERNAL_API_KEY": self.api_key,
+                "ADMIN_API_TOKEN": self.admin_token,
+                "OUTBOX_SCHEDULER_ENABLED": "true" if self.scheduler else "false",
+                "SINK_BACKOFF_MAX_S": "2",
+            }
+        )
         env.update(self.extra)
         return env
 

@@ -58,14 +58,14 @@ def test_an_edited_applied_migration_is_refused(empty_db_dsn: str, tmp_path: Pat
     migrate(empty_db_dsn, directory=tmp_path)
     target = tmp_path / "002_domain.sql"
     target.write_text(target.read_text() + "\n-- edited\n")
-    with pytest.raises(MigrationError, match="002_domain.sql"):
+    with pytest.raises(MigrationError, match=r"002_domain\.sql"):
         migrate(empty_db_dsn, directory=tmp_path)
 
 
 def test_a_failing_migration_leaves_nothing_of_itself(empty_db_dsn: str, tmp_path: Path) -> None:
     (tmp_path / "001_ok.sql").write_text("CREATE TABLE t_ok (id int);")
     (tmp_path / "002_bad.sql").write_text("CREATE TABLE t_bad (id int); SELECT no_such_fn();")
-    with pytest.raises(MigrationError, match="002_bad.sql"):
+    with pytest.raises(MigrationError, match=r"002_bad\.sql"):
         migrate(empty_db_dsn, directory=tmp_path)
     assert "t_ok" in _tables(empty_db_dsn)
     assert "t_bad" not in _tables(empty_db_dsn)

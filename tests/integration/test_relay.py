@@ -22,7 +22,6 @@ from tests.harness import (
     headers_of,
     read_topics,
     start_relay,
-    topics_with_prefix,
     wait_until,
 )
 
@@ -36,7 +35,9 @@ def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]
     with psycopg.connect(db_dsn, autocommit=True) as conn:
         conn.execute(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-            " WHERE slot_name = %s AND NOT active", (config.slot,))
+            " WHERE slot_name = %s AND NOT active",
+            (config.slot,),
+        )
 
 
 @pytest.fixture
@@ -48,8 +49,10 @@ def relay(cfg: RelayConfig, tmp_path: Path) -> Iterator[Proc]:
 
 def _slot_confirmed(dsn: str, slot: str) -> int:
     with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
-                           " WHERE slot_name = %s", (slot,)).fetchone()
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (slot,),
+        ).fetchone()
     assert row is not None
     return str_to_lsn(row[0])
 
@@ -64,9 +67,11 @@ def test_committed_events_arrive_once_with_the_record_contract(
             register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="Rolled")
             raise RuntimeError("roll back")
         commit_ts = conn.execute(
-            "SELECT created_at FROM outbox WHERE id = %s", (user.event_id,)).fetchone()
-    msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "user", cfg.topic_prefix + "quiz_attempt"],
-                       expect=2)
+            "SELECT created_at FROM outbox WHERE id = %s", (user.event_id,)
+        ).fetchone()
+    msgs = read_topics(
+        cfg.kafka, [cfg.topic_prefix + "user", cfg.topic_prefix + "quiz_attempt"], expect=2
+    )
     assert len(msgs) == 2
     by_id = {headers_of(m)["id"].decode(): m for m in msgs}
     assert set(by_id) == {str(user.event_id), str(attempt.event_id)}
@@ -96,8 +101,13 @@ def test_logical_message_events_are_routed_like_rows_with_traceparent(
     cfg: RelayConfig, relay: Proc
 ) -> None:
     trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    event = OutboxEvent(aggregate_type="user", aggregate_id="agg-7", event_type="UserRegistered",
-                        payload={"user_id": "agg-7"}, traceparent=trace)
+    event = OutboxEvent(
+        aggregate_type="user",
+        aggregate_id="agg-7",
+        event_type="UserRegistered",
+        payload={"user_id": "agg-7"},
+        traceparent=trace,
+    )
     with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
         emit_event(conn, event)
     msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "user"], expect=1)
@@ -120,8 +130,15 @@ def test_per_key_order_holds_over_ten_thousand_events_and_multi_event_transactio
             with conn.transaction():
                 for j in range(100):
                     key = keys[(batch * 7 + j) % len(keys)]
-                    write_event(conn, OutboxEvent(aggregate_type="order", aggregate_id=key,
-                                                  event_type="Seq", payload={"seq": seq}))
+                    write_event(
+                        conn,
+                        OutboxEvent(
+                            aggregate_type="order",
+                            aggregate_id=key,
+                            event_type="Seq",
+                            payload={"seq": seq},
+                        ),
+                    )
                     expected[key].append(seq)
                     seq += 1
     msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "order"], expect=seq, timeout_s=180)
@@ -137,10 +154,15 @@ def test_per_key_order_holds_over_ten_thousand_events_and_multi_event_transactio
 def test_oversize_payload_is_dead_lettered_and_later_events_flow(
     cfg: RelayConfig, relay: Proc
 ) -> None:
-    big = OutboxEvent(aggregate_type="blob", aggregate_id="b1", event_type="Huge",
-                      payload={"data": "x" * 1_500_000})
-    after = OutboxEvent(aggregate_type="blob", aggregate_id="b1", event_type="Small",
-                        payload={"n": 1})
+    big = OutboxEvent(
+        aggregate_type="blob",
+        aggregate_id="b1",
+        event_type="Huge",
+        payload={"data": "x" * 1_500_000},
+    )
+    after = OutboxEvent(
+        aggregate_type="blob", aggregate_id="b1", event_type="Small", payload={"n": 1}
+    )
     with psycopg.connect(cfg.db_dsn) as conn:
         with conn.transaction():
             write_event(conn, big)
@@ -157,9 +179,7 @@ def test_oversize_payload_is_dead_lettered_and_later_events_flow(
     assert json.loads(dead[0].value())["original_size"] > 1_000_000
 
 
-def test_malformed_event_is_dead_lettered_with_its_reason(
-    cfg: RelayConfig, relay: Proc
-) -> None:
+def test_malformed_event_is_dead_lettered_with_its_reason(cfg: RelayConfig, relay: Proc) -> None:
     with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
         conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json at all')")
     dead = read_topics(cfg.kafka, [cfg.dlq_topic], expect=1)
@@ -175,10 +195,15 @@ def test_idle_outbox_does_not_pin_wal_while_other_tables_write(
         conn.execute("CREATE TABLE IF NOT EXISTS noise (id serial, pad text)")
         start = _slot_confirmed(cfg.db_dsn, cfg.slot)
         for _ in range(20):
-            conn.execute("INSERT INTO noise (pad) SELECT repeat('x', 500) FROM generate_series(1, 200)")
+            conn.execute(
+                "INSERT INTO noise (pad) SELECT repeat('x', 500) FROM generate_series(1, 200)"
+            )
         written = str_to_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
-    wait_until(lambda: _slot_confirmed(cfg.db_dsn, cfg.slot) >= written, 30,
-               "confirmed_flush_lsn to pass the noise")
+    wait_until(
+        lambda: _slot_confirmed(cfg.db_dsn, cfg.slot) >= written,
+        30,
+        "confirmed_flush_lsn to pass the noise",
+    )
     assert _slot_confirmed(cfg.db_dsn, cfg.slot) > start
 
 
@@ -186,8 +211,10 @@ def test_sigterm_exits_zero_within_seconds_and_loses_nothing(
     cfg: RelayConfig, relay: Proc, tmp_path: Path
 ) -> None:
     with psycopg.connect(cfg.db_dsn) as conn:
-        ids = [register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="S").event_id
-               for _ in range(300)]
+        ids = [
+            register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="S").event_id
+            for _ in range(300)
+        ]
     started = time.monotonic()
     assert relay.terminate(timeout_s=20) == 0
     assert time.monotonic() - started < 20

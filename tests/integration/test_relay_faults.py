@@ -48,8 +48,11 @@ def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]
     config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=4)
     yield config
     with psycopg.connect(db_dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-                     " WHERE slot_name = %s AND NOT active", (config.slot,))
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+            " WHERE slot_name = %s AND NOT active",
+            (config.slot,),
+        )
 
 
 def _bulk(dsn: str, aggregate: str, total: int, *, per_tx: int = 500, start: int = 0) -> None:
@@ -60,35 +63,42 @@ def _bulk(dsn: str, aggregate: str, total: int, *, per_tx: int = 500, start: int
                 "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
                 " SELECT %s, 'k' || (i %% 200), 'Bulk', jsonb_build_object('seq', i)"
                 " FROM generate_series(%s::int, %s::int) AS i",
-                (aggregate, first, min(first + per_tx, start + total) - 1))
+                (aggregate, first, min(first + per_tx, start + total) - 1),
+            )
 
 
 def _expected_ids(dsn: str, aggregate: str) -> set[str]:
     with psycopg.connect(dsn) as conn:
-        rows = conn.execute("SELECT id::text FROM outbox WHERE aggregatetype = %s",
-                            (aggregate,)).fetchall()
+        rows = conn.execute(
+            "SELECT id::text FROM outbox WHERE aggregatetype = %s", (aggregate,)
+        ).fetchall()
     return {r[0] for r in rows}
 
 
 def _relayed(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return sum(float(m) for m in re.findall(r"^outbox_relay_events_total\{[^}]*\} (\S+)$",
-                                             text, re.M))
+    return sum(
+        float(m) for m in re.findall(r"^outbox_relay_events_total\{[^}]*\} (\S+)$", text, re.M)
+    )
 
 
 def _confirmed(dsn: str, slot: str) -> int:
     with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots"
-                           " WHERE slot_name = %s", (slot,)).fetchone()
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (slot,),
+        ).fetchone()
     assert row is not None
     return str_to_lsn(row[0])
 
 
-def _assert_all_arrived(cfg: RelayConfig, aggregate: str, expected: set[str],
-                        record_property: object) -> Counter[str]:
-    msgs = read_topics(cfg.kafka, [cfg.topic_prefix + aggregate], expect=len(expected),
-                       timeout_s=240)
+def _assert_all_arrived(
+    cfg: RelayConfig, aggregate: str, expected: set[str], record_property: object
+) -> Counter[str]:
+    msgs = read_topics(
+        cfg.kafka, [cfg.topic_prefix + aggregate], expect=len(expected), timeout_s=240
+    )
     seen = Counter(headers_of(m)["id"].decode() for m in msgs)
     missing = expected - set(seen)
     duplicates = sum(n - 1 for n in seen.values())
@@ -110,8 +120,7 @@ def test_kill_9_mid_stream_then_restart_loses_no_event(
         assert relayed_before_kill is None, "the killed relay still answers"
         again, _ = start_relay(cfg, tmp_path, name="relay-restarted")
         try:
-            _assert_all_arrived(cfg, "crash", _expected_ids(cfg.db_dsn, "crash"),
-                                record_property)
+            _assert_all_arrived(cfg, "crash", _expected_ids(cfg.db_dsn, "crash"), record_property)
         finally:
             again.close()
     finally:
@@ -146,8 +155,9 @@ def test_kafka_outage_longer_than_wal_sender_timeout_loses_nothing_and_never_con
         stack("kill", "kafka")
         try:
             with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
-                boundary = str_to_lsn(conn.execute("SELECT pg_current_wal_lsn()::text")
-                                      .fetchone()[0])
+                boundary = str_to_lsn(
+                    conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
+                )
             samples = []
             deadline = time.monotonic() + 15  # three times wal_sender_timeout
             seq = 2_000
@@ -158,11 +168,11 @@ def test_kafka_outage_longer_than_wal_sender_timeout_loses_nothing_and_never_con
                 time.sleep(0.5)
             assert relay.alive(), f"relay died during the outage:\n{relay.log_tail()}"
             assert max(samples) <= boundary, (
-                "confirmed_flush_lsn passed events Kafka never acknowledged")
+                "confirmed_flush_lsn passed events Kafka never acknowledged"
+            )
         finally:
             stack("up", "kafka")
-        _assert_all_arrived(cfg, "outage", _expected_ids(cfg.db_dsn, "outage"),
-                            record_property)
+        _assert_all_arrived(cfg, "outage", _expected_ids(cfg.db_dsn, "outage"), record_property)
         assert relay.alive()
         log = relay.log_path.read_text()
         assert log.count("relay session ended") <= 3, "reconnect storm during the outage"
@@ -182,8 +192,9 @@ def test_postgres_restart_relay_reconnects_and_resumes(
         stack("up", "pg")
         _bulk(cfg.db_dsn, "pgrestart", 1_000, start=1_000)
         wait_for_ready(relay, port, timeout_s=90)
-        _assert_all_arrived(cfg, "pgrestart", _expected_ids(cfg.db_dsn, "pgrestart"),
-                            record_property)
+        _assert_all_arrived(
+            cfg, "pgrestart", _expected_ids(cfg.db_dsn, "pgrestart"), record_property
+        )
         assert relay.alive()
     finally:
         relay.close()
@@ -196,8 +207,14 @@ def test_standby_takes_over_when_the_active_relay_is_killed(
     standby: Proc | None = None
     try:
         standby, standby_port = start_relay(cfg, tmp_path, name="standby", wait_ready=False)
-        wait_until(lambda: http_status(f"http://127.0.0.1:{standby_port}/readyz") == 503
-                   and "standby" in standby.log_tail(), 60, "standby to wait")
+        wait_until(
+            lambda: (
+                http_status(f"http://127.0.0.1:{standby_port}/readyz") == 503
+                and "standby" in standby.log_tail()
+            ),
+            60,
+            "standby to wait",
+        )
         _bulk(cfg.db_dsn, "ha", 1_000)
         active.kill()
         _bulk(cfg.db_dsn, "ha", 1_000, start=1_000)

@@ -44,8 +44,11 @@ def relay_cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayC
     config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=4)
     yield config
     with psycopg.connect(db_dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-                     " WHERE slot_name = %s AND NOT active", (config.slot,))
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+            " WHERE slot_name = %s AND NOT active",
+            (config.slot,),
+        )
 
 
 @pytest.fixture
@@ -77,10 +80,21 @@ def _attempts(dsn: str, users: list[str], per_user: int, *, per_tx: int = 50) ->
         batch: list[OutboxEvent] = []
         for seq in range(per_user):
             for user in users:
-                payload = {"attempt_id": str(uuid.uuid4()), "user_id": user, "quiz_id": "q",
-                           "score": seq, "submitted_at": "2026-01-01T00:00:00+00:00"}
-                batch.append(OutboxEvent(aggregate_type="quiz_attempt", aggregate_id=user,
-                                         event_type="QuizAttemptSubmitted", payload=payload))
+                payload = {
+                    "attempt_id": str(uuid.uuid4()),
+                    "user_id": user,
+                    "quiz_id": "q",
+                    "score": seq,
+                    "submitted_at": "2026-01-01T00:00:00+00:00",
+                }
+                batch.append(
+                    OutboxEvent(
+                        aggregate_type="quiz_attempt",
+                        aggregate_id=user,
+                        event_type="QuizAttemptSubmitted",
+                        payload=payload,
+                    )
+                )
                 events.append({"event_id": str(batch[-1].event_id), **payload})
                 if len(batch) >= per_tx:
                     _flush(conn, batch)
@@ -117,11 +131,15 @@ def _parked(dsn: str, event_ids: list[str]) -> list[tuple]:  # type: ignore[type
         return conn.execute(
             "SELECT event_id, event_type, status, retry_count, last_error, outbox_event_id::text"
             " FROM failed_sync_events WHERE outbox_event_id::text = ANY(%s) ORDER BY event_id",
-            (event_ids,)).fetchall()
+            (event_ids,),
+        ).fetchall()
 
 
 def test_ten_thousand_events_over_two_hundred_users_applied_once_in_per_user_order(
-    relay_cfg: RelayConfig, relay: Proc, sink_cfg: SinkConfig, stub: StubServer,
+    relay_cfg: RelayConfig,
+    relay: Proc,
+    sink_cfg: SinkConfig,
+    stub: StubServer,
     tmp_path: Path,
 ) -> None:
     sink, _ = start_sink(sink_cfg, tmp_path)
@@ -147,7 +165,10 @@ def test_ten_thousand_events_over_two_hundred_users_applied_once_in_per_user_ord
 
 
 def test_engine_outage_and_error_bursts_spend_no_attempts_and_park_nothing(
-    relay_cfg: RelayConfig, relay: Proc, sink_cfg: SinkConfig, stub: StubServer,
+    relay_cfg: RelayConfig,
+    relay: Proc,
+    sink_cfg: SinkConfig,
+    stub: StubServer,
     tmp_path: Path,
 ) -> None:
     sink, _ = start_sink(sink_cfg, tmp_path)
@@ -158,8 +179,9 @@ def test_engine_outage_and_error_bursts_spend_no_attempts_and_park_nothing(
         during = _users(relay_cfg.db_dsn, 100)
         time.sleep(31)
         stub.add_faults({"path": "/api/internal/users/sync", "statuses": [500, 503, 500, 503]})
-        stub.add_faults({"path": "/api/internal/users/sync", "statuses": [429],
-                    "headers": {"Retry-After": "1"}})
+        stub.add_faults(
+            {"path": "/api/internal/users/sync", "statuses": [429], "headers": {"Retry-After": "1"}}
+        )
         stub.add_faults({"path": "/api/internal/users/sync", "statuses": [408, 408]})
         after = _users(relay_cfg.db_dsn, 100)
         ids = {e for _, e in first + during + after}
@@ -174,13 +196,26 @@ def test_engine_outage_and_error_bursts_spend_no_attempts_and_park_nothing(
 
 
 def test_poison_event_is_parked_with_reason_and_admin_retry_turns_it_done(
-    relay_cfg: RelayConfig, relay: Proc, sink_cfg: SinkConfig, stub: StubServer,
+    relay_cfg: RelayConfig,
+    relay: Proc,
+    sink_cfg: SinkConfig,
+    stub: StubServer,
     tmp_path: Path,
 ) -> None:
-    poison = OutboxEvent(aggregate_type="user", aggregate_id=str(uuid.uuid4()),
-                         event_type="UserRegistered", payload={"user_id": str(uuid.uuid4())})
-    stub.add_faults({"event_id": str(poison.event_id), "status": 400, "times": -1,
-                "body": {"error": "invalid_user"}})
+    poison = OutboxEvent(
+        aggregate_type="user",
+        aggregate_id=str(uuid.uuid4()),
+        event_type="UserRegistered",
+        payload={"user_id": str(uuid.uuid4())},
+    )
+    stub.add_faults(
+        {
+            "event_id": str(poison.event_id),
+            "status": 400,
+            "times": -1,
+            "body": {"error": "invalid_user"},
+        }
+    )
     sink, port = start_sink(sink_cfg, tmp_path)
     try:
         before = _users(relay_cfg.db_dsn, 20)
@@ -200,8 +235,11 @@ def test_poison_event_is_parked_with_reason_and_admin_retry_turns_it_done(
         auth = {"Authorization": f"Bearer {sink_cfg.admin_token}"}
         listed = httpx.get(admin, headers=auth).json()
         assert row[0] in [e["event_id"] for e in listed["data"]["events"]]
-        answer = httpx.post(f"{admin}/retry", headers=auth,
-                            json={"event_ids": [row[0], 999_999_999], "retry_all": False})
+        answer = httpx.post(
+            f"{admin}/retry",
+            headers=auth,
+            json={"event_ids": [row[0], 999_999_999], "retry_all": False},
+        )
         assert answer.status_code == 200
         body = answer.json()
         assert body["success"] is True
@@ -214,7 +252,10 @@ def test_poison_event_is_parked_with_reason_and_admin_retry_turns_it_done(
 
 
 def test_wrong_api_key_pauses_the_sink_reports_it_and_parks_nothing(
-    relay_cfg: RelayConfig, relay: Proc, sink_cfg: SinkConfig, stub: StubServer,
+    relay_cfg: RelayConfig,
+    relay: Proc,
+    sink_cfg: SinkConfig,
+    stub: StubServer,
     tmp_path: Path,
 ) -> None:
     sink_cfg.api_key = "wrong-key"
@@ -233,7 +274,9 @@ def test_wrong_api_key_pauses_the_sink_reports_it_and_parks_nothing(
 
 
 def test_admin_api_needs_a_token_validates_bodies_and_never_fails_with_500(
-    relay_cfg: RelayConfig, sink_cfg: SinkConfig, tmp_path: Path,
+    relay_cfg: RelayConfig,
+    sink_cfg: SinkConfig,
+    tmp_path: Path,
 ) -> None:
     sink, port = start_sink(sink_cfg, tmp_path)
     try:
@@ -243,19 +286,93 @@ def test_admin_api_needs_a_token_validates_bodies_and_never_fails_with_500(
         assert httpx.get(base, headers={"Authorization": "Bearer nope"}).status_code == 401
         assert httpx.get(base, headers=auth).status_code == 200
         assert httpx.post(f"{base}/retry", headers=auth, content=b"{not json").status_code == 422
-        assert httpx.post(f"{base}/retry", headers=auth,
-                          json={"event_ids": ["x"]}).status_code == 422
+        assert (
+            httpx.post(f"{base}/retry", headers=auth, json={"event_ids": ["x"]}).status_code == 422
+        )
         assert httpx.post(f"{base}/retry", headers=auth, json={}).status_code == 422
         unknown = httpx.post(f"{base}/retry", headers=auth, json={"event_ids": [123456789]})
         assert unknown.status_code == 200
         assert unknown.json()["data"]["processed_count"] == 0
         assert "123456789" in unknown.json()["message"]
         assert httpx.get(f"http://127.0.0.1:{port}/openapi.json").status_code == 200
-        assert "outbox_sink_delivered_total" in httpx.get(
-            f"http://127.0.0.1:{port}/metrics").text
+        assert "outbox_sink_delivered_total" in httpx.get(f"http://127.0.0.1:{port}/metrics").text
     finally:
         sink.close()
     assert "test-admin-token" not in sink.log_path.read_text()
     assert API_KEY not in sink.log_path.read_text()
 
 
+def test_quiz_attempt_of_a_user_unknown_to_the_engine_syncs_the_user_first(
+    relay_cfg: RelayConfig,
+    relay: Proc,
+    sink_cfg: SinkConfig,
+    stub: StubServer,
+    tmp_path: Path,
+) -> None:
+    user = str(uuid.uuid4())  # never registered: no UserRegistered event exists
+    attempts = _attempts(relay_cfg.db_dsn, [user], per_user=3)
+    sink, _ = start_sink(sink_cfg, tmp_path)
+    try:
+        _wait_applied(stub, {a["event_id"] for a in attempts}, 60, sink)
+    finally:
+        sink.close()
+    items = stub.applied(user_id=user)["items"]
+    assert items[0]["path"].endswith("users/sync"), "the user is synced before its attempts"
+    assert [i["body"]["score"] for i in items[1:]] == [0, 1, 2]
+
+
+def test_kill_9_of_the_sink_mid_stream_then_restart_applies_everything_once(
+    relay_cfg: RelayConfig,
+    relay: Proc,
+    sink_cfg: SinkConfig,
+    stub: StubServer,
+    tmp_path: Path,
+    record_property: object,
+) -> None:
+    stub.add_faults({"latency_ms": 2})
+    users = _users(relay_cfg.db_dsn, 100)
+    attempts = _attempts(relay_cfg.db_dsn, [u for u, _ in users], per_user=30)
+    ids = {e for _, e in users} | {a["event_id"] for a in attempts}
+    sink, _ = start_sink(sink_cfg, tmp_path)
+    wait_until(lambda: len(_applied_ids(stub)) >= 500, 60, "500 applied before the kill")
+    sink.kill()
+    sink.close()
+    again, _ = start_sink(sink_cfg, tmp_path, name="sink-restarted")
+    try:
+        _wait_applied(stub, ids, 180, again)
+    finally:
+        again.close()
+    ours = [i for i in stub.applied()["items"] if i["event_id"] in ids]
+    assert len(ours) == len(ids), "applied once: redeliveries were absorbed as duplicates"
+    duplicates = stub.stats()["duplicates"]
+    print(f"\nsink kill -9: {len(ids)} events, {duplicates} duplicate deliveries absorbed")
+    record_property("duplicates", duplicates)  # type: ignore[operator]
+
+
+def test_two_sink_instances_one_leaves_mid_stream_nothing_is_lost(
+    relay_cfg: RelayConfig,
+    relay: Proc,
+    sink_cfg: SinkConfig,
+    stub: StubServer,
+    tmp_path: Path,
+) -> None:
+    stub.add_faults({"latency_ms": 2})
+    first, _ = start_sink(sink_cfg, tmp_path, name="sink-a")
+    second, _ = start_sink(sink_cfg, tmp_path, name="sink-b")
+    try:
+        users = _users(relay_cfg.db_dsn, 100)
+        attempts = _attempts(relay_cfg.db_dsn, [u for u, _ in users], per_user=30)
+        ids = {e for _, e in users} | {a["event_id"] for a in attempts}
+        wait_until(lambda: len(_applied_ids(stub)) >= 500, 60, "500 applied")
+        assert first.terminate(timeout_s=30) == 0, "a leaving sink exits cleanly"
+        _wait_applied(stub, ids, 180, second)
+    finally:
+        first.close()
+        second.close()
+    ours = [i for i in stub.applied()["items"] if i["event_id"] in ids]
+    assert len(ours) == len(ids)
+    scores: dict[str, list[int]] = defaultdict(list)
+    for item in ours:
+        if item["path"].endswith("quiz-attempts/sync"):
+            scores[item["user_id"]].append(item["body"]["score"])
+    assert all(seq == list(range(30)) for seq in scores.values())
