@@ -155,6 +155,7 @@ class Session:
     fatal: KafkaError | None = None
     pending_dlq: list[_PendingDlq] = field(default_factory=list)
     last_confirmed: int = 0
+    ignored_kinds: set[str] = field(default_factory=set)
 
 
 class Relay:
@@ -371,7 +372,18 @@ class Relay:
         elif tag == _TAG_MESSAGE:
             self._on_message(sess, pgo.decode(payload))
         elif tag in _IGNORED_CHANGES:
-            self.metrics.ignored.labels(_IGNORED_CHANGES[tag]).inc()
+            self._on_ignored(sess, _IGNORED_CHANGES[tag])
+
+    def _on_ignored(self, sess: Session, kind: str) -> None:
+        """Outbox updates/deletes/truncates: counted, logged once a session, never published."""
+        self.metrics.ignored.labels(kind).inc()
+        if kind not in sess.ignored_kinds:
+            sess.ignored_kinds.add(kind)
+            log.info(
+                "publication %s sends outbox %ss: counted, not published",
+                self.settings.publication,
+                kind,
+            )
 
     def _is_outbox(self, rel: pgo.Relation) -> bool:
         schema, name = self._table

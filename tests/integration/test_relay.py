@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -224,3 +225,48 @@ def test_sigterm_exits_zero_within_seconds_and_loses_nothing(
     finally:
         after.close()
     assert {headers_of(m)["id"].decode() for m in msgs} == {str(i) for i in ids}
+
+
+def test_outbox_updates_deletes_and_truncates_are_counted_never_published(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """Uses its own outbox table (CDC_OUTBOX_TABLE) and a publication of every
+    operation, so the truncate touches no other test's rows."""
+    table = f"outbox_{cfg.unique}"
+    publication = f"pub_all_{cfg.unique}"
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE TABLE {table} (LIKE outbox INCLUDING ALL)")
+        conn.execute(f"CREATE PUBLICATION {publication} FOR TABLE {table}")
+    cfg.extra.update({"CDC_PUBLICATION": publication, "CDC_OUTBOX_TABLE": table})
+    proc, port = start_relay(cfg, tmp_path)
+    try:
+        event = OutboxEvent(
+            aggregate_type="house", aggregate_id="h1", event_type="Kept", payload={"n": 1}
+        )
+        with psycopg.connect(cfg.db_dsn) as conn:
+            with conn.transaction():
+                write_event(conn, event, table=table)
+            with conn.transaction():
+                conn.execute(f"UPDATE {table} SET type = 'Changed'")
+            with conn.transaction():
+                conn.execute(f"DELETE FROM {table}")
+            with conn.transaction():
+                conn.execute(f"TRUNCATE {table}")
+        msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "house"], expect=1)
+        assert [headers_of(m)["type"] for m in msgs] == [b"Kept"]
+
+        def counted() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as resp:
+                text = resp.read().decode()
+            return all(
+                f'outbox_relay_ignored_changes_total{{kind="{kind}"}} 1.0' in text
+                for kind in ("update", "delete", "truncate")
+            )
+
+        wait_until(counted, 30, "update, delete and truncate counted")
+        assert "counted, not published" in proc.log_path.read_text()
+    finally:
+        proc.close()
+        with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP PUBLICATION {publication}")
+            conn.execute(f"DROP TABLE {table}")

@@ -1,0 +1,240 @@
+"""``make demo``: the whole pipeline on the local stack, end to end.
+
+Migrates, starts the engine stub, the relay and the sink as child processes,
+commits a burst of registrations and quiz attempts (each one transaction with
+its outbox event), shows live progress until the stub has applied every one of
+them, prints a summary (events, throughput, commit->engine latency, lag), stops
+the children with SIGTERM and exits 0 — or 1 with the reason and the children's
+log tails when something did not arrive in time. Running it again works: the
+slot and the group's offsets carry over, the stub starts empty.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psycopg
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cdc.errors import CdcError
+from cdc.migrate import migrate
+from cdc.outbox import QUIZ_AGGREGATE, USER_AGGREGATE, register_user, submit_quiz_attempt
+from cdc.producer import TopicManager
+from cdc.settings import Settings
+
+#: How long the demo waits for the last event before it gives up.
+DEMO_TIMEOUT_S = 300.0
+#: Progress refresh period.
+POLL_S = 0.25
+
+
+class DemoError(CdcError):
+    """The demo could not finish; the message says what is missing."""
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 15) -> str:
+        text = self.log.read_text(errors="replace").splitlines()[-lines:]
+        return "\n".join(f"  {self.name}| {line}" for line in text)
+
+
+@dataclass
+class Burst:
+    """What the demo committed: event id -> commit time (Unix seconds)."""
+
+    committed: dict[str, float] = field(default_factory=dict)
+    first_commit: float = 0.0
+
+
+def _wait_http(url: str, child: Child, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.proc.poll() is not None:
+            raise DemoError(f"{child.name} exited during start-up:\n{child.tail()}")
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise DemoError(f"{child.name} not ready at {url} after {timeout_s:.0f}s:\n{child.tail()}")
+
+
+@contextmanager
+def _children(settings: Settings, log_dir: Path, env: dict[str, str]) -> Iterator[list[Child]]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    children: list[Child] = []
+    try:
+        for name, args in (
+            ("engine-stub", ["engine-stub"]),
+            ("relay", ["relay"]),
+            ("sink", ["sink"]),
+        ):
+            log = log_dir / f"demo-{name}.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
+                    [sys.executable, "-m", "cdc.cli", *args],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            children.append(Child(name, proc, log))
+        stub, relay, sink = children
+        _wait_http(f"http://127.0.0.1:{settings.engine_stub_port}/_stub/stats", stub)
+        _wait_http(f"http://127.0.0.1:{settings.relay_http_port}/readyz", relay)
+        _wait_http(f"http://127.0.0.1:{settings.sink_http_port}/readyz", sink)
+        yield children
+    finally:
+        for child in reversed(children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in reversed(children):
+            try:
+                child.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+
+
+def _burst(dsn: str, *, users: int, attempts_per_user: int, progress: Progress) -> Burst:
+    burst = Burst()
+    task = progress.add_task("committing", total=users * (1 + attempts_per_user))
+    run = uuid.uuid4().hex[:8]
+    with psycopg.connect(dsn) as conn:
+        ids: list[uuid.UUID] = []
+        for i in range(users):
+            written = register_user(
+                conn, email=f"demo-{run}-{i}@example.org", display_name=f"Player {i}"
+            )
+            burst.committed[str(written.event_id)] = time.time()
+            ids.append(written.entity_id)
+            progress.advance(task)
+        burst.first_commit = min(burst.committed.values())
+        for _ in range(attempts_per_user):
+            for user_id in ids:
+                written = submit_quiz_attempt(
+                    conn, user_id=user_id, quiz_id="demo-quiz", score=random.randint(0, 100)
+                )
+                burst.committed[str(written.event_id)] = time.time()
+                progress.advance(task)
+    return burst
+
+
+def _follow(
+    stub_url: str, burst: Burst, progress: Progress, children: list[Child]
+) -> dict[str, float]:
+    """Poll the stub until every committed event is applied; event id -> applied_at."""
+    task = progress.add_task("applied by the engine", total=len(burst.committed))
+    applied: dict[str, float] = {}
+    seen = 0
+    deadline = time.monotonic() + DEMO_TIMEOUT_S
+    with httpx.Client(base_url=stub_url, timeout=10.0) as client:
+        while len(applied) < len(burst.committed):
+            if time.monotonic() > deadline:
+                tails = "\n".join(c.tail() for c in children)
+                raise DemoError(
+                    f"only {len(applied)}/{len(burst.committed)} events applied "
+                    f"after {DEMO_TIMEOUT_S:.0f}s\n{tails}"
+                )
+            for child in children:
+                if child.proc.poll() is not None:
+                    raise DemoError(f"{child.name} exited:\n{child.tail()}")
+            items = client.get("/_stub/applied", params={"since": seen}).json()["items"]
+            seen += len(items)
+            for item in items:
+                if item["event_id"] in burst.committed:
+                    applied[item["event_id"]] = float(item["applied_at"])
+            progress.update(task, completed=len(applied))
+            if len(applied) < len(burst.committed):
+                time.sleep(POLL_S)
+    return applied
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _summary(console: Console, burst: Burst, applied: dict[str, float], settings: Settings) -> None:
+    latencies = [applied[e] - burst.committed[e] for e in burst.committed]
+    elapsed = max(applied.values()) - burst.first_commit
+    table = Table(title="outbox-cdc demo", show_header=False)
+    table.add_row("events committed (users + quiz attempts)", f"{len(burst.committed)}")
+    table.add_row("events applied by the engine stub", f"{len(applied)}")
+    table.add_row(
+        "throughput, first commit -> last applied", f"{len(applied) / elapsed:,.0f} events/s"
+    )
+    table.add_row("commit -> engine latency p50", f"{_percentile(latencies, 0.5) * 1000:.1f} ms")
+    table.add_row("commit -> engine latency p99", f"{_percentile(latencies, 0.99) * 1000:.1f} ms")
+    table.add_row("events still to apply (lag)", "0")
+    console.print(table)
+    group = settings.sink_group_id
+    hints = [
+        ("outbox-cdc lag", "consumer lag, oldest unprocessed age, slot lag"),
+        (
+            f"outbox-cdc replay --group {group} --all-topics --by-duration PT10M",
+            "dry run: what a 10-minute replay redelivers",
+        ),
+        ("outbox-cdc slot status", "the replication slot"),
+        ("outbox-cdc failed list", "the parking lot"),
+    ]
+    console.print("\nLook further (after `source .dev/env`, with .venv/bin on PATH):")
+    for command, what in hints:
+        console.print(f"  {command}\n      {what}")
+    console.print("  logs: .dev/demo-relay.log .dev/demo-sink.log .dev/demo-engine-stub.log")
+
+
+def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
+    """Run the demo; raise :class:`DemoError` when it cannot finish."""
+    settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
+    console = Console()
+    applied_versions = migrate(settings.pg_dsn)
+    console.print(
+        f"schema: {'applied ' + ', '.join(applied_versions) if applied_versions else 'up to date'}"
+    )
+    # Create the demo's topics up front so the sink's pattern subscription sees
+    # them from the start (it rediscovers new topics only every few seconds).
+    TopicManager(
+        bootstrap=settings.kafka_bootstrap_servers,
+        overrides=settings.kafka_config,
+        partitions=settings.topic_partitions,
+        replication_factor=settings.topic_replication_factor,
+    ).ensure([settings.topic_for(USER_AGGREGATE), settings.topic_for(QUIZ_AGGREGATE)])
+    env = dict(os.environ)
+    env.setdefault("INTERNAL_API_KEY", "demo-" + secrets.token_hex(8))
+    env.setdefault("ADMIN_API_TOKEN", secrets.token_hex(16))
+    env.setdefault("ENGINE_BASE_URL", f"http://127.0.0.1:{settings.engine_stub_port}")
+    with _children(settings, log_dir, env) as children:
+        console.print("relay, sink and engine stub are up")
+        columns = (
+            TextColumn("{task.description:<24}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console) as progress:
+            burst = _burst(
+                settings.pg_dsn, users=users, attempts_per_user=attempts_per_user, progress=progress
+            )
+            applied = _follow(
+                f"http://127.0.0.1:{settings.engine_stub_port}", burst, progress, children
+            )
+        _summary(console, burst, applied, settings)
