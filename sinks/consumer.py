@@ -41,7 +41,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cdc.health import Liveness
 from cdc.settings import Settings
-from sinks.delivery import Envelope, KeyScheduler, OffsetWatermark
+from sinks.delivery import Envelope, KeyScheduler, OffsetWatermark, RecordState
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError, Unroutable
@@ -62,6 +62,8 @@ COMMIT_INTERVAL_S = 1.0
 #: Attempts a record the engine rejects gets inline, with this first backoff.
 INLINE_ATTEMPTS = 3
 INLINE_BACKOFF_S = 0.2
+#: Floor of the probe backoff (SINK_BACKOFF_MAX_S=0 would mean a busy loop).
+MIN_BACKOFF_S = 0.1
 #: Shutdown waits this long for deliveries in flight.
 SHUTDOWN_WAIT_S = 10.0
 #: Lag / oldest-age gauges refresh period.
@@ -175,12 +177,12 @@ class Sink:
         self._generation = 0
         self._stash: dict[tuple[str, int, int], Envelope] = {}
         self._record_gen: dict[tuple[str, int, int], int] = {}
-        self._backoff = Backoff(
-            base_s=min(0.5, settings.sink_backoff_max_s), cap_s=settings.sink_backoff_max_s
-        )
+        backoff_cap_s = max(settings.sink_backoff_max_s, MIN_BACKOFF_S)
+        self._backoff = Backoff(base_s=min(0.5, backoff_cap_s), cap_s=backoff_cap_s)
         self._next_probe = 0.0
         self._successes = 0
         self._paused = False
+        self._paused_tps: set[tuple[str, int]] = set()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -248,7 +250,7 @@ class Sink:
         part.watermark.track(env.offset)
         part.timestamps[env.offset] = env.timestamp_ms or int(time.time() * 1000)
         self._record_gen[env.position] = part.generation
-        if env.position in self._stash or self._scheduler.state(env).value != "unknown":
+        if env.position in self._stash or self._scheduler.state(env) is not RecordState.UNKNOWN:
             self._stash[env.position] = env  # an orphan of an earlier assignment is in flight
             return
         self._scheduler.submit(env)
@@ -259,8 +261,6 @@ class Sink:
             self._parts[(tp.topic, tp.partition)] = _Partition(
                 self._generation, OffsetWatermark(), {}
             )
-        if self._paused and partitions:
-            consumer.pause(partitions)
         log.info("assigned %s", _names(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -272,6 +272,7 @@ class Sink:
             if part.watermark.committable is not None:
                 offsets.append(TopicPartition(tp.topic, tp.partition, part.watermark.committable))
             self._scheduler.drop_partition(tp.topic, tp.partition)
+            self._paused_tps.discard((tp.topic, tp.partition))
         if offsets:
             try:
                 consumer.commit(offsets=offsets, asynchronous=False)
@@ -299,14 +300,23 @@ class Sink:
                 log.warning("offset commit failed (will retry): %s", exc)
 
     def _apply_pause(self, consumer: Consumer) -> None:
+        """Pause every assigned partition while the circuit is open or the buffer is full.
+
+        Partitions assigned while paused are paused here too (an assignment
+        becomes effective only after the rebalance callback returns).
+        """
         want = self.circuit is not Circuit.CLOSED or self._scheduler.queued > MAX_BUFFERED
-        if want == self._paused:
+        if not want and not self._paused:
             return
         assigned = consumer.assignment()
         if want:
-            consumer.pause(assigned)
+            fresh = [tp for tp in assigned if (tp.topic, tp.partition) not in self._paused_tps]
+            if fresh:
+                consumer.pause(fresh)
+                self._paused_tps.update((tp.topic, tp.partition) for tp in fresh)
         else:
             consumer.resume(assigned)
+            self._paused_tps.clear()
         self._paused = want
 
     # -- delivery --------------------------------------------------------------
@@ -458,7 +468,7 @@ class Sink:
 
     def _release_orphan(self, env: Envelope) -> None:
         stashed = self._stash.pop(env.position, None)
-        if stashed is not None and self._scheduler.state(stashed).value == "unknown":
+        if stashed is not None and self._scheduler.state(stashed) is RecordState.UNKNOWN:
             self._scheduler.submit(stashed)
         elif stashed is not None:
             self._stash[env.position] = stashed
