@@ -3,13 +3,22 @@
 The sink is a Kafka consumer group that delivers every record to the engine's
 internal HTTP API at least once, with the event id as idempotency key, and
 stores an offset only when every record at or below it is delivered (2xx) or
-parked. This package keeps the decisions pure and the I/O thin:
+parked. Decisions are pure; the I/O around them is thin.
+
+Pure core:
 
 - :mod:`sinks.errors`   - one error root; ``retriable`` / ``spends_attempt`` say
   what a loop does with each outcome;
-- :mod:`sinks.routes`   - the ``type`` header -> the engine call (pure);
-- :mod:`sinks.retry`    - HTTP status -> outcome, backoff schedules (pure);
-- :mod:`sinks.delivery` - offset watermarks and per-key ordering (pure);
-- :mod:`sinks.engine`   - the engine's HTTP client (httpx), errors mapped at the boundary;
-- :mod:`sinks.stub`     - a real HTTP engine stub with idempotency and fault injection.
+- :mod:`sinks.routes`   - the ``type`` header -> the engine call;
+- :mod:`sinks.retry`    - HTTP status -> outcome, backoff schedules;
+- :mod:`sinks.delivery` - offset watermarks and per-key ordering.
+
+I/O:
+
+- :mod:`sinks.engine`   - the engine's HTTP client, errors mapped at the boundary;
+- :mod:`sinks.stub`     - a real HTTP engine stub with idempotency and fault injection;
+- :mod:`sinks.dispatch` - one delivery (with the user sync a quiz attempt may need);
+- :mod:`sinks.consumer` - the consumer loop; :mod:`sinks.parking`, :mod:`sinks.retrier`
+  - the parking lot and its retries; :mod:`sinks.admin`, :mod:`sinks.service`,
+  :mod:`sinks.ops` - the process, its HTTP face and the ops commands.
 """

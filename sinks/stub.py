@@ -11,6 +11,9 @@ Guarantees, as the real engine's contract (DESIGN "Engine API"):
 - With an API key configured, a request without the right ``x-api-key`` gets
   401 before anything else. A request without ``Idempotency-Key`` gets 400.
 - Everything applied is recorded in order, per path, with event id, body and time.
+- Like a real engine, a request whose client gave up while the stub was
+  delaying it (latency beyond the client's read timeout) is still applied:
+  the resend is then a duplicate - the at-least-once case made visible.
 
 Fault injection (``/_stub/faults``) makes it fail on purpose: status sequences
 per path or per event id, extra headers (``Retry-After``), fixed latency, and
@@ -46,6 +49,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs
@@ -385,6 +389,13 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+class ListenerState(Enum):
+    """Whether the stub accepts TCP connections."""
+
+    LISTENING = "listening"  # the listening socket is open: connections are accepted
+    REFUSING = "refusing"  # an outage window: no listening socket, connect() is refused
+
+
 class Listener:
     """The stub's listening socket; closes it for an outage window and reopens it.
 
@@ -403,9 +414,16 @@ class Listener:
         self._task: asyncio.Task[None] | None = None
 
     @property
+    def state(self) -> ListenerState:
+        """REFUSING while an outage window is open (until the socket is bound again)."""
+        if self._task is not None and not self._task.done():
+            return ListenerState.REFUSING
+        return ListenerState.LISTENING
+
+    @property
     def refusing(self) -> bool:
         """An outage window is open."""
-        return self._task is not None and not self._task.done()
+        return self.state is ListenerState.REFUSING
 
     def refuse_for(self, window_s: float) -> None:
         """Stop accepting connections now, for ``window_s`` seconds (a new window replaces one)."""
@@ -500,9 +518,13 @@ class StubApp:
         if handler is None:
             return json_reply(404, {"error": "not_found", "path": path})
         try:
-            return handler(_query(scope), body)
+            reply = handler(_query(scope), body)
         except ValueError as exc:
             return json_reply(400, {"error": str(exc)})
+        # One loop turn before answering: connections a handler closed (an
+        # outage) are really closed before the caller hears it has begun.
+        await asyncio.sleep(0)
+        return reply
 
     def _get_applied(self, query: Mapping[str, str], _body: bytes) -> Reply:
         return json_reply(200, self.engine.applied_view(query))
@@ -526,38 +548,49 @@ class StubApp:
         return json_reply(200, self.engine.faults.describe())
 
     def _post_faults(self, _query: Mapping[str, str], body: bytes) -> Reply:
-        try:
-            spec = json.loads(body)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"body is not JSON: {exc}") from exc
-        instructions = spec if isinstance(spec, list) else [spec]
-        if not all(isinstance(i, dict) for i in instructions):
-            raise ValueError("a fault instruction is a JSON object (or a list of them)")
+        """Validate every instruction first; then add rules, set latency, start an outage."""
+        instructions = _fault_instructions(body)
         rules = [parse_fault_rule(_rule_part(i)) for i in instructions if set(i) & _FAULT_KEYS]
-        outage_s = self._control_part(instructions)
+        latency_ms, outage_s = _control_values(instructions)
+        if outage_s is not None and self.listener is None:
+            raise ValueError("this stub has no listener to close")
         self.engine.faults.rules.extend(rules)
-        if outage_s is not None:
-            assert self.listener is not None
+        if latency_ms is not None:
+            self.engine.faults.latency_ms = latency_ms
+        if outage_s is not None and self.listener is not None:
             self.listener.refuse_for(outage_s)
         return json_reply(200, self.engine.faults.describe())
 
-    def _control_part(self, instructions: list[dict[str, Any]]) -> float | None:
-        """Apply ``latency_ms``; return the outage window asked for, if any (validated)."""
-        outage_s: float | None = None
-        for instruction in instructions:
-            if "latency_ms" in instruction:
-                self.engine.faults.latency_ms = _non_negative(instruction["latency_ms"])
-            if "refuse_connections_s" in instruction:
-                if self.listener is None:
-                    raise ValueError("this stub has no listener to close")
-                outage_s = _non_negative(instruction["refuse_connections_s"])
-        return outage_s
+
+def _fault_instructions(body: bytes) -> list[dict[str, Any]]:
+    """The body of ``POST /_stub/faults`` as a list of objects with known keys."""
+    try:
+        spec = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"body is not JSON: {exc}") from exc
+    instructions = spec if isinstance(spec, list) else [spec]
+    if not all(isinstance(i, dict) for i in instructions):
+        raise ValueError("a fault instruction is a JSON object (or a list of them)")
+    for instruction in instructions:
+        unknown = set(instruction) - _FAULT_KEYS - _CONTROL_KEYS
+        if unknown:
+            raise ValueError(f"unknown fault keys: {sorted(unknown)}")
+    return instructions
+
+
+def _control_values(instructions: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """``latency_ms`` and ``refuse_connections_s`` asked for (the last one wins), validated."""
+    latency_ms: float | None = None
+    outage_s: float | None = None
+    for instruction in instructions:
+        if "latency_ms" in instruction:
+            latency_ms = _non_negative(instruction["latency_ms"])
+        if "refuse_connections_s" in instruction:
+            outage_s = _non_negative(instruction["refuse_connections_s"])
+    return latency_ms, outage_s
 
 
 def _rule_part(instruction: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = set(instruction) - _FAULT_KEYS - _CONTROL_KEYS
-    if unknown:
-        raise ValueError(f"unknown fault keys: {sorted(unknown)}")
     return {k: v for k, v in instruction.items() if k in _FAULT_KEYS}
 
 

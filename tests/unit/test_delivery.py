@@ -100,6 +100,7 @@ def offsets_and_completion_order(draw: st.DrawFn) -> tuple[list[int], list[int]]
     return offsets, draw(st.permutations(offsets))
 
 
+@settings(deadline=None)
 @given(offsets_and_completion_order())
 def test_committable_never_passes_an_undone_offset(case: tuple[list[int], list[int]]) -> None:
     offsets, order = case
@@ -121,6 +122,7 @@ def test_committable_never_passes_an_undone_offset(case: tuple[list[int], list[i
     assert mark.committable == offsets[-1] + 1
 
 
+@settings(deadline=None)
 @given(offsets_and_completion_order(), st.data())
 def test_interleaved_track_and_done_keep_the_invariant(
     case: tuple[list[int], list[int]], data: st.DataObject

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sinks.errors import EngineRejected, EngineUnavailable, UserNotFound
@@ -150,6 +150,7 @@ def test_backoff_rejects_nonsense_parameters() -> None:
         Backoff(factor=0.5)
 
 
+@settings(deadline=None)
 @given(
     draws=st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=1, max_size=60),
     jitter=st.sampled_from(list(Jitter)),
