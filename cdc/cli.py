@@ -145,5 +145,25 @@ def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
     )
 
 
+@main.command()
+@click.option("--users", type=int, default=500, show_default=True, help="users to register")
+@click.option(
+    "--attempts-per-user", type=int, default=5, show_default=True, help="quiz attempts per user"
+)
+def demo(users: int, attempts_per_user: int) -> None:
+    """Run the whole pipeline on the local stack with a burst of events and a summary."""
+    from pathlib import Path
+
+    from cdc.demo import run_demo
+
+    run_demo(users=users, attempts_per_user=attempts_per_user, log_dir=Path(".dev"))
+
+
+import cdc.cli_ops  # noqa: E402, F401 - registers lag, replay, redeliver, failed, slot, resync
+
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    # Run the importable module's group (which cdc.cli_ops extended), not this
+    # __main__ copy of it.
+    from cdc.cli import main as entry
+
+    entry()

@@ -35,9 +35,12 @@ from cdc.migrate import migrate
 from cdc.outbox import QUIZ_AGGREGATE, USER_AGGREGATE, register_user, submit_quiz_attempt
 from cdc.producer import TopicManager
 from cdc.settings import Settings
+from sinks.ops import group_lag, lag_totals
 
 #: How long the demo waits for the last event before it gives up.
 DEMO_TIMEOUT_S = 300.0
+#: How long the summary waits for the group's committed offsets to catch up.
+LAG_SETTLE_S = 15.0
 #: Progress refresh period.
 POLL_S = 0.25
 
@@ -65,13 +68,15 @@ class Burst:
     first_commit: float = 0.0
 
 
-def _wait_http(url: str, child: Child, timeout_s: float = 60.0) -> None:
+def _wait_http(url: str, child: Child, timeout_s: float = 60.0, *, unless: str = "") -> None:
+    """Wait for a 200 from ``url`` whose body does not contain ``unless``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.proc.poll() is not None:
             raise DemoError(f"{child.name} exited during start-up:\n{child.tail()}")
         try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
+            answer = httpx.get(url, timeout=1.0)
+            if answer.status_code == 200 and not (unless and unless in answer.text):
                 return
         except httpx.HTTPError:
             pass
@@ -101,7 +106,10 @@ def _children(settings: Settings, log_dir: Path, env: dict[str, str]) -> Iterato
         stub, relay, sink = children
         _wait_http(f"http://127.0.0.1:{settings.engine_stub_port}/_stub/stats", stub)
         _wait_http(f"http://127.0.0.1:{settings.relay_http_port}/readyz", relay)
-        _wait_http(f"http://127.0.0.1:{settings.sink_http_port}/readyz", sink)
+        # Ready, and holding its partitions (the group's first rebalance is done).
+        _wait_http(
+            f"http://127.0.0.1:{settings.sink_http_port}/readyz", sink, unless="(0 partitions"
+        )
         yield children
     finally:
         for child in reversed(children):
@@ -168,12 +176,24 @@ def _follow(
     return applied
 
 
+def _settled_lag(settings: Settings) -> int:
+    """The sink group's total lag once its offsets are committed (they follow within ~1 s)."""
+    deadline = time.monotonic() + LAG_SETTLE_S
+    while True:
+        lag = lag_totals(group_lag(settings, group=settings.sink_group_id)).lag
+        if lag == 0 or time.monotonic() > deadline:
+            return lag
+        time.sleep(0.5)
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _summary(console: Console, burst: Burst, applied: dict[str, float], settings: Settings) -> None:
+def _summary(
+    console: Console, burst: Burst, applied: dict[str, float], settings: Settings, lag: int
+) -> None:
     latencies = [applied[e] - burst.committed[e] for e in burst.committed]
     elapsed = max(applied.values()) - burst.first_commit
     table = Table(title="outbox-cdc demo", show_header=False)
@@ -184,7 +204,7 @@ def _summary(console: Console, burst: Burst, applied: dict[str, float], settings
     )
     table.add_row("commit -> engine latency p50", f"{_percentile(latencies, 0.5) * 1000:.1f} ms")
     table.add_row("commit -> engine latency p99", f"{_percentile(latencies, 0.99) * 1000:.1f} ms")
-    table.add_row("events still to apply (lag)", "0")
+    table.add_row(f"consumer lag of group {settings.sink_group_id}", f"{lag}")
     console.print(table)
     group = settings.sink_group_id
     hints = [
@@ -237,4 +257,7 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
             applied = _follow(
                 f"http://127.0.0.1:{settings.engine_stub_port}", burst, progress, children
             )
-        _summary(console, burst, applied, settings)
+        lag = _settled_lag(settings)
+        _summary(console, burst, applied, settings, lag)
+    if lag:
+        raise DemoError(f"consumer group {settings.sink_group_id} still lags by {lag} records")

@@ -87,7 +87,7 @@ def write_event(
 ) -> uuid.UUID:
     """Insert ``event`` into the outbox inside the caller's transaction."""
     _require_transaction(conn)
-    ident = sql.Identifier(table)
+    ident = table_identifier(table)
     conn.execute(
         sql.SQL(
             "INSERT INTO {} (id, aggregatetype, aggregateid, type, payload, tracingspancontext)"
@@ -105,6 +105,11 @@ def write_event(
     if delete_after:
         conn.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(ident), (event.event_id,))
     return event.event_id
+
+
+def table_identifier(table: str) -> sql.Identifier:
+    """``table`` or ``schema.table`` as a quoted SQL identifier."""
+    return sql.Identifier(*table.split(".", 1))
 
 
 def emit_event(conn: Conn, event: OutboxEvent) -> uuid.UUID:
@@ -209,7 +214,7 @@ def prune_outbox(
     stmt = sql.SQL(
         "DELETE FROM {t} WHERE id IN (SELECT id FROM {t}"
         " WHERE created_at < now() - make_interval(secs => %s) LIMIT %s)"
-    ).format(t=sql.Identifier(table))
+    ).format(t=table_identifier(table))
     while True:
         with conn.transaction():
             deleted = conn.execute(stmt, (older_than_s, batch_size)).rowcount

@@ -205,7 +205,7 @@ class Sink:
             on_revoke=self._on_revoke,
             on_lost=self._on_revoke,
         )
-        self.liveness.set("running", ready=True)
+        self._report()
         lag_task = asyncio.create_task(self._lag_loop())
         try:
             while not self._stopping.is_set():
@@ -261,6 +261,7 @@ class Sink:
             self._parts[(tp.topic, tp.partition)] = _Partition(
                 self._generation, OffsetWatermark(), {}
             )
+        self._report()
         log.info("assigned %s", _names(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -278,6 +279,7 @@ class Sink:
                 consumer.commit(offsets=offsets, asynchronous=False)
             except Exception as exc:  # the group moved on; the new owner redelivers
                 log.warning("commit on revoke failed: %s", exc)
+        self._report()
         log.info("revoked %s", _names(partitions))
 
     def _commit(self, consumer: Consumer, *, force: bool) -> None:
@@ -414,12 +416,18 @@ class Sink:
         self.circuit = state
         self.circuit_reason = reason
         self.metrics.circuit.set(0 if state is Circuit.CLOSED else 1)
-        ready = state is Circuit.CLOSED
-        self.liveness.set(
-            "running" if ready else f"engine unavailable: {reason}",
-            ready=ready or state is Circuit.HALF_OPEN,
-        )
+        self._report()
         self._wake.set()
+
+    def _report(self) -> None:
+        """Readiness: ready unless the circuit is open; the text says what is assigned."""
+        if self.circuit is Circuit.CLOSED:
+            self.liveness.set(f"running ({len(self._parts)} partitions assigned)", ready=True)
+        else:
+            self.liveness.set(
+                f"engine unavailable: {self.circuit_reason}",
+                ready=self.circuit is Circuit.HALF_OPEN,
+            )
 
     async def _park(self, env: Envelope, reason: str, attempts: int) -> None:
         sync_type = sync_type_for(env.event_type) or "UNROUTABLE"

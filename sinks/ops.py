@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import heapq
+import logging
 import re
 import time
 import uuid
@@ -64,6 +65,8 @@ from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError, Unroutable
 from sinks.parking import ParkedEvent, ParkingLot
 from sinks.retrier import Retrier, RetrySummary
+
+log = logging.getLogger(__name__)
 
 #: Every AdminClient / metadata / offset request gives up after this: long
 #: enough for a broker to elect a leader, short enough for an operator waiting.
@@ -402,7 +405,7 @@ class ReplaySpec:
         if self.kind is ReplayKind.DATETIME:
             return f"--to-datetime {_iso_ms(self.value)}"
         if self.kind is ReplayKind.DURATION:
-            return f"--by-duration {self.value / 1000:g}s"
+            return f"--by-duration PT{self.value / 1000:g}S"
         if self.kind is ReplayKind.SHIFT:
             return f"--shift-by {self.value:+d}"
         return f"--to-offset {self.value}"
@@ -744,11 +747,17 @@ class KafkaOps:
                 raise _alter_error(group, tp.error, None)
 
     def read(
-        self, starts: Mapping[TP, int], *, ends: Mapping[TP, int], idle_timeout_s: float
+        self,
+        starts: Mapping[TP, int],
+        *,
+        ends: Mapping[TP, int],
+        idle_timeout_s: float,
+        first_only: bool = False,
     ) -> Iterator[Envelope]:
         """Records of each partition from ``starts`` up to (excluding) ``ends``, as they
-        arrive (offset order within a partition). Stops when every partition reached its
-        end, or raises :class:`KafkaOpsError` after ``idle_timeout_s`` without progress."""
+        arrive (offset order within a partition); with ``first_only`` just the first
+        record of each. Stops when every partition is done, or raises
+        :class:`KafkaOpsError` after ``idle_timeout_s`` without progress."""
         todo = {tp for tp, start in starts.items() if start < ends[tp]}
         if not todo:
             return
@@ -764,7 +773,11 @@ class KafkaOps:
                         f"no record from {sorted(todo)} for {idle_timeout_s:g}s: Kafka unreachable?"
                     )
                 for msg in batch:
-                    yield from _take(msg, todo, ends)
+                    for record in _take(msg, todo, ends):
+                        if first_only:
+                            todo.discard(record.topic_partition)
+                            self.consumer.pause([TopicPartition(record.topic, record.partition)])
+                        yield record
         finally:
             self.consumer.unassign()
 
@@ -843,13 +856,13 @@ def _first_timestamps(
     found: dict[TP, int] = {}
     ends = {tp: marks[tp][1] for tp in positions}
     try:
-        for record in kafka.read(positions, ends=ends, idle_timeout_s=FIRST_RECORD_TIMEOUT_S):
-            if record.topic_partition not in found and record.timestamp_ms is not None:
+        for record in kafka.read(
+            positions, ends=ends, idle_timeout_s=FIRST_RECORD_TIMEOUT_S, first_only=True
+        ):
+            if record.timestamp_ms is not None:
                 found[record.topic_partition] = record.timestamp_ms
-            if len(found) == len(positions):
-                break
-    except KafkaOpsError:
-        pass  # ages stay unknown (None) for partitions not read in time
+    except KafkaOpsError as exc:  # ages stay unknown (None) where nothing was read in time
+        log.warning("oldest unprocessed record not read for every partition: %s", exc)
     return found
 
 
@@ -937,6 +950,10 @@ def plan_replay(
     now = now_ms() if at_ms is None else at_ms
     with KafkaOps(settings) as kafka:
         tps = kafka.partitions(topics)
+        if not tps:
+            raise OpsUsageError(
+                f"no topic matches the sink's topics (CDC_TOPIC_PREFIX={settings.topic_prefix!r})"
+            )
         marks = kafka.watermarks(tps)
         committed = kafka.committed(group, tps)
         ts_ms = spec.timestamp_ms(now_ms=now)

@@ -1,0 +1,362 @@
+"""The pure parts of the ops tooling: durations, clamping, replay arithmetic, lag, order."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cdc.cli_ops import fmt_age, fmt_bytes, fmt_offset
+from cdc.settings import Settings
+from sinks.delivery import Envelope
+from sinks.ops import (
+    OpsUsageError,
+    PartitionLag,
+    RedeliverySelector,
+    ReplayKind,
+    ReplaySpec,
+    TopicSelection,
+    clamp_offset,
+    default_topic_filter,
+    effective_position,
+    group_is_active,
+    in_commit_order,
+    lag_count,
+    lag_rates,
+    lag_totals,
+    parse_datetime_ms,
+    parse_iso_duration_s,
+    parse_topic_spec,
+    partition_lag,
+    plan_partition,
+    replay_target,
+    select_topics,
+)
+
+# --- ISO-8601 durations -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("PT15M", 900.0),
+        ("P1D", 86_400.0),
+        ("PT1H30M", 5_400.0),
+        ("P1W", 604_800.0),
+        ("PT0.5S", 0.5),
+        ("PT1,5H", 5_400.0),
+        ("P1DT2H3M4S", 86_400 + 7_200 + 180 + 4.0),
+        ("pt15m", 900.0),
+        (" PT10S ", 10.0),
+        ("PT0S", 0.0),
+    ],
+)
+def test_iso_duration_parses_to_seconds(text: str, seconds: float) -> None:
+    assert parse_iso_duration_s(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "P", "PT", "P1DT", "15M", "PT15", "-PT5M", "PT5M3H", "P1H", "PT1D", "P1.D"]
+)
+def test_malformed_iso_duration_is_refused(text: str) -> None:
+    with pytest.raises(OpsUsageError, match="ISO-8601 duration"):
+        parse_iso_duration_s(text)
+
+
+@pytest.mark.parametrize("text", ["P1Y", "P2M", "P1Y2M3D", "P1MT5M"])
+def test_years_and_months_are_refused_as_having_no_fixed_length(text: str) -> None:
+    with pytest.raises(OpsUsageError, match="no fixed length"):
+        parse_iso_duration_s(text)
+
+
+@given(
+    days=st.integers(0, 400),
+    hours=st.integers(0, 23),
+    minutes=st.integers(0, 59),
+    seconds=st.integers(0, 59),
+)
+def test_every_day_time_duration_round_trips(
+    days: int, hours: int, minutes: int, seconds: int
+) -> None:
+    text = f"P{days}DT{hours}H{minutes}M{seconds}S"
+    assert parse_iso_duration_s(text) == days * 86_400 + hours * 3_600 + minutes * 60 + seconds
+
+
+def test_naive_datetime_is_utc_and_offsets_are_honoured() -> None:
+    expected = int(datetime(2024, 5, 1, 10, 0, tzinfo=UTC).timestamp() * 1000)
+    assert parse_datetime_ms("2024-05-01T10:00:00") == expected
+    assert parse_datetime_ms("2024-05-01T12:00:00+02:00") == expected
+    assert parse_datetime_ms("2024-05-01T10:00:00Z") == expected
+    with pytest.raises(OpsUsageError, match="ISO-8601 date-time"):
+        parse_datetime_ms("yesterday")
+
+
+# --- topics -------------------------------------------------------------------------------
+
+
+def test_topic_spec_names_a_topic_and_optionally_partitions() -> None:
+    assert parse_topic_spec("t.user") == TopicSelection(topic="t.user")
+    assert parse_topic_spec("t.user:2,0,2") == TopicSelection(topic="t.user", partitions=(0, 2))
+    for bad in (":1", "t:", "t:a", "t:-1"):
+        with pytest.raises(OpsUsageError):
+            parse_topic_spec(bad)
+
+
+def test_default_topics_are_the_prefixed_ones_never_internal() -> None:
+    names = ["outbox.event.user", "outbox.event.quiz_attempt", "outbox.dlq", "__consumer_offsets"]
+    accept = default_topic_filter(Settings(topic_prefix="outbox.event."))
+    assert select_topics(names, accept) == ["outbox.event.quiz_attempt", "outbox.event.user"]
+    by_pattern = default_topic_filter(Settings(sink_topics_pattern="^outbox\\.(event|dlq)"))
+    assert select_topics(names, by_pattern) == [
+        "outbox.dlq",
+        "outbox.event.quiz_attempt",
+        "outbox.event.user",
+    ]
+
+
+# --- offsets and lag ------------------------------------------------------------------------
+
+
+def test_clamp_keeps_offsets_inside_the_watermarks() -> None:
+    assert clamp_offset(-5, low=3, high=10) == 3
+    assert clamp_offset(7, low=3, high=10) == 7
+    assert clamp_offset(99, low=3, high=10) == 10
+
+
+def test_a_group_that_never_committed_resumes_at_the_low_watermark() -> None:
+    assert effective_position(None, low=4, high=9) == 4
+    assert lag_count(None, low=4, high=9) == 5
+    assert effective_position(2, low=4, high=9) == 4  # its records were deleted
+    assert lag_count(12, low=4, high=9) == 0  # ahead of a recreated topic
+
+
+def test_caught_up_partition_has_zero_lag_and_zero_age() -> None:
+    row = partition_lag(
+        topic="t", partition=0, committed=5, low=0, high=5, first_ts_ms=1_000, now_ms=9_000
+    )
+    assert (row.lag, row.oldest_unprocessed_age_s, row.oldest_unprocessed_ts_ms) == (0, 0.0, None)
+
+
+def test_lagging_partition_age_is_now_minus_first_unprocessed_timestamp() -> None:
+    row = partition_lag(
+        topic="t", partition=0, committed=2, low=0, high=5, first_ts_ms=1_000, now_ms=61_000
+    )
+    assert (row.lag, row.oldest_unprocessed_age_s) == (3, 60.0)
+    unknown = partition_lag(
+        topic="t", partition=1, committed=None, low=0, high=5, first_ts_ms=None, now_ms=61_000
+    )
+    assert (unknown.lag, unknown.oldest_unprocessed_age_s) == (5, None)
+
+
+def _lag(partition: int, committed: int | None, high: int, age: float | None) -> PartitionLag:
+    return PartitionLag(
+        topic="t",
+        partition=partition,
+        committed_offset=committed,
+        low_offset=0,
+        end_offset=high,
+        lag=lag_count(committed, low=0, high=high),
+        oldest_unprocessed_ts_ms=None,
+        oldest_unprocessed_age_s=age,
+    )
+
+
+def test_totals_sum_lag_and_take_the_oldest_age() -> None:
+    totals = lag_totals([_lag(0, 5, 5, 0.0), _lag(1, 2, 9, 30.0), _lag(2, None, 4, 90.0)])
+    assert (totals.lag, totals.oldest_unprocessed_age_s) == (11, 90.0)
+    assert (totals.partitions, totals.lagging_partitions) == (3, 2)
+    assert lag_totals([]).oldest_unprocessed_age_s == 0.0
+
+
+def test_rates_are_offset_growth_per_second() -> None:
+    rates = lag_rates([_lag(0, 10, 100, 1.0)], [_lag(0, 30, 140, 1.0)], elapsed_s=2.0)
+    assert rates[("t", 0)].produced_per_s == 20.0
+    assert rates[("t", 0)].processed_per_s == 10.0
+    assert lag_rates([], [_lag(0, 1, 2, 0.0)], elapsed_s=2.0) == {}
+    assert lag_rates([_lag(0, 1, 2, 0.0)], [_lag(0, 1, 2, 0.0)], elapsed_s=0) == {}
+
+
+# --- replay targets and plans ------------------------------------------------------------------
+
+
+def test_each_target_kind_resolves_inside_the_watermarks() -> None:
+    def target(spec: ReplaySpec, current: int | None = 6, time_offset: int | None = None) -> int:
+        return replay_target(spec, current=current, low=3, high=10, time_offset=time_offset)
+
+    assert target(ReplaySpec(kind=ReplayKind.EARLIEST)) == 3
+    assert target(ReplaySpec(kind=ReplayKind.LATEST)) == 10
+    assert target(ReplaySpec(kind=ReplayKind.OFFSET, value=1)) == 3
+    assert target(ReplaySpec(kind=ReplayKind.OFFSET, value=8)) == 8
+    assert target(ReplaySpec(kind=ReplayKind.OFFSET, value=80)) == 10
+    assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=-2)) == 4
+    assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=-20)) == 3
+    assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=20)) == 10
+    assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=2), current=None) == 5
+    at = ReplaySpec(kind=ReplayKind.DATETIME, value=1_000)
+    assert target(at, time_offset=7) == 7
+    assert target(at, time_offset=None) == 10  # no record that recent: the end
+    assert target(at, time_offset=-1) == 10
+    assert target(at, time_offset=0) == 3  # below a deleted head: clamped
+
+
+def test_time_targets_resolve_against_now() -> None:
+    assert ReplaySpec(kind=ReplayKind.DATETIME, value=5).timestamp_ms(now_ms=99) == 5
+    assert ReplaySpec(kind=ReplayKind.DURATION, value=900_000).timestamp_ms(now_ms=1_000_000) == (
+        100_000
+    )
+    assert ReplaySpec(kind=ReplayKind.SHIFT, value=1).timestamp_ms(now_ms=1) is None
+
+
+def test_spec_from_cli_option_parses_its_value() -> None:
+    assert ReplaySpec.from_option(ReplayKind.DURATION, "PT15M").value == 900_000
+    assert ReplaySpec.from_option(ReplayKind.SHIFT, "-5").value == -5
+    assert ReplaySpec.from_option(ReplayKind.SHIFT, "+5").value == 5
+    assert ReplaySpec.from_option(ReplayKind.OFFSET, "42").value == 42
+    assert ReplaySpec.from_option(ReplayKind.EARLIEST).kind is ReplayKind.EARLIEST
+    with pytest.raises(OpsUsageError, match="not negative"):
+        ReplaySpec.from_option(ReplayKind.OFFSET, "-1")
+    with pytest.raises(OpsUsageError, match="not an integer"):
+        ReplaySpec.from_option(ReplayKind.SHIFT, "ten")
+
+
+def test_plan_counts_records_to_deliver_again_and_to_skip() -> None:
+    back = plan_partition(
+        ReplaySpec(kind=ReplayKind.SHIFT, value=-4),
+        topic="t",
+        partition=0,
+        current=7,
+        low=0,
+        high=10,
+    )
+    assert (back.target_offset, back.redeliver_count, back.skip_count, back.changes) == (
+        3,
+        4,
+        0,
+        True,
+    )
+    ahead = plan_partition(
+        ReplaySpec(kind=ReplayKind.LATEST), topic="t", partition=0, current=None, low=2, high=10
+    )
+    assert (ahead.current_offset, ahead.target_offset) == (None, 10)
+    assert (ahead.redeliver_count, ahead.skip_count) == (0, 8)
+
+
+@given(
+    low=st.integers(0, 1_000),
+    span=st.integers(0, 1_000),
+    current=st.one_of(st.none(), st.integers(-10, 3_000)),
+    kind=st.sampled_from(list(ReplayKind)),
+    value=st.integers(-3_000, 3_000),
+    time_offset=st.one_of(st.none(), st.integers(-1, 3_000)),
+)
+def test_every_plan_stays_in_the_watermarks_and_its_counts_add_up(
+    low: int,
+    span: int,
+    current: int | None,
+    kind: ReplayKind,
+    value: int,
+    time_offset: int | None,
+) -> None:
+    high = low + span
+    if kind is ReplayKind.OFFSET:
+        value = abs(value)
+    plan = plan_partition(
+        ReplaySpec(kind=kind, value=value),
+        topic="t",
+        partition=0,
+        current=current,
+        low=low,
+        high=high,
+        time_offset=time_offset,
+    )
+    assert low <= plan.target_offset <= high
+    assert plan.redeliver_count >= 0
+    assert plan.skip_count >= 0
+    assert plan.redeliver_count - plan.skip_count == plan.start_offset - plan.target_offset
+
+
+def test_only_an_empty_or_dead_group_without_members_is_idle() -> None:
+    assert not group_is_active("EMPTY", 0)
+    assert not group_is_active("DEAD", 0)
+    assert group_is_active("STABLE", 1)
+    assert group_is_active("PREPARING_REBALANCE", 0)
+    assert group_is_active("EMPTY", 1)
+
+
+# --- redelivery selection and order --------------------------------------------------------------
+
+
+def _rec(
+    topic: str, partition: int, offset: int, key: str, event_id: str, lsn: str | None, ts: int
+) -> Envelope:
+    headers = {"id": event_id.encode(), "type": b"UserRegistered"}
+    if lsn is not None:
+        headers["lsn"] = lsn.encode()
+    return Envelope(
+        topic=topic,
+        partition=partition,
+        offset=offset,
+        key=key.encode(),
+        value=b"{}",
+        headers=headers,
+        timestamp_ms=ts,
+    )
+
+
+def test_records_merge_in_commit_order_and_a_duplicate_id_is_sent_once() -> None:
+    users = [_rec("user", 1, 0, "A", "e1", "0/100", 1_000)]
+    quiz = [
+        _rec("quiz", 0, 0, "A", "e2", "0/200", 1_000),
+        _rec("quiz", 0, 1, "A", "e2", "0/200", 1_000),  # at-least-once duplicate
+        _rec("quiz", 0, 2, "A", "e4", "0/400", 2_000),
+    ]
+    late_user = [_rec("user", 2, 5, "A", "e3", "0/300", 1_500)]
+    ordered = in_commit_order([quiz, late_user, users])
+    assert [r.event_id for r in ordered] == ["e1", "e2", "e3", "e4"]
+
+
+def test_offset_order_within_a_partition_is_never_changed() -> None:
+    part = [
+        _rec("t", 0, 0, "A", "x", None, 5_000),
+        _rec("t", 0, 1, "A", "y", None, 4_000),  # a clock step back: still after x
+    ]
+    other = [_rec("t", 1, 0, "A", "z", None, 4_500)]
+    ordered = [r.event_id for r in in_commit_order([part, other])]
+    assert ordered.index("x") < ordered.index("y")
+
+
+def test_selector_takes_event_ids_or_a_key_never_both() -> None:
+    event_id = uuid.uuid4()
+    by_id = RedeliverySelector.of(event_ids=[str(event_id).upper()], key=None)
+    assert by_id.matches(_rec("t", 0, 0, "K", str(event_id), None, 1))
+    assert not by_id.matches(_rec("t", 0, 1, "K", str(uuid.uuid4()), None, 1))
+    by_key = RedeliverySelector.of(event_ids=None, key="K")
+    assert by_key.matches(_rec("t", 0, 0, "K", "a", None, 1))
+    assert not by_key.matches(_rec("t", 0, 0, "KK", "a", None, 1))
+    for event_ids, key in ((None, None), (["a"], "K")):
+        with pytest.raises(OpsUsageError, match="exactly one"):
+            RedeliverySelector.of(event_ids=event_ids, key=key)
+
+
+# --- CLI formatting ----------------------------------------------------------------------------
+
+
+def test_cli_formats_ages_sizes_and_missing_offsets() -> None:
+    assert [fmt_age(s) for s in (None, 0.0, 12.34, 75, 7_300, 90_000)] == [
+        "?",
+        "0.0s",
+        "12.3s",
+        "1m15s",
+        "2h01m",
+        "1d01h",
+    ]
+    assert [fmt_bytes(n) for n in (None, 512, 1_536, 5 * 1024**3)] == [
+        "?",
+        "512 B",
+        "1.5 KiB",
+        "5.0 GiB",
+    ]
+    assert (fmt_offset(None), fmt_offset(7)) == ("-", "7")
