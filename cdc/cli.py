@@ -150,13 +150,20 @@ def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
 @click.option(
     "--attempts-per-user", type=int, default=5, show_default=True, help="quiz attempts per user"
 )
-def demo(users: int, attempts_per_user: int) -> None:
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False),
+    default=".dev",
+    show_default=True,
+    help="where the children's logs go",
+)
+def demo(users: int, attempts_per_user: int, log_dir: str) -> None:
     """Run the whole pipeline on the local stack with a burst of events and a summary."""
     from pathlib import Path
 
     from cdc.demo import run_demo
 
-    run_demo(users=users, attempts_per_user=attempts_per_user, log_dir=Path(".dev"))
+    run_demo(users=users, attempts_per_user=attempts_per_user, log_dir=Path(log_dir))
 
 
 import cdc.cli_ops  # noqa: E402, F401 - registers lag, replay, redeliver, failed, slot, resync
