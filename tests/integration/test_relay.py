@@ -270,3 +270,42 @@ def test_outbox_updates_deletes_and_truncates_are_counted_never_published(
         with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
             conn.execute(f"DROP PUBLICATION {publication}")
             conn.execute(f"DROP TABLE {table}")
+
+
+def test_a_slot_created_with_another_plugin_is_refused_with_the_fix(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'test_decoding')", (cfg.slot,))
+    proc, _ = start_relay(cfg, tmp_path, wait_ready=False)
+    try:
+        assert proc.proc is not None
+        assert proc.proc.wait(60) == 1
+        log = proc.log_path.read_text()
+        assert "uses plugin 'test_decoding', not 'pgoutput'" in log
+        assert "CDC_SLOT" in log
+    finally:
+        proc.close()
+
+
+def test_a_role_without_replication_privilege_is_refused_with_the_fix(
+    cfg: RelayConfig, tmp_path: Path, unique: str
+) -> None:
+    role, password = f"norepl_{unique}", "pw-" + unique
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+        conn.execute(f"GRANT SELECT ON outbox TO {role}")
+    admin_dsn = cfg.db_dsn
+    cfg.db_dsn = psycopg.conninfo.make_conninfo(cfg.db_dsn, user=role, password=password)
+    proc, _ = start_relay(cfg, tmp_path, wait_ready=False)
+    try:
+        assert proc.proc is not None
+        assert proc.proc.wait(60) == 1
+        assert "lacks the REPLICATION privilege" in proc.log_path.read_text()
+        assert password not in proc.log_path.read_text()
+    finally:
+        proc.close()
+        cfg.db_dsn = admin_dsn
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
