@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from sinks.engine import EngineClient, EngineTimeouts
+from sinks import http1
+from sinks.engine import HTTPX_TRANSPORT, EngineClient, EngineTimeouts
 from sinks.errors import EngineRejected, EngineUnavailable, UserNotFound
 from sinks.routes import (
     QUIZ_ATTEMPTS_SYNC_PATH,
@@ -219,8 +220,24 @@ def test_latency_beyond_the_read_timeout_is_engine_unavailable_read_timeout(
     stub.add_faults({"latency_ms": 500})
     with pytest.raises(EngineUnavailable) as info:
         run(sync_user(stub, "u1", "e1", timeouts=EngineTimeouts(connect_s=1.0, read_s=0.1)))
-    assert isinstance(info.value.__cause__, httpx.ReadTimeout)
+    assert isinstance(info.value.__cause__, http1.ReadTimeout)
+    assert info.value.reason == "ReadTimeout: nothing received for 0.1 s"
     assert info.value.status is None
+
+
+def test_request_abandoned_by_a_timed_out_client_is_still_applied_once(
+    stub: StubServer,
+) -> None:
+    stub.add_faults({"latency_ms": 300})
+    with pytest.raises(EngineUnavailable):
+        run(sync_user(stub, "u1", "e1", timeouts=EngineTimeouts(connect_s=1.0, read_s=0.05)))
+    deadline = time.monotonic() + 5
+    while stub.stats()["applied"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stub.clear_faults()
+    run(sync_user(stub, "u1", "e1"))  # the sink's resend
+    stats = stub.stats()
+    assert (stats["applied"], stats["duplicates"]) == (1, 1)
 
 
 def _refused(port: int) -> bool:
@@ -229,17 +246,25 @@ def _refused(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.parametrize(
+    ("transport", "refused"),
+    [(None, http1.ConnectError), (HTTPX_TRANSPORT, httpx.ConnectError)],
+    ids=["http1", "httpx"],
+)
 def test_outage_refuses_connections_then_accepts_again_on_the_same_port(
-    stub: StubServer,
+    stub: StubServer, transport: str | None, refused: type[Exception]
 ) -> None:
     async def scenario() -> float:
-        async with client_for(stub) as client:
+        async with client_for(stub, transport=transport) as client:
             await client.sync_user("u0", event_id="before")  # a pooled keep-alive connection
             stub.add_faults({"refuse_connections_s": 1.0})
             started = time.monotonic()
             with pytest.raises(EngineUnavailable) as info:
                 await client.sync_user("u1", event_id="during")
-            assert isinstance(info.value.__cause__, httpx.ConnectError)
+            assert isinstance(info.value.__cause__, refused)
+            assert info.value.status is None
+            if transport is None:
+                assert "Connection refused" in info.value.reason
             assert _refused(stub.port)
             while True:  # probe until the listener is back
                 try:
@@ -306,6 +331,9 @@ def test_delete_faults_clears_rules_and_latency(stub: StubServer) -> None:
         {"status": 500, "frobnicate": True},
         {"latency_ms": -1},
         {"status": 500, "headers": {"Retry-After": 3}},
+        {"latency_ms": 5, "bogus": 1},
+        [{"latency_ms": 5}, {"refuse_connections_s": -1}],
+        [{"latency_ms": 5}, {"status": 500, "times": "twice"}],
         "not an object",
     ],
 )
@@ -315,7 +343,7 @@ def test_invalid_fault_instructions_are_refused_with_400(
     response = httpx.post(f"{stub.url}/_stub/faults", json=instruction)
     assert response.status_code == 400
     assert response.json()["error"]
-    assert stub.control("GET", "/_stub/faults")["rules"] == []
+    assert stub.control("GET", "/_stub/faults") == {"latency_ms": 0.0, "rules": []}  # all or none
 
 
 def test_healthz_and_unknown_paths(stub: StubServer) -> None:
@@ -338,3 +366,47 @@ def test_concurrent_deliveries_of_distinct_events_are_all_applied_once(
     stats = stub.stats()
     assert (stats["applied"], stats["duplicates"], stats["users"]) == (300, 100, 300)
     assert len({i["event_id"] for i in stub.applied()["items"]}) == 300
+
+
+def test_many_in_flight_ride_out_an_outage_and_each_event_is_applied_once(
+    stub: StubServer,
+) -> None:
+    """64 deliveries at a time on the default transport; the engine refuses for 0.5 s midway."""
+    events = [f"e{n}" for n in range(1500)]
+    delivered: list[str] = []
+    refused: list[str] = []
+
+    async def deliver(client: EngineClient, event_id: str) -> None:
+        while True:  # the sink's probe-until-back, in short
+            try:
+                await client.sync_user(f"u-{event_id}", event_id=event_id)
+            except EngineUnavailable as exc:
+                refused.append(exc.reason)
+                await asyncio.sleep(0.05)
+            else:
+                delivered.append(event_id)
+                return
+
+    async def burst() -> None:
+        async with client_for(stub, max_in_flight=64) as client:
+            pending = iter(events)
+
+            async def worker() -> None:
+                for event_id in pending:
+                    await deliver(client, event_id)
+
+            async def outage() -> None:
+                while len(delivered) < 300:
+                    await asyncio.sleep(0.005)
+                await asyncio.to_thread(stub.add_faults, {"refuse_connections_s": 0.5})
+
+            await asyncio.gather(outage(), *(worker() for _ in range(64)))
+
+    run(burst())
+    assert sorted(delivered) == sorted(events)
+    stats = stub.stats()
+    assert (stats["applied"], stats["refusing_connections"]) == (len(events), False)
+    assert {i["event_id"] for i in stub.applied(limit=len(events))["items"]} == set(events)
+    assert refused, "the outage was never seen"
+    assert all(reason.startswith("ConnectError: ") for reason in refused), set(refused)
+    assert "Connection refused" in refused[0]
