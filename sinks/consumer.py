@@ -233,7 +233,7 @@ class Sink:
 
     # -- Kafka -----------------------------------------------------------------
     def _poll(self, consumer: Consumer) -> None:
-        busy = bool(self._tasks)
+        busy = bool(self._tasks) or self._scheduler.queued > 0
         msgs = consumer.consume(CONSUME_BATCH, 0 if busy else IDLE_WAIT_S)
         for msg in msgs:
             err = msg.error()

@@ -1,0 +1,201 @@
+"""Load generation and process plumbing shared by the benchmarks.
+
+Benchmarks run the real processes (relay, sink, engine stub) as
+subprocesses, each with its own interpreter and GIL, against the real local
+PostgreSQL and Kafka. They print figures and assert only correctness (every
+event arrived, none was applied twice); no figure is ever asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from confluent_kafka import KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from tests.harness import Proc, env_without, free_port, http_status, wait_until
+
+API_KEY = "bench-key"
+#: Offered-rate schedules start this far in the future so the first event is on time.
+PACE_LEAD_S = 0.05
+
+
+def create_topics(kafka: str, names: list[str], *, partitions: int) -> None:
+    """Create ``names`` (broker auto-creation is off) and wait until they exist."""
+    admin = AdminClient({"bootstrap.servers": kafka})
+    new = [NewTopic(n, num_partitions=partitions, replication_factor=-1) for n in names]
+    for future in admin.create_topics(new, request_timeout=30).values():
+        try:
+            future.result(timeout=30)
+        except KafkaException as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise
+    wait_until(lambda: all(n in admin.list_topics(timeout=10).topics for n in names), 30, "topics")
+
+
+def topic_record_count(kafka: str, topic: str) -> int:
+    """Records in ``topic`` (sum of high watermarks; the topic is never compacted)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": "bench-count-unused"})
+    try:
+        parts = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        return sum(
+            consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in parts
+        )
+    finally:
+        consumer.close()
+
+
+def produce_user_events(kafka: str, topic: str, n: int) -> list[str]:
+    """``n`` UserRegistered records in the contract format; their event ids."""
+    producer = Producer(
+        {"bootstrap.servers": kafka, "linger.ms": 20, "compression.type": "lz4", "acks": "all"}
+    )
+    ids = []
+    for _ in range(n):
+        user_id, event_id = str(uuid.uuid4()), str(uuid.uuid4())
+        while True:
+            try:
+                producer.produce(
+                    topic,
+                    key=user_id.encode(),
+                    value=json.dumps({"user_id": user_id}, separators=(",", ":")).encode(),
+                    headers=[
+                        ("id", event_id.encode()),
+                        ("type", b"UserRegistered"),
+                        ("aggregatetype", b"user"),
+                    ],
+                )
+                break
+            except BufferError:
+                producer.poll(0.1)
+        ids.append(event_id)
+        producer.poll(0)
+    assert producer.flush(60) == 0, "records left unacknowledged"
+    return ids
+
+
+# -- the engine stub as a process of its own ------------------------------------
+
+
+@dataclass
+class StubProc:
+    """``outbox-cdc engine-stub`` in its own process, reached over HTTP."""
+
+    proc: Proc
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, endpoint: str) -> Any:
+        with urllib.request.urlopen(self.url + endpoint, timeout=30) as resp:
+            return json.loads(resp.read())
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.get("/_stub/stats")
+        return result
+
+    def applied_items(self, *, since: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
+        query = f"?since={since}" + (f"&limit={limit}" if limit is not None else "")
+        items: list[dict[str, Any]] = self.get("/_stub/applied" + query)["items"]
+        return items
+
+
+def start_stub(tmp: Path, *, latency_ms: float = 0.0, name: str = "stub") -> StubProc:
+    port = free_port()
+    env = env_without(os.environ, "CDC_", "KAFKA_", "SINK_", "ENGINE_", "OUTBOX_")
+    env.update({"INTERNAL_API_KEY": API_KEY, "LOG_LEVEL": "WARNING"})
+    args = ["engine-stub", "--port", str(port), "--latency-ms", str(latency_ms)]
+    proc = Proc(args, env, tmp / f"{name}.log").start()
+
+    def up() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"engine stub exited:\n{proc.log_tail()}")
+        return http_status(f"http://127.0.0.1:{port}/healthz") == 200
+
+    wait_until(up, 30, "engine stub /healthz")
+    return StubProc(proc, port)
+
+
+# -- offered load ----------------------------------------------------------------
+
+
+@dataclass
+class Pace:
+    """How well a paced writer kept its schedule."""
+
+    events: int
+    elapsed_s: float
+    max_behind_s: float
+
+    @property
+    def rate_per_s(self) -> float:
+        return self.events / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def paced(rate_per_s: float, duration_s: float, pace: Pace) -> Iterator[int]:
+    """Yield ``0..rate*duration-1``, event ``i`` no earlier than ``start + i/rate``.
+
+    An open-loop schedule: a writer that falls behind catches up without
+    skipping, so the offered load is fixed; ``pace`` records how far behind it
+    fell and the rate achieved.
+    """
+    total = round(rate_per_s * duration_s)
+    start = time.monotonic() + PACE_LEAD_S
+    for i in range(total):
+        delay_s = start + i / rate_per_s - time.monotonic()
+        if delay_s > 0:
+            time.sleep(delay_s)
+        else:
+            pace.max_behind_s = max(pace.max_behind_s, -delay_s)
+        yield i
+        pace.events = i + 1
+    pace.elapsed_s = time.monotonic() - start
+
+
+# -- slots -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def slots_to_drop(db_dsn: str) -> Iterator[list[str]]:
+    """Slot names a test created; dropped afterwards (once nothing streams them)."""
+    names: list[str] = []
+    yield names
+    with psycopg.connect(db_dsn, autocommit=True) as conn:
+        for name in names:
+            wait_until(partial(_slot_idle, conn, name), 30, f"slot {name} inactive")
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+                " WHERE slot_name = %s",
+                (name,),
+            )
+
+
+def _slot_idle(conn: psycopg.Connection[tuple[object, ...]], name: str) -> bool:
+    row = conn.execute(
+        "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s AND active", (name,)
+    ).fetchone()
+    return row is None
+
+
+def walsender_pid(dsn: str, slot: str) -> int | None:
+    """PID of the walsender streaming ``slot``, if any."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    return None if row is None or row[0] is None else int(row[0])

@@ -1,0 +1,190 @@
+"""What the benchmarks measure and how they print it.
+
+Pure helpers plus ``/proc`` readers; nothing here asserts on a figure:
+
+* :func:`percentile` over raw samples and :func:`histogram_quantile` over a
+  Prometheus histogram (linear interpolation inside the bucket, as
+  Prometheus' ``histogram_quantile`` does);
+* :func:`metric_sum` / :func:`histogram_buckets` parse ``/metrics`` text;
+* :class:`CpuMeter` and :func:`peak_rss_mb` read CPU seconds and peak RSS
+  (``VmHWM``) from ``/proc``, so a run can say which process was busy;
+* :func:`print_table` prints a fixed-width table with a title.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parents[2]
+_CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+_SAMPLE_RE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between ranks."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def scrape(port: int, timeout_s: float = 5.0) -> str:
+    """The ``/metrics`` text of a process on 127.0.0.1."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
+        body: bytes = resp.read()
+    return body.decode()
+
+
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE_RE.match(line)
+        if m is None or m["name"] != name:
+            continue
+        labels = dict(_LABEL_RE.findall(m["labels"] or ""))
+        out.append((labels, float(m["value"])))
+    return out
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(
+        value
+        for got, value in _samples(text, name)
+        if all(got.get(k) == v for k, v in labels.items())
+    )
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts of histogram ``name``: upper bound -> count."""
+    return {float(labels["le"]): value for labels, value in _samples(text, f"{name}_bucket")}
+
+
+def bucket_diff(after: dict[float, float], before: dict[float, float]) -> dict[float, float]:
+    """Observations made between two scrapes, still cumulative per bucket."""
+    return {le: count - before.get(le, 0.0) for le, count in after.items()}
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float:
+    """The ``q`` quantile (0..1) of cumulative ``buckets``, interpolated in its bucket.
+
+    A quantile that falls in the ``+Inf`` bucket is reported as the highest
+    finite bound (it is at least that).
+    """
+    bounds = sorted(buckets)
+    total = buckets.get(math.inf, buckets[bounds[-1]] if bounds else 0.0)
+    if total <= 0:
+        return math.nan
+    rank = q * total
+    low_bound, low_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return low_bound
+            width = count - low_count
+            share = (rank - low_count) / width if width > 0 else 1.0
+            return low_bound + (bound - low_bound) * share
+        low_bound, low_count = bound, count
+    return low_bound
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (fields 14 and 15 of ``/proc/<pid>/stat``), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return math.nan
+    fields = stat.rsplit(")", 1)[1].split()
+    # fields[0] is field 3 (state): utime is field 14, stime field 15.
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S
+
+
+def peak_rss_mb(pid: int) -> float:
+    """``VmHWM`` (peak resident set) of ``pid`` in MiB; NaN when unreadable."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return math.nan
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores spent not idle (``/proc/stat``; idle and iowait excluded)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / _CLOCK_TICKS_PER_S
+
+
+class CpuMeter:
+    """CPU use of named processes and of the whole machine over an interval.
+
+    Percentages are of one core (so the machine's maximum is 100 x cores); a
+    process at ~100% is the bottleneck when it is single-threaded Python.
+    """
+
+    def __init__(self, pids: dict[str, int | None]) -> None:
+        self._pids = {name: pid for name, pid in pids.items() if pid is not None}
+        self._start: dict[str, float] = {}
+        self._t0 = 0.0
+
+    def start(self) -> CpuMeter:
+        self._t0 = time.monotonic()
+        self._start = {name: cpu_seconds(pid) for name, pid in self._pids.items()}
+        self._start["machine"] = machine_busy_s()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        wall_s = time.monotonic() - self._t0
+        now = {name: cpu_seconds(pid) for name, pid in self._pids.items()}
+        now["machine"] = machine_busy_s()
+        return {name: 100.0 * (now[name] - self._start[name]) / wall_s for name in now}
+
+
+def kafka_pid() -> int | None:
+    """The local stack's Kafka broker, when it runs from ``.dev``."""
+    try:
+        return int((_ROOT / ".dev" / "kafka" / "kafka.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def fmt(value: float, digits: int = 0) -> str:
+    """A number for a table: thousands separators, NaN as '-'."""
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A fixed-width table; the first column left-aligned, the others right-aligned."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        parts = [row[0].ljust(widths[0])]
+        parts += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
+        return "  ".join(parts)
+
+    rule = "-" * len(line(cells[0]))
+    print(f"\n== {title}")
+    print(line(cells[0]))
+    print(rule)
+    for row in cells[1:]:
+        print(line(row))
+    print(rule, flush=True)

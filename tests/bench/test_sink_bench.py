@@ -1,0 +1,293 @@
+"""Sink benchmarks: deliveries/s to the engine stub, concurrent vs serial, and
+end-to-end commit->engine latency through relay + sink + stub.
+
+Deliveries/s: records in the contract format are produced straight into a
+fresh topic, then a sink (``SINK_MAX_IN_FLIGHT`` = 64, or 1 for the serial
+baseline) drains them into an engine stub running as its own process. The
+rate is taken from the stub's ``applied_at`` of the first and the last event
+(steady state, without the consumer-group join); the time from the sink's
+``/readyz`` to the last event is printed beside it.
+
+End-to-end: a paced writer commits registrations (``register_user``) at
+1,000/s and notes each event's commit time; latency = the stub's
+``applied_at`` - that commit time.
+
+Figures are printed with their targets; only correctness is asserted (every
+event applied exactly once, nothing rejected).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cdc.outbox import register_user
+from tests.bench.conftest import (
+    API_KEY,
+    Pace,
+    StubProc,
+    create_topics,
+    paced,
+    produce_user_events,
+    start_stub,
+    walsender_pid,
+)
+from tests.bench.report import CpuMeter, fmt, peak_rss_mb, percentile, print_table
+from tests.harness import RelayConfig, SinkConfig, start_relay, start_sink, wait_until
+
+pytestmark = [pytest.mark.bench, pytest.mark.integration]
+
+PARTITIONS = 6
+CONCURRENT = 64
+TARGET_SPEEDUP = 8.0
+TARGET_RATE_0MS = 5_000.0
+E2E_RATE_PER_S = 1_000
+E2E_DURATION_S = 10.0
+E2E_WARMUP = 50
+
+
+@dataclass(frozen=True)
+class Case:
+    latency_ms: float
+    max_in_flight: int
+    events: int
+
+    @property
+    def mode(self) -> str:
+        return "serial" if self.max_in_flight == 1 else f"concurrent ({self.max_in_flight})"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    case: Case
+    rate_per_s: float  # first -> last applied
+    ready_to_done_s: float
+    cpu_pct: dict[str, float]
+    sink_rss_mb: float
+
+
+#: Sized so each case runs for seconds, not milliseconds, at the rates seen on
+#: the 2-core reference machine (serial at 10 ms engine latency is ~90/s).
+CASES = [
+    Case(0, CONCURRENT, 50_000),
+    Case(0, 1, 3_000),
+    Case(10, CONCURRENT, 20_000),
+    Case(10, 1, 1_000),
+]
+
+
+def _sink_cfg(
+    db_dsn: str, kafka: str, stub: StubProc, *, max_in_flight: int = CONCURRENT
+) -> SinkConfig:
+    relay = RelayConfig(
+        db_dsn=db_dsn,
+        kafka=kafka,
+        unique=uuid.uuid4().hex[:10],
+        partitions=PARTITIONS,
+        extra={"LOG_LEVEL": "WARNING"},
+    )
+    return SinkConfig(
+        relay=relay,
+        engine_url=stub.url,
+        api_key=API_KEY,
+        extra={"SINK_MAX_IN_FLIGHT": str(max_in_flight), "LOG_LEVEL": "WARNING"},
+    )
+
+
+def _wait_applied(stub: StubProc, n: int, timeout_s: float) -> None:
+    wait_until(lambda: stub.stats()["applied"] >= n, timeout_s, f"{n} applied", interval_s=0.05)
+
+
+def _assert_exactly_once(stub: StubProc, ids: list[str]) -> None:
+    stats = stub.stats()
+    applied = {item["event_id"] for item in stub.applied_items()}
+    assert applied == set(ids), f"{len(set(ids) - applied)} events never applied"
+    assert stats["applied"] == len(ids), stats
+    assert stats["duplicates"] == 0, stats
+    assert stats["rejected"] == 0, stats
+
+
+def _run_case(case: Case, db_dsn: str, kafka: str, tmp: Path) -> Outcome:
+    name = f"{case.latency_ms:g}ms-{case.max_in_flight}"
+    stub = start_stub(tmp, latency_ms=case.latency_ms, name=f"stub-{name}")
+    try:
+        cfg = _sink_cfg(db_dsn, kafka, stub, max_in_flight=case.max_in_flight)
+        topic = cfg.relay.topic_prefix + "user"
+        create_topics(kafka, [topic], partitions=PARTITIONS)
+        ids = produce_user_events(kafka, topic, case.events)
+        sink, _ = start_sink(cfg, tmp, name=f"sink-{name}")
+        try:
+            t_ready = time.monotonic()
+            cpu = CpuMeter({"sink": sink.pid, "stub": stub.proc.pid}).start()
+            _wait_applied(stub, case.events, timeout_s=300)
+            ready_to_done_s = time.monotonic() - t_ready
+            cpu_pct = cpu.stop()
+            rss_mb = peak_rss_mb(sink.pid)
+            assert sink.terminate() == 0, sink.log_tail()
+        finally:
+            sink.close()
+        first = stub.applied_items(limit=1)[0]["applied_at"]
+        last = stub.applied_items(since=case.events - 1)[0]["applied_at"]
+        _assert_exactly_once(stub, ids)
+    finally:
+        stub.proc.close()
+    rate = (case.events - 1) / (last - first)
+    return Outcome(case, rate, ready_to_done_s, cpu_pct, rss_mb)
+
+
+@pytest.mark.timeout(1200)
+def test_sink_concurrent_delivery_beats_the_serial_baseline(
+    db_dsn: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    outcomes = [_run_case(case, db_dsn, kafka_bootstrap, tmp_path) for case in CASES]
+    print_table(
+        "sink deliveries/s to the engine stub (stub in its own process)",
+        [
+            "engine latency",
+            "mode",
+            "events",
+            "deliveries/s",
+            "ready->all s",
+            "sink CPU %",
+            "per sink CPU-s",
+            "stub CPU %",
+            "machine CPU %",
+            "sink RSS MB",
+        ],
+        [
+            [
+                f"{o.case.latency_ms:g} ms",
+                o.case.mode,
+                fmt(o.case.events),
+                fmt(o.rate_per_s),
+                fmt(o.ready_to_done_s, 1),
+                fmt(o.cpu_pct["sink"]),
+                fmt(o.rate_per_s / (o.cpu_pct["sink"] / 100.0)),
+                fmt(o.cpu_pct["stub"]),
+                fmt(o.cpu_pct["machine"]),
+                fmt(o.sink_rss_mb, 1),
+            ]
+            for o in outcomes
+        ],
+    )
+    by = {(o.case.latency_ms, o.case.max_in_flight): o.rate_per_s for o in outcomes}
+    speedup_10 = by[(10, CONCURRENT)] / by[(10, 1)]
+    speedup_0 = by[(0, CONCURRENT)] / by[(0, 1)]
+    print_table(
+        "sink targets",
+        ["figure", "value", "target"],
+        [
+            [
+                "speed-up at 10 ms (concurrent / serial)",
+                f"{speedup_10:.1f}x",
+                f">= {TARGET_SPEEDUP:.0f}x {_verdict(speedup_10 >= TARGET_SPEEDUP)}",
+            ],
+            ["speed-up at 0 ms (concurrent / serial)", f"{speedup_0:.1f}x", ""],
+            [
+                "deliveries/s at 0 ms, concurrent",
+                fmt(by[(0, CONCURRENT)]),
+                f">= {TARGET_RATE_0MS:,.0f} {_verdict(by[(0, CONCURRENT)] >= TARGET_RATE_0MS)}",
+            ],
+        ],
+    )
+    print(
+        "  (deliveries/s: first -> last applied; per sink CPU-s = deliveries/s / sink CPU share;"
+        " CPU % of one core, machine = all processes, 2 cores = 200)"
+    )
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+@pytest.mark.timeout(600)
+def test_end_to_end_commit_to_engine_latency_at_a_fixed_offered_rate(
+    db_dsn: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    stub = start_stub(tmp_path, name="stub-e2e")
+    cfg = _sink_cfg(db_dsn, kafka_bootstrap, stub)
+    relay_cfg = cfg.relay
+    relay = sink = None
+    commit_at: dict[str, float] = {}
+    pace = Pace(0, 0.0, 0.0)
+    try:
+        # Topics exist before the sink subscribes: no wait for a metadata refresh.
+        create_topics(
+            kafka_bootstrap,
+            [relay_cfg.topic_prefix + "user", relay_cfg.dlq_topic],
+            partitions=PARTITIONS,
+        )
+        relay, _ = start_relay(relay_cfg, tmp_path, name="relay-e2e")
+        sink, _ = start_sink(cfg, tmp_path, name="sink-e2e")
+        with psycopg.connect(db_dsn) as conn:
+            for _ in range(E2E_WARMUP):
+                register_user(conn, email=f"{uuid.uuid4()}@bench.example", display_name="Warm")
+            _wait_applied(stub, E2E_WARMUP, timeout_s=60)
+            cpu = CpuMeter(
+                {
+                    "relay": relay.pid,
+                    "sink": sink.pid,
+                    "stub": stub.proc.pid,
+                    "walsender": walsender_pid(db_dsn, relay_cfg.slot),
+                }
+            ).start()
+            for _ in paced(E2E_RATE_PER_S, E2E_DURATION_S, pace):
+                written = register_user(
+                    conn, email=f"{uuid.uuid4()}@bench.example", display_name="Bench"
+                )
+                commit_at[str(written.event_id)] = time.time()
+        _wait_applied(stub, E2E_WARMUP + len(commit_at), timeout_s=120)
+        cpu_pct = cpu.stop()
+        applied_at = {
+            item["event_id"]: item["applied_at"] for item in stub.applied_items(since=E2E_WARMUP)
+        }
+        stats = stub.stats()
+        assert sink.terminate() == 0, sink.log_tail()
+        assert relay.terminate() == 0, relay.log_tail()
+    finally:
+        for proc in (sink, relay, stub.proc):
+            if proc is not None:
+                proc.close()
+        with psycopg.connect(db_dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+                " WHERE slot_name = %s AND NOT active",
+                (relay_cfg.slot,),
+            )
+    missing = set(commit_at) - set(applied_at)
+    assert not missing, f"{len(missing)} events never reached the engine"
+    assert stats["duplicates"] == 0, stats
+    lat_ms = [(applied_at[e] - t) * 1000.0 for e, t in commit_at.items()]
+    by_second: dict[int, list[float]] = {}
+    start = min(commit_at.values())
+    for e, t in commit_at.items():
+        by_second.setdefault(int(t - start), []).append((applied_at[e] - t) * 1000.0)
+    print_table(
+        f"end-to-end commit->engine latency, {E2E_RATE_PER_S:,} registrations/s offered"
+        f" for {E2E_DURATION_S:.0f} s (relay + sink + stub)",
+        ["figure", "value", "target"],
+        [
+            ["offered rate achieved ev/s", fmt(pace.rate_per_s), ""],
+            ["writer max behind schedule ms", fmt(pace.max_behind_s * 1000, 1), ""],
+            ["events", fmt(len(lat_ms)), ""],
+            ["p50 ms", fmt(percentile(lat_ms, 50), 1), ""],
+            ["p90 ms", fmt(percentile(lat_ms, 90), 1), ""],
+            ["p99 ms", fmt(percentile(lat_ms, 99), 1), ""],
+            ["max ms", fmt(max(lat_ms), 1), ""],
+            ["relay CPU %", fmt(cpu_pct["relay"]), ""],
+            ["sink CPU %", fmt(cpu_pct["sink"]), ""],
+            ["stub CPU %", fmt(cpu_pct["stub"]), ""],
+            ["walsender CPU %", fmt(cpu_pct.get("walsender", math.nan)), ""],
+            ["machine CPU % (2 cores = 200)", fmt(cpu_pct["machine"]), ""],
+        ],
+    )
+    print(
+        "  p50 ms by second of the run: "
+        + " ".join(fmt(percentile(v, 50)) for _, v in sorted(by_second.items()))
+    )
