@@ -97,11 +97,11 @@ class TopicManager:
         self._partitions = partitions
         self._replication_factor = replication_factor
         self._timeout_s = timeout_s
-        self._known: set[str] = set()
+        self.known: set[str] = set()
 
     def ensure(self, topics: Iterable[str]) -> None:
         """Make sure every topic exists; raise KafkaUnavailableError when Kafka does not answer."""
-        wanted = [t for t in topics if t not in self._known]
+        wanted = [t for t in topics if t not in self.known]
         if not wanted:
             return
         try:
@@ -111,7 +111,7 @@ class TopicManager:
         missing = [t for t in wanted if t not in existing]
         if missing:
             self._create(missing)
-        self._known.update(wanted)
+        self.known.update(wanted)
 
     def _create(self, topics: list[str]) -> None:
         new = [

@@ -15,6 +15,8 @@ Pure core:
 
 I/O:
 
+- :mod:`sinks.http1`    - a lean asyncio HTTP/1.1 keep-alive pool (parsing pure, tested
+  on bytes); httpx measured ~1 ms of CPU per request here, this ~45 us;
 - :mod:`sinks.engine`   - the engine's HTTP client, errors mapped at the boundary;
 - :mod:`sinks.stub`     - a real HTTP engine stub with idempotency and fault injection;
 - :mod:`sinks.dispatch` - one delivery (with the user sync a quiz attempt may need);
