@@ -103,14 +103,18 @@ def iso_utc_us(ts_us: int) -> str:
 
 
 def route_row(row: dict[str, str | None], tx: TxContext, *, topic_prefix: str) -> KafkaRecord:
-    """Route an outbox table row (column name -> text value)."""
-    missing = [name for name in _REQUIRED if not row.get(name)]
-    event_id = row.get("id") or ""
-    if missing:
+    """Route an outbox table row (column name -> text value). The hot path of the relay."""
+    get = row.get
+    event_id = get("id") or ""
+    aggregate_type = get("aggregatetype")
+    aggregate_id = get("aggregateid")
+    event_type = get("type")
+    payload = get("payload")
+    if not (event_id and aggregate_type and aggregate_id and event_type and payload):
+        missing = [name for name in _REQUIRED if not get(name)]
         raise RouteError(
             f"outbox row lacks {', '.join(missing)}", event_id=event_id, raw=orjson.dumps(row)
         )
-    payload = row["payload"] or ""
     try:
         value = orjson.dumps(orjson.loads(payload))
     except orjson.JSONDecodeError as exc:
@@ -118,14 +122,22 @@ def route_row(row: dict[str, str | None], tx: TxContext, *, topic_prefix: str) -
             f"payload is not JSON: {exc}", event_id=event_id, raw=payload.encode()
         ) from exc
     return _record(
+        event_id,
+        aggregate_type,
+        aggregate_id,
+        event_type,
+        value,
+        get("tracingspancontext"),
+        tx,
+        topic_prefix,
+    )
+
+
+def _invalid_topic(aggregate_type: str, topic: str, event_id: str, raw: bytes) -> RouteError:
+    return RouteError(
+        f"aggregatetype {aggregate_type!r} makes an invalid topic name {topic!r}",
         event_id=event_id,
-        aggregate_type=row["aggregatetype"] or "",
-        aggregate_id=row["aggregateid"] or "",
-        event_type=row["type"] or "",
-        value=value,
-        traceparent=row.get("tracingspancontext"),
-        tx=tx,
-        topic_prefix=topic_prefix,
+        raw=raw,
     )
 
 
@@ -157,7 +169,6 @@ def route_message(content: bytes, tx: TxContext, *, topic_prefix: str) -> KafkaR
 
 
 def _record(
-    *,
     event_id: str,
     aggregate_type: str,
     aggregate_id: str,
@@ -169,11 +180,7 @@ def _record(
 ) -> KafkaRecord:
     topic = topic_prefix + aggregate_type
     if topic not in _VALID_TOPICS and not _valid_topic(topic):
-        raise RouteError(
-            f"aggregatetype {aggregate_type!r} makes an invalid topic name {topic!r}",
-            event_id=event_id,
-            raw=value,
-        )
+        raise _invalid_topic(aggregate_type, topic, event_id, value)
     headers = [
         (c.HEADER_ID, event_id.encode()),
         (c.HEADER_TYPE, event_type.encode()),
@@ -182,14 +189,7 @@ def _record(
     ]
     if traceparent:
         headers.append((c.HEADER_TRACEPARENT, traceparent.encode()))
-    return KafkaRecord(
-        topic=topic,
-        key=aggregate_id.encode(),
-        value=value,
-        headers=headers,
-        timestamp_ms=tx.timestamp_ms,
-        event_id=event_id,
-    )
+    return KafkaRecord(topic, aggregate_id.encode(), value, headers, tx.timestamp_ms, event_id)
 
 
 def dead_letter(
