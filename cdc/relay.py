@@ -40,12 +40,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cdc import constants as c
 from cdc import pgoutput as pgo
-from cdc.errors import CdcError, KafkaUnavailableError, SlotInUseError
+from cdc.errors import CdcError, DecodeError, KafkaUnavailableError, SlotInUseError
 from cdc.health import HealthServer, Liveness
 from cdc.lsn import LsnTracker
 from cdc.producer import TopicManager, is_record_error, make_producer
-from cdc.replproto import Keepalive, lsn_to_str, parse_copy_data
-from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_message, route_row
+from cdc.replproto import Keepalive, lsn_to_str, parse_copy_data, xlog_payload
+from cdc.router import (
+    ROUTED_COLUMNS,
+    KafkaRecord,
+    RouteError,
+    TxContext,
+    dead_letter,
+    route_fields,
+    route_message,
+)
 from cdc.settings import Settings
 from cdc.stream import ReplicationStream, ensure_publication, ensure_slot, slot_info
 
@@ -139,6 +147,21 @@ class RelayMetrics:
         return child
 
 
+_UNKNOWN: Any = object()
+
+
+def _text(values: tuple[object, ...], index: int) -> str | None:
+    """Column ``index`` of a pgoutput text tuple as str (None for NULL or an absent column)."""
+    if index < 0:
+        return None
+    value = values[index]
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode()
+    raise DecodeError("outbox row has an unchanged-TOAST value: the full row is not in the stream")
+
+
 @dataclass
 class _PendingDlq:
     tx_id: int
@@ -164,8 +187,9 @@ class Session:
     pending_dlq: list[_PendingDlq] = field(default_factory=list)
     last_confirmed: int = 0
     ignored_kinds: set[str] = field(default_factory=set)
-    #: relation oid -> is it the outbox table (cleared when a Relation arrives)
-    outbox_oids: dict[int, bool] = field(default_factory=dict)
+    #: relation oid -> positions of the routed columns, None if not the outbox
+    #: (cleared when a Relation message arrives)
+    outbox_oids: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
     #: delivery callback of each open transaction (one object per transaction)
     callbacks: dict[int, Any] = field(default_factory=dict)
     #: records produced and not yet acknowledged, per transaction
@@ -364,13 +388,14 @@ class Relay:
 
     # -- protocol --------------------------------------------------------------
     def _handle(self, sess: Session, data: memoryview | bytes) -> None:
-        msg = parse_copy_data(data)
-        if isinstance(msg, Keepalive):
-            sess.tracker.observe_wal_end(msg.wal_end)
-            if msg.reply_requested:
-                sess.reply_requested = True
+        payload = xlog_payload(data)
+        if payload is None:
+            msg = parse_copy_data(data)
+            if isinstance(msg, Keepalive):
+                sess.tracker.observe_wal_end(msg.wal_end)
+                if msg.reply_requested:
+                    sess.reply_requested = True
             return
-        payload = msg.payload
         tag = payload[0]
         if tag == _TAG_INSERT:
             self._on_insert(sess, pgo.decode(payload))
@@ -413,19 +438,46 @@ class Relay:
 
     def _on_insert(self, sess: Session, ins: Any) -> None:
         assert isinstance(ins, pgo.Insert) and sess.tx is not None and sess.tx_id is not None
-        outbox = sess.outbox_oids.get(ins.relation_oid)
-        if outbox is None:
-            rel = sess.relations.get(ins.relation_oid)
-            outbox = sess.outbox_oids[ins.relation_oid] = self._is_outbox(rel)
-        if not outbox:
+        oid = ins.relation_oid
+        index = sess.outbox_oids.get(oid, _UNKNOWN)
+        if index is _UNKNOWN:
+            index = sess.outbox_oids[oid] = self._outbox_index(sess.relations.get(oid))
+        if index is None:
             return
-        row = sess.relations.row_dict(ins)
+        values = ins.new
+        if len(values) != len(sess.relations.get(oid).columns):
+            raise DecodeError(f"row of relation {oid} does not match its Relation message")
+        i_id, i_type_agg, i_agg, i_type, i_payload, i_trace = index
         try:
-            record = route_row(row, sess.tx, topic_prefix=self.settings.topic_prefix)
+            record = route_fields(
+                _text(values, i_id),
+                _text(values, i_type_agg),
+                _text(values, i_agg),
+                _text(values, i_type),
+                _text(values, i_payload),
+                _text(values, i_trace),
+                sess.tx,
+                self.settings.topic_prefix,
+            )
+        except UnicodeDecodeError as exc:
+            self._dead_letter_route(
+                sess,
+                sess.tx_id,
+                sess.tx,
+                RouteError(f"outbox row is not valid UTF-8: {exc}", raw=b""),
+            )
+            return
         except RouteError as exc:
             self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
             return
         self._produce(sess, sess.tx_id, record)
+
+    def _outbox_index(self, rel: pgo.Relation) -> tuple[int, ...] | None:
+        """Positions of :data:`ROUTED_COLUMNS` in ``rel`` (-1: absent), None if not the outbox."""
+        if not self._is_outbox(rel):
+            return None
+        names = [col.name for col in rel.columns]
+        return tuple(names.index(n) if n in names else -1 for n in ROUTED_COLUMNS)
 
     def _on_message(self, sess: Session, msg: Any) -> None:
         assert isinstance(msg, pgo.Message)

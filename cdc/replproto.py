@@ -72,6 +72,17 @@ _LSN_TEXT: Final = re.compile(r"([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})")
 _MAX_LSN: Final = 0xFFFF_FFFF_FFFF_FFFF
 
 
+def xlog_payload(buf: bytes | bytearray | memoryview) -> bytes | None:
+    """The pgoutput payload of an XLogData message as ``bytes``; None for anything else.
+
+    The relay's fast path: no :class:`XLogData` object for the (ignored) header.
+    Hand what returns None to :func:`parse_copy_data`, which also reports errors.
+    """
+    if len(buf) > _XLOG_PAYLOAD_OFFSET and buf[0] == 0x77:  # 'w'
+        return bytes(buf[_XLOG_PAYLOAD_OFFSET:])
+    return None
+
+
 def parse_copy_data(buf: bytes | bytearray | memoryview) -> CopyDataMessage:
     """Parse one CopyData payload of the replication stream.
 

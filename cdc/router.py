@@ -102,18 +102,43 @@ def iso_utc_us(ts_us: int) -> str:
     return f"{head}.{micros:06d}Z"
 
 
+#: The outbox columns the router reads, in the order :func:`route_fields` takes them.
+ROUTED_COLUMNS = ("id", "aggregatetype", "aggregateid", "type", "payload", "tracingspancontext")
+
+
 def route_row(row: dict[str, str | None], tx: TxContext, *, topic_prefix: str) -> KafkaRecord:
-    """Route an outbox table row (column name -> text value). The hot path of the relay."""
+    """Route an outbox table row (column name -> text value)."""
     get = row.get
-    event_id = get("id") or ""
-    aggregate_type = get("aggregatetype")
-    aggregate_id = get("aggregateid")
-    event_type = get("type")
-    payload = get("payload")
+    return route_fields(
+        get("id"),
+        get("aggregatetype"),
+        get("aggregateid"),
+        get("type"),
+        get("payload"),
+        get("tracingspancontext"),
+        tx,
+        topic_prefix,
+    )
+
+
+def route_fields(
+    event_id: str | None,
+    aggregate_type: str | None,
+    aggregate_id: str | None,
+    event_type: str | None,
+    payload: str | None,
+    traceparent: str | None,
+    tx: TxContext,
+    topic_prefix: str,
+) -> KafkaRecord:
+    """Route the outbox columns of :data:`ROUTED_COLUMNS` (text values, None for NULL)."""
     if not (event_id and aggregate_type and aggregate_id and event_type and payload):
-        missing = [name for name in _REQUIRED if not get(name)]
+        fields = (event_id, aggregate_type, aggregate_id, event_type, payload)
+        missing = [name for name, v in zip(_REQUIRED, fields, strict=True) if not v]
         raise RouteError(
-            f"outbox row lacks {', '.join(missing)}", event_id=event_id, raw=orjson.dumps(row)
+            f"outbox row lacks {', '.join(missing)}",
+            event_id=event_id or "",
+            raw=orjson.dumps(dict(zip(ROUTED_COLUMNS, (*fields, traceparent), strict=True))),
         )
     try:
         value = orjson.dumps(orjson.loads(payload))
@@ -122,14 +147,7 @@ def route_row(row: dict[str, str | None], tx: TxContext, *, topic_prefix: str) -
             f"payload is not JSON: {exc}", event_id=event_id, raw=payload.encode()
         ) from exc
     return _record(
-        event_id,
-        aggregate_type,
-        aggregate_id,
-        event_type,
-        value,
-        get("tracingspancontext"),
-        tx,
-        topic_prefix,
+        event_id, aggregate_type, aggregate_id, event_type, value, traceparent, tx, topic_prefix
     )
 
 

@@ -224,3 +224,14 @@ def test_str_to_lsn_rejects_malformed_text(text: str) -> None:
 def test_lsn_to_str_rejects_values_outside_64_bits(value: int) -> None:
     with pytest.raises(ValueError, match="out of range"):
         lsn_to_str(value)
+
+
+def test_xlog_payload_returns_the_pgoutput_bytes_of_xlogdata_only() -> None:
+    from cdc.replproto import xlog_payload
+
+    frame = b"w" + struct.pack(">QQq", 5, 6, 7) + b"Bpayload"
+    assert xlog_payload(frame) == b"Bpayload"
+    assert xlog_payload(memoryview(frame)) == b"Bpayload"
+    keepalive = b"k" + struct.pack(">QqB", 9, 10, 1)
+    assert xlog_payload(keepalive) is None
+    assert xlog_payload(b"w" + b"\0" * 24) is None  # no payload: parse_copy_data reports it
