@@ -266,3 +266,15 @@ def start_sink(cfg: SinkConfig, tmp: Path, *, name: str = "sink") -> tuple[Proc,
     proc = Proc(["sink"], cfg.env(port), tmp / f"{name}.log").start()
     wait_for_ready(proc, port)
     return proc, port
+
+
+def drop_slot(dsn: str, slot: str) -> None:
+    """Drop ``slot`` when it exists and no relay streams it (test clean-up)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
+            " WHERE slot_name = %s AND NOT active",
+            (slot,),
+        )

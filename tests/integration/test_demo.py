@@ -6,10 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psycopg
 import pytest
 
-from tests.harness import ROOT, RelayConfig, SinkConfig, free_port
+from tests.harness import ROOT, RelayConfig, SinkConfig, drop_slot, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -51,9 +50,4 @@ def test_demo_runs_end_to_end_and_exits_zero(
         assert "consumer lag of group" in run.stdout
         assert "demo-key" not in run.stdout + run.stderr
     finally:
-        with psycopg.connect(db_dsn, autocommit=True) as conn:
-            conn.execute(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-                " WHERE slot_name = %s AND NOT active",
-                (relay.slot,),
-            )
+        drop_slot(db_dsn, relay.slot)

@@ -35,6 +35,7 @@ from sinks.stub import StubServer
 from tests.harness import (
     ROOT,
     RelayConfig,
+    drop_slot,
     env_without,
     read_topics,
     start_relay,
@@ -131,12 +132,7 @@ def ops(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[Ops]:
     )
     yield o
     admin.delete_topics([o.user_topic, o.quiz_topic])
-    with psycopg.connect(db_dsn, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-            " WHERE slot_name = %s AND NOT active",
-            (o.slot,),
-        )
+    drop_slot(db_dsn, o.slot)
 
 
 # --- producing records in the contract format and committing offsets ------------------------

@@ -20,6 +20,7 @@ from cdc.replproto import str_to_lsn
 from tests.harness import (
     Proc,
     RelayConfig,
+    drop_slot,
     headers_of,
     read_topics,
     start_relay,
@@ -33,12 +34,7 @@ pytestmark = pytest.mark.integration
 def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
     config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique)
     yield config
-    with psycopg.connect(db_dsn, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-            " WHERE slot_name = %s AND NOT active",
-            (config.slot,),
-        )
+    drop_slot(db_dsn, config.slot)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from tests.conftest import IN_CI, Services
 from tests.harness import (
     Proc,
     RelayConfig,
+    drop_slot,
     headers_of,
     http_status,
     read_topics,
@@ -47,12 +48,7 @@ def local_stack(services: Services) -> None:
 def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
     config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=4)
     yield config
-    with psycopg.connect(db_dsn, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-            " WHERE slot_name = %s AND NOT active",
-            (config.slot,),
-        )
+    drop_slot(db_dsn, config.slot)
 
 
 def _bulk(dsn: str, aggregate: str, total: int, *, per_tx: int = 500, start: int = 0) -> None:

@@ -26,6 +26,7 @@ from tests.harness import (
     Proc,
     RelayConfig,
     SinkConfig,
+    drop_slot,
     free_port,
     start_relay,
     start_sink,
@@ -47,12 +48,7 @@ def stub() -> Iterator[StubServer]:
 def relay_cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
     config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=4)
     yield config
-    with psycopg.connect(db_dsn, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots"
-            " WHERE slot_name = %s AND NOT active",
-            (config.slot,),
-        )
+    drop_slot(db_dsn, config.slot)
 
 
 @pytest.fixture
