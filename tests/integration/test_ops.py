@@ -12,6 +12,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -449,6 +450,27 @@ def test_lag_is_zero_with_zero_age_when_the_group_caught_up(ops: Ops) -> None:
     }
     assert table.returncode == 0
     assert "total lag 0 in 0/3 partitions" in table.stdout
+
+
+def test_lag_watch_refreshes_until_interrupted_and_exits_zero(ops: Ops) -> None:
+    _spread(ops, now_ms() - 60_000, {0: [0, 1], 1: [2]})
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "cdc.cli", "lag", "--topic", ops.user_topic, "--watch", "--json"],
+        env=ops.env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(6.0)  # three refreshes at the 2 s period
+    finally:
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=30)
+    assert watch.returncode == 0, err
+    frames = [json.loads(line) for line in out.splitlines() if line.strip()]
+    assert len(frames) >= 2, "the view refreshes"
+    assert all(f["totals"]["lag"] == 3 for f in frames)
 
 
 # --- redeliver -------------------------------------------------------------------------------
