@@ -190,8 +190,6 @@ class Session:
     #: relation oid -> positions of the routed columns, None if not the outbox
     #: (cleared when a Relation message arrives)
     outbox_oids: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
-    #: delivery callback of each open transaction (one object per transaction)
-    callbacks: dict[int, Any] = field(default_factory=dict)
     #: records produced and not yet acknowledged, per transaction
     unacked: dict[int, int] = field(default_factory=dict)
     #: acknowledged records per topic since the last status (metrics are
@@ -409,7 +407,6 @@ class Relay:
             commit = pgo.decode(payload)
             assert isinstance(commit, pgo.Commit) and sess.tx_id is not None
             sess.tracker.close(sess.tx_id, commit.end_lsn)
-            sess.callbacks.pop(sess.tx_id, None)
             sess.tx_id = sess.tx = None
         elif tag == _TAG_RELATION:
             rel = pgo.decode(payload)
@@ -551,9 +548,8 @@ class Relay:
     def _send(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
         producer = self._producer
         assert producer is not None
-        callback = sess.callbacks.get(tx_id)
-        if callback is None:
-            callback = sess.callbacks[tx_id] = partial(self._on_delivery, sess, tx_id)
+        # librdkafka hands no headers to delivery callbacks: the event id rides along.
+        callback = partial(self._on_delivery, sess, tx_id, record.event_id)
         while True:
             try:
                 producer.produce(
@@ -575,7 +571,9 @@ class Relay:
                 if self._stop.is_set() or sess.fatal is not None:
                     raise KafkaUnavailableError("stopped while Kafka's queue was full") from None
 
-    def _on_delivery(self, sess: Session, tx_id: int, err: KafkaError | None, msg: Message) -> None:
+    def _on_delivery(
+        self, sess: Session, tx_id: int, event_id: str, err: KafkaError | None, msg: Message
+    ) -> None:
         if err is None:
             sess.tracker.ack(tx_id)
             topic = msg.topic() or ""
@@ -590,8 +588,7 @@ class Relay:
             return
         self.metrics.kafka_errors.labels(err.name()).inc()
         if is_record_error(err) and msg.topic() != self.settings.dlq_topic:
-            headers = [(str(h[0]), _as_bytes(h[1])) for h in (msg.headers() or [])]
-            event_id = dict(headers).get(c.HEADER_ID, b"").decode()
+            headers = [(c.HEADER_ID, event_id.encode())]
             self.poison[event_id] = err.str()
             self._queue_dlq(
                 sess,
@@ -682,9 +679,3 @@ class Relay:
                         last_beat = time.monotonic()
             except psycopg.Error as exc:
                 log.debug("slot monitor: %s", exc)
-
-
-def _as_bytes(value: object) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    return str(value or "").encode()
