@@ -27,6 +27,7 @@ States and transitions::
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import threading
 import time
@@ -65,6 +66,8 @@ READ_BATCH = 2_000
 READ_WAIT_S = 0.1
 #: Confirm progress at most this often (fewer duplicates after a crash).
 STATUS_MIN_INTERVAL_S = 0.1
+#: Cyclic-GC thresholds for the relay process (see Relay.run).
+GC_THRESHOLDS = (50_000, 20, 50)
 #: Reconnect backoff after stream or Kafka trouble.
 RECONNECT_MIN_S = 0.5
 RECONNECT_MAX_S = 30.0
@@ -150,16 +153,13 @@ class RelayMetrics:
 _UNKNOWN: Any = object()
 
 
-def _text(values: tuple[object, ...], index: int) -> str | None:
-    """Column ``index`` of a pgoutput text tuple as str (None for NULL or an absent column)."""
-    if index < 0:
-        return None
-    value = values[index]
+def _decode(value: object) -> str | None:
+    """A text value of an Insert tuple as str (None for NULL)."""
     if value is None:
         return None
-    if isinstance(value, bytes):
+    if value.__class__ is bytes:
         return value.decode()
-    raise DecodeError("outbox row has an unchanged-TOAST value: the full row is not in the stream")
+    raise DecodeError("outbox row has a non-text value: the full row is not in the stream")
 
 
 @dataclass
@@ -247,6 +247,11 @@ class Relay:
 
     def run(self) -> int:
         """Stream until :meth:`stop`; return the process exit code."""
+        # The hot path allocates ~30 short-lived, acyclic objects per event; the
+        # default gen-0 threshold (700) ran the cyclic GC every ~25 events for
+        # ~8% of the CPU. Collect less often; move start-up objects out of reach.
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
         server = None
         if self._serve_http:
             server = HealthServer(
@@ -441,18 +446,20 @@ class Relay:
             index = sess.outbox_oids[oid] = self._outbox_index(sess.relations.get(oid))
         if index is None:
             return
+        ncols, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace = index
         values = ins.new
-        if len(values) != len(sess.relations.get(oid).columns):
+        if len(values) != ncols:
             raise DecodeError(f"row of relation {oid} does not match its Relation message")
-        i_id, i_type_agg, i_agg, i_type, i_payload, i_trace = index
         try:
+            # Insert tuples hold bytes or None (unchanged-TOAST exists only in updates).
+            trace = values[i_trace] if i_trace >= 0 else None
             record = route_fields(
-                _text(values, i_id),
-                _text(values, i_type_agg),
-                _text(values, i_agg),
-                _text(values, i_type),
-                _text(values, i_payload),
-                _text(values, i_trace),
+                _decode(values[i_id]),
+                _decode(values[i_aggtype]),
+                _decode(values[i_agg]),
+                _decode(values[i_type]),
+                _decode(values[i_payload]),
+                _decode(trace),
                 sess.tx,
                 self.settings.topic_prefix,
             )
@@ -470,11 +477,12 @@ class Relay:
         self._produce(sess, sess.tx_id, record)
 
     def _outbox_index(self, rel: pgo.Relation) -> tuple[int, ...] | None:
-        """Positions of :data:`ROUTED_COLUMNS` in ``rel`` (-1: absent), None if not the outbox."""
+        """Column count, then positions of :data:`ROUTED_COLUMNS` in ``rel`` (-1: absent);
+        None when ``rel`` is not the outbox."""
         if not self._is_outbox(rel):
             return None
         names = [col.name for col in rel.columns]
-        return tuple(names.index(n) if n in names else -1 for n in ROUTED_COLUMNS)
+        return (len(names), *(names.index(n) if n in names else -1 for n in ROUTED_COLUMNS))
 
     def _on_message(self, sess: Session, msg: Any) -> None:
         assert isinstance(msg, pgo.Message)
