@@ -16,9 +16,11 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEV="$ROOT/.dev"
-PG_PORT=${OUTBOX_PG_PORT:-55432}
-KAFKA_PORT=${OUTBOX_KAFKA_PORT:-59092}
-KAFKA_CONTROLLER_PORT=${OUTBOX_KAFKA_CONTROLLER_PORT:-59093}
+# Below the kernel's ephemeral range (32768-60999), so no client socket can
+# hold one of these ports when the stack starts.
+PG_PORT=${OUTBOX_PG_PORT:-25432}
+KAFKA_PORT=${OUTBOX_KAFKA_PORT:-29092}
+KAFKA_CONTROLLER_PORT=${OUTBOX_KAFKA_CONTROLLER_PORT:-29093}
 PG_DB=outbox
 PG_SUPERUSER=postgres
 KAFKA_HEAP=${OUTBOX_KAFKA_HEAP:--Xms256m -Xmx768m}
@@ -39,6 +41,12 @@ apt_install() {
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+require_free_port() {  # $1 port, $2 the variable that moves it
+    if port_open "$1"; then
+        die "port 127.0.0.1:$1 is already in use by another program: stop it or set $2"
+    fi
+}
 
 # ---------------------------------------------------------------- PostgreSQL
 pg_bindir() {
@@ -124,8 +132,10 @@ CONF
     if as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
         log "postgresql already running on 127.0.0.1:$PG_PORT"
     else
+        require_free_port "$PG_PORT" OUTBOX_PG_PORT
         log "starting postgresql on 127.0.0.1:$PG_PORT"
-        as_pg "$bin/pg_ctl" -D "$data" -l "$dir/postgresql.log" -w -t "$START_TIMEOUT_S" start >/dev/null ||
+        as_pg "$bin/pg_ctl" -D "$data" -l "$dir/postgresql.log" -w -t "$START_TIMEOUT_S" \
+            -o "-p $PG_PORT" start >/dev/null ||
             { tail -n 40 "$dir/postgresql.log" >&2; die "postgresql did not start"; }
     fi
     PGPASSWORD=$pw "$bin/psql" -qAt -h 127.0.0.1 -p "$PG_PORT" -U "$PG_SUPERUSER" -d postgres \
@@ -215,6 +225,8 @@ CONF
             -c "$KAFKA_DIR/server.properties" > "$KAFKA_DIR/format.log" 2>&1 ||
             { tail -n 30 "$KAFKA_DIR/format.log" >&2; die "kafka storage format failed"; }
     fi
+    require_free_port "$KAFKA_PORT" OUTBOX_KAFKA_PORT
+    require_free_port "$KAFKA_CONTROLLER_PORT" OUTBOX_KAFKA_CONTROLLER_PORT
     log "starting kafka on 127.0.0.1:$KAFKA_PORT"
     : > "$KAFKA_DIR/kafka.log"
     nohup bash -c "$(declare -f kafka_java); ROOT='$ROOT' KAFKA_DIR='$KAFKA_DIR' KAFKA_HEAP='$KAFKA_HEAP'; \
