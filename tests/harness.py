@@ -278,3 +278,18 @@ def drop_slot(dsn: str, slot: str) -> None:
             " WHERE slot_name = %s AND NOT active",
             (slot,),
         )
+
+
+def slot_confirmed_lsn(dsn: str, slot: str) -> int:
+    """The slot's ``confirmed_flush_lsn`` as an integer."""
+    import psycopg
+
+    from cdc.replproto import str_to_lsn
+
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (slot,),
+        ).fetchone()
+    assert row is not None, f"slot {slot} does not exist"
+    return str_to_lsn(row[0])

@@ -23,6 +23,7 @@ from tests.harness import (
     drop_slot,
     headers_of,
     read_topics,
+    slot_confirmed_lsn,
     start_relay,
     wait_until,
 )
@@ -42,16 +43,6 @@ def relay(cfg: RelayConfig, tmp_path: Path) -> Iterator[Proc]:
     proc, _ = start_relay(cfg, tmp_path)
     yield proc
     proc.close()
-
-
-def _slot_confirmed(dsn: str, slot: str) -> int:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-            (slot,),
-        ).fetchone()
-    assert row is not None
-    return str_to_lsn(row[0])
 
 
 def test_committed_events_arrive_once_with_the_record_contract(
@@ -190,18 +181,18 @@ def test_idle_outbox_does_not_pin_wal_while_other_tables_write(
 ) -> None:
     with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS noise (id serial, pad text)")
-        start = _slot_confirmed(cfg.db_dsn, cfg.slot)
+        start = slot_confirmed_lsn(cfg.db_dsn, cfg.slot)
         for _ in range(20):
             conn.execute(
                 "INSERT INTO noise (pad) SELECT repeat('x', 500) FROM generate_series(1, 200)"
             )
         written = str_to_lsn(conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
     wait_until(
-        lambda: _slot_confirmed(cfg.db_dsn, cfg.slot) >= written,
+        lambda: slot_confirmed_lsn(cfg.db_dsn, cfg.slot) >= written,
         30,
         "confirmed_flush_lsn to pass the noise",
     )
-    assert _slot_confirmed(cfg.db_dsn, cfg.slot) > start
+    assert slot_confirmed_lsn(cfg.db_dsn, cfg.slot) > start
 
 
 def test_sigterm_exits_zero_within_seconds_and_loses_nothing(

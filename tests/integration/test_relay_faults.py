@@ -26,6 +26,7 @@ from tests.harness import (
     headers_of,
     http_status,
     read_topics,
+    slot_confirmed_lsn,
     stack,
     start_relay,
     wait_for_ready,
@@ -77,16 +78,6 @@ def _relayed(port: int) -> float:
     return sum(
         float(m) for m in re.findall(r"^outbox_relay_events_total\{[^}]*\} (\S+)$", text, re.M)
     )
-
-
-def _confirmed(dsn: str, slot: str) -> int:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-            (slot,),
-        ).fetchone()
-    assert row is not None
-    return str_to_lsn(row[0])
 
 
 def _assert_all_arrived(
@@ -160,7 +151,7 @@ def test_kafka_outage_longer_than_wal_sender_timeout_loses_nothing_and_never_con
             while time.monotonic() < deadline:
                 _bulk(cfg.db_dsn, "outage", 500, start=seq)
                 seq += 500
-                samples.append(_confirmed(cfg.db_dsn, cfg.slot))
+                samples.append(slot_confirmed_lsn(cfg.db_dsn, cfg.slot))
                 time.sleep(0.5)
             assert relay.alive(), f"relay died during the outage:\n{relay.log_tail()}"
             assert max(samples) <= boundary, (

@@ -109,6 +109,15 @@ def _flush(conn: psycopg.Connection, batch: list[OutboxEvent]) -> None:  # type:
     batch.clear()
 
 
+def _scores_by_user(items: list[dict]) -> dict[str, list[int]]:  # type: ignore[type-arg]
+    """Quiz-attempt scores per user, in the order the engine applied them."""
+    scores: dict[str, list[int]] = defaultdict(list)
+    for item in items:
+        if item["path"].endswith("quiz-attempts/sync"):
+            scores[item["user_id"]].append(item["body"]["score"])
+    return scores
+
+
 def _applied_ids(stub: StubServer) -> list[str]:
     return [item["event_id"] for item in stub.applied()["items"]]
 
@@ -154,10 +163,7 @@ def test_ten_thousand_events_over_two_hundred_users_applied_once_in_per_user_ord
     applied = stub.applied()["items"]
     ours = [i for i in applied if i["event_id"] in ids]
     assert len(ours) == len(ids), "each event applied exactly once"
-    scores: dict[str, list[int]] = defaultdict(list)
-    for item in ours:
-        if item["path"].endswith("quiz-attempts/sync"):
-            scores[item["user_id"]].append(item["body"]["score"])
+    scores = _scores_by_user(ours)
     assert len(scores) == 200
     for user, seq in scores.items():
         assert seq == list(range(49)), f"attempts of {user} out of order: {seq[:10]}"
@@ -371,10 +377,7 @@ def test_two_sink_instances_one_leaves_mid_stream_nothing_is_lost(
         second.close()
     ours = [i for i in stub.applied()["items"] if i["event_id"] in ids]
     assert len(ours) == len(ids)
-    scores: dict[str, list[int]] = defaultdict(list)
-    for item in ours:
-        if item["path"].endswith("quiz-attempts/sync"):
-            scores[item["user_id"]].append(item["body"]["score"])
+    scores = _scores_by_user(ours)
     assert all(seq == list(range(30)) for seq in scores.values())
 
 
