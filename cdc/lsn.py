@@ -15,6 +15,7 @@ strictly in commit order):
 ``ack(tx_id)``
     once per record Kafka acknowledged (delivered, or dead-lettered
     successfully). Any order, across transactions, before or after ``close``.
+    Returns the transaction's records added so far and still unacknowledged.
 ``close(tx_id, end_lsn)``
     at Commit, with ``Commit.end_lsn`` (>= ``tx_id``; equal only for a
     pseudo-transaction wrapping one position, e.g. a non-transactional message).
@@ -132,17 +133,19 @@ class LsnTracker:
         tx.unacked += 1
         self._in_flight += 1
 
-    def ack(self, tx_id: int) -> None:
-        """Kafka acknowledged one record of transaction ``tx_id``."""
+    def ack(self, tx_id: int) -> int:
+        """Kafka acknowledged one record of transaction ``tx_id``; returns how many
+        of its records added so far are still unacknowledged."""
         tx = self._txs.get(tx_id)
         if tx is None:
             raise ValueError(f"ack for unknown transaction {tx_id} (never opened, or all acked)")
         if tx.unacked == 0:
             raise ValueError(f"ack for transaction {tx_id} beyond its added records")
-        tx.unacked -= 1
+        left = tx.unacked = tx.unacked - 1
         self._in_flight -= 1
-        if tx.unacked == 0 and tx.end_lsn is not None and tx is self._queue[0]:
+        if left == 0 and tx.end_lsn is not None and tx is self._queue[0]:
             self._drain()
+        return left
 
     def close(self, tx_id: int, end_lsn: int) -> None:
         """Commit of transaction ``tx_id``; ``end_lsn`` is ``Commit.end_lsn``."""

@@ -54,6 +54,7 @@ __all__ = [
     "Update",
     "Value",
     "decode",
+    "insert_text_values",
 ]
 
 
@@ -324,6 +325,45 @@ def _insert(data: bytes) -> Insert:
     if off != len(data):  # inlined _finish: this is the hot path
         _finish(data, off, "Insert")
     return Insert(oid, new)
+
+
+_INSERT_HEAD: Final = struct.Struct(">IcH")  # relation oid, 'N', column count
+_INSERT_VALUES_AT: Final = 1 + _INSERT_HEAD.size
+
+
+def insert_text_values(data: bytes) -> tuple[int, list[bytes | None]] | None:
+    """The relation OID and values of an Insert holding only text and NULL values.
+
+    The relay's fast path: the same OID and values :func:`decode` gives
+    (``Insert.relation_oid``, ``list(Insert.new)``) without building objects.
+    Returns None for anything else (another message kind, a binary or
+    unchanged value, a short message, trailing bytes); :func:`decode` then
+    names the problem.
+    """
+    if len(data) < _INSERT_VALUES_AT or data[0] != 0x49:  # 'I'
+        return None
+    oid, kind, ncols = _INSERT_HEAD.unpack_from(data, 1)
+    if kind != b"N":
+        return None
+    values: list[bytes | None] = []
+    append = values.append
+    size_at = _U32.unpack_from
+    off = _INSERT_VALUES_AT
+    try:
+        for _ in range(ncols):
+            kind_byte = data[off]
+            if kind_byte == 0x74:  # 't' text: Int32 size, bytes
+                start = off + 5
+                off = start + size_at(data, off + 1)[0]
+                append(data[start:off])
+            elif kind_byte == 0x6E:  # 'n' null
+                append(None)
+                off += 1
+            else:
+                return None
+    except (IndexError, struct.error):
+        return None
+    return (oid, values) if off == len(data) else None
 
 
 def _update(data: bytes) -> Update:

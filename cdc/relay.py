@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
+import orjson
 import psycopg
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,7 +57,13 @@ from cdc.router import (
     route_message,
 )
 from cdc.settings import Settings
-from cdc.stream import ReplicationStream, ensure_publication, ensure_slot, slot_info
+from cdc.stream import (
+    ReplicationStream,
+    ensure_publication,
+    ensure_slot,
+    server_is_utf8,
+    slot_info,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,10 @@ DLQ_MAX_VALUE_BYTES = 512 * 1024
 _TAG_INSERT, _TAG_BEGIN, _TAG_COMMIT = ord("I"), ord("B"), ord("C")
 _TAG_RELATION, _TAG_MESSAGE = ord("R"), ord("M")
 _IGNORED_CHANGES = {ord("U"): "update", ord("D"): "delete", ord("T"): "truncate"}
+_XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
+#: Bound of the aggregatetype -> topic cache of the fast path.
+TOPIC_CACHE_MAX = 10_000
+_loads, _dumps, _JSONDecodeError = orjson.loads, orjson.dumps, orjson.JSONDecodeError
 
 
 class RelayState(enum.Enum):
@@ -182,6 +193,8 @@ class Session:
     relations: pgo.RelationCache = field(default_factory=pgo.RelationCache)
     tx_id: int | None = None
     tx: TxContext | None = None
+    #: ``Relay._on_delivery`` bound to this session and the open transaction
+    tx_callback: Any = None
     reply_requested: bool = False
     fatal: KafkaError | None = None
     pending_dlq: list[_PendingDlq] = field(default_factory=list)
@@ -190,8 +203,6 @@ class Session:
     #: relation oid -> positions of the routed columns, None if not the outbox
     #: (cleared when a Relation message arrives)
     outbox_oids: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
-    #: records produced and not yet acknowledged, per transaction
-    unacked: dict[int, int] = field(default_factory=dict)
     #: acknowledged records per topic since the last status (metrics are
     #: updated in bulk: a Prometheus inc per record was a tenth of the CPU)
     acked: dict[str, int] = field(default_factory=dict)
@@ -223,7 +234,12 @@ class Relay:
         )
         table = settings.outbox_table
         self._table = tuple(table.split(".", 1)) if "." in table else (None, table)
-        self.poison: dict[str, str] = {}
+        #: event id -> reason, for records Kafka refused: dead-lettered if resent
+        self.poison: dict[bytes, str] = {}
+        #: aggregatetype as sent -> its topic, validated and created (fast path)
+        self._topic_of: dict[bytes, str] = {}
+        #: the database's text is UTF-8, so the fast path may use raw bytes
+        self._utf8 = False
 
     # -- lifecycle -----------------------------------------------------------
     def stop(self) -> None:
@@ -307,6 +323,7 @@ class Relay:
         with psycopg.connect(s.pg_dsn, autocommit=True, connect_timeout=10) as conn:
             ensure_publication(conn, s.publication, self._table[1])
             info = ensure_slot(conn, s.slot)
+            self._utf8 = server_is_utf8(conn)
         self._topics.ensure([s.dlq_topic])
         if self._producer is None:
             self._producer = make_producer(s.kafka_bootstrap_servers, s.kafka_config)
@@ -351,14 +368,24 @@ class Relay:
                 next_status = now + c.STATUS_INTERVAL_S
 
     def _read_batch(self, sess: Session) -> None:
+        stream, tracker = sess.stream, sess.tracker
+        get_nowait = stream.get_nowait
+        on_change, handle = self._on_change, self._handle
+        limit = self.settings.relay_max_in_flight
         wait_s = READ_WAIT_S
+        data: memoryview | bytes | None
         for _ in range(READ_BATCH):
-            data = sess.stream.read(wait_s)
-            if data is None:
-                return
+            nbytes, data = get_nowait()
+            if nbytes <= 0:  # nothing buffered (wait for it), or the stream ended (raises)
+                data = stream.read(wait_s)
+                if data is None:
+                    return
             wait_s = 0.0
-            self._handle(sess, data)
-            if sess.reply_requested or sess.tracker.in_flight >= self.settings.relay_max_in_flight:
+            if data[0] == 0x77 and len(data) > _XLOG_PAYLOAD_AT:  # XLogData: the hot path
+                on_change(sess, bytes(data[_XLOG_PAYLOAD_AT:]))
+            else:
+                handle(sess, data)
+            if sess.reply_requested or tracker.in_flight >= limit:
                 return
 
     def _send_status(self, sess: Session) -> None:
@@ -391,6 +418,7 @@ class Relay:
 
     # -- protocol --------------------------------------------------------------
     def _handle(self, sess: Session, data: memoryview | bytes) -> None:
+        """One CopyData message of the replication stream."""
         payload = xlog_payload(data)
         if payload is None:
             msg = parse_copy_data(data)
@@ -399,20 +427,27 @@ class Relay:
                 if msg.reply_requested:
                     sess.reply_requested = True
             return
+        self._on_change(sess, payload)
+
+    def _on_change(self, sess: Session, payload: bytes) -> None:
+        """One pgoutput message (the payload of an XLogData message)."""
+        if not payload:
+            raise DecodeError("empty pgoutput message")
         tag = payload[0]
         if tag == _TAG_INSERT:
-            self._on_insert(sess, pgo.decode(payload))
+            self._on_insert(sess, payload)
         elif tag == _TAG_BEGIN:
             begin = pgo.decode(payload)
             assert isinstance(begin, pgo.Begin)
             sess.tx_id = begin.final_lsn
             sess.tx = TxContext(lsn_to_str(begin.final_lsn), begin.commit_ts_us)
+            sess.tx_callback = partial(self._on_delivery, sess, begin.final_lsn)
             sess.tracker.open(begin.final_lsn)
         elif tag == _TAG_COMMIT:
             commit = pgo.decode(payload)
             assert isinstance(commit, pgo.Commit) and sess.tx_id is not None
             sess.tracker.close(sess.tx_id, commit.end_lsn)
-            sess.tx_id = sess.tx = None
+            sess.tx_id = sess.tx = sess.tx_callback = None
         elif tag == _TAG_RELATION:
             rel = pgo.decode(payload)
             assert isinstance(rel, pgo.Relation)
@@ -438,8 +473,85 @@ class Relay:
         schema, name = self._table
         return rel.name == name and (schema is None or rel.namespace == schema)
 
-    def _on_insert(self, sess: Session, ins: Any) -> None:
-        assert isinstance(ins, pgo.Insert) and sess.tx is not None and sess.tx_id is not None
+    def _on_insert(self, sess: Session, payload: bytes) -> None:
+        """An Insert: the fast path routes straight from the message bytes.
+
+        It handles the common case - an outbox row of text values, all
+        required columns present, a JSON payload, a known topic, a UTF-8
+        database - and yields the very record :func:`route_fields` would. Any
+        other row goes to :meth:`_on_insert_decoded`, which decodes it fully
+        and dead-letters or raises with the precise reason.
+        """
+        tx, tx_id = sess.tx, sess.tx_id
+        found = pgo.insert_text_values(payload) if tx is not None else None
+        if found is None:
+            self._on_insert_decoded(sess, pgo.decode(payload))
+            return
+        oid, values = found
+        index = sess.outbox_oids.get(oid, _UNKNOWN)
+        if index is _UNKNOWN:
+            index = sess.outbox_oids[oid] = self._outbox_index(sess.relations.get(oid))
+        if index is None:
+            return
+        ncols, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace = index
+        if len(values) != ncols or not self._utf8:
+            self._on_insert_decoded(sess, pgo.decode(payload))
+            return
+        event_id = values[i_id]
+        aggtype = values[i_aggtype]
+        topic = self._topic_of.get(aggtype) if aggtype is not None else None
+        key, event_type, doc = values[i_agg], values[i_type], values[i_payload]
+        if topic is None or not (event_id and key and event_type and doc):
+            self._on_insert_decoded(sess, pgo.decode(payload))
+            return
+        try:
+            value = _dumps(_loads(doc))
+        except _JSONDecodeError:
+            self._on_insert_decoded(sess, pgo.decode(payload))
+            return
+        assert tx is not None and tx_id is not None
+        headers = [
+            (c.HEADER_ID, event_id),
+            (c.HEADER_TYPE, event_type),
+            (c.HEADER_AGGREGATE_TYPE, aggtype),
+            tx.lsn_header,
+            tx.ts_header,
+        ]
+        trace = values[i_trace] if i_trace >= 0 else None
+        if trace:
+            headers.append((c.HEADER_TRACEPARENT, trace))
+        if self.poison and event_id in self.poison:
+            self._produce(
+                sess,
+                tx_id,
+                KafkaRecord(topic, key, value, headers, tx.timestamp_ms, event_id.decode()),
+            )
+            return
+        sess.tracker.add(tx_id)
+        try:
+            # Positional (topic, value, key, partition, callback, on_delivery,
+            # timestamp, headers): keyword parsing cost a tenth of produce().
+            # The callback goes in the ``callback`` slot: a None there would
+            # not fall back to ``on_delivery``.
+            self._producer.produce(  # type: ignore[union-attr]
+                topic,
+                value,
+                key,
+                -1,
+                partial(sess.tx_callback, topic, event_id),
+                None,
+                tx.timestamp_ms,
+                headers,
+            )
+        except (BufferError, KafkaException) as exc:
+            record = KafkaRecord(topic, key, value, headers, tx.timestamp_ms, event_id.decode())
+            self._send_failed(sess, tx_id, record, exc)
+
+    def _on_insert_decoded(self, sess: Session, ins: Any) -> None:
+        """An Insert the fast path did not take: decoded fully, routed or dead-lettered."""
+        assert isinstance(ins, pgo.Insert)
+        if sess.tx is None or sess.tx_id is None:
+            raise DecodeError("pgoutput Insert outside a transaction")
         oid = ins.relation_oid
         index = sess.outbox_oids.get(oid, _UNKNOWN)
         if index is _UNKNOWN:
@@ -475,6 +587,11 @@ class Relay:
             self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
             return
         self._produce(sess, sess.tx_id, record)
+        aggtype = values[i_aggtype]
+        if isinstance(aggtype, bytes) and record.topic in self._topics.known:
+            if len(self._topic_of) >= TOPIC_CACHE_MAX:
+                self._topic_of.clear()
+            self._topic_of[aggtype] = record.topic
 
     def _outbox_index(self, rel: pgo.Relation) -> tuple[int, ...] | None:
         """Column count, then positions of :data:`ROUTED_COLUMNS` in ``rel`` (-1: absent);
@@ -517,10 +634,11 @@ class Relay:
 
     # -- Kafka -----------------------------------------------------------------
     def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
-        reason = self.poison.get(record.event_id)
+        """Hand ``record`` to Kafka (or to the dead-letter queue when it is known poison)."""
+        event_id = record.event_id.encode()
+        reason = self.poison.get(event_id)
         if reason is not None:
             sess.tracker.add(tx_id)
-            sess.unacked[tx_id] = sess.unacked.get(tx_id, 0) + 1
             self._queue_dlq(
                 sess,
                 tx_id,
@@ -535,29 +653,46 @@ class Relay:
         if record.topic not in self._topics.known:
             self._topics.ensure([record.topic])
         sess.tracker.add(tx_id)
-        sess.unacked[tx_id] = sess.unacked.get(tx_id, 0) + 1
         try:
             self._send(sess, tx_id, record)
         except KafkaException as exc:
-            err = exc.args[0]
-            if not (isinstance(err, KafkaError) and is_record_error(err)):
-                raise KafkaUnavailableError(f"produce failed: {exc}") from exc
-            self._queue_dlq(
-                sess,
-                tx_id,
-                err.str(),
-                record.topic,
-                record.key,
-                record.value,
-                record.headers,
-                record.timestamp_ms,
-            )
+            self._send_failed(sess, tx_id, record, exc)
+
+    def _send_failed(
+        self,
+        sess: Session,
+        tx_id: int,
+        record: KafkaRecord,
+        exc: BufferError | KafkaException | None = None,
+    ) -> None:
+        """``produce`` of an added record raised: wait for room, or dead-letter the
+        record Kafka refuses for itself; any other error ends the session."""
+        if exc is None or isinstance(exc, BufferError):
+            try:
+                self._send(sess, tx_id, record)
+                return
+            except KafkaException as again:
+                exc = again
+        err = exc.args[0]
+        if not (isinstance(err, KafkaError) and is_record_error(err)):
+            raise KafkaUnavailableError(f"produce failed: {exc}") from exc
+        self._queue_dlq(
+            sess,
+            tx_id,
+            err.str(),
+            record.topic,
+            record.key,
+            record.value,
+            record.headers,
+            record.timestamp_ms,
+        )
 
     def _send(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
+        """``produce``, waiting while the local queue is full."""
         producer = self._producer
         assert producer is not None
         # librdkafka hands no headers to delivery callbacks: the event id rides along.
-        callback = partial(self._on_delivery, sess, tx_id, record.event_id)
+        callback = partial(self._on_delivery, sess, tx_id, record.topic, record.event_id.encode())
         while True:
             try:
                 producer.produce(
@@ -580,29 +715,31 @@ class Relay:
                     raise KafkaUnavailableError("stopped while Kafka's queue was full") from None
 
     def _on_delivery(
-        self, sess: Session, tx_id: int, event_id: str, err: KafkaError | None, msg: Message
+        self,
+        sess: Session,
+        tx_id: int,
+        topic: str,
+        event_id: bytes,
+        err: KafkaError | None,
+        msg: Message,
     ) -> None:
+        """Delivery report of one record: ack it, or dead-letter a record Kafka refused."""
         if err is None:
-            sess.tracker.ack(tx_id)
-            topic = msg.topic() or ""
-            sess.acked[topic] = sess.acked.get(topic, 0) + 1
-            left = sess.unacked[tx_id] - 1
-            if left:
-                sess.unacked[tx_id] = left
-            else:  # the transaction's last outstanding record: one latency sample
-                del sess.unacked[tx_id]
+            acked = sess.acked
+            acked[topic] = acked.get(topic, 0) + 1
+            if not sess.tracker.ack(tx_id):  # the transaction's last outstanding record
                 _, ts_ms = msg.timestamp()
                 self.metrics.latency.observe(max(time.time() - ts_ms / 1000.0, 0.0))
             return
         self.metrics.kafka_errors.labels(err.name()).inc()
-        if is_record_error(err) and msg.topic() != self.settings.dlq_topic:
-            headers = [(c.HEADER_ID, event_id.encode())]
+        if is_record_error(err) and topic != self.settings.dlq_topic:
+            headers = [(c.HEADER_ID, event_id)]
             self.poison[event_id] = err.str()
             self._queue_dlq(
                 sess,
                 tx_id,
                 err.str(),
-                msg.topic() or "",
+                topic,
                 msg.key() or b"",
                 msg.value() or b"",
                 headers,
@@ -615,7 +752,6 @@ class Relay:
     def _dead_letter_route(self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError) -> None:
         log.warning("event %s dead-lettered: %s", exc.event_id or "?", exc.reason)
         sess.tracker.add(tx_id)
-        sess.unacked[tx_id] = sess.unacked.get(tx_id, 0) + 1
         self._queue_dlq(
             sess,
             tx_id,

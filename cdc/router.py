@@ -69,16 +69,15 @@ class TxContext:
     Built once per transaction; its header values are encoded once, not per record.
     """
 
-    __slots__ = ("commit_lsn", "commit_ts_us", "headers", "timestamp_ms")
+    __slots__ = ("commit_lsn", "commit_ts_us", "headers", "lsn_header", "timestamp_ms", "ts_header")
 
     def __init__(self, commit_lsn: str, commit_ts_us: int) -> None:
         self.commit_lsn = commit_lsn
         self.commit_ts_us = commit_ts_us
         self.timestamp_ms = commit_ts_us // 1000
-        self.headers: tuple[tuple[str, bytes], ...] = (
-            (c.HEADER_LSN, commit_lsn.encode()),
-            (c.HEADER_COMMIT_TS, self.commit_ts_iso.encode()),
-        )
+        self.lsn_header = (c.HEADER_LSN, commit_lsn.encode())
+        self.ts_header = (c.HEADER_COMMIT_TS, self.commit_ts_iso.encode())
+        self.headers: tuple[tuple[str, bytes], ...] = (self.lsn_header, self.ts_header)
 
     @property
     def commit_ts_iso(self) -> str:

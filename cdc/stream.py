@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import select
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -106,6 +108,13 @@ def ensure_publication(conn: Conn, publication: str, table: str) -> None:
         ) from exc
 
 
+def server_is_utf8(conn: Conn) -> bool:
+    """True when the database stores text as UTF-8 (then every text value
+    pgoutput sends is valid UTF-8, and the relay may pass it on unchecked)."""
+    row = conn.execute("SHOW server_encoding").fetchone()
+    return row is not None and str(row[0]).upper() in ("UTF8", "UTF-8")
+
+
 def ensure_slot(conn: Conn, slot: str) -> SlotInfo:
     """Create the logical slot (``pgoutput``) when missing; refuse another plugin."""
     check_wal_level(conn)
@@ -141,6 +150,10 @@ class ReplicationStream:
         except psycopg.OperationalError as exc:
             raise StreamError(f"replication connection failed: {exc}") from exc
         self._pg = self._conn.pgconn
+        #: ``() -> (size, payload)`` of a CopyData message already received: size 0
+        #: when none is buffered, negative when the stream ended (then :meth:`read`
+        #: raises). The relay's hot path; a bound C call, no Python frame.
+        self.get_nowait: Callable[[], tuple[int, memoryview]] = partial(self._pg.get_copy_data, 1)
 
     def start(self, start_lsn: int = 0) -> None:
         """``START_REPLICATION``; raises SlotInUseError when another relay holds the slot."""

@@ -52,6 +52,19 @@ def test_transaction_is_confirmed_only_after_close_and_every_ack() -> None:
     assert tracker.in_flight == 0
 
 
+def test_ack_returns_the_records_of_the_transaction_still_unacked() -> None:
+    tracker = LsnTracker(100)
+    tracker.open(200)
+    tracker.add(200)
+    tracker.add(200)
+    assert tracker.ack(200) == 1
+    tracker.add(200)
+    assert tracker.ack(200) == 1
+    tracker.close(200, 260)
+    assert tracker.ack(200) == 0
+    assert tracker.confirmable == 260
+
+
 def test_acks_arriving_before_close_confirm_at_close() -> None:
     tracker = LsnTracker(100)
     tracker.open(200)
@@ -271,7 +284,7 @@ class TrackerMachine(RuleBasedStateMachine):
         index = data.draw(st.integers(min_value=0, max_value=len(self.unacked) - 1))
         tx = self.unacked.pop(index)
         tx.acked += 1
-        self.tracker.ack(tx.tx_id)
+        assert self.tracker.ack(tx.tx_id) == tx.added - tx.acked
 
     @rule(data=st.data())
     def server_reports_wal_end(self, data: st.DataObject) -> None:
@@ -301,7 +314,7 @@ class TrackerMachine(RuleBasedStateMachine):
     def kafka_acks_any_record_at(self, index: int) -> None:
         tx = self.unacked.pop(index)
         tx.acked += 1
-        self.tracker.ack(tx.tx_id)
+        assert self.tracker.ack(tx.tx_id) == tx.added - tx.acked
 
     def reference(self) -> int:
         """Brute force: the end of the longest DONE prefix, or wal_end once all is DONE."""

@@ -34,6 +34,7 @@ from cdc.pgoutput import (
     Update,
     Value,
     decode,
+    insert_text_values,
 )
 
 VECTORS = Path(__file__).parent / "data" / "pgoutput" / "vectors.json"
@@ -398,3 +399,74 @@ def test_arbitrary_bodies_of_known_kinds_decode_or_raise_decode_error(
     tag: str, body: bytes
 ) -> None:
     assert_decodes_or_raises_decode_error(tag.encode() + body)
+
+
+# --- the relay's fast path ------------------------------------------------------
+
+
+def assert_fast_path_agrees_with_decode(data: bytes) -> None:
+    """insert_text_values gives decode's OID and values, or None (never a wrong answer)."""
+    found = insert_text_values(data)
+    if found is None:
+        return
+    msg = decode(data)
+    assert isinstance(msg, Insert)
+    assert found == (msg.relation_oid, list(msg.new))
+
+
+def test_fast_path_reads_every_captured_text_insert_like_decode() -> None:
+    inserts = [raw(m) for m in messages("I")]
+    assert inserts
+    taken = 0
+    for data in inserts:
+        assert_fast_path_agrees_with_decode(data)
+        taken += insert_text_values(data) is not None
+    assert taken == len(inserts)  # text-mode inserts all take the fast path
+
+
+def test_fast_path_declines_binary_values_other_kinds_and_malformed_inserts() -> None:
+    binary_insert = next(
+        data
+        for data in (bytes.fromhex(m["hex"]) for m in vectors()["binary_messages"])
+        if data[:1] == b"I"
+    )
+    insert = raw(messages("I")[0])
+    for data in (
+        binary_insert,  # 'b' values: decode keeps them as raw send-format bytes
+        raw(messages("B")[0]),
+        insert[:-1],  # truncated value
+        insert + b"\x00",  # trailing byte
+        insert[:5],  # short header
+        b"",
+    ):
+        assert insert_text_values(data) is None
+
+
+@given(st.binary(max_size=64))
+def test_fast_path_on_arbitrary_insert_bodies_agrees_with_decode_or_declines(body: bytes) -> None:
+    assert_fast_path_agrees_with_decode(b"I" + body)
+
+
+_column = st.one_of(
+    st.binary(max_size=12).map(lambda v: b"t" + len(v).to_bytes(4, "big") + v),
+    st.binary(max_size=12).map(lambda v: b"b" + len(v).to_bytes(4, "big") + v),
+    st.just(b"n"),
+    st.just(b"u"),
+    st.binary(min_size=1, max_size=3),  # a bad kind or a lying size
+)
+
+
+@given(
+    st.integers(min_value=0, max_value=2**32 - 1),
+    st.lists(_column, max_size=8),
+    st.integers(min_value=-2, max_value=2),
+    st.sampled_from([b"N", b"K"]),
+    st.integers(min_value=-3, max_value=2),
+)
+def test_fast_path_on_generated_inserts_agrees_with_decode_or_declines(
+    oid: int, columns: list[bytes], ncols_skew: int, kind: bytes, cut: int
+) -> None:
+    ncols = max(0, len(columns) + ncols_skew)
+    data = b"I" + oid.to_bytes(4, "big") + kind + ncols.to_bytes(2, "big") + b"".join(columns)
+    data = data[:cut] if cut < 0 else data + b"\x00" * cut
+    assert_fast_path_agrees_with_decode(data)

@@ -1,0 +1,309 @@
+"""The relay's routing of outbox inserts, fast path against the reference router.
+
+``Relay._on_insert`` routes the common row straight from the pgoutput bytes;
+anything unusual falls back to full decoding and :func:`cdc.router.route_fields`.
+These tests feed both kinds of rows through the relay (a recording producer in
+place of Kafka; pure) and check that every record equals what ``route_fields``
+makes of the same row, that declined rows are dead-lettered with their reason,
+and that delivery reports drive the LSN tracker.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from cdc import relay as relay_mod
+from cdc.lsn import LsnTracker
+from cdc.relay import Relay, Session
+from cdc.router import TxContext, route_fields
+from cdc.settings import Settings
+
+OID = 16_400
+COLUMNS = ("id", "aggregatetype", "aggregateid", "type", "payload", "created_at")
+PREFIX = "outbox.event."
+COMMIT_TS_US = 1_795_000_000_123_456
+PG_EPOCH_US = 946_684_800_000_000
+
+
+def cstr(text: str) -> bytes:
+    return text.encode() + b"\0"
+
+
+def relation(columns: tuple[str, ...] = (*COLUMNS, "tracingspancontext")) -> bytes:
+    body = b"".join(b"\0" + cstr(name) + struct.pack(">Ii", 25, -1) for name in columns)
+    return (
+        b"R"
+        + struct.pack(">I", OID)
+        + cstr("public")
+        + cstr("outbox")
+        + b"d"
+        + struct.pack(">H", len(columns))
+        + body
+    )
+
+
+def insert(values: list[bytes | None]) -> bytes:
+    out = b"I" + struct.pack(">IcH", OID, b"N", len(values))
+    for value in values:
+        out += b"n" if value is None else b"t" + struct.pack(">I", len(value)) + value
+    return out
+
+
+def begin(final_lsn: int) -> bytes:
+    return b"B" + struct.pack(">QqI", final_lsn, COMMIT_TS_US - PG_EPOCH_US, 7)
+
+
+def commit(final_lsn: int) -> bytes:
+    ts = COMMIT_TS_US - PG_EPOCH_US
+    return b"C" + struct.pack(">BQQq", 0, final_lsn, final_lsn + 40, ts)
+
+
+def row(
+    event_id: str = "0b9f6f2e-5d1c-4f7e-9a53-0e6f3c1d2a10",
+    aggregatetype: bytes | None = b"user",
+    aggregateid: bytes | None = b"u-1",
+    event_type: bytes | None = b"UserRegistered",
+    payload: bytes | None = b'{"user_id": "u-1", "email": "a@example.org", "n": [1, 2]}',
+    trace: bytes | None = None,
+) -> list[bytes | None]:
+    created_at = b"2026-11-29 10:00:00.123456+00"
+    return [event_id.encode(), aggregatetype, aggregateid, event_type, payload, created_at, trace]
+
+
+@dataclass
+class Produced:
+    topic: str
+    value: bytes
+    key: bytes
+    timestamp: int
+    headers: list[tuple[str, bytes]]
+    callback: Any
+
+
+class _Msg:
+    def __init__(self, produced: Produced) -> None:
+        self._p = produced
+
+    def topic(self) -> str:
+        return self._p.topic
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, self._p.timestamp)
+
+
+@dataclass
+class RecordingProducer:
+    """``confluent_kafka.Producer.produce``'s signature, recorded; ``poll`` acks all."""
+
+    produced: list[Produced] = field(default_factory=list)
+    pending: list[Produced] = field(default_factory=list)
+
+    def produce(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        partition: int = -1,
+        callback: Any = None,
+        on_delivery: Any = None,
+        timestamp: int = 0,
+        headers: Any = None,
+    ) -> None:
+        assert partition == -1
+        cb = callback or on_delivery
+        assert cb is not None, "every record needs a delivery callback"
+        assert value is not None and key is not None
+        produced = Produced(topic, value, key, timestamp, list(headers or []), cb)
+        self.produced.append(produced)
+        self.pending.append(produced)
+
+    def poll(self, timeout: float = 0) -> int:
+        pending, self.pending = self.pending, []
+        for produced in pending:
+            produced.callback(None, _Msg(produced))
+        return len(pending)
+
+
+class FakeTopics:
+    def __init__(self) -> None:
+        self.known: set[str] = set()
+        self.ensured: list[str] = []
+
+    def ensure(self, topics: list[str]) -> None:
+        for topic in topics:
+            if topic not in self.known:
+                self.ensured.append(topic)
+                self.known.add(topic)
+
+
+class FakeStream:
+    def send_status(self, lsn: int, *, reply_requested: bool = False) -> None:
+        pass
+
+
+@pytest.fixture
+def relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Relay]:
+    monkeypatch.setattr(relay_mod, "TopicManager", lambda **_: FakeTopics())
+    r = Relay(
+        Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9"),
+        serve_http=False,
+    )
+    r._producer = RecordingProducer()  # type: ignore[assignment]
+    r._utf8 = True
+    yield r
+
+
+@pytest.fixture
+def decoded_calls(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the inserts that took the full-decoding path."""
+    calls: list[int] = []
+    original = relay._on_insert_decoded
+
+    def spy(sess: Session, ins: Any) -> None:
+        calls.append(1)
+        original(sess, ins)
+
+    monkeypatch.setattr(relay, "_on_insert_decoded", spy)
+    return calls
+
+
+def new_session() -> Session:
+    return Session(stream=FakeStream(), tracker=LsnTracker(0))  # type: ignore[arg-type]
+
+
+def run_tx(relay: Relay, sess: Session, rows: list[list[bytes | None]], final_lsn: int) -> None:
+    relay._on_change(sess, begin(final_lsn))
+    for values in rows:
+        relay._on_change(sess, insert(values))
+    relay._on_change(sess, commit(final_lsn))
+
+
+def reference(values: list[bytes | None], final_lsn: int) -> Produced:
+    """What the reference router makes of the row."""
+    text = [None if v is None else v.decode() for v in values]
+    record = route_fields(
+        *text[:5], text[6], TxContext(relay_mod.lsn_to_str(final_lsn), COMMIT_TS_US), PREFIX
+    )
+    return Produced(
+        record.topic, record.value, record.key, record.timestamp_ms, record.headers, None
+    )
+
+
+def shape(p: Produced) -> tuple[object, ...]:
+    return (p.topic, p.value, p.key, p.timestamp, p.headers)
+
+
+def producer_of(relay: Relay) -> RecordingProducer:
+    producer = relay._producer
+    assert isinstance(producer, RecordingProducer)
+    return producer
+
+
+def test_fast_path_records_equal_the_reference_router(
+    relay: Relay, decoded_calls: list[int]
+) -> None:
+    sess = new_session()
+    relay._on_change(sess, relation())
+    rows = [
+        row(),
+        row(event_id="1c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c", trace=b"00-abc-def-01"),
+        row(event_id="2c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c", payload=b'"just a string"'),
+        row(event_id="3c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c", aggregateid="ключ-ü".encode()),
+        row(event_id="4c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c", trace=b""),
+    ]
+    run_tx(relay, sess, rows, final_lsn=0x1000)
+
+    produced = producer_of(relay).produced
+    assert [shape(p) for p in produced] == [shape(reference(v, 0x1000)) for v in rows]
+    # The first row of a topic checks and creates it (slow path); the rest go fast.
+    assert len(decoded_calls) == 1
+    assert relay._topics.known == {"outbox.event.user"}
+    assert produced[1].headers[-1] == ("traceparent", b"00-abc-def-01")
+
+
+def test_acks_confirm_the_transaction_and_count_per_topic(relay: Relay) -> None:
+    sess = new_session()
+    relay._on_change(sess, relation())
+    run_tx(relay, sess, [row(), row(event_id="5c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c")], 0x2000)
+    assert sess.tracker.in_flight == 2
+    assert sess.tracker.confirmable == 0
+
+    assert producer_of(relay).poll() == 2
+
+    assert sess.tracker.in_flight == 0
+    assert sess.tracker.confirmable == 0x2000 + 40
+    assert sess.acked == {"outbox.event.user": 2}
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (row(aggregateid=b""), "outbox row lacks aggregateid"),
+        (row(event_type=None), "outbox row lacks type"),
+        (row(payload=b"{not json"), "payload is not JSON"),
+        (row(aggregatetype=b"user events"), "makes an invalid topic name"),
+    ],
+    ids=["empty-key", "null-type", "bad-json", "bad-topic"],
+)
+def test_rows_the_fast_path_declines_are_dead_lettered_and_the_rest_flow(
+    relay: Relay, bad: list[bytes | None], reason: str
+) -> None:
+    sess = new_session()
+    relay._on_change(sess, relation())
+    good = [row(), row(event_id="6c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c")]
+    run_tx(relay, sess, [good[0], bad, good[1]], final_lsn=0x3000)
+
+    assert [shape(p) for p in producer_of(relay).produced] == [
+        shape(reference(v, 0x3000)) for v in good
+    ]
+    assert len(sess.pending_dlq) == 1
+    assert reason in sess.pending_dlq[0].reason
+    relay._drain_dlq(sess)
+    dlq = producer_of(relay).produced[-1]
+    assert dlq.topic == relay.settings.dlq_topic
+    assert dict(dlq.headers)["id"] == b"0b9f6f2e-5d1c-4f7e-9a53-0e6f3c1d2a10"
+    assert reason in dict(dlq.headers)["dlq.reason"].decode()
+
+
+def test_a_database_that_is_not_utf8_routes_through_the_checking_path(
+    relay: Relay, decoded_calls: list[int]
+) -> None:
+    relay._utf8 = False
+    sess = new_session()
+    relay._on_change(sess, relation())
+    good = row()
+    run_tx(relay, sess, [good, good, row(aggregateid=b"\xff\xfe")], final_lsn=0x4000)
+
+    assert len(decoded_calls) == 3
+    assert [shape(p) for p in producer_of(relay).produced] == [shape(reference(good, 0x4000))] * 2
+    assert len(sess.pending_dlq) == 1
+    assert "not valid UTF-8" in sess.pending_dlq[0].reason
+
+
+def test_a_known_poison_event_goes_to_the_dead_letter_queue(relay: Relay) -> None:
+    sess = new_session()
+    relay._on_change(sess, relation())
+    run_tx(relay, sess, [row()], final_lsn=0x5000)  # warms the topic cache
+    poison_id = "7c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c"
+    relay.poison[poison_id.encode()] = "Broker: Message size too large"
+    run_tx(relay, sess, [row(event_id=poison_id)], final_lsn=0x6000)
+
+    assert len(producer_of(relay).produced) == 1
+    assert [item.reason for item in sess.pending_dlq] == ["Broker: Message size too large"]
+    assert sess.tracker.in_flight == 2  # added, acked once the dead letter is delivered
+
+
+def test_a_schema_with_columns_in_another_order_routes_the_same(relay: Relay) -> None:
+    sess = new_session()
+    reordered = ("payload", "created_at", "type", "id", "aggregateid", "aggregatetype")
+    relay._on_change(sess, relation(reordered))
+    values = row()
+    by_name = dict(zip((*COLUMNS, "tracingspancontext"), values, strict=True))
+    run_tx(relay, sess, [[by_name[n] for n in reordered]] * 2, final_lsn=0x7000)
+
+    assert [shape(p) for p in producer_of(relay).produced] == [shape(reference(values, 0x7000))] * 2
