@@ -71,8 +71,11 @@ log = logging.getLogger(__name__)
 READ_BATCH = 2_000
 #: Longest a turn blocks waiting for WAL, so status and signals stay timely.
 READ_WAIT_S = 0.1
+#: The same while records are in flight: their delivery reports are served
+#: between waits, so an ack (and the confirmation behind it) is not held back.
+ACK_WAIT_S = 0.005
 #: Confirm progress at most this often (fewer duplicates after a crash).
-STATUS_MIN_INTERVAL_S = 0.1
+STATUS_MIN_INTERVAL_S = 0.02
 #: Cyclic-GC thresholds for the relay process (see Relay.run).
 GC_THRESHOLDS = (50_000, 20, 50)
 #: Reconnect backoff after stream or Kafka trouble.
@@ -372,7 +375,7 @@ class Relay:
         get_nowait = stream.get_nowait
         on_change, handle = self._on_change, self._handle
         limit = self.settings.relay_max_in_flight
-        wait_s = READ_WAIT_S
+        wait_s = ACK_WAIT_S if tracker.in_flight else READ_WAIT_S
         data: memoryview | bytes | None
         for _ in range(READ_BATCH):
             nbytes, data = get_nowait()
