@@ -493,7 +493,7 @@ class Relay:
         oid, values = found
         index = sess.outbox_oids.get(oid, _UNKNOWN)
         if index is _UNKNOWN:
-            index = sess.outbox_oids[oid] = self._outbox_index(sess.relations.get(oid))
+            index = self._outbox_index(sess, oid)
         if index is None:
             return
         ncols, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace = index
@@ -558,7 +558,7 @@ class Relay:
         oid = ins.relation_oid
         index = sess.outbox_oids.get(oid, _UNKNOWN)
         if index is _UNKNOWN:
-            index = sess.outbox_oids[oid] = self._outbox_index(sess.relations.get(oid))
+            index = self._outbox_index(sess, oid)
         if index is None:
             return
         ncols, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace = index
@@ -596,13 +596,16 @@ class Relay:
                 self._topic_of.clear()
             self._topic_of[aggtype] = record.topic
 
-    def _outbox_index(self, rel: pgo.Relation) -> tuple[int, ...] | None:
-        """Column count, then positions of :data:`ROUTED_COLUMNS` in ``rel`` (-1: absent);
-        None when ``rel`` is not the outbox."""
-        if not self._is_outbox(rel):
-            return None
-        names = [col.name for col in rel.columns]
-        return (len(names), *(names.index(n) if n in names else -1 for n in ROUTED_COLUMNS))
+    def _outbox_index(self, sess: Session, oid: int) -> tuple[int, ...] | None:
+        """Column count, then positions of :data:`ROUTED_COLUMNS` in relation ``oid``
+        (-1: absent); None when it is not the outbox. Cached until its next Relation."""
+        rel = sess.relations.get(oid)
+        index: tuple[int, ...] | None = None
+        if self._is_outbox(rel):
+            names = [col.name for col in rel.columns]
+            index = (len(names), *(names.index(n) if n in names else -1 for n in ROUTED_COLUMNS))
+        sess.outbox_oids[oid] = index
+        return index
 
     def _on_message(self, sess: Session, msg: Any) -> None:
         assert isinstance(msg, pgo.Message)
