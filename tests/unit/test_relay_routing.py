@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, Producer
 
 from cdc import relay as relay_mod
 from cdc.lsn import LsnTracker
@@ -307,3 +308,26 @@ def test_a_schema_with_columns_in_another_order_routes_the_same(relay: Relay) ->
     run_tx(relay, sess, [[by_name[n] for n in reordered]] * 2, final_lsn=0x7000)
 
     assert [shape(p) for p in producer_of(relay).produced] == [shape(reference(values, 0x7000))] * 2
+
+
+def test_the_real_producer_hands_every_fast_path_record_to_its_callback(relay: Relay) -> None:
+    """confluent-kafka reads the delivery callback from one positional slot only;
+    a record produced without it would never be acknowledged. No broker is
+    needed: purging the local queue delivers a report per record."""
+    producer = Producer({"bootstrap.servers": "127.0.0.1:9", "log_level": 0})
+    relay._producer = producer
+    sess = new_session()
+    relay._on_change(sess, relation())
+    relay._topics.known.add("outbox.event.user")
+    relay._topic_of[b"user"] = "outbox.event.user"
+    ids = [f"{n}c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c" for n in range(3)]
+    run_tx(relay, sess, [row(event_id=i) for i in ids], final_lsn=0x8000)
+    assert len(producer) == 3
+
+    producer.purge(in_queue=True, in_flight=True)
+    producer.poll(0)
+
+    assert len(producer) == 0
+    assert sess.fatal is not None
+    assert sess.fatal.code() == KafkaError._PURGE_QUEUE
+    assert sess.tracker.in_flight == 3  # purged records are never acked
