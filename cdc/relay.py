@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import psycopg
@@ -196,8 +196,6 @@ class Session:
     relations: pgo.RelationCache = field(default_factory=pgo.RelationCache)
     tx_id: int | None = None
     tx: TxContext | None = None
-    #: ``Relay._on_delivery`` bound to this session and the open transaction
-    tx_callback: Any = None
     reply_requested: bool = False
     fatal: KafkaError | None = None
     pending_dlq: list[_PendingDlq] = field(default_factory=list)
@@ -444,13 +442,12 @@ class Relay:
             assert isinstance(begin, pgo.Begin)
             sess.tx_id = begin.final_lsn
             sess.tx = TxContext(lsn_to_str(begin.final_lsn), begin.commit_ts_us)
-            sess.tx_callback = partial(self._on_delivery, sess, begin.final_lsn)
             sess.tracker.open(begin.final_lsn)
         elif tag == _TAG_COMMIT:
             commit = pgo.decode(payload)
             assert isinstance(commit, pgo.Commit) and sess.tx_id is not None
             sess.tracker.close(sess.tx_id, commit.end_lsn)
-            sess.tx_id = sess.tx = sess.tx_callback = None
+            sess.tx_id = sess.tx = None
         elif tag == _TAG_RELATION:
             rel = pgo.decode(payload)
             assert isinstance(rel, pgo.Relation)
@@ -532,23 +529,9 @@ class Relay:
             return
         sess.tracker.add(tx_id)
         try:
-            # Positional (topic, value, key, partition, callback, on_delivery,
-            # timestamp, headers): keyword parsing cost a tenth of produce().
-            # The callback goes in the ``callback`` slot: a None there would
-            # not fall back to ``on_delivery``.
-            self._producer.produce(  # type: ignore[union-attr]
-                topic,
-                value,
-                key,
-                -1,
-                partial(sess.tx_callback, topic, event_id),
-                None,
-                tx.timestamp_ms,
-                headers,
-            )
-        except (BufferError, KafkaException) as exc:
-            record = KafkaRecord(topic, key, value, headers, tx.timestamp_ms, event_id.decode())
-            self._send_failed(sess, tx_id, record, exc)
+            self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
+        except KafkaException as exc:
+            self._refused(sess, tx_id, exc, topic, key, value, headers, tx.timestamp_ms)
 
     def _on_insert_decoded(self, sess: Session, ins: Any) -> None:
         """An Insert the fast path did not take: decoded fully, routed or dead-lettered."""
@@ -659,56 +642,56 @@ class Relay:
         if record.topic not in self._topics.known:
             self._topics.ensure([record.topic])
         sess.tracker.add(tx_id)
+        r = record
         try:
-            self._send(sess, tx_id, record)
+            self._send(sess, tx_id, r.topic, r.value, r.key, r.headers, r.timestamp_ms, event_id)
         except KafkaException as exc:
-            self._send_failed(sess, tx_id, record, exc)
+            self._refused(sess, tx_id, exc, r.topic, r.key, r.value, r.headers, r.timestamp_ms)
 
-    def _send_failed(
+    def _refused(
         self,
         sess: Session,
         tx_id: int,
-        record: KafkaRecord,
-        exc: BufferError | KafkaException | None = None,
+        exc: KafkaException,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        headers: list[tuple[str, bytes]],
+        timestamp_ms: int,
     ) -> None:
-        """``produce`` of an added record raised: wait for room, or dead-letter the
-        record Kafka refuses for itself; any other error ends the session."""
-        if exc is None or isinstance(exc, BufferError):
-            try:
-                self._send(sess, tx_id, record)
-                return
-            except KafkaException as again:
-                exc = again
-        err = exc.args[0]
+        """``produce`` of an added record raised: dead-letter a record Kafka refuses
+        for itself (e.g. too large); any other error ends the session."""
+        err = exc.args[0] if exc.args else None
         if not (isinstance(err, KafkaError) and is_record_error(err)):
             raise KafkaUnavailableError(f"produce failed: {exc}") from exc
-        self._queue_dlq(
-            sess,
-            tx_id,
-            err.str(),
-            record.topic,
-            record.key,
-            record.value,
-            record.headers,
-            record.timestamp_ms,
-        )
+        self._queue_dlq(sess, tx_id, err.str(), topic, key, value, headers, timestamp_ms)
 
-    def _send(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
-        """``produce``, waiting while the local queue is full."""
+    def _send(
+        self,
+        sess: Session,
+        tx_id: int,
+        topic: str,
+        value: bytes,
+        key: bytes,
+        headers: list[tuple[str, bytes]],
+        timestamp_ms: int,
+        event_id: bytes,
+    ) -> None:
+        """``produce`` one added record of ``tx_id``, waiting while the local queue is full.
+
+        Positional arguments (topic, value, key, partition, callback, on_delivery,
+        timestamp, headers): keyword parsing cost a tenth of ``produce``. The
+        callback goes in the ``callback`` slot; a None there would not fall back
+        to ``on_delivery``, and the record would never be acknowledged.
+        librdkafka hands no headers to delivery callbacks: the event id rides along.
+        """
         producer = self._producer
         assert producer is not None
-        # librdkafka hands no headers to delivery callbacks: the event id rides along.
-        callback = partial(self._on_delivery, sess, tx_id, record.topic, record.event_id.encode())
+        callback = partial(self._on_delivery, sess, tx_id, topic, event_id)
         while True:
             try:
-                producer.produce(
-                    record.topic,
-                    value=record.value,
-                    key=record.key,
-                    headers=cast("list[tuple[str, str | bytes | None]]", record.headers),
-                    timestamp=record.timestamp_ms,
-                    on_delivery=callback,
-                )
+                # (the stubs want list[tuple[str, str | bytes | None]]; list is invariant)
+                producer.produce(topic, value, key, -1, callback, None, timestamp_ms, headers)  # type: ignore[arg-type]
                 return
             except BufferError:
                 # Local queue full: Kafka is slow. Serve callbacks and keep the
@@ -801,7 +784,17 @@ class Relay:
             )
             self.metrics.dead_lettered.labels(item.reason[:60]).inc()
             log.warning("event %s -> %s: %s", ids or "?", self.settings.dlq_topic, item.reason)
-            self._send(sess, item.tx_id, record)
+            r = record
+            self._send(
+                sess,
+                item.tx_id,
+                r.topic,
+                r.value,
+                r.key,
+                r.headers,
+                r.timestamp_ms,
+                r.event_id.encode(),
+            )
 
     # -- monitor thread ----------------------------------------------------------
     def _monitor(self) -> None:
