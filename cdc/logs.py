@@ -3,6 +3,11 @@
 ``LOG_LEVEL`` (default INFO) and ``LOG_FORMAT`` (``text`` | ``json``) choose the
 output. Nothing here formats settings: callers log ``Settings.safe_summary()``,
 never a DSN or a key.
+
+Structured fields: a call passes them as ``extra={"event_id": ..., "topic": ...,
+"partition": ..., "offset": ..., "lsn": ..., "state": ...}``; the JSON format
+writes every such field as a key of its own next to ``msg`` (the text format
+shows the message only, which already names the object).
 """
 
 from __future__ import annotations
@@ -13,20 +18,30 @@ import os
 import sys
 from datetime import UTC, datetime
 
+#: Attributes every LogRecord has; anything else on a record came from ``extra=``.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "taskName",
+}
+
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: ts, level, logger, msg (+ exc)."""
+    """One JSON object per record: ts, level, logger, msg, the ``extra`` fields (+ exc)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {
+        out: dict[str, object] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRS and key not in out:
+                out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, separators=(",", ":"))
+        return json.dumps(out, separators=(",", ":"), default=str)
 
 
 def setup_logging(level: str | None = None, fmt: str | None = None) -> None:

@@ -1,0 +1,109 @@
+"""librdkafka's own errors and log lines, routed into the process's logging and metrics.
+
+Every Kafka client of the project (the relay's producer, the sink's consumer,
+admin clients of the ops tools) takes :meth:`KafkaClientEvents.config` into its
+configuration. Guarantees:
+
+* every error librdkafka reports through ``error_cb`` is counted by its code
+  name (``_TRANSPORT``, ``_ALL_BROKERS_DOWN``, ``_FATAL``, ...: librdkafka's
+  fixed set of codes, so the metric's label set is bounded) and logged with the
+  fields ``kafka_client``, ``kafka_error`` and ``fatal``;
+* a repeated error is logged once when it first appears and then at most once
+  every :data:`REPEAT_LOG_S` with the number of repeats, so a broker outage
+  does not flood the log; the metric still counts every one;
+* a fatal error (``err.fatal()``, e.g. an idempotent producer fenced or out of
+  sequence) is kept in :attr:`KafkaClientEvents.fatal` so the owner can
+  rebuild its client: librdkafka cannot recover one by itself;
+* librdkafka's log lines go to the logger ``kafka.<client>`` (confluent-kafka
+  maps syslog levels to logging levels), in whichever format (text or JSON)
+  the process uses; they are served by the client's ``poll``/``consume``.
+
+The callbacks run on the thread that serves the client (``poll``, ``consume``,
+``flush``); they only log, count and store, so they are safe on any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: A repeated error is logged again at most this often (with its repeat count).
+REPEAT_LOG_S = 60.0
+
+
+class KafkaClientEvents:
+    """Receives one client's ``error_cb`` and log lines; see the module docstring.
+
+    ``count`` is called with the error's code name for each error (a metric's
+    ``labels(code).inc``, say); ``on_fatal`` is called once for a fatal error.
+    """
+
+    def __init__(
+        self,
+        client: str,
+        *,
+        count: Callable[[str], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self._count = count
+        self._on_fatal = on_fatal
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last_logged: dict[str, float] = {}  # code -> when it was last logged
+        self._repeats: dict[str, int] = {}  # code -> errors not logged since then
+        #: The fatal error's text once librdkafka reported one; the client is dead.
+        self.fatal: str | None = None
+        #: The most recent error's code name and text (readiness reasons).
+        self.last_error: tuple[str, str] | None = None
+        #: confluent-kafka maps librdkafka's syslog levels to logging levels itself.
+        self.logger = logging.getLogger(f"kafka.{client}")
+
+    def config(self) -> dict[str, Any]:
+        """The client settings that route errors and logs here."""
+        return {"error_cb": self.on_error, "logger": self.logger}
+
+    def on_error(self, err: Any) -> None:
+        """librdkafka's ``error_cb``: count, log (rate-limited), remember a fatal one."""
+        code = str(err.name())
+        text = str(err.str())
+        is_fatal = bool(err.fatal())
+        if self._count is not None:
+            self._count(code)
+        with self._lock:
+            self.last_error = (code, text)
+            now = self._clock()
+            last = self._last_logged.get(code)
+            if not is_fatal and last is not None and now - last < REPEAT_LOG_S:
+                self._repeats[code] = self._repeats.get(code, 0) + 1
+                return
+            repeats = self._repeats.pop(code, 0)
+            self._last_logged[code] = now
+            if is_fatal and self.fatal is None:
+                self.fatal = text
+                first_fatal = True
+            else:
+                first_fatal = False
+        more = f" ({repeats} more since last logged)" if repeats else ""
+        log.log(
+            logging.ERROR if is_fatal else logging.WARNING,
+            "kafka %s error %s: %s%s",
+            self.client,
+            code,
+            text,
+            more,
+            extra={"kafka_client": self.client, "kafka_error": code, "fatal": is_fatal},
+        )
+        if first_fatal and self._on_fatal is not None:
+            self._on_fatal(text)
+
+    def clear_fatal(self) -> None:
+        """The owner rebuilt its client: forget the fatal error."""
+        with self._lock:
+            self.fatal = None
