@@ -541,7 +541,7 @@ def failed_retry(ids: tuple[int, ...], retry_all: bool, as_json: bool) -> None:
     if bool(ids) == retry_all:
         raise click.UsageError("give --id N (repeatable) or --all")
     summary = retry_parked(load_settings("pg_dsn"), ids=list(ids) or None, retry_all=retry_all)
-    ok = summary.failed_count == 0 and not summary.unknown_ids
+    ok = summary.failed_count == 0 and not summary.unknown_ids and not summary.busy_ids
     if as_json:
         _echo_json(_retry_answer(summary, ok=ok))
     else:
@@ -551,14 +551,12 @@ def failed_retry(ids: tuple[int, ...], retry_all: bool, as_json: bool) -> None:
 
 
 def _retry_answer(summary: RetrySummary, *, ok: bool) -> dict[str, object]:
-    message = "Retry failed sync events finished"
-    if summary.unknown_ids:
-        message += f"; unknown or not open: {summary.unknown_ids}"
     return {
         "success": ok,
-        "message": message,
+        "message": summary.message,
         "data": summary.as_data(),
         "unknown_ids": summary.unknown_ids,
+        "busy_ids": summary.busy_ids,
         "errors": {str(k): v for k, v in summary.errors.items()},
     }
 
@@ -573,6 +571,8 @@ def _show_retry(summary: RetrySummary) -> None:
         out.print(f"  {event_id}: {error}")
     if summary.unknown_ids:
         out.print(f"unknown or not open: {', '.join(map(str, summary.unknown_ids))}")
+    if summary.busy_ids:
+        out.print(f"being retried by another instance: {', '.join(map(str, summary.busy_ids))}")
 
 
 # --- slot ------------------------------------------------------------------------------------

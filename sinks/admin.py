@@ -103,11 +103,10 @@ def create_app(
                 },
             )
         summary = await retrier.retry(body.event_ids or None, retry_all=body.retry_all)
-        message = "Retry failed sync events finished"
-        if summary.unknown_ids:
-            message += f"; unknown or not open: {summary.unknown_ids}"
         log.info("admin retry: %s", summary.as_data())
-        return RetryResponse(success=True, message=message, data=RetryData(**summary.as_data()))
+        return RetryResponse(
+            success=True, message=summary.message, data=RetryData(**summary.as_data())
+        )
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:

@@ -222,12 +222,19 @@ class KeyScheduler:
         IN_FLIGHT --finish (delivered or parked)---------> UNKNOWN   (the lane's next may start)
         IN_FLIGHT --release (try again later)------------> QUEUED    (still the head of its lane)
         QUEUED    --drop_partition-----------------------> UNKNOWN
+        IN_FLIGHT --drop_partition-----------------------> IN_FLIGHT, orphan
+        orphan    --submit (the same position again)-----> IN_FLIGHT (adopted)
+        orphan    --finish or release--------------------> UNKNOWN   (the lane moves on)
 
     A record in flight when its partition is dropped stays IN_FLIGHT (it cannot
-    be recalled) and keeps its slot and its lane until ``finish`` or ``release``,
-    which then forgets it; if the partition comes back meanwhile, a resubmitted
-    copy of it queues behind it. The scheduler does not bound what is queued:
-    the consumer pauses its partitions when :attr:`pending` is high.
+    be recalled) and keeps its slot and its lane: an *orphan*. ``finish`` or
+    ``release`` of an orphan forgets it (its partition belongs to another
+    consumer now, which delivers it again). If the partition comes back while
+    the orphan is still in flight, the re-consumed copy is the same record
+    (same position): ``submit`` *adopts* the orphan instead of queueing a copy,
+    so the record keeps its original place at the head of its key's lane, and
+    a later ``release`` puts it back there. The scheduler does not bound what
+    is queued: the consumer pauses its partitions when :attr:`pending` is high.
     """
 
     def __init__(self, *, max_in_flight: int) -> None:
@@ -267,16 +274,18 @@ class KeyScheduler:
         """Queued + in flight of one partition (in-flight records of a dropped one included)."""
         return self._per_partition[(topic, partition)]
 
-    def submit(self, record: Envelope) -> None:
+    def submit(self, record: Envelope) -> bool:
         """Queue ``record`` behind the earlier records of its key.
 
-        The same position may come back while its copy from before a
-        revocation is still in flight (an orphan): it then waits behind it.
+        Returns True when ``record`` is an orphan's position coming back (its
+        partition was re-assigned while it was in flight): the orphan is
+        adopted - it stays in flight at the head of its lane, no copy is queued.
         """
         position = record.position
-        if position in self._queued or (
-            position in self._in_flight and position not in self._orphans
-        ):
+        if position in self._orphans:
+            self._orphans.discard(position)
+            return True
+        if position in self._queued or position in self._in_flight:
             raise ValueError(f"record {position} is already held")
         lane = lane_key(record)
         queue = self._lanes.get(lane)
@@ -287,6 +296,15 @@ class KeyScheduler:
         self._per_partition[record.topic_partition] += 1
         if lane not in self._busy:
             self._make_runnable(lane)
+        return False
+
+    def queued_positions(self) -> set[Position]:
+        """Positions of the queued records (a copy)."""
+        return set(self._queued)
+
+    def is_orphan(self, record: Envelope) -> bool:
+        """True while ``record`` is in flight from a partition dropped since it started."""
+        return record.position in self._orphans
 
     def ready(self, limit: int | None = None) -> list[Envelope]:
         """Records that may start now (at most ``limit``); they become IN_FLIGHT."""

@@ -4,19 +4,24 @@ Guarantees:
 
 * one row per event: ``outbox_event_id`` (the idempotency key) is unique, so
   a redelivered or replayed event updates its row instead of adding one;
+  its ``retry_count`` adds the attempts the sink already spent inline;
 * a row is written before the sink counts its record as done, so an offset
   never moves past an event that is neither delivered nor parked;
-* :meth:`ParkingLot.claim_due` hands a row to one retrier at a time
-  (``FOR UPDATE SKIP LOCKED`` and status ``PENDING``), so two sink instances'
-  schedulers never retry the same row at once;
-* statuses: ``FAILED`` (waiting for its ``next_retry_at``), ``PENDING`` (being
-  retried now), ``DONE`` (the engine accepted it).
+  :meth:`ParkingLot.park_many` writes a batch in one round-trip;
+* claims are leases (:mod:`sinks.claims`, whose rules the SQL here carries
+  out one statement per transition): a row is retried by one retrier at a
+  time, at most once per due time, each attempt counted once, and a crashed
+  claimer's lease expires;
+* statuses: ``FAILED`` (waiting for its ``next_retry_at``), ``PENDING``
+  (claimed: a retrier holds its lease), ``DONE`` (the engine accepted it).
+
+Times default to the database's ``now()`` (one clock for every sink
+instance); tests pass ``now`` to drive the clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import uuid
 from dataclasses import dataclass
@@ -27,13 +32,14 @@ import orjson
 import psycopg
 from psycopg.rows import dict_row
 
+from sinks.claims import CLAIM_LEASE_S, AttemptResult, RowStatus
+from sinks.retry import retry_delay_s
+
 log = logging.getLogger(__name__)
 
 
-class ParkedStatus(enum.StrEnum):
-    FAILED = "FAILED"  # delivery failed; retried when next_retry_at is due
-    PENDING = "PENDING"  # claimed by a retrier right now
-    DONE = "DONE"  # the engine accepted it on a retry
+#: The row statuses (one enum for the rules and the repository).
+ParkedStatus = RowStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +61,8 @@ class ParkedEvent:
     kafka_offset: int | None
     kafka_key: str | None
     kafka_headers: dict[str, str]
+    claimed_by: str | None = None
+    claimed_until: datetime | None = None
 
     @property
     def type_header(self) -> str:
@@ -93,28 +101,49 @@ class ParkRequest:
     key: bytes | None
     headers: dict[str, bytes]
     retry_in_s: float
+    #: Attempts already spent on it (inline): the row's retry_count starts there.
+    attempts: int = 0
 
 
 _COLUMNS = (
     "event_id, event_type, payload_json, status, retry_count, last_error, next_retry_at,"
     " created_at, updated_at, outbox_event_id::text AS outbox_event_id, kafka_topic,"
-    " kafka_partition, kafka_offset, kafka_key, kafka_headers"
+    " kafka_partition, kafka_offset, kafka_key, kafka_headers, claimed_by, claimed_until"
 )
 
 _PARK_SQL = """
 INSERT INTO failed_sync_events
     (event_type, payload_json, status, retry_count, last_error, next_retry_at,
      outbox_event_id, kafka_topic, kafka_partition, kafka_offset, kafka_key, kafka_headers)
-VALUES (%(sync_type)s, %(payload)s, 'FAILED', 0, %(reason)s,
-        now() + make_interval(secs => %(retry_in_s)s),
-        %(outbox_event_id)s, %(topic)s, %(partition)s, %(offset)s, %(key)s, %(headers)s)
+SELECT r.sync_type, r.payload, 'FAILED', r.attempts, r.reason,
+       now() + make_interval(secs => r.retry_in_s),
+       r.outbox_event_id, r.topic, r.kafka_partition, r.kafka_offset, r.kafka_key, r.headers
+FROM unnest(%(sync_type)s::text[], %(payload)s::text[], %(attempts)s::int[], %(reason)s::text[],
+            %(retry_in_s)s::float8[], %(outbox_event_id)s::uuid[], %(topic)s::text[],
+            %(partition)s::int[], %(offset)s::bigint[], %(key)s::text[], %(headers)s::jsonb[])
+     AS r(sync_type, payload, attempts, reason, retry_in_s, outbox_event_id, topic,
+          kafka_partition, kafka_offset, kafka_key, headers)
 ON CONFLICT (outbox_event_id) DO UPDATE SET
     status = 'FAILED', last_error = EXCLUDED.last_error,
+    retry_count = failed_sync_events.retry_count + EXCLUDED.retry_count,
     next_retry_at = EXCLUDED.next_retry_at, updated_at = now(),
+    claimed_by = NULL, claimed_until = NULL,
     kafka_topic = EXCLUDED.kafka_topic, kafka_partition = EXCLUDED.kafka_partition,
     kafka_offset = EXCLUDED.kafka_offset
 RETURNING event_id
 """
+
+#: The clock of a statement: the caller's ``now`` (tests) or the database's.
+_NOW = "COALESCE(%(now)s::timestamptz, now())"
+#: sinks.claims.claimable: not DONE, no live lease (a PENDING row without one
+#: was claimed by a version without leases, or its claimer crashed).
+_CLAIMABLE = (
+    "status <> 'DONE' AND NOT (status = 'PENDING' AND claimed_until IS NOT NULL"
+    f" AND claimed_until > {_NOW})"
+)
+#: retry_count is an int4: no row reaches this.
+_NO_LIMIT = 2**31 - 1
+_DUE = f"(next_retry_at IS NULL OR next_retry_at <= {_NOW}) AND retry_count < %(max_attempts)s"
 
 
 def _uuid_or_none(value: str | None) -> str | None:
@@ -157,24 +186,38 @@ class ParkingLot:
 
     async def park(self, req: ParkRequest) -> int:
         """Insert (or refresh) the row of this event; return its ``event_id``."""
-        outbox_id = _uuid_or_none(req.outbox_event_id)
-        headers = {k: v.decode("utf-8", "replace") for k, v in req.headers.items()}
+        return (await self.park_many([req]))[0]
+
+    async def park_many(self, reqs: list[ParkRequest]) -> list[int]:
+        """Insert (or refresh) the rows of these events in one statement; return their ids.
+
+        Two requests for the same event in one batch are written once (the last wins).
+        """
+        latest: dict[str, ParkRequest] = {}
+        for i, req in enumerate(reqs):
+            outbox_id = _uuid_or_none(req.outbox_event_id)
+            latest[outbox_id or f"no-id-{i}"] = req
+        batch = list(latest.values())
         rows = await self._fetch(
             _PARK_SQL,
             {
-                "sync_type": req.sync_type,
-                "payload": (req.payload or b"").decode("utf-8", "replace"),
-                "reason": req.reason[:4000],
-                "retry_in_s": req.retry_in_s,
-                "outbox_event_id": outbox_id,
-                "topic": req.topic,
-                "partition": req.partition,
-                "offset": req.offset,
-                "key": req.key.decode("utf-8", "replace") if req.key is not None else None,
-                "headers": orjson.dumps(headers).decode(),
+                "sync_type": [r.sync_type for r in batch],
+                "payload": [_text(r.payload or b"") for r in batch],
+                "attempts": [r.attempts for r in batch],
+                "reason": [_text(r.reason.encode())[:4000] for r in batch],
+                "retry_in_s": [r.retry_in_s for r in batch],
+                "outbox_event_id": [_uuid_or_none(r.outbox_event_id) for r in batch],
+                "topic": [r.topic for r in batch],
+                "partition": [r.partition for r in batch],
+                "offset": [r.offset for r in batch],
+                "key": [_text(r.key) if r.key is not None else None for r in batch],
+                "headers": [
+                    orjson.dumps({k: _text(v) for k, v in r.headers.items()}).decode()
+                    for r in batch
+                ],
             },
         )
-        return int(rows[0]["event_id"])
+        return [int(r["event_id"]) for r in rows]
 
     async def list_open(self, limit: int = 100) -> list[ParkedEvent]:
         """The oldest ``limit`` FAILED/PENDING rows."""
@@ -193,56 +236,98 @@ class ParkingLot:
         )
         return [_row(r) for r in rows]
 
-    async def claim(
-        self, ids: list[int] | None, *, limit: int, max_attempts: int | None, due_only: bool
-    ) -> list[ParkedEvent]:
-        """Mark chosen FAILED/PENDING rows PENDING and return them (skipping locked rows).
+    async def claim_next(
+        self,
+        *,
+        by: str,
+        scheduled: bool,
+        max_attempts: int | None = None,
+        after_id: int = 0,
+        lease_s: float = CLAIM_LEASE_S,
+        now: datetime | None = None,
+    ) -> ParkedEvent | None:
+        """Lease the oldest claimable row after ``after_id``.
 
-        ``ids=None`` takes the oldest open rows; ``due_only`` keeps rows whose
-        ``next_retry_at`` has passed; ``max_attempts`` keeps rows below it.
+        ``scheduled``: only a due row below ``max_attempts`` (an operator's
+        retry_all takes any row without a live lease).
         """
-        conditions = ["status IN ('FAILED', 'PENDING')"]
-        params: dict[str, Any] = {"limit": limit}
-        if ids is not None:
-            conditions.append("event_id = ANY(%(ids)s)")
-            params["ids"] = ids
-        if due_only:
-            conditions.append("(next_retry_at IS NULL OR next_retry_at <= now())")
-        if max_attempts is not None:
-            conditions.append("retry_count < %(max_attempts)s")
-            params["max_attempts"] = max_attempts
-        where = " AND ".join(conditions)
+        where = f"{_CLAIMABLE} AND event_id > %(after)s"
+        if scheduled:
+            where += f" AND {_DUE}"
+        return await self._claim(
+            where,
+            {
+                "after": after_id,
+                "max_attempts": max_attempts if max_attempts is not None else 2**31 - 1,
+            },
+            by=by,
+            lease_s=lease_s,
+            now=now,
+        )
+
+    async def claim_id(
+        self, event_id: int, *, by: str, lease_s: float = CLAIM_LEASE_S, now: datetime | None = None
+    ) -> ParkedEvent | None:
+        """Lease row ``event_id`` for an operator's retry; ``None`` when done, unknown or leased."""
+        return await self._claim(
+            f"{_CLAIMABLE} AND event_id = %(id)s", {"id": event_id}, by=by, lease_s=lease_s, now=now
+        )
+
+    async def _claim(
+        self,
+        where: str,
+        params: dict[str, Any],
+        *,
+        by: str,
+        lease_s: float,
+        now: datetime | None,
+    ) -> ParkedEvent | None:
         rows = await self._fetch(
-            f"UPDATE failed_sync_events SET status = 'PENDING', updated_at = now()"  # noqa: S608
-            f" WHERE event_id IN (SELECT event_id FROM failed_sync_events WHERE {where}"
-            f" ORDER BY event_id LIMIT %(limit)s FOR UPDATE SKIP LOCKED)"
+            "UPDATE failed_sync_events SET status = 'PENDING', claimed_by = %(by)s,"  # noqa: S608
+            f" claimed_until = {_NOW} + make_interval(secs => %(lease_s)s), updated_at = now()"
+            f" WHERE event_id = (SELECT event_id FROM failed_sync_events WHERE {where}"
+            " ORDER BY event_id LIMIT 1 FOR UPDATE SKIP LOCKED)"
             f" RETURNING {_COLUMNS}",
+            {**params, "by": by, "lease_s": lease_s, "now": now},
+        )
+        return _row(rows[0]) if rows else None
+
+    async def settle(
+        self,
+        row: ParkedEvent,
+        *,
+        by: str,
+        result: AttemptResult,
+        error: str | None,
+        backoff_base_s: float,
+        period_s: float,
+        now: datetime | None = None,
+    ) -> bool:
+        """Record ``by``'s attempt on ``row`` (:func:`sinks.claims.settle`).
+
+        False when ``by`` no longer holds the lease: the attempt is not counted.
+        """
+        params: dict[str, Any] = {"id": row.event_id, "by": by, "now": now}
+        if result is AttemptResult.DELIVERED:
+            sets = "status = 'DONE', last_error = NULL, next_retry_at = NULL"
+        elif result is AttemptResult.REJECTED:
+            sets = (
+                "status = 'FAILED', retry_count = retry_count + 1, last_error = %(error)s,"
+                f" next_retry_at = {_NOW} + make_interval(secs => %(delay_s)s)"
+            )
+            params["error"] = (error or "")[:4000]
+            params["delay_s"] = retry_delay_s(row.retry_count + 1, backoff_base_s)
+        else:
+            sets = f"status = 'FAILED', next_retry_at = {_NOW} + make_interval(secs => %(delay_s)s)"
+            params["delay_s"] = period_s
+        rows = await self._fetch(
+            f"UPDATE failed_sync_events SET {sets}, claimed_by = NULL, claimed_until = NULL,"  # noqa: S608
+            " updated_at = now()"
+            " WHERE event_id = %(id)s AND status = 'PENDING' AND claimed_by = %(by)s"
+            " RETURNING event_id",
             params,
         )
-        return sorted((_row(r) for r in rows), key=lambda p: p.event_id)
-
-    async def mark_done(self, event_id: int) -> None:
-        await self._fetch(
-            "UPDATE failed_sync_events SET status = 'DONE', last_error = NULL,"
-            " next_retry_at = NULL, updated_at = now() WHERE event_id = %s",
-            (event_id,),
-        )
-
-    async def mark_failed(self, event_id: int, error: str, *, retry_in_s: float) -> None:
-        await self._fetch(
-            "UPDATE failed_sync_events SET status = 'FAILED', retry_count = retry_count + 1,"
-            " last_error = %s, next_retry_at = now() + make_interval(secs => %s),"
-            " updated_at = now() WHERE event_id = %s",
-            (error[:4000], retry_in_s, event_id),
-        )
-
-    async def release(self, event_id: int) -> None:
-        """Back to FAILED without spending an attempt (the engine was down)."""
-        await self._fetch(
-            "UPDATE failed_sync_events SET status = 'FAILED', updated_at = now()"
-            " WHERE event_id = %s AND status = 'PENDING'",
-            (event_id,),
-        )
+        return bool(rows)
 
     async def counts(self) -> dict[str, int]:
         rows = await self._fetch(
@@ -271,4 +356,11 @@ def _row(r: dict[str, Any]) -> ParkedEvent:
         kafka_offset=r["kafka_offset"],
         kafka_key=r["kafka_key"],
         kafka_headers={str(k): str(v) for k, v in headers.items()},
+        claimed_by=r["claimed_by"],
+        claimed_until=r["claimed_until"],
     )
+
+
+def _text(raw: bytes) -> str:
+    """Bytes as text for a text column: invalid UTF-8 replaced, NUL (refused by PostgreSQL) too."""
+    return raw.decode("utf-8", "replace").replace("\x00", "\ufffd")

@@ -4,26 +4,33 @@ Guarantees (Sink invariants 6 and 7):
 
 * a retry sends the event exactly as Kafka held it (type, payload, idempotency
   key), through the same dispatch as the consumer;
+* every row is retried under a lease (:mod:`sinks.claims`), one row at a
+  time, so any number of sink instances (and operators) never retry the same
+  row at once, and each attempt is counted exactly once;
 * success turns the row DONE; a rejection spends an attempt (``retry_count+1``)
   and sets an exponential ``next_retry_at``; engine-wide trouble spends nothing
-  and puts the row back to FAILED;
+  and puts the row back to FAILED, due again after one scheduler period;
 * the scheduler takes at most ``retry_batch_size`` due rows below
   ``retry_max_attempts`` per run; explicit retries (ids or ``retry_all``) are
-  an operator's decision and ignore ``next_retry_at`` and the attempt limit.
+  an operator's decision and ignore ``next_retry_at`` and the attempt limit
+  (never a live lease: such ids are reported as busy).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 
 from cdc.settings import Settings
+from sinks.claims import AttemptResult
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError
 from sinks.parking import ParkedEvent, ParkingLot
-from sinks.retry import retry_delay_s
 
 log = logging.getLogger(__name__)
 
@@ -33,15 +40,35 @@ _DEFAULT_TYPES = {"USER_SYNC": "UserRegistered", "QUIZ_SYNC": "QuizAttemptSubmit
 RETRY_ALL_LIMIT = 100
 
 
+def claimer_id() -> str:
+    """A name for this process's leases: host, pid and a random part (unique per start)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
 @dataclass
 class RetrySummary:
-    """What one retry run did; ``unknown_ids`` were asked for but are not open rows."""
+    """What one retry run did.
+
+    ``unknown_ids`` were asked for but are not open rows; ``busy_ids`` are
+    held by another retrier's lease right now.
+    """
 
     processed_count: int = 0
     done_count: int = 0
     failed_count: int = 0
     unknown_ids: list[int] = field(default_factory=list)
+    busy_ids: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def message(self) -> str:
+        """The answer's ``message`` (admin API and CLI): names ids that were not retried."""
+        message = "Retry failed sync events finished"
+        if self.unknown_ids:
+            message += f"; unknown or not open: {self.unknown_ids}"
+        if self.busy_ids:
+            message += f"; being retried by another instance right now: {self.busy_ids}"
+        return message
 
     def as_data(self) -> dict[str, int]:
         return {
@@ -52,39 +79,39 @@ class RetrySummary:
 
 
 class Retrier:
-    """Retries parked rows against the engine."""
+    """Retries parked rows against the engine, under leases named ``claimer``."""
 
-    def __init__(self, *, lot: ParkingLot, engine: EngineClient, settings: Settings) -> None:
+    def __init__(
+        self,
+        *,
+        lot: ParkingLot,
+        engine: EngineClient,
+        settings: Settings,
+        claimer: str | None = None,
+    ) -> None:
         self._lot = lot
         self._engine = engine
         self._settings = settings
+        self.claimer = claimer or claimer_id()
 
     async def retry(self, ids: list[int] | None, *, retry_all: bool) -> RetrySummary:
         """Retry chosen rows (``ids``) or, with ``retry_all``, every open row (up to 100)."""
+        summary = RetrySummary()
         if ids:
-            rows = await self._lot.claim(
-                sorted(set(ids)), limit=len(set(ids)), max_attempts=None, due_only=False
-            )
-            found = {r.event_id for r in rows}
-            summary = await self._retry_rows(rows)
-            summary.unknown_ids = sorted(set(ids) - found)
-            return summary
-        if retry_all:
-            rows = await self._lot.claim(
-                None, limit=RETRY_ALL_LIMIT, max_attempts=None, due_only=False
-            )
-            return await self._retry_rows(rows)
-        return RetrySummary()
+            for event_id in sorted(set(ids)):
+                row = await self._lot.claim_id(event_id, by=self.claimer)
+                if row is None:
+                    await self._not_claimed(event_id, summary)
+                else:
+                    await self._retry_row(row, summary)
+        elif retry_all:
+            await self._claim_and_retry(summary, scheduled=False, limit=RETRY_ALL_LIMIT)
+        return summary
 
     async def run_scheduled(self) -> RetrySummary:
         """One scheduler run: due rows below the attempt limit, at most a batch."""
-        rows = await self._lot.claim(
-            None,
-            limit=self._settings.retry_batch_size,
-            max_attempts=self._settings.retry_max_attempts,
-            due_only=True,
-        )
-        summary = await self._retry_rows(rows)
+        summary = RetrySummary()
+        await self._claim_and_retry(summary, scheduled=True, limit=self._settings.retry_batch_size)
         if summary.processed_count:
             log.info(
                 "scheduler retried %d parked events: %d done, %d failed",
@@ -94,19 +121,51 @@ class Retrier:
             )
         return summary
 
-    async def _retry_rows(self, rows: list[ParkedEvent]) -> RetrySummary:
-        summary = RetrySummary()
-        for row in rows:
-            summary.processed_count += 1
-            error = await self._retry_one(row)
-            if error is None:
-                summary.done_count += 1
-            else:
-                summary.failed_count += 1
-                summary.errors[row.event_id] = error
-        return summary
+    async def _claim_and_retry(self, summary: RetrySummary, *, scheduled: bool, limit: int) -> None:
+        after_id = 0  # one pass in id order: a row retried in this run is not taken again
+        while summary.processed_count < limit:
+            row = await self._lot.claim_next(
+                by=self.claimer,
+                scheduled=scheduled,
+                max_attempts=self._settings.retry_max_attempts if scheduled else None,
+                after_id=after_id,
+            )
+            if row is None:
+                return
+            after_id = row.event_id
+            await self._retry_row(row, summary)
 
-    async def _retry_one(self, row: ParkedEvent) -> str | None:
+    async def _not_claimed(self, event_id: int, summary: RetrySummary) -> None:
+        rows = await self._lot.get([event_id])
+        if rows and rows[0].status == "PENDING":
+            summary.busy_ids.append(event_id)
+        else:
+            summary.unknown_ids.append(event_id)
+
+    async def _retry_row(self, row: ParkedEvent, summary: RetrySummary) -> None:
+        summary.processed_count += 1
+        result, error = await self._attempt(row)
+        counted = await self._lot.settle(
+            row,
+            by=self.claimer,
+            result=result,
+            error=error,
+            backoff_base_s=self._settings.retry_backoff_base_s,
+            period_s=self._settings.scheduler_interval_s,
+        )
+        if not counted:
+            log.warning(
+                "parked event #%d: lease lost during the retry; its outcome is not recorded",
+                row.event_id,
+                extra={"parked_id": row.event_id, "event_id": row.outbox_event_id},
+            )
+        if result is AttemptResult.DELIVERED:
+            summary.done_count += 1
+        else:
+            summary.failed_count += 1
+            summary.errors[row.event_id] = error or ""
+
+    async def _attempt(self, row: ParkedEvent) -> tuple[AttemptResult, str | None]:
         event_type = row.type_header or _DEFAULT_TYPES.get(row.event_type, "")
         event_id = row.outbox_event_id or f"parked-{row.event_id}"
         try:
@@ -117,14 +176,10 @@ class Retrier:
                 event_id=event_id,
             )
         except EngineUnavailable as exc:
-            await self._lot.release(row.event_id)
-            return f"engine unavailable: {exc.reason}"
+            return AttemptResult.UNAVAILABLE, f"engine unavailable: {exc.reason}"
         except SinkError as exc:
-            delay = retry_delay_s(row.retry_count + 1, self._settings.retry_backoff_base_s)
-            await self._lot.mark_failed(row.event_id, exc.reason, retry_in_s=delay)
-            return exc.reason
-        await self._lot.mark_done(row.event_id)
-        return None
+            return AttemptResult.REJECTED, exc.reason
+        return AttemptResult.DELIVERED, None
 
 
 class Scheduler:

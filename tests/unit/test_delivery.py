@@ -281,18 +281,22 @@ def test_drop_partition_forgets_queued_records_and_keeps_in_flight_ones_until_fi
     assert sched.ready() == [other]
 
 
-def test_a_reassigned_partition_may_resubmit_a_record_still_in_flight_from_before() -> None:
+def test_a_reassigned_partition_adopts_its_record_still_in_flight_from_before() -> None:
     sched = KeyScheduler(max_in_flight=10)
-    before = _env(b"a", 0)
+    before, later = _env(b"a", 0), _env(b"a", 1)
     sched.submit(before)
     assert sched.ready() == [before]
     sched.drop_partition("t", 0)
-    again = _env(b"a", 0)  # the partition came back; Kafka redelivers from the commit point
-    sched.submit(again)
-    assert sched.ready() == []  # waits behind its in-flight copy
+    assert sched.is_orphan(before)
+    # the partition came back; Kafka redelivers from the commit point
+    assert sched.submit(_env(b"a", 0)) is True  # adopted: the same record, still in flight
+    assert sched.submit(later) is False
+    assert not sched.is_orphan(before)
+    sched.release(before)  # engine down: back to the head of its key, before `later`
+    assert sched.ready() == [before]
     sched.finish(before)
-    assert sched.ready() == [again]
-    sched.finish(again)
+    assert sched.ready() == [later]
+    sched.finish(later)
     assert sched.pending == 0
 
 
