@@ -41,6 +41,7 @@ ENV: dict[str, str] = {
     "sink_max_in_flight": "SINK_MAX_IN_FLIGHT",
     "sink_http_port": "SINK_HTTP_PORT",
     "sink_backoff_max_s": "SINK_BACKOFF_MAX_S",
+    "sink_inline_attempts": "SINK_INLINE_ATTEMPTS",
     "engine_base_url": "ENGINE_BASE_URL",
     "internal_api_key": "INTERNAL_API_KEY",
     "engine_connect_timeout_s": "ENGINE_CONNECT_TIMEOUT_S",
@@ -99,6 +100,8 @@ class Settings:
     sink_http_port: int = 9102
     #: Longest wait between probes of an engine that is down (jittered, growing).
     sink_backoff_max_s: float = 15.0
+    #: Attempts a record the healthy engine rejects gets inline before it is parked.
+    sink_inline_attempts: int = 3
     engine_base_url: str = "http://localhost:8081"
     internal_api_key: str = field(default="", repr=False)
     engine_connect_timeout_s: float = 2.0

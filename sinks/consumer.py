@@ -1,79 +1,82 @@
-"""The sink's consumer loop: Kafka -> engine, at least once, per-key order.
+"""The sink's consumer loop: a thin asyncio shell around :class:`sinks.core.SinkCore`.
 
-Invariants (DESIGN.md, "Sink invariants"):
+Every decision - what to send, when to probe, what to park, what to commit,
+what to pause - is the core's (see :mod:`sinks.core` for the invariants and
+the circuit's transitions). This shell only carries the core's actions out
+and reports what came of them:
 
-1. An offset is committed only when every record at or below it in that
-   partition is delivered (2xx) or parked (:class:`OffsetWatermark`). Records
-   of one key are delivered in order; different keys run concurrently up to
-   ``SINK_MAX_IN_FLIGHT`` (:class:`KeyScheduler`).
-2. Engine-wide trouble (refused, timeouts, 408, 429, 5xx, 401/403) spends no
-   attempt: the circuit opens, every partition is paused (the loop keeps
-   polling, so group membership holds) and one probe is sent after a growing,
-   jittered backoff that honours ``Retry-After``.
-3. Only a record the healthy engine rejects (other 4xx, or one record failing
-   while others succeed) spends attempts, and is parked after the limit.
-4. A quiz attempt whose user the engine lacks syncs the user first (dispatch).
-5. A record that cannot be routed is parked at once with the reason.
+* Kafka lives on its own thread (:class:`sinks.kafka_worker.KafkaWorker`);
+  records, assignments, revocations and commit results arrive here as calls
+  on the event loop, and pause/resume/commit go back as commands - so no
+  Kafka call ever blocks deliveries, the admin API or the scheduler;
+* a :class:`~sinks.core.Send` becomes one task that delivers through
+  :func:`sinks.dispatch.deliver` and maps the outcome to a core
+  :class:`~sinks.core.Result` (the error classes say which);
+* a :class:`~sinks.core.Park` becomes one task writing its whole batch in
+  one round-trip; a parking lot that fails keeps the records unsettled (the
+  core parks them again later) and marks the sink unready;
+* ``/readyz`` is ready only while the circuit is CLOSED and the parking lot
+  answers; a state change is logged once, with its reason.
 
-Circuit transitions::
-
-    CLOSED --engine-wide failure--> OPEN --probe due--> HALF_OPEN
-    HALF_OPEN --probe delivered--> CLOSED (partitions resumed, backoff reset)
-    HALF_OPEN --probe failed-----> OPEN (longer backoff)
-
-The loop runs on one asyncio event loop; rebalance callbacks run inside
-``consume()`` on that same thread, so no state is shared across threads.
+SIGTERM (:meth:`Sink.stop`): take and send nothing new, wait up to
+:data:`SHUTDOWN_WAIT_S` for what is in flight, commit, leave the group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import re
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cdc.health import Liveness
+from cdc.kafkalog import KafkaClientEvents
 from cdc.settings import Settings
-from sinks.delivery import Envelope, KeyScheduler, OffsetWatermark, RecordState
+from sinks import core
+from sinks.core import (
+    Circuit,
+    Commit,
+    Park,
+    ParkItem,
+    Pause,
+    Result,
+    ResultKind,
+    Resume,
+    Route,
+    Send,
+    SinkCore,
+    Verdict,
+)
+from sinks.delivery import Envelope
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError, Unroutable
+from sinks.kafka_worker import KafkaWorker
+from sinks.logs import RepeatLog
 from sinks.parking import ParkingLot, ParkRequest
 from sinks.retry import Backoff, retry_delay_s
-from sinks.routes import sync_type_for
+from sinks.routes import route_envelope, sync_type_for
 
 log = logging.getLogger(__name__)
 
-#: Records fetched per consume() call.
-CONSUME_BATCH = 1_000
-#: Longest the loop sleeps when idle: bounds the added delivery latency.
-IDLE_WAIT_S = 0.01
-#: Queued records (per instance) above which partitions pause to bound memory.
+#: Records held in memory (per instance) above which partitions pause.
 MAX_BUFFERED = 20_000
 #: Committed offsets are sent at most this often (and on revoke and shutdown).
 COMMIT_INTERVAL_S = 1.0
-#: Attempts a record the engine rejects gets inline, with this first backoff.
-INLINE_ATTEMPTS = 3
+#: First wait before a rejected record is sent again (doubles per attempt).
 INLINE_BACKOFF_S = 0.2
 #: Floor of the probe backoff (SINK_BACKOFF_MAX_S=0 would mean a busy loop).
 MIN_BACKOFF_S = 0.1
-#: Shutdown waits this long for deliveries in flight.
+#: Shutdown waits this long for deliveries and parks in flight.
 SHUTDOWN_WAIT_S = 10.0
-#: Lag / oldest-age gauges refresh period.
-LAG_REFRESH_S = 5.0
-
-
-class Circuit(enum.Enum):
-    CLOSED = "closed"  # engine healthy: deliveries flow
-    OPEN = "open"  # engine-wide trouble: partitions paused, waiting to probe
-    HALF_OPEN = "half_open"  # one probe delivery in flight
+#: Gauges refresh period; also the longest the loop sleeps (liveness ticks).
+GAUGE_REFRESH_S = 1.0
+#: The shortest sleep: a timer the core reports as due now never becomes a busy loop.
+MIN_SLEEP_S = 0.001
 
 
 class SinkMetrics:
@@ -106,10 +109,14 @@ class SinkMetrics:
             registry=registry,
         )
         self.circuit = Gauge(
-            "outbox_sink_circuit_open", "1 while the engine circuit is open", registry=registry
+            "outbox_sink_circuit_open",
+            "1 while the engine circuit is not closed (open or probing)",
+            registry=registry,
         )
         self.lag = Gauge(
-            "outbox_sink_consumer_lag", "End offset - committed, summed", registry=registry
+            "outbox_sink_consumer_lag",
+            "End offset - committed offset, summed over the assigned partitions",
+            registry=registry,
         )
         self.oldest_age = Gauge(
             "outbox_sink_oldest_unprocessed_age_seconds",
@@ -119,15 +126,35 @@ class SinkMetrics:
         self.in_flight = Gauge(
             "outbox_sink_in_flight", "Engine requests in flight", registry=registry
         )
-
-
-@dataclass
-class _Partition:
-    """What the sink holds for one assigned partition in one assignment generation."""
-
-    generation: int
-    watermark: OffsetWatermark
-    timestamps: dict[int, int]  # pending offset -> record timestamp (ms)
+        self.held = Gauge(
+            "outbox_sink_held_records",
+            "Records held in memory (queued, in flight, waiting to retry or park)",
+            registry=registry,
+        )
+        self.tracked = Gauge(
+            "outbox_sink_tracked_entries",
+            "Per-record entries the sink keeps (bounded by the assigned, unsettled records)",
+            registry=registry,
+        )
+        self.paused = Gauge(
+            "outbox_sink_paused_partitions", "Assigned partitions paused", registry=registry
+        )
+        self.kafka_errors = Counter(
+            "outbox_sink_kafka_errors_total",
+            "Errors librdkafka reported, by code",
+            ["code"],
+            registry=registry,
+        )
+        self.commit_failures = Counter(
+            "outbox_sink_commit_failures_total",
+            "Offset commits the broker refused (retried)",
+            registry=registry,
+        )
+        self.park_failures = Counter(
+            "outbox_sink_park_failures_total",
+            "Park batches the parking lot failed to write (retried)",
+            registry=registry,
+        )
 
 
 def consumer_config(settings: Settings) -> dict[str, Any]:
@@ -153,6 +180,28 @@ def subscription(settings: Settings) -> list[str]:
     return [pattern if pattern.startswith("^") else f"^{pattern}"]
 
 
+def classify(record: Envelope) -> Verdict:
+    """The routing verdict: deliverable, or bad input to park at once (never sent)."""
+    try:
+        route_envelope(record)
+    except Unroutable as exc:
+        return Verdict(Route.PARK, exc.reason)
+    return Verdict(Route.DELIVER)
+
+
+def make_core(settings: Settings) -> SinkCore:
+    backoff_cap_s = max(settings.sink_backoff_max_s, MIN_BACKOFF_S)
+    return SinkCore(
+        max_in_flight=settings.sink_max_in_flight,
+        max_buffered=MAX_BUFFERED,
+        inline_attempts=settings.sink_inline_attempts,
+        inline_backoff_s=INLINE_BACKOFF_S,
+        backoff=Backoff(base_s=min(0.5, backoff_cap_s), cap_s=backoff_cap_s),
+        commit_interval_s=COMMIT_INTERVAL_S,
+        classify=classify,
+    )
+
+
 class Sink:
     """The consumer group member. ``run()`` until ``stop()``."""
 
@@ -170,24 +219,17 @@ class Sink:
         self.lot = lot
         self.metrics = SinkMetrics(registry)
         self.liveness = liveness
-        self.circuit = Circuit.CLOSED
-        self.circuit_reason = ""
-        self._scheduler = KeyScheduler(max_in_flight=settings.sink_max_in_flight)
-        self._parts: dict[tuple[str, int], _Partition] = {}
-        self._generation = 0
-        self._stash: dict[tuple[str, int, int], Envelope] = {}
-        self._record_gen: dict[tuple[str, int, int], int] = {}
-        backoff_cap_s = max(settings.sink_backoff_max_s, MIN_BACKOFF_S)
-        self._backoff = Backoff(base_s=min(0.5, backoff_cap_s), cap_s=backoff_cap_s)
-        self._next_probe = 0.0
-        self._successes = 0
-        self._paused = False
-        self._paused_tps: set[tuple[str, int]] = set()
+        self.core = make_core(settings)
+        self.kafka_events = KafkaClientEvents(
+            "sink-consumer", count=lambda code: self.metrics.kafka_errors.labels(code).inc()
+        )
+        self._worker: KafkaWorker | None = None
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._last_commit = 0.0
-        self._consumer: Consumer | None = None
+        self._park_error: str | None = None
+        self._reported: tuple[Circuit, str, bool] | None = None
+        self._parked_log = RepeatLog(log, "parked")
         self.delivered_count = 0
         self.parked_count = 0
 
@@ -197,305 +239,231 @@ class Sink:
         self._wake.set()
 
     async def run(self) -> None:
-        consumer = Consumer(consumer_config(self.settings))
-        self._consumer = consumer
-        consumer.subscribe(
+        loop = asyncio.get_running_loop()
+        worker = KafkaWorker(
+            consumer_config(self.settings),
             subscription(self.settings),
-            on_assign=self._on_assign,
-            on_revoke=self._on_revoke,
-            on_lost=self._on_revoke,
+            loop=loop,
+            side=self,
+            events=self.kafka_events,
+            lag_gauge=self.metrics.lag,
         )
+        self._worker = worker.start()
         self._report()
-        lag_task = asyncio.create_task(self._lag_loop())
         try:
             while not self._stopping.is_set():
-                self.liveness.tick()
-                self._poll(consumer)
-                self._start_ready()
-                self._commit(consumer, force=False)
-                self._apply_pause(consumer)
-                await self._idle()
-            await self._drain()
-            self._commit(consumer, force=True)
+                if worker.done.done():
+                    worker.done.result()  # raises what ended the consumer thread
+                    raise RuntimeError("the Kafka consumer thread ended")
+                self._step()
+                await self._sleep()
+            await self._shutdown(worker)
         finally:
-            lag_task.cancel()
-            consumer.close()
+            self._parked_log.flush()
             self.liveness.set("stopped", ready=False)
 
-    async def _idle(self) -> None:
-        self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout=IDLE_WAIT_S)
-
-    async def _drain(self) -> None:
+    async def _shutdown(self, worker: KafkaWorker) -> None:
+        self.core.stop()
+        self._step()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=SHUTDOWN_WAIT_S)
+        self._step()
+        await worker.close(self.core.final_commits())
 
-    # -- Kafka -----------------------------------------------------------------
-    def _poll(self, consumer: Consumer) -> None:
-        busy = bool(self._tasks) or self._scheduler.queued > 0
-        msgs = consumer.consume(CONSUME_BATCH, 0 if busy else IDLE_WAIT_S)
-        for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                if err.code() != KafkaError._PARTITION_EOF:
-                    log.warning("consumer error: %s", err)
-                continue
-            self._take(Envelope.from_kafka(msg))
-
-    def _take(self, env: Envelope) -> None:
-        part = self._parts.get(env.topic_partition)
-        if part is None:  # not (or no longer) assigned: it will be consumed again
-            return
-        part.watermark.track(env.offset)
-        part.timestamps[env.offset] = env.timestamp_ms or int(time.time() * 1000)
-        self._record_gen[env.position] = part.generation
-        if env.position in self._stash or self._scheduler.state(env) is not RecordState.UNKNOWN:
-            self._stash[env.position] = env  # an orphan of an earlier assignment is in flight
-            return
-        self._scheduler.submit(env)
-
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        for tp in partitions:
-            self._generation += 1
-            self._parts[(tp.topic, tp.partition)] = _Partition(
-                self._generation, OffsetWatermark(), {}
-            )
-        self._report()
-        log.info("assigned %s", _names(partitions))
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        offsets = []
-        for tp in partitions:
-            part = self._parts.pop((tp.topic, tp.partition), None)
-            if part is None:
-                continue
-            if part.watermark.committable is not None:
-                offsets.append(TopicPartition(tp.topic, tp.partition, part.watermark.committable))
-            self._scheduler.drop_partition(tp.topic, tp.partition)
-            self._paused_tps.discard((tp.topic, tp.partition))
-        if offsets:
-            try:
-                consumer.commit(offsets=offsets, asynchronous=False)
-            except Exception as exc:  # the group moved on; the new owner redelivers
-                log.warning("commit on revoke failed: %s", exc)
-        self._report()
-        log.info("revoked %s", _names(partitions))
-
-    def _commit(self, consumer: Consumer, *, force: bool) -> None:
+    async def _sleep(self) -> None:
+        self._wake.clear()
         now = time.monotonic()
-        if not force and now - self._last_commit < COMMIT_INTERVAL_S:
-            return
-        self._last_commit = now
-        offsets = []
-        for (topic, partition), part in self._parts.items():
-            offset = part.watermark.take_committable()
-            if offset is not None:
-                offsets.append(TopicPartition(topic, partition, offset))
-        if offsets:
-            try:
-                if force:
-                    consumer.commit(offsets=offsets, asynchronous=False)
-                else:
-                    consumer.commit(offsets=offsets, asynchronous=True)
-            except Exception as exc:
-                log.warning("offset commit failed (will retry): %s", exc)
+        due = self.core.next_due()
+        timeout = GAUGE_REFRESH_S if due is None else min(max(due - now, 0.0), GAUGE_REFRESH_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=max(timeout, MIN_SLEEP_S))
 
-    def _apply_pause(self, consumer: Consumer) -> None:
-        """Pause every assigned partition while the circuit is open or the buffer is full.
+    def _step(self) -> None:
+        """Carry out what the core says now; refresh gauges and readiness."""
+        self.liveness.tick()
+        for action in self.core.actions(now=time.monotonic()):
+            self._carry_out(action)
+        self._gauges()
+        self._report()
+        self._parked_log.tick()
 
-        Partitions assigned while paused are paused here too (an assignment
-        becomes effective only after the rebalance callback returns).
-        """
-        want = self.circuit is not Circuit.CLOSED or self._scheduler.queued > MAX_BUFFERED
-        if not want and not self._paused:
-            return
-        assigned = consumer.assignment()
-        if want:
-            fresh = [tp for tp in assigned if (tp.topic, tp.partition) not in self._paused_tps]
-            if fresh:
-                consumer.pause(fresh)
-                self._paused_tps.update((tp.topic, tp.partition) for tp in fresh)
-        else:
-            consumer.resume(assigned)
-            self._paused_tps.clear()
-        self._paused = want
+    def _carry_out(self, action: core.Action) -> None:
+        worker = self._worker
+        assert worker is not None
+        if isinstance(action, Send):
+            self._spawn(self._send(action))
+        elif isinstance(action, Park):
+            self._spawn(self._park(action))
+        elif isinstance(action, Commit):
+            worker.commit(action.offsets)
+        elif isinstance(action, Pause):
+            worker.pause(action.partitions)
+        elif isinstance(action, Resume):
+            worker.resume(action.partitions)
 
-    # -- delivery --------------------------------------------------------------
-    def _start_ready(self) -> None:
-        if self.circuit is Circuit.OPEN:
-            if time.monotonic() < self._next_probe:
-                return
-            probe = self._scheduler.ready(limit=1)
-            if not probe:
-                return
-            self._set_circuit(Circuit.HALF_OPEN, self.circuit_reason)
-            self._spawn(probe[0])
-            return
-        if self.circuit is Circuit.HALF_OPEN:
-            return
-        for env in self._scheduler.ready():
-            self._spawn(env)
-
-    def _spawn(self, env: Envelope) -> None:
-        task = asyncio.create_task(self._deliver(env))
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
-        self.metrics.in_flight.set(self._scheduler.in_flight)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._wake.set()
         if not task.cancelled() and task.exception() is not None:
-            log.error("delivery task failed", exc_info=task.exception())
+            log.error("sink task failed", exc_info=task.exception())
 
-    async def _deliver(self, env: Envelope) -> None:
-        attempts = 0
-        while True:
-            successes_before = self._successes
-            started = time.perf_counter()
-            try:
-                await deliver(
-                    self.engine, event_type=env.event_type, payload=env.value, event_id=env.event_id
-                )
-            except Unroutable as exc:
-                await self._park(env, exc.reason, attempts)
-                return
-            except EngineUnavailable as exc:
-                if self._successes == successes_before or self.circuit is not Circuit.CLOSED:
-                    self._engine_down(env, exc)
-                    return
-                attempts += 1  # others succeed meanwhile: this record's own trouble
-                self.metrics.retried.labels("record").inc()
-                if attempts >= INLINE_ATTEMPTS:
-                    await self._park(
-                        env,
-                        f"failed {attempts} times while others succeeded: {exc.reason}",
-                        attempts,
-                    )
-                    return
-            except SinkError as exc:
-                attempts += 1
-                self.metrics.retried.labels("record").inc()
-                if attempts >= INLINE_ATTEMPTS:
-                    await self._park(env, exc.reason, attempts)
-                    return
-            else:
-                self._delivered(env, time.perf_counter() - started)
-                return
-            await asyncio.sleep(INLINE_BACKOFF_S * 2 ** (attempts - 1))
-
-    def _delivered(self, env: Envelope, elapsed_s: float) -> None:
-        self._successes += 1
-        self.delivered_count += 1
-        self.metrics.delivered.labels(env.event_type or "?").inc()
-        self.metrics.engine_latency.observe(elapsed_s)
-        if env.timestamp_ms:
-            self.metrics.end_to_end.observe(max(time.time() - env.timestamp_ms / 1000, 0.0))
-        if self.circuit is Circuit.HALF_OPEN:
-            log.info("engine is back (%s); resuming", self.circuit_reason)
-            self._backoff.reset()
-            self._set_circuit(Circuit.CLOSED, "")
-        self._settle(env)
-
-    def _engine_down(self, env: Envelope, exc: EngineUnavailable) -> None:
-        self._scheduler.release(env)
-        self._release_orphan(env)
-        self.metrics.retried.labels("engine").inc()
-        if self.circuit is Circuit.OPEN:
-            return
-        delay_s = self._backoff.next_delay_s(exc.retry_after_s)
-        self._next_probe = time.monotonic() + delay_s
-        if self.circuit is Circuit.CLOSED:
-            log.warning(
-                "engine unavailable (%s): pausing partitions, probing in %.1fs", exc.reason, delay_s
-            )
-        self._set_circuit(Circuit.OPEN, exc.reason)
-
-    def _set_circuit(self, state: Circuit, reason: str) -> None:
-        self.circuit = state
-        self.circuit_reason = reason
-        self.metrics.circuit.set(0 if state is Circuit.CLOSED else 1)
-        self._report()
+    # -- the Kafka side (called on the loop by the worker) ------------------------
+    def on_records(self, records: list[Envelope]) -> None:
+        now_ms = int(time.time() * 1000)
+        for record in records:
+            self.core.consumed(record, now_ms=now_ms)
         self._wake.set()
 
-    def _report(self) -> None:
-        """Readiness: ready unless the circuit is open; the text says what is assigned."""
-        if self.circuit is Circuit.CLOSED:
-            self.liveness.set(f"running ({len(self._parts)} partitions assigned)", ready=True)
-        else:
-            self.liveness.set(
-                f"engine unavailable: {self.circuit_reason}",
-                ready=self.circuit is Circuit.HALF_OPEN,
-            )
+    def on_assign(self, partitions: list[tuple[str, int]]) -> None:
+        self.core.assign(partitions)
+        self._wake.set()
 
-    async def _park(self, env: Envelope, reason: str, attempts: int) -> None:
-        sync_type = sync_type_for(env.event_type) or "UNROUTABLE"
+    def on_revoke(
+        self, partitions: list[tuple[str, int]], *, lost: bool
+    ) -> list[tuple[str, int, int]]:
+        final = self.core.revoke(partitions, lost=lost)
+        self._wake.set()
+        return final
+
+    def on_commit(self, results: list[tuple[str, int, int, bool]]) -> None:
+        for topic, partition, offset, ok in results:
+            if not ok:
+                self.metrics.commit_failures.inc()
+            self.core.commit_result(topic, partition, offset, ok=ok)
+        self._wake.set()
+
+    # -- deliveries and parks ---------------------------------------------------------
+    async def _send(self, send: Send) -> None:
+        record = send.record
+        started = time.perf_counter()
+        result = await self._deliver(record)
+        if result.kind is ResultKind.DELIVERED:
+            self._delivered(record, time.perf_counter() - started)
+        elif result.kind is ResultKind.UNAVAILABLE:
+            self.metrics.retried.labels("engine").inc()
+        elif result.kind is ResultKind.REJECTED:
+            self.metrics.retried.labels("record").inc()
+        self.core.sent(record, result, now=time.monotonic())
+
+    async def _deliver(self, record: Envelope) -> Result:
         try:
-            row = await self.lot.park(
-                ParkRequest(
-                    outbox_event_id=env.event_id,
-                    sync_type=str(sync_type),
-                    payload=env.value,
-                    reason=reason,
-                    topic=env.topic,
-                    partition=env.partition,
-                    offset=env.offset,
-                    key=env.key,
-                    headers=env.headers,
-                    retry_in_s=retry_delay_s(0, self.settings.retry_backoff_base_s),
-                )
+            await deliver(
+                self.engine,
+                event_type=record.event_type,
+                payload=record.value,
+                event_id=record.event_id,
             )
-        except Exception as exc:
-            # Cannot park: do not move the offset; treat as engine-wide trouble.
-            log.error("cannot park event %s (%s): %s", env.event_id, reason, exc)
-            self._engine_down(env, EngineUnavailable(f"parking lot unavailable: {exc}"))
+        except Unroutable as exc:
+            return Result(ResultKind.UNROUTABLE, exc.reason)
+        except EngineUnavailable as exc:
+            return Result(ResultKind.UNAVAILABLE, exc.reason, exc.retry_after_s)
+        except SinkError as exc:
+            return Result(ResultKind.REJECTED, exc.reason)
+        except Exception as exc:  # our own bug: spend nothing, keep the record
+            log.exception("delivery of event %s failed unexpectedly", record.event_id)
+            return Result(ResultKind.UNAVAILABLE, f"internal error: {type(exc).__name__}")
+        return core.DELIVERED
+
+    def _delivered(self, record: Envelope, elapsed_s: float) -> None:
+        self.delivered_count += 1
+        self.metrics.delivered.labels(record.event_type or "?").inc()
+        self.metrics.engine_latency.observe(elapsed_s)
+        if record.timestamp_ms:
+            self.metrics.end_to_end.observe(max(time.time() - record.timestamp_ms / 1000, 0.0))
+
+    async def _park(self, park: Park) -> None:
+        requests = [self._park_request(item) for item in park.items]
+        try:
+            await self.lot.park_many(requests)
+        except Exception as exc:  # the records stay unsettled; the core parks them again
+            self.metrics.park_failures.inc()
+            self._park_error = f"parking lot unavailable: {type(exc).__name__}: {exc}"
+            log.error("cannot park %d events: %s", len(park.items), exc)
+            now = time.monotonic()
+            for item in park.items:
+                self.core.park_failed(item.record, now=now)
             return
-        log.warning(
-            "event %s parked as failed_sync_events #%d after %d attempts: %s",
-            env.event_id or env.position,
-            row,
-            attempts,
-            reason,
+        self._park_error = None
+        for item, request in zip(park.items, requests, strict=True):
+            self.parked_count += 1
+            self.metrics.parked.labels(request.sync_type).inc()
+            self._parked_log.event(
+                item.record.event_type or "?",
+                "event %s of type %r parked after %d attempts: %s",
+                item.record.event_id or item.record.position,
+                item.record.event_type,
+                item.attempts,
+                item.reason,
+                extra={
+                    "event_id": item.record.event_id,
+                    "topic": item.record.topic,
+                    "partition": item.record.partition,
+                    "offset": item.record.offset,
+                },
+            )
+            self.core.parked(item.record)
+
+    def _park_request(self, item: ParkItem) -> ParkRequest:
+        record = item.record
+        sync_type = sync_type_for(record.event_type) or "UNROUTABLE"
+        return ParkRequest(
+            outbox_event_id=record.event_id,
+            sync_type=str(sync_type),
+            payload=record.value,
+            reason=item.reason,
+            topic=record.topic,
+            partition=record.partition,
+            offset=record.offset,
+            key=record.key,
+            headers=record.headers,
+            retry_in_s=retry_delay_s(item.attempts, self.settings.retry_backoff_base_s),
+            attempts=item.attempts,
         )
-        self.parked_count += 1
-        self.metrics.parked.labels(str(sync_type)).inc()
-        self._settle(env)
 
-    def _settle(self, env: Envelope) -> None:
-        """Delivered or parked: free the key's lane and let the watermark move."""
-        self._scheduler.finish(env)
-        gen = self._record_gen.pop(env.position, None)
-        part = self._parts.get(env.topic_partition)
-        if part is not None and gen == part.generation:
-            part.watermark.done(env.offset)
-            part.timestamps.pop(env.offset, None)
-        self._release_orphan(env)
-        self.metrics.in_flight.set(self._scheduler.in_flight)
-        self._wake.set()
-
-    def _release_orphan(self, env: Envelope) -> None:
-        stashed = self._stash.pop(env.position, None)
-        if stashed is not None and self._scheduler.state(stashed) is RecordState.UNKNOWN:
-            self._scheduler.submit(stashed)
-        elif stashed is not None:
-            self._stash[env.position] = stashed
-
-    # -- gauges ----------------------------------------------------------------
-    async def _lag_loop(self) -> None:
-        while True:
-            await asyncio.sleep(LAG_REFRESH_S)
-            self.metrics.oldest_age.set(self.oldest_unprocessed_age_s())
+    # -- gauges and readiness ----------------------------------------------------------
+    def _gauges(self) -> None:
+        self.metrics.in_flight.set(self.core.sending)
+        self.metrics.held.set(self.core.held)
+        self.metrics.tracked.set(self.core.footprint())
+        self.metrics.paused.set(len(self.core.paused))
+        self.metrics.circuit.set(0 if self.core.circuit is Circuit.CLOSED else 1)
+        self.metrics.oldest_age.set(self.oldest_unprocessed_age_s())
 
     def oldest_unprocessed_age_s(self) -> float:
-        oldest: int | None = None
-        for part in self._parts.values():
-            offset = part.watermark.oldest_pending
-            if offset is not None and offset in part.timestamps:
-                ts = part.timestamps[offset]
-                oldest = ts if oldest is None else min(oldest, ts)
+        oldest = self.core.oldest_pending_timestamp_ms()
         return 0.0 if oldest is None else max(time.time() - oldest / 1000, 0.0)
 
+    def _report(self) -> None:
+        """Readiness, and one log line per change of the circuit or the parking lot."""
+        circuit, reason = self.core.circuit, self.core.circuit_reason
+        state = (circuit, reason, self._park_error is None)
+        if state == self._reported:
+            return
+        previous = self._reported
+        self._reported = state
+        if circuit is not Circuit.CLOSED:
+            self.liveness.set(f"engine unavailable ({circuit.value}): {reason}", ready=False)
+        elif self._park_error is not None:
+            self.liveness.set(self._park_error, ready=False)
+        else:
+            self.liveness.set("running", ready=True)
+        self._log_change(previous, state)
 
-def _names(partitions: list[TopicPartition]) -> str:
-    return ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions) or "nothing"
+    def _log_change(
+        self, previous: tuple[Circuit, str, bool] | None, state: tuple[Circuit, str, bool]
+    ) -> None:
+        circuit, reason, _ = state
+        extra = {"state": circuit.value}
+        if previous is None or (previous[0] is circuit and previous[1] == reason):
+            return
+        if circuit is Circuit.OPEN and previous[0] is Circuit.CLOSED:
+            log.warning("engine unavailable (%s): pausing partitions, probing", reason, extra=extra)
+        elif circuit is Circuit.OPEN and previous[1] != reason:
+            log.warning("engine still unavailable, now: %s", reason, extra=extra)
+        elif circuit is Circuit.CLOSED and previous[0] is not Circuit.CLOSED:
+            log.info("engine is back (was: %s); resuming", previous[1], extra=extra)

@@ -373,10 +373,15 @@ class SinkCore:
         if not self._stopping:
             waits = [f for f in self._flights.values() if f.phase in _TIMED]
             times += [f.due for f in waits if f.phase is Phase.PARK_WAIT]
+            retries = [f.due for f in waits if f.phase is Phase.RETRY_WAIT]
             if self.circuit is Circuit.CLOSED:
-                times += [f.due for f in waits if f.phase is Phase.RETRY_WAIT]
-            elif self.circuit is Circuit.OPEN and (self._scheduler.queued or waits):
-                times.append(self._next_probe_at)
+                times += retries
+            elif self.circuit is Circuit.OPEN:
+                # The probe goes when it is due *and* a record can go: the first
+                # retry to come due, or now if a lane can start a record.
+                if self._scheduler.can_start():
+                    times.append(self._next_probe_at)
+                times += [max(due, self._next_probe_at) for due in retries]
         return min(times) if times else None
 
     def final_commits(self) -> list[tuple[str, int, int]]:
@@ -426,6 +431,11 @@ class SinkCore:
     def held_positions(self) -> set[Position]:
         """Every position the core holds (queued or taken out) - the bounded-state check."""
         return self._scheduler.queued_positions() | set(self._flights)
+
+    def footprint(self) -> int:
+        """Entries kept across every per-record container: bounded by what is assigned."""
+        per_partition = sum(len(p.timestamps) + p.watermark.held for p in self._parts.values())
+        return self._scheduler.pending + len(self._flights) + len(self._park_queue) + per_partition
 
     def orphan_positions(self) -> set[Position]:
         """Taken-out records of partitions no longer assigned (their I/O is out)."""

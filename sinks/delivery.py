@@ -298,6 +298,12 @@ class KeyScheduler:
             self._make_runnable(lane)
         return False
 
+    def can_start(self) -> bool:
+        """True when :meth:`ready` would hand out a record now."""
+        if len(self._in_flight) >= self._max_in_flight:
+            return False
+        return any(self._lanes.get(lane) and lane not in self._busy for lane in self._runnable)
+
     def queued_positions(self) -> set[Position]:
         """Positions of the queued records (a copy)."""
         return set(self._queued)

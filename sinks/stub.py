@@ -25,6 +25,7 @@ Control API (JSON; never behind the API key)::
     GET    /healthz                       {"status": "ok"}
     GET    /_stub/applied                 ?user_id= &path= &event_id= &since=<seq> &limit=
     GET    /_stub/stats                   counters: applied, duplicates, rejected, by status ...
+    GET    /_stub/requests                requests received per Idempotency-Key (any answer)
     POST   /_stub/reset                   forget applied events, keys, users, counters
     GET    /_stub/faults                  active faults
     POST   /_stub/faults                  add a fault instruction (object or list of objects)
@@ -286,6 +287,7 @@ class StubEngine:
         self._by_path: Counter[str] = Counter()
         self._by_status: Counter[int] = Counter()
         self._counts: Counter[str] = Counter()
+        self._by_key: Counter[str] = Counter()
 
     def handle(self, path: str, headers: Mapping[bytes, bytes], body: bytes) -> Reply:
         """Answer one engine request (after the latency); counts it."""
@@ -301,6 +303,7 @@ class StubEngine:
         if self._api_key and not hmac.compare_digest(presented, self._api_key):
             return json_reply(401, {"error": "unauthorized"})
         event_id = headers.get(b"idempotency-key", b"").decode("latin-1")
+        self._by_key[event_id] += 1
         rule = self.faults.take(path, event_id)
         if rule is None:
             return self._apply(path, event_id, body)
@@ -364,6 +367,10 @@ class StubEngine:
             "users": len(self._users),
             "items": selected,
         }
+
+    def requests_view(self) -> dict[str, Any]:
+        """``GET /_stub/requests``: authenticated requests per Idempotency-Key, any answer."""
+        return {"by_key": dict(self._by_key)}
 
     def stats_view(self) -> dict[str, Any]:
         """``GET /_stub/stats``: counters since start or the last reset."""
@@ -477,6 +484,7 @@ class StubApp:
             ("GET", "/healthz"): lambda _q, _b: json_reply(200, {"status": "ok"}),
             ("GET", "/_stub/applied"): self._get_applied,
             ("GET", "/_stub/stats"): self._get_stats,
+            ("GET", "/_stub/requests"): self._get_requests,
             ("POST", "/_stub/reset"): self._post_reset,
             ("GET", "/_stub/faults"): self._get_faults,
             ("POST", "/_stub/faults"): self._post_faults,
@@ -533,6 +541,9 @@ class StubApp:
         stats = self.engine.stats_view()
         stats["refusing_connections"] = self.listener is not None and self.listener.refusing
         return json_reply(200, stats)
+
+    def _get_requests(self, _query: Mapping[str, str], _body: bytes) -> Reply:
+        return json_reply(200, self.engine.requests_view())
 
     def _post_reset(self, _query: Mapping[str, str], _body: bytes) -> Reply:
         self.engine.reset()
@@ -778,6 +789,11 @@ class StubServer:
     def stats(self) -> dict[str, Any]:
         """``GET /_stub/stats``."""
         result: dict[str, Any] = self.control("GET", "/_stub/stats")
+        return result
+
+    def requests(self) -> dict[str, int]:
+        """``GET /_stub/requests``: requests received per Idempotency-Key."""
+        result: dict[str, int] = self.control("GET", "/_stub/requests")["by_key"]
         return result
 
     def reset(self) -> None:

@@ -157,14 +157,14 @@ def start_relay(
     return proc, port
 
 
-def wait_for_ready(proc: Proc, port: int, timeout_s: float = 60.0) -> None:
+def wait_for_ready(proc: Proc, port: int, timeout_s: float = 60.0, path: str = "/readyz") -> None:
     def ready() -> bool:
         if not proc.alive():
             raise AssertionError(f"process exited early:\n{proc.log_tail()}")
-        return http_status(f"http://127.0.0.1:{port}/readyz") == 200
+        return http_status(f"http://127.0.0.1:{port}{path}") == 200
 
     try:
-        wait_until(ready, timeout_s, "readyz")
+        wait_until(ready, timeout_s, path)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{proc.log_tail()}") from None
 
@@ -261,10 +261,16 @@ class SinkConfig:
         return env
 
 
-def start_sink(cfg: SinkConfig, tmp: Path, *, name: str = "sink") -> tuple[Proc, int]:
+def start_sink(
+    cfg: SinkConfig, tmp: Path, *, name: str = "sink", wait_ready: bool = True
+) -> tuple[Proc, int]:
+    """Start a sink; wait until /readyz (or, ``wait_ready=False``, /healthz) answers 200.
+
+    A sink started while the engine is down may never be ready: wait for it alive.
+    """
     port = free_port()
     proc = Proc(["sink"], cfg.env(port), tmp / f"{name}.log").start()
-    wait_for_ready(proc, port)
+    wait_for_ready(proc, port, path="/readyz" if wait_ready else "/healthz")
     return proc, port
 
 

@@ -109,6 +109,16 @@ class StubProc:
         result: dict[str, Any] = self.get("/_stub/stats")
         return result
 
+    def post(self, endpoint: str, body: object) -> Any:
+        request = urllib.request.Request(
+            self.url + endpoint,
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return json.loads(resp.read())
+
     def applied_items(self, *, since: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
         query = f"?since={since}" + (f"&limit={limit}" if limit is not None else "")
         items: list[dict[str, Any]] = self.get("/_stub/applied" + query)["items"]

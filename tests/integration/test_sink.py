@@ -12,7 +12,6 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,41 +25,13 @@ from tests.harness import (
     Proc,
     RelayConfig,
     SinkConfig,
-    drop_slot,
     free_port,
-    start_relay,
     start_sink,
     wait_until,
 )
+from tests.integration.conftest import API_KEY
 
 pytestmark = pytest.mark.integration
-
-API_KEY = "test-key"
-
-
-@pytest.fixture
-def stub() -> Iterator[StubServer]:
-    with StubServer(api_key=API_KEY) as server:
-        yield server
-
-
-@pytest.fixture
-def relay_cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
-    config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=4)
-    yield config
-    drop_slot(db_dsn, config.slot)
-
-
-@pytest.fixture
-def relay(relay_cfg: RelayConfig, tmp_path: Path) -> Iterator[Proc]:
-    proc, _ = start_relay(relay_cfg, tmp_path)
-    yield proc
-    proc.close()
-
-
-@pytest.fixture
-def sink_cfg(relay_cfg: RelayConfig, stub: StubServer) -> SinkConfig:
-    return SinkConfig(relay=relay_cfg, engine_url=stub.url, api_key=API_KEY)
 
 
 def _users(dsn: str, n: int) -> list[tuple[str, str]]:
@@ -73,12 +44,17 @@ def _users(dsn: str, n: int) -> list[tuple[str, str]]:
     return out
 
 
-def _attempts(dsn: str, users: list[str], per_user: int, *, per_tx: int = 50) -> list[dict]:
-    """Quiz attempt events, ``per_user`` for each user, interleaved across users."""
+def _attempts(
+    dsn: str, users: list[str], per_user: int, *, per_tx: int = 50, first_score: int = 0
+) -> list[dict]:
+    """Quiz attempt events, ``per_user`` for each user, interleaved across users.
+
+    Each user's scores count up from ``first_score``: the order the engine must keep.
+    """
     events = []
     with psycopg.connect(dsn) as conn:
         batch: list[OutboxEvent] = []
-        for seq in range(per_user):
+        for seq in range(first_score, first_score + per_user):
             for user in users:
                 payload = {
                     "attempt_id": str(uuid.uuid4()),
@@ -132,7 +108,24 @@ def _wait_applied(stub: StubServer, ids: set[str], timeout_s: float, sink: Proc)
         wait_until(done, timeout_s, f"{len(ids)} events applied", interval_s=0.5)
     except AssertionError as exc:
         missing = len(ids - set(_applied_ids(stub)))
-        raise AssertionError(f"{exc}; {missing} missing\n{sink.log_tail()}") from None
+        raise AssertionError(
+            f"{exc}; {missing} missing\n{_sink_gauges(sink)}\n{sink.log_tail()}"
+        ) from None
+
+
+def _sink_gauges(sink: Proc) -> str:
+    """The sink's own gauges (held, in flight, paused, circuit, lag): why it is stuck."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{sink.env['SINK_HTTP_PORT']}/metrics").text
+    except httpx.HTTPError as exc:
+        return f"(no metrics: {exc})"
+    return "\n".join(
+        line
+        for line in text.splitlines()
+        if line.startswith("outbox_sink_")
+        and not line.startswith("outbox_sink_engine_seconds")
+        and "_bucket" not in line
+    )
 
 
 def _parked(dsn: str, event_ids: list[str]) -> list[tuple]:  # type: ignore[type-arg]

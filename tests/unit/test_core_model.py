@@ -268,6 +268,8 @@ class SinkCoreModel(RuleBasedStateMachine):
                 self.paused.update(action.partitions)
             elif isinstance(action, Resume):
                 self.paused.difference_update(action.partitions)
+        due = self.core.next_due()
+        assert due is None or due > self.now, f"work due at {due} left undone at {self.now}"
 
     def check_send(self, send: Send, circuit_before: Circuit) -> None:
         record = send.record

@@ -1,0 +1,333 @@
+"""The sink's Kafka consumer, on a thread of its own: the event loop never waits on Kafka.
+
+Guarantees:
+
+* every call on the confluent-kafka ``Consumer`` happens on this thread -
+  ``consume``, ``pause``/``resume``, ``commit``, watermark and committed-offset
+  queries, ``close`` - so deliveries, the admin API and the scheduler on the
+  asyncio loop are never blocked by a broker that is slow or away;
+* what happens on the Kafka side reaches the loop as calls scheduled with
+  ``call_soon_threadsafe``, in the order it happened: records, assignments,
+  revocations, commit results;
+* a revocation is answered by the loop (its final offsets) before the
+  rebalance callback returns, and those offsets are committed synchronously
+  here - the partitions' next owner starts after what this member settled;
+  a lost assignment commits nothing;
+* the loop talks back through :meth:`KafkaWorker.command` (pause, resume,
+  commit, close), a queue this thread drains between ``consume`` calls;
+* librdkafka's errors and log lines go through :class:`cdc.kafkalog.KafkaClientEvents`;
+  a fatal consumer error ends the thread with :class:`KafkaFatalError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from prometheus_client import Gauge
+
+from cdc.kafkalog import KafkaClientEvents
+from sinks.delivery import Envelope
+from sinks.errors import SinkError
+
+log = logging.getLogger(__name__)
+
+#: Records fetched per consume() call.
+CONSUME_BATCH = 1_000
+#: Longest one consume() call waits for records: how soon a command is served.
+POLL_S = 0.05
+#: Longest a rebalance callback waits for the loop's answer (a dead loop: give up).
+LOOP_ANSWER_TIMEOUT_S = 10.0
+#: The consumer-lag gauge is refreshed this often (two broker requests per partition).
+LAG_REFRESH_S = 5.0
+#: Broker requests of the lag refresh give up after this.
+LAG_QUERY_TIMEOUT_S = 2.0
+
+TP = tuple[str, int]
+Offsets = Sequence[tuple[str, int, int]]
+
+
+class KafkaFatalError(SinkError):
+    """librdkafka reported a fatal consumer error: the process must restart its consumer."""
+
+
+class LoopSide(Protocol):
+    """What the worker calls on the event loop (each call runs there, in order)."""
+
+    def on_records(self, records: list[Envelope]) -> None: ...
+    def on_assign(self, partitions: list[TP]) -> None: ...
+    def on_revoke(self, partitions: list[TP], *, lost: bool) -> list[tuple[str, int, int]]: ...
+    def on_commit(self, results: list[tuple[str, int, int, bool]]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Pause:
+    partitions: tuple[TP, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Resume:
+    partitions: tuple[TP, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    offsets: tuple[tuple[str, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Close:
+    final: tuple[tuple[str, int, int], ...]
+
+
+_Command = _Pause | _Resume | _Commit | _Close
+
+
+class KafkaWorker:
+    """See the module docstring. ``start()``, then ``command(...)``; ``close()`` ends it."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        topics: list[str],
+        *,
+        loop: asyncio.AbstractEventLoop,
+        side: LoopSide,
+        events: KafkaClientEvents,
+        lag_gauge: Gauge | None = None,
+    ) -> None:
+        self._config = {**config, **events.config(), "on_commit": self._on_commit}
+        self._topics = topics
+        self._loop = loop
+        self._side = side
+        self._events = events
+        self._lag_gauge = lag_gauge
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._done: asyncio.Future[None] = loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="kafka-consumer", daemon=True)
+        self._consumer: Consumer | None = None
+        self._closing = False
+
+    def start(self) -> KafkaWorker:
+        self._thread.start()
+        return self
+
+    @property
+    def done(self) -> asyncio.Future[None]:
+        """Resolves when the thread ended (with :class:`KafkaFatalError` on a fatal error)."""
+        return self._done
+
+    def pause(self, partitions: tuple[TP, ...]) -> None:
+        self._commands.put(_Pause(partitions))
+
+    def resume(self, partitions: tuple[TP, ...]) -> None:
+        self._commands.put(_Resume(partitions))
+
+    def commit(self, offsets: tuple[tuple[str, int, int], ...]) -> None:
+        self._commands.put(_Commit(offsets))
+
+    async def close(self, final: Offsets) -> None:
+        """Commit ``final`` synchronously, leave the group, end the thread; await it."""
+        self._commands.put(_Close(tuple(final)))
+        await asyncio.shield(self._done)
+
+    # -- the thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        error: BaseException | None = None
+        try:
+            consumer = Consumer(self._config)
+            self._consumer = consumer
+            consumer.subscribe(
+                self._topics,
+                on_assign=self._on_assign,
+                on_revoke=self._on_revoke,
+                on_lost=self._on_lost,
+            )
+            self._loop_until_closed(consumer)
+        except BaseException as exc:  # reported on the loop, never lost with the thread
+            error = exc
+        finally:
+            self._post_done(error)
+
+    def _loop_until_closed(self, consumer: Consumer) -> None:
+        next_lag = time.monotonic() + LAG_REFRESH_S
+        while True:
+            close = self._serve_commands(consumer)
+            if close is not None:
+                self._close(consumer, close)
+                return
+            if self._events.fatal is not None:
+                raise KafkaFatalError(f"fatal consumer error: {self._events.fatal}")
+            records = self._consume(consumer)
+            if records:
+                self._post(self._side.on_records, records)
+            if time.monotonic() >= next_lag:
+                next_lag = time.monotonic() + LAG_REFRESH_S
+                self._refresh_lag(consumer)
+
+    def _consume(self, consumer: Consumer) -> list[Envelope]:
+        records = []
+        for msg in consumer.consume(CONSUME_BATCH, POLL_S):
+            err = msg.error()
+            if err is None:
+                records.append(Envelope.from_kafka(msg))
+            elif err.code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer error: %s", err, extra={"kafka_error": err.name()})
+        return records
+
+    def _serve_commands(self, consumer: Consumer) -> _Close | None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return None
+            if isinstance(command, _Close):
+                return command
+            self._serve(consumer, command)
+
+    def _serve(self, consumer: Consumer, command: _Command) -> None:
+        try:
+            if isinstance(command, _Pause):
+                consumer.pause(self._assigned(consumer, command.partitions))
+            elif isinstance(command, _Resume):
+                consumer.resume(self._assigned(consumer, command.partitions))
+            elif isinstance(command, _Commit):
+                self._commit_async(consumer, command.offsets)
+        except KafkaException as exc:
+            log.warning("consumer %s failed: %s", type(command).__name__.lstrip("_"), exc)
+
+    def _commit_async(self, consumer: Consumer, offsets: Offsets) -> None:
+        tps = [TopicPartition(t, p, o) for t, p, o in offsets]
+        try:
+            consumer.commit(offsets=tps, asynchronous=True)
+        except KafkaException as exc:  # e.g. not assigned any more: report each as failed
+            log.warning("offset commit failed (will retry): %s", exc)
+            self._post(self._side.on_commit, [(t, p, o, False) for t, p, o in offsets])
+
+    def _close(self, consumer: Consumer, close: _Close) -> None:
+        self._closing = True
+        self._commit_sync(consumer, close.final, what="final commit")
+        consumer.close()  # leaves the group; the revoke callback commits what is left
+
+    def _commit_sync(self, consumer: Consumer, offsets: Offsets, *, what: str) -> None:
+        if not offsets:
+            return
+        try:
+            consumer.commit(
+                offsets=[TopicPartition(t, p, o) for t, p, o in offsets], asynchronous=False
+            )
+            log.info("%s: %s", what, _names(offsets))
+        except KafkaException as exc:  # the group moved on; the next owner redelivers
+            log.warning("%s failed: %s", what, exc)
+
+    @staticmethod
+    def _assigned(consumer: Consumer, partitions: tuple[TP, ...]) -> list[TopicPartition]:
+        """The partitions still assigned (a revocation may have overtaken the command)."""
+        current = {(tp.topic, tp.partition) for tp in consumer.assignment()}
+        return [TopicPartition(t, p) for t, p in partitions if (t, p) in current]
+
+    def _refresh_lag(self, consumer: Consumer) -> None:
+        """``outbox_sink_consumer_lag``: end offset - committed (or the low watermark), summed."""
+        if self._lag_gauge is None:
+            return
+        assigned = consumer.assignment()
+        if not assigned:
+            self._lag_gauge.set(0)
+            return
+        try:
+            committed = consumer.committed(assigned, timeout=LAG_QUERY_TIMEOUT_S)
+            lag = 0
+            for tp in committed:
+                low, high = consumer.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=LAG_QUERY_TIMEOUT_S
+                )
+                start = tp.offset if tp.offset >= 0 else low
+                lag += max(0, high - max(start, low))
+        except KafkaException as exc:
+            log.debug("lag refresh failed: %s", exc)
+            return
+        self._lag_gauge.set(lag)
+
+    # -- callbacks (inside consume() and close(), on this thread) -----------------------
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        tps = [(tp.topic, tp.partition) for tp in partitions]
+        self._post(self._side.on_assign, tps)
+        log.info("assigned %s", _names(tps))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        tps = [(tp.topic, tp.partition) for tp in partitions]
+        final = self._ask(lambda: self._side.on_revoke(tps, lost=False))
+        self._commit_sync(consumer, final or [], what="commit on revoke")
+        log.info("revoked %s", _names(tps))
+
+    def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        tps = [(tp.topic, tp.partition) for tp in partitions]
+        self._ask(lambda: self._side.on_revoke(tps, lost=True))
+        log.warning("assignment lost (no commit possible): %s", _names(tps))
+
+    def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        results = []
+        for tp in partitions:
+            ok = err is None and tp.error is None
+            results.append((tp.topic, tp.partition, tp.offset, ok))
+            if not ok:
+                log.warning(
+                    "offset commit of %s[%d]@%d failed (will retry): %s",
+                    tp.topic,
+                    tp.partition,
+                    tp.offset,
+                    tp.error or err,
+                    extra={"topic": tp.topic, "partition": tp.partition, "offset": tp.offset},
+                )
+        self._post(self._side.on_commit, results)
+
+    # -- to the loop ----------------------------------------------------------------------
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _ask(self, fn: Callable[[], list[tuple[str, int, int]]]) -> list[tuple[str, int, int]]:
+        """Run ``fn`` on the loop and wait for its answer (rebalance callbacks only)."""
+        answer: concurrent.futures.Future[list[tuple[str, int, int]]] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                answer.set_result(fn())
+            except BaseException as exc:
+                answer.set_exception(exc)
+
+        self._post(run)
+        try:
+            return answer.result(timeout=LOOP_ANSWER_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            log.error("the event loop did not answer a rebalance in %ss", LOOP_ANSWER_TIMEOUT_S)
+            return []
+
+    def _post_done(self, error: BaseException | None) -> None:
+        def finish() -> None:
+            if self._done.done():
+                return
+            if error is None:
+                self._done.set_result(None)
+            else:
+                self._done.set_exception(error)
+
+        self._post(finish)
+
+
+def _names(partitions: Sequence[tuple[Any, ...]]) -> str:
+    """``topic[p]`` (or ``topic[p]@offset``) for each, for a log line."""
+    names = []
+    for item in partitions:
+        name = f"{item[0]}[{item[1]}]"
+        names.append(f"{name}@{item[2]}" if len(item) > 2 else name)
+    return ", ".join(names) or "nothing"
