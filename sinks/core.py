@@ -44,7 +44,9 @@ input, ignored types) are settled without ever becoming a probe.
 Partitions are paused while the circuit is not CLOSED and records wait (Kafka
 holds the backlog), while more than ``max_buffered`` records are held, and
 once stopping; with the circuit open and nothing queued they are resumed, so
-a record can arrive to serve as the next probe (no deadlock).
+a record can arrive to serve as the next probe (no deadlock). A newly assigned
+partition always gets an explicit Pause or Resume: the client may remember a
+pause from before the partition was revoked.
 """
 
 from __future__ import annotations
@@ -226,6 +228,7 @@ class SinkCore:
         self._flights: dict[Position, _Flight] = {}  # taken out of the queue, not settled
         self._park_queue: list[Position] = []  # PARK_QUEUED flights, in order
         self._paused: set[TopicPartition] = set()
+        self._unsynced: set[TopicPartition] = set()  # assigned since the last Pause/Resume
         self._successes = 0
         self._last_commit_at: float | None = None
         self._stopping = False
@@ -242,6 +245,7 @@ class SinkCore:
                 continue
             self._generation += 1
             self._parts[tp] = _Partition(self._generation)
+            self._unsynced.add(tp)
 
     def revoke(
         self, partitions: Iterable[TopicPartition], *, lost: bool = False
@@ -619,21 +623,23 @@ class SinkCore:
             or (self.circuit is not Circuit.CLOSED and self._scheduler.queued > 0)
             or buffered > self._max_buffered
         )
+        unsynced, self._unsynced = self._unsynced, set()
         if want:
             fresh = tuple(tp for tp in self._parts if tp not in self._paused)
             if fresh:
                 self._paused.update(fresh)
                 out.append(Pause(fresh))
-        elif self._paused:
-            resumed = tuple(sorted(self._paused))
+        elif self._paused or unsynced:
+            # A newly assigned partition is resumed explicitly: the client may
+            # still hold it paused from before it was revoked (librdkafka keeps
+            # a partition's pause across a revoke and a re-assign).
+            resumed = tuple(sorted(self._paused | (unsynced & set(self._parts))))
             self._paused.clear()
             out.append(Resume(resumed))
 
     def _due_commit(self, now: float) -> Commit | None:
-        if (
-            self._last_commit_at is not None
-            and now - self._last_commit_at < self._commit_interval_s
-        ):
+        last = self._last_commit_at
+        if last is not None and now < last + self._commit_interval_s:  # as next_due() says
             return None
         self._last_commit_at = now
         offsets = []

@@ -82,11 +82,23 @@ def test_outage_with_bad_input_on_the_same_keys_delivers_every_good_record_and_p
     sink, port = start_sink(sink_cfg, tmp_path)
     try:
         _wait_applied(stub, {e for _, e in _users(dsn, 5)}, 60, sink)
+        users = _users(dsn, 40)
+        user_ids = [u for u, _ in users]
+        _wait_applied(stub, {e for _, e in users}, 60, sink)
+        poison = [
+            OutboxEvent(
+                aggregate_type="user",
+                aggregate_id=u,
+                event_type="UserRegistered",
+                payload={"user_id": str(uuid.uuid4())},
+            )
+            for u in user_ids[25:35]
+        ]
+        for event in poison:  # the control API is down with the engine: set this first
+            stub.add_faults({"event_id": str(event.event_id), "status": 400, "times": -1})
         with ReadyzWatch(port) as watch:
             stub.add_faults({"refuse_connections_s": 15})
             outage_until = time.monotonic() + 15 - 0.5  # the stub's window ends first
-            users = _users(dsn, 40)
-            user_ids = [u for u, _ in users]
             before = _attempts(dsn, user_ids, per_user=3)
             # bad input on the same keys as good records, queued behind the outage
             unknown = _write(
@@ -113,24 +125,13 @@ def test_outage_with_bad_input_on_the_same_keys_delivers_every_good_record_and_p
                     for u in user_ids[15:25]
                 ],
             )
-            poison = [
-                OutboxEvent(
-                    aggregate_type="user",
-                    aggregate_id=u,
-                    event_type="UserRegistered",
-                    payload={"user_id": str(uuid.uuid4())},
-                )
-                for u in user_ids[25:35]
-            ]
-            for event in poison:
-                stub.add_faults({"event_id": str(event.event_id), "status": 400, "times": -1})
             poison_ids = _write(dsn, poison)
             after = _attempts(dsn, user_ids, per_user=3, first_score=3)
             good = {e for _, e in users} | {a["event_id"] for a in before + after}
             _wait_applied(stub, good, 180, sink)
             bad = set(unknown) | set(malformed) | set(poison_ids)
             wait_until(lambda: len(_parked(dsn, list(bad))) == len(bad), 60, "bad ones parked")
-            wait_until(lambda: httpx.get(watch.url).status_code == 200, 30, "ready again")
+            wait_until(lambda: watch.samples[-1][1] == 200, 30, "ready again")
             time.sleep(0.5)
     finally:
         sink.close()
