@@ -483,22 +483,75 @@ def _redelivery_failure(report: RedeliveryReport, key: str | None) -> str | None
 
 @click.group()
 def failed() -> None:
-    """The parking lot: list and retry."""
+    """The parking lot: list, retry, accept as skipped."""
+
+
+_STATUSES = ("FAILED", "PENDING", "DONE")
 
 
 @failed.command("list")
 @click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option(
+    "--type",
+    "event_type",
+    help="USER_SYNC, QUIZ_SYNC, UNROUTABLE, or a record type such as UserEmailChanged",
+)
+@click.option(
+    "--status",
+    "statuses",
+    type=click.Choice(_STATUSES),
+    multiple=True,
+    help="repeatable; default FAILED and PENDING",
+)
 @click.option("--json", "as_json", is_flag=True, help="the rows as JSON on stdout")
 @_guard
-def failed_list(limit: int, as_json: bool) -> None:
-    """The oldest FAILED/PENDING parked events (what the admin API lists)."""
+def failed_list(
+    limit: int, event_type: str | None, statuses: tuple[str, ...], as_json: bool
+) -> None:
+    """The oldest parked events (by default what the admin API lists: FAILED/PENDING)."""
     from sinks.ops import parked_events
 
-    rows = parked_events(load_settings("pg_dsn"), limit=limit)
+    rows = parked_events(
+        load_settings("pg_dsn"),
+        limit=limit,
+        statuses=statuses or ("FAILED", "PENDING"),
+        event_type=event_type,
+    )
     if as_json:
         _echo_json({"count": len(rows), "events": [r.as_json() for r in rows]})
         return
     _out().print(_parked_table(rows))
+
+
+@failed.command("accept")
+@click.option("--id", "ids", type=int, multiple=True, help="parked event id; repeatable")
+@click.option("--type", "event_type", help="every open row of this sync type or record type")
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+@click.option("--json", "as_json", is_flag=True, help="the ids marked DONE as JSON on stdout")
+@_guard
+def failed_accept(ids: tuple[int, ...], event_type: str | None, yes: bool, as_json: bool) -> None:
+    """Mark open parked events DONE without sending them ("accept as skipped").
+
+    For events nobody needs delivered, e.g. a type the engine has no use for;
+    the previous error stays in last_error. Rows being retried right now are
+    left alone.
+    """
+    from sinks.ops import accept_parked, count_acceptable
+
+    if not ids and not event_type:
+        raise click.UsageError("give --id N (repeatable) and/or --type T")
+    settings = load_settings("pg_dsn")
+    count = count_acceptable(settings, ids=list(ids) or None, event_type=event_type)
+    if count == 0:
+        _fail("no open parked event matches")
+    what = f"{count} open parked event(s)" + (f" of type {event_type}" if event_type else "")
+    if not yes and not click.confirm(f"mark {what} DONE without sending them?", err=True):
+        _fail("nothing changed")
+    accepted = accept_parked(settings, ids=list(ids) or None, event_type=event_type)
+    if as_json:
+        _echo_json({"accepted_count": len(accepted), "event_ids": accepted})
+    else:
+        _out().print(f"marked {len(accepted)} parked event(s) DONE (accepted as skipped)")
 
 
 def _parked_table(rows: Sequence[ParkedEvent]) -> Any:

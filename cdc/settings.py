@@ -42,6 +42,8 @@ ENV: dict[str, str] = {
     "sink_http_port": "SINK_HTTP_PORT",
     "sink_backoff_max_s": "SINK_BACKOFF_MAX_S",
     "sink_inline_attempts": "SINK_INLINE_ATTEMPTS",
+    "sink_routes": "SINK_ROUTES",
+    "sink_ignored_types": "SINK_IGNORED_TYPES",
     "engine_base_url": "ENGINE_BASE_URL",
     "internal_api_key": "INTERNAL_API_KEY",
     "engine_connect_timeout_s": "ENGINE_CONNECT_TIMEOUT_S",
@@ -102,6 +104,10 @@ class Settings:
     sink_backoff_max_s: float = 15.0
     #: Attempts a record the healthy engine rejects gets inline before it is parked.
     sink_inline_attempts: int = 3
+    #: More event types routed onto the engine's calls: ``Type=USER_SYNC,Other=QUIZ_SYNC``.
+    sink_routes: str = ""
+    #: Event types the sink skips on purpose: globs, ``Type`` or ``topic:Type``, comma-separated.
+    sink_ignored_types: str = ""
     engine_base_url: str = "http://localhost:8081"
     internal_api_key: str = field(default="", repr=False)
     engine_connect_timeout_s: float = 2.0

@@ -22,6 +22,7 @@ Transitions of one row (``t`` = now)::
     FAILED            --claim(C)----------------> PENDING, claimed_by=C, claimed_until=t+lease
     PENDING, expired  --claim(D)----------------> PENDING, claimed_by=D, claimed_until=t+lease
     PENDING(C)        --C: delivered------------> DONE
+    PENDING(C)        --C: skipped (now ignored)-> DONE
     PENDING(C)        --C: rejected-------------> FAILED, retry_count+1, next_retry_at=t+backoff
     PENDING(C)        --C: engine unavailable---> FAILED, next_retry_at=t+period (nothing spent)
     PENDING(C)        --D≠C: any outcome--------> unchanged (C's lease was taken over)
@@ -30,6 +31,11 @@ Transitions of one row (``t`` = now)::
 A scheduled claim needs the row due (``next_retry_at`` ≤ t) and below the
 attempt limit; an operator's claim (admin API, ``failed retry``) ignores both,
 but never takes a live lease either.
+
+An ``UNROUTABLE`` row (an event type without a route) cannot fare better on a
+retry until the routing changes: the scheduler leaves it alone while its
+``fingerprint`` - the routing configuration it was parked or last tried
+under - equals the current one. Every settle stamps the current fingerprint.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class AttemptResult(enum.Enum):
     DELIVERED = "delivered"  # 2xx: the row is DONE
     REJECTED = "rejected"  # the healthy engine refused it again: an attempt is spent
     UNAVAILABLE = "unavailable"  # engine-wide trouble: nothing is spent
+    SKIPPED = "skipped"  # the routing now ignores its type: the row is DONE, nothing sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,8 @@ class ClaimRow:
     next_retry_at: float | None = None
     claimed_by: str | None = None
     claimed_until: float | None = None
+    unroutable: bool = False  # parked because its type had no route
+    fingerprint: str | None = None  # the routing configuration it was last tried under
 
 
 def lease_live(row: ClaimRow, *, now: float) -> bool:
@@ -83,13 +92,24 @@ def lease_live(row: ClaimRow, *, now: float) -> bool:
 
 
 def claimable(
-    row: ClaimRow, *, now: float, scheduled: bool, max_attempts: int | None = None
+    row: ClaimRow,
+    *,
+    now: float,
+    scheduled: bool,
+    max_attempts: int | None = None,
+    fingerprint: str | None = None,
 ) -> bool:
-    """May a retrier claim ``row`` now? ``scheduled``: it must also be due and below the limit."""
+    """May a retrier claim ``row`` now?
+
+    ``scheduled``: it must also be due, below the limit and - if unroutable -
+    parked under another routing configuration than ``fingerprint``.
+    """
     if row.status is RowStatus.DONE or lease_live(row, now=now):
         return False
     if not scheduled:
         return True
+    if row.unroutable and row.fingerprint == fingerprint:
+        return False
     due = row.next_retry_at is None or row.next_retry_at <= now
     below = max_attempts is None or row.retry_count < max_attempts
     return due and below
@@ -108,12 +128,16 @@ def settle(
     now: float,
     backoff_base_s: float,
     period_s: float,
+    fingerprint: str | None = None,
 ) -> ClaimRow | None:
-    """The row after ``by``'s attempt ended with ``result``; ``None`` when ``by`` lost the lease."""
+    """The row after ``by``'s attempt ended with ``result``; ``None`` when ``by`` lost the lease.
+
+    ``fingerprint``: the routing configuration the attempt was made under.
+    """
     if row.status is not RowStatus.PENDING or row.claimed_by != by:
         return None
-    released = replace(row, claimed_by=None, claimed_until=None)
-    if result is AttemptResult.DELIVERED:
+    released = replace(row, claimed_by=None, claimed_until=None, fingerprint=fingerprint)
+    if result in (AttemptResult.DELIVERED, AttemptResult.SKIPPED):
         return replace(released, status=RowStatus.DONE, next_retry_at=None)
     if result is AttemptResult.REJECTED:
         spent = row.retry_count + 1

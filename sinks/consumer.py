@@ -29,6 +29,7 @@ import contextlib
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -56,10 +57,10 @@ from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError, Unroutable
 from sinks.kafka_worker import KafkaWorker
-from sinks.logs import RepeatLog
+from sinks.logs import BoundedLabels, RepeatLog
 from sinks.parking import ParkingLot, ParkRequest
 from sinks.retry import Backoff, retry_delay_s
-from sinks.routes import route_envelope, sync_type_for
+from sinks.routes import Routing
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,11 @@ SHUTDOWN_WAIT_S = 10.0
 GAUGE_REFRESH_S = 1.0
 #: The shortest sleep: a timer the core reports as due now never becomes a busy loop.
 MIN_SLEEP_S = 0.001
+#: Distinct event types named in the per-type metrics; the rest count as "other"
+#: (types come from other teams' producers: their number is not ours to bound).
+MAX_TYPE_LABELS = 50
+#: The parking lot's event_type of a record whose type has no route.
+UNROUTABLE = "UNROUTABLE"
 
 
 class SinkMetrics:
@@ -139,6 +145,18 @@ class SinkMetrics:
         self.paused = Gauge(
             "outbox_sink_paused_partitions", "Assigned partitions paused", registry=registry
         )
+        self.skipped = Counter(
+            "outbox_sink_skipped_total",
+            "Events skipped on purpose (SINK_IGNORED_TYPES), by type",
+            ["type"],
+            registry=registry,
+        )
+        self.unrouted = Counter(
+            "outbox_sink_unrouted_total",
+            "Events parked because their type has no route, by type",
+            ["type"],
+            registry=registry,
+        )
         self.kafka_errors = Counter(
             "outbox_sink_kafka_errors_total",
             "Errors librdkafka reported, by code",
@@ -148,6 +166,12 @@ class SinkMetrics:
         self.commit_failures = Counter(
             "outbox_sink_commit_failures_total",
             "Offset commits the broker refused (retried)",
+            registry=registry,
+        )
+        self.park_batch = Histogram(
+            "outbox_sink_park_batch_size",
+            "Records written to the parking lot per round-trip",
+            buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500),
             registry=registry,
         )
         self.park_failures = Counter(
@@ -180,16 +204,22 @@ def subscription(settings: Settings) -> list[str]:
     return [pattern if pattern.startswith("^") else f"^{pattern}"]
 
 
-def classify(record: Envelope) -> Verdict:
-    """The routing verdict: deliverable, or bad input to park at once (never sent)."""
-    try:
-        route_envelope(record)
-    except Unroutable as exc:
-        return Verdict(Route.PARK, exc.reason)
-    return Verdict(Route.DELIVER)
+def classifier(routing: Routing) -> Callable[[Envelope], Verdict]:
+    """The routing verdict of a record: skipped, deliverable, or bad input to park at once."""
+
+    def classify(record: Envelope) -> Verdict:
+        if routing.is_ignored(record.topic, record.event_type):
+            return Verdict(Route.IGNORE, "SINK_IGNORED_TYPES")
+        try:
+            routing.route_envelope(record)
+        except Unroutable as exc:
+            return Verdict(Route.PARK, exc.reason)
+        return Verdict(Route.DELIVER)
+
+    return classify
 
 
-def make_core(settings: Settings) -> SinkCore:
+def make_core(settings: Settings, routing: Routing) -> SinkCore:
     backoff_cap_s = max(settings.sink_backoff_max_s, MIN_BACKOFF_S)
     return SinkCore(
         max_in_flight=settings.sink_max_in_flight,
@@ -198,7 +228,7 @@ def make_core(settings: Settings) -> SinkCore:
         inline_backoff_s=INLINE_BACKOFF_S,
         backoff=Backoff(base_s=min(0.5, backoff_cap_s), cap_s=backoff_cap_s),
         commit_interval_s=COMMIT_INTERVAL_S,
-        classify=classify,
+        classify=classifier(routing),
     )
 
 
@@ -219,7 +249,8 @@ class Sink:
         self.lot = lot
         self.metrics = SinkMetrics(registry)
         self.liveness = liveness
-        self.core = make_core(settings)
+        self.routing = Routing.from_settings(settings)
+        self.core = make_core(settings, self.routing)
         self.kafka_events = KafkaClientEvents(
             "sink-consumer", count=lambda code: self.metrics.kafka_errors.labels(code).inc()
         )
@@ -230,6 +261,8 @@ class Sink:
         self._park_error: str | None = None
         self._reported: tuple[Circuit, str, bool] | None = None
         self._parked_log = RepeatLog(log, "parked")
+        self._skipped_types: set[str] = set()  # logged once each
+        self._type_labels = BoundedLabels(MAX_TYPE_LABELS)
         self.delivered_count = 0
         self.parked_count = 0
 
@@ -316,8 +349,22 @@ class Sink:
     def on_records(self, records: list[Envelope]) -> None:
         now_ms = int(time.time() * 1000)
         for record in records:
-            self.core.consumed(record, now_ms=now_ms)
+            verdict = self.core.consumed(record, now_ms=now_ms)
+            if verdict is not None and verdict.route is Route.IGNORE:
+                self._skipped(record)
         self._wake.set()
+
+    def _skipped(self, record: Envelope) -> None:
+        event_type = record.event_type
+        self.metrics.skipped.labels(self._type_labels.label(event_type)).inc()
+        if event_type not in self._skipped_types:
+            self._skipped_types.add(event_type)
+            log.info(
+                "skipping events of type %r (SINK_IGNORED_TYPES); counted in"
+                " outbox_sink_skipped_total, logged once",
+                event_type,
+                extra={"event_type": event_type, "topic": record.topic},
+            )
 
     def on_assign(self, partitions: list[tuple[str, int]]) -> None:
         self.core.assign(partitions)
@@ -357,6 +404,7 @@ class Sink:
                 event_type=record.event_type,
                 payload=record.value,
                 event_id=record.event_id,
+                routing=self.routing,
             )
         except Unroutable as exc:
             return Result(ResultKind.UNROUTABLE, exc.reason)
@@ -389,9 +437,13 @@ class Sink:
                 self.core.park_failed(item.record, now=now)
             return
         self._park_error = None
+        self.metrics.park_batch.observe(len(requests))
         for item, request in zip(park.items, requests, strict=True):
             self.parked_count += 1
             self.metrics.parked.labels(request.sync_type).inc()
+            if request.sync_type == UNROUTABLE:
+                label = self._type_labels.label(item.record.event_type)
+                self.metrics.unrouted.labels(label).inc()
             self._parked_log.event(
                 item.record.event_type or "?",
                 "event %s of type %r parked after %d attempts: %s",
@@ -410,7 +462,7 @@ class Sink:
 
     def _park_request(self, item: ParkItem) -> ParkRequest:
         record = item.record
-        sync_type = sync_type_for(record.event_type) or "UNROUTABLE"
+        sync_type = self.routing.sync_type_for(record.event_type) or UNROUTABLE
         return ParkRequest(
             outbox_event_id=record.event_id,
             sync_type=str(sync_type),
@@ -423,6 +475,7 @@ class Sink:
             headers=record.headers,
             retry_in_s=retry_delay_s(item.attempts, self.settings.retry_backoff_base_s),
             attempts=item.attempts,
+            routes_fingerprint=self.routing.fingerprint,
         )
 
     # -- gauges and readiness ----------------------------------------------------------

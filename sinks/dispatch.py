@@ -13,16 +13,24 @@ import logging
 
 from sinks.engine import EngineClient
 from sinks.errors import UserNotFound
-from sinks.routes import EngineCall, derived_user_sync_key, route
+from sinks.routes import CATALOG, EngineCall, Routing, derived_user_sync_key
 
 log = logging.getLogger(__name__)
 
 
 async def deliver(
-    engine: EngineClient, *, event_type: str, payload: bytes | None, event_id: str
+    engine: EngineClient,
+    *,
+    event_type: str,
+    payload: bytes | None,
+    event_id: str,
+    routing: Routing = CATALOG,
 ) -> EngineCall:
-    """Route and send one event; return the call that the engine accepted."""
-    call = route(event_type, payload)
+    """Route (``routing``: the catalog unless configured) and send one event.
+
+    Returns the call that the engine accepted.
+    """
+    call = routing.route(event_type, payload)
     try:
         await engine.send(call, event_id=event_id)
     except UserNotFound as exc:

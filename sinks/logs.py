@@ -1,4 +1,4 @@
-"""Log lines that stay readable under a flood: one line per kind, then counts.
+"""Logs and metric labels that stay bounded under a flood of events from outside.
 
 :class:`RepeatLog` writes the first event of each kind in full (a WARNING
 with its structured fields), then only counts the kind's events and writes one
@@ -6,6 +6,9 @@ summary line per :data:`SUMMARY_PERIOD_S` - "parked 12,345 events of type
 'UserEmailChanged' in the last 60 s" - so 300,000 events of one kind make a
 handful of lines, not 300,000. Every event is still counted in full by the
 caller's metrics and, for parked events, kept in the parking lot.
+
+:class:`BoundedLabels` keeps a metric's label set finite when its values come
+from other teams' data (event types).
 """
 
 from __future__ import annotations
@@ -83,3 +86,25 @@ class RepeatLog:
         )
         state.count = 0
         state.since = now
+
+
+class BoundedLabels:
+    """A metric label drawn from outside data, bounded: the first ``limit`` values, then "other".
+
+    Event types come from every producer of the outbox topics; a label per
+    type must not let them grow the number of series without end.
+    """
+
+    OTHER = "other"
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def label(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        if len(self._seen) < self._limit:
+            self._seen.add(value)
+            return value
+        return self.OTHER

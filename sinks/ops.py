@@ -1176,9 +1176,46 @@ def _redelivery(record: Envelope, outcome: Outcome, detail: str) -> Redelivery:
 # --- parking lot (sync faces of the async repository, for the CLI) -----------------------------
 
 
-def parked_events(settings: Settings, *, limit: int = 100) -> list[ParkedEvent]:
-    """The oldest ``limit`` FAILED/PENDING rows of the parking lot."""
-    return asyncio.run(_with_lot(settings, lambda lot: lot.list_open(limit)))
+def parked_events(
+    settings: Settings,
+    *,
+    limit: int = 100,
+    statuses: Sequence[str] = ("FAILED", "PENDING"),
+    event_type: str | None = None,
+) -> list[ParkedEvent]:
+    """The oldest ``limit`` rows of the parking lot in ``statuses``, of ``event_type`` if given."""
+    return asyncio.run(
+        _with_lot(
+            settings,
+            lambda lot: lot.list_rows(statuses=statuses, event_type=event_type, limit=limit),
+        )
+    )
+
+
+def count_acceptable(
+    settings: Settings, *, ids: Sequence[int] | None, event_type: str | None
+) -> int:
+    """How many open rows :func:`accept_parked` would mark DONE."""
+    return asyncio.run(
+        _with_lot(
+            settings,
+            lambda lot: lot.count_acceptable(ids=list(ids) if ids else None, event_type=event_type),
+        )
+    )
+
+
+def accept_parked(
+    settings: Settings, *, ids: Sequence[int] | None, event_type: str | None
+) -> list[int]:
+    """Mark open rows DONE without sending them ("accept as skipped"); the ids marked."""
+    if not ids and not event_type:
+        raise OpsUsageError("give parked event ids or an event type")
+    return asyncio.run(
+        _with_lot(
+            settings,
+            lambda lot: lot.accept(ids=list(ids) if ids else None, event_type=event_type),
+        )
+    )
 
 
 def parking_counts(settings: Settings) -> dict[str, int]:

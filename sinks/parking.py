@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -63,6 +64,7 @@ class ParkedEvent:
     kafka_headers: dict[str, str]
     claimed_by: str | None = None
     claimed_until: datetime | None = None
+    routes_fingerprint: str | None = None
 
     @property
     def type_header(self) -> str:
@@ -103,31 +105,37 @@ class ParkRequest:
     retry_in_s: float
     #: Attempts already spent on it (inline): the row's retry_count starts there.
     attempts: int = 0
+    #: The routing configuration it was parked under (see sinks.claims).
+    routes_fingerprint: str | None = None
 
 
 _COLUMNS = (
     "event_id, event_type, payload_json, status, retry_count, last_error, next_retry_at,"
     " created_at, updated_at, outbox_event_id::text AS outbox_event_id, kafka_topic,"
-    " kafka_partition, kafka_offset, kafka_key, kafka_headers, claimed_by, claimed_until"
+    " kafka_partition, kafka_offset, kafka_key, kafka_headers, claimed_by, claimed_until,"
+    " routes_fingerprint"
 )
 
 _PARK_SQL = """
 INSERT INTO failed_sync_events
     (event_type, payload_json, status, retry_count, last_error, next_retry_at,
-     outbox_event_id, kafka_topic, kafka_partition, kafka_offset, kafka_key, kafka_headers)
+     outbox_event_id, kafka_topic, kafka_partition, kafka_offset, kafka_key, kafka_headers,
+     routes_fingerprint)
 SELECT r.sync_type, r.payload, 'FAILED', r.attempts, r.reason,
        now() + make_interval(secs => r.retry_in_s),
-       r.outbox_event_id, r.topic, r.kafka_partition, r.kafka_offset, r.kafka_key, r.headers
+       r.outbox_event_id, r.topic, r.kafka_partition, r.kafka_offset, r.kafka_key, r.headers,
+       r.fingerprint
 FROM unnest(%(sync_type)s::text[], %(payload)s::text[], %(attempts)s::int[], %(reason)s::text[],
             %(retry_in_s)s::float8[], %(outbox_event_id)s::uuid[], %(topic)s::text[],
-            %(partition)s::int[], %(offset)s::bigint[], %(key)s::text[], %(headers)s::jsonb[])
+            %(partition)s::int[], %(offset)s::bigint[], %(key)s::text[], %(headers)s::jsonb[],
+            %(fingerprint)s::text[])
      AS r(sync_type, payload, attempts, reason, retry_in_s, outbox_event_id, topic,
-          kafka_partition, kafka_offset, kafka_key, headers)
+          kafka_partition, kafka_offset, kafka_key, headers, fingerprint)
 ON CONFLICT (outbox_event_id) DO UPDATE SET
     status = 'FAILED', last_error = EXCLUDED.last_error,
     retry_count = failed_sync_events.retry_count + EXCLUDED.retry_count,
     next_retry_at = EXCLUDED.next_retry_at, updated_at = now(),
-    claimed_by = NULL, claimed_until = NULL,
+    claimed_by = NULL, claimed_until = NULL, routes_fingerprint = EXCLUDED.routes_fingerprint,
     kafka_topic = EXCLUDED.kafka_topic, kafka_partition = EXCLUDED.kafka_partition,
     kafka_offset = EXCLUDED.kafka_offset
 RETURNING event_id
@@ -141,9 +149,30 @@ _CLAIMABLE = (
     "status <> 'DONE' AND NOT (status = 'PENDING' AND claimed_until IS NOT NULL"
     f" AND claimed_until > {_NOW})"
 )
+#: Rows not under a live lease (sinks.claims.lease_live, negated).
+_UNLEASED = f"NOT (status = 'PENDING' AND claimed_until IS NOT NULL AND claimed_until > {_NOW})"
+_OPEN = (RowStatus.FAILED, RowStatus.PENDING)
+#: Filters of list_rows / accept: statuses, a sync type or a type header, ids.
+_MATCHING = (
+    "status = ANY(%(statuses)s)"
+    " AND (%(type)s::text IS NULL OR event_type = %(type)s OR kafka_headers->>'type' = %(type)s)"
+    " AND (%(ids)s::bigint[] IS NULL OR event_id = ANY(%(ids)s))"
+)
+
+
+def _matching(
+    *, statuses: Sequence[str], event_type: str | None, ids: list[int] | None
+) -> dict[str, Any]:
+    return {"statuses": [str(s) for s in statuses], "type": event_type, "ids": ids}
+
+
 #: retry_count is an int4: no row reaches this.
 _NO_LIMIT = 2**31 - 1
-_DUE = f"(next_retry_at IS NULL OR next_retry_at <= {_NOW}) AND retry_count < %(max_attempts)s"
+_DUE = (
+    f"(next_retry_at IS NULL OR next_retry_at <= {_NOW}) AND retry_count < %(max_attempts)s"
+    " AND NOT (event_type = 'UNROUTABLE'"
+    " AND routes_fingerprint IS NOT DISTINCT FROM %(fingerprint)s)"
+)
 
 
 def _uuid_or_none(value: str | None) -> str | None:
@@ -215,18 +244,57 @@ class ParkingLot:
                     orjson.dumps({k: _text(v) for k, v in r.headers.items()}).decode()
                     for r in batch
                 ],
+                "fingerprint": [r.routes_fingerprint for r in batch],
             },
         )
         return [int(r["event_id"]) for r in rows]
 
     async def list_open(self, limit: int = 100) -> list[ParkedEvent]:
         """The oldest ``limit`` FAILED/PENDING rows."""
+        return await self.list_rows(limit=limit)
+
+    async def list_rows(
+        self,
+        *,
+        statuses: Sequence[str] = (RowStatus.FAILED, RowStatus.PENDING),
+        event_type: str | None = None,
+        limit: int = 100,
+    ) -> list[ParkedEvent]:
+        """The oldest ``limit`` rows in ``statuses``, of ``event_type`` if given.
+
+        ``event_type`` matches the row's sync type (``USER_SYNC``, ``UNROUTABLE``
+        ...) or the record's ``type`` header (``UserEmailChanged``).
+        """
         rows = await self._fetch(
-            f"SELECT {_COLUMNS} FROM failed_sync_events WHERE status IN ('FAILED', 'PENDING')"  # noqa: S608
-            " ORDER BY event_id LIMIT %s",
-            (limit,),
+            f"SELECT {_COLUMNS} FROM failed_sync_events WHERE {_MATCHING}"  # noqa: S608
+            " ORDER BY event_id LIMIT %(limit)s",
+            _matching(statuses=statuses, event_type=event_type, ids=None) | {"limit": limit},
         )
         return [_row(r) for r in rows]
+
+    async def count_acceptable(self, *, ids: list[int] | None, event_type: str | None) -> int:
+        """Rows :meth:`accept` would mark DONE now."""
+        rows = await self._fetch(
+            f"SELECT count(*) AS n FROM failed_sync_events WHERE {_MATCHING} AND {_UNLEASED}",  # noqa: S608
+            _matching(statuses=_OPEN, event_type=event_type, ids=ids) | {"now": None},
+        )
+        return int(rows[0]["n"])
+
+    async def accept(self, *, ids: list[int] | None, event_type: str | None) -> list[int]:
+        """Mark open rows DONE without sending them ("accept as skipped"); their ids.
+
+        An operator's decision, recorded in ``last_error``; a row under a live
+        lease (being retried right now) is left alone.
+        """
+        rows = await self._fetch(
+            "UPDATE failed_sync_events SET status = 'DONE', next_retry_at = NULL,"  # noqa: S608
+            " last_error = left('accepted as skipped by an operator; was: '"
+            " || coalesce(last_error, ''), 4000),"
+            " claimed_by = NULL, claimed_until = NULL, updated_at = now()"
+            f" WHERE {_MATCHING} AND {_UNLEASED} RETURNING event_id",
+            _matching(statuses=_OPEN, event_type=event_type, ids=ids) | {"now": None},
+        )
+        return sorted(int(r["event_id"]) for r in rows)
 
     async def get(self, ids: list[int]) -> list[ParkedEvent]:
         rows = await self._fetch(
@@ -242,14 +310,16 @@ class ParkingLot:
         by: str,
         scheduled: bool,
         max_attempts: int | None = None,
+        fingerprint: str | None = None,
         after_id: int = 0,
         lease_s: float = CLAIM_LEASE_S,
         now: datetime | None = None,
     ) -> ParkedEvent | None:
         """Lease the oldest claimable row after ``after_id``.
 
-        ``scheduled``: only a due row below ``max_attempts`` (an operator's
-        retry_all takes any row without a live lease).
+        ``scheduled``: only a due row below ``max_attempts``, and an UNROUTABLE
+        one only if parked under another routing than ``fingerprint`` (an
+        operator's retry_all takes any row without a live lease).
         """
         where = f"{_CLAIMABLE} AND event_id > %(after)s"
         if scheduled:
@@ -301,15 +371,19 @@ class ParkingLot:
         error: str | None,
         backoff_base_s: float,
         period_s: float,
+        fingerprint: str | None = None,
         now: datetime | None = None,
     ) -> bool:
         """Record ``by``'s attempt on ``row`` (:func:`sinks.claims.settle`).
 
         False when ``by`` no longer holds the lease: the attempt is not counted.
         """
-        params: dict[str, Any] = {"id": row.event_id, "by": by, "now": now}
+        params: dict[str, Any] = {"id": row.event_id, "by": by, "now": now, "fp": fingerprint}
         if result is AttemptResult.DELIVERED:
             sets = "status = 'DONE', last_error = NULL, next_retry_at = NULL"
+        elif result is AttemptResult.SKIPPED:
+            sets = "status = 'DONE', last_error = %(error)s, next_retry_at = NULL"
+            params["error"] = (error or "")[:4000]
         elif result is AttemptResult.REJECTED:
             sets = (
                 "status = 'FAILED', retry_count = retry_count + 1, last_error = %(error)s,"
@@ -322,7 +396,7 @@ class ParkingLot:
             params["delay_s"] = period_s
         rows = await self._fetch(
             f"UPDATE failed_sync_events SET {sets}, claimed_by = NULL, claimed_until = NULL,"  # noqa: S608
-            " updated_at = now()"
+            " routes_fingerprint = %(fp)s, updated_at = now()"
             " WHERE event_id = %(id)s AND status = 'PENDING' AND claimed_by = %(by)s"
             " RETURNING event_id",
             params,
@@ -358,6 +432,7 @@ def _row(r: dict[str, Any]) -> ParkedEvent:
         kafka_headers={str(k): str(v) for k, v in headers.items()},
         claimed_by=r["claimed_by"],
         claimed_until=r["claimed_until"],
+        routes_fingerprint=r["routes_fingerprint"],
     )
 
 

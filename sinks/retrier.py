@@ -11,9 +11,11 @@ Guarantees (Sink invariants 6 and 7):
   and sets an exponential ``next_retry_at``; engine-wide trouble spends nothing
   and puts the row back to FAILED, due again after one scheduler period;
 * the scheduler takes at most ``retry_batch_size`` due rows below
-  ``retry_max_attempts`` per run; explicit retries (ids or ``retry_all``) are
-  an operator's decision and ignore ``next_retry_at`` and the attempt limit
-  (never a live lease: such ids are reported as busy).
+  ``retry_max_attempts`` per run, and leaves ``UNROUTABLE`` rows alone until
+  the routing configuration changed; explicit retries (ids or ``retry_all``)
+  are an operator's decision and ignore ``next_retry_at``, the attempt limit
+  and the routing (never a live lease: such ids are reported as busy);
+* a row whose type the routing now ignores is marked DONE without a request.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError
 from sinks.parking import ParkedEvent, ParkingLot
+from sinks.routes import Routing
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +91,13 @@ class Retrier:
         engine: EngineClient,
         settings: Settings,
         claimer: str | None = None,
+        routing: Routing | None = None,
     ) -> None:
         self._lot = lot
         self._engine = engine
         self._settings = settings
         self.claimer = claimer or claimer_id()
+        self.routing = routing or Routing.from_settings(settings)
 
     async def retry(self, ids: list[int] | None, *, retry_all: bool) -> RetrySummary:
         """Retry chosen rows (``ids``) or, with ``retry_all``, every open row (up to 100)."""
@@ -128,6 +133,7 @@ class Retrier:
                 by=self.claimer,
                 scheduled=scheduled,
                 max_attempts=self._settings.retry_max_attempts if scheduled else None,
+                fingerprint=self.routing.fingerprint,
                 after_id=after_id,
             )
             if row is None:
@@ -152,6 +158,7 @@ class Retrier:
             error=error,
             backoff_base_s=self._settings.retry_backoff_base_s,
             period_s=self._settings.scheduler_interval_s,
+            fingerprint=self.routing.fingerprint,
         )
         if not counted:
             log.warning(
@@ -159,7 +166,7 @@ class Retrier:
                 row.event_id,
                 extra={"parked_id": row.event_id, "event_id": row.outbox_event_id},
             )
-        if result is AttemptResult.DELIVERED:
+        if result in (AttemptResult.DELIVERED, AttemptResult.SKIPPED):
             summary.done_count += 1
         else:
             summary.failed_count += 1
@@ -168,12 +175,15 @@ class Retrier:
     async def _attempt(self, row: ParkedEvent) -> tuple[AttemptResult, str | None]:
         event_type = row.type_header or _DEFAULT_TYPES.get(row.event_type, "")
         event_id = row.outbox_event_id or f"parked-{row.event_id}"
+        if self.routing.is_ignored(row.kafka_topic or "", event_type):
+            return AttemptResult.SKIPPED, f"skipped: {event_type!r} is in SINK_IGNORED_TYPES"
         try:
             await deliver(
                 self._engine,
                 event_type=event_type,
                 payload=row.payload_json.encode(),
                 event_id=event_id,
+                routing=self.routing,
             )
         except EngineUnavailable as exc:
             return AttemptResult.UNAVAILABLE, f"engine unavailable: {exc.reason}"

@@ -1,4 +1,4 @@
-"""Routing: the Kafka ``type`` header and payload -> the engine call. Pure.
+"""Routing: the Kafka ``type`` header and payload -> the engine call, or a skip. Pure.
 
 Guarantees: every event type of the catalog maps to exactly one engine path;
 anything else - an unknown type, a payload that is not a JSON object, a
@@ -11,17 +11,32 @@ type header            engine path                        body
 UserRegistered         /api/internal/users/sync           ``{"user_id": payload.user_id}``
 QuizAttemptSubmitted   /api/internal/quiz-attempts/sync   the payload (with ``user_id``)
 =====================  =================================  ==============================
+
+:class:`Routing` adds the operator's configuration to the catalog:
+
+* ``SINK_ROUTES`` (``Type=USER_SYNC,Other=QUIZ_SYNC``) routes more event types
+  onto one of the engine's two calls (a catalog type cannot be re-routed);
+* ``SINK_IGNORED_TYPES`` (``UserEmailChanged,Audit*,outbox.event.report:*``)
+  names types the sink deliberately skips - ``fnmatch`` globs, optionally
+  ``topic-glob:type-glob``; a pattern for every topic that would skip a
+  routed type is refused (one scoped to topics is taken as meant);
+* :attr:`Routing.fingerprint` changes whenever either does, so the parking
+  lot's scheduler knows when an ``UNROUTABLE`` row deserves another try.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from fnmatch import fnmatchcase
 from typing import Any
 
+from cdc.errors import ConfigError
+from cdc.settings import Settings
 from sinks.delivery import Envelope
 from sinks.errors import Unroutable
 
@@ -59,16 +74,13 @@ class EngineCall:
 
 
 def route(event_type: str, payload: bytes | None) -> EngineCall:
-    """The engine call for one record; :class:`Unroutable` with the reason otherwise."""
-    builder = _ROUTES.get(event_type)
-    if builder is None:
-        raise Unroutable(f"no route for event type {event_type!r}")
-    return builder(_payload_object(event_type, payload))
+    """The catalog's engine call for one record (:meth:`Routing.route`)."""
+    return CATALOG.route(event_type, payload)
 
 
 def sync_type_for(event_type: str) -> SyncType | None:
     """The parking lot's ``event_type`` of a catalog event type, ``None`` when unknown."""
-    return _SYNC_TYPES.get(event_type)
+    return CATALOG.sync_type_for(event_type)
 
 
 def user_sync_call(user_id: str) -> EngineCall:
@@ -79,18 +91,8 @@ def user_sync_call(user_id: str) -> EngineCall:
 
 
 def route_envelope(envelope: Envelope) -> EngineCall:
-    """The engine call for a Kafka record; :class:`Unroutable` also when it has no usable id.
-
-    The ``id`` header is the idempotency key: without one (or with one that is
-    not printable ASCII, so not an HTTP header value) the record cannot be
-    delivered safely and is parked.
-    """
-    event_id = envelope.event_id
-    if not event_id:
-        raise Unroutable(f"record {envelope.position} has no 'id' header (idempotency key)")
-    if not (event_id.isascii() and event_id.isprintable()):
-        raise Unroutable(f"record {envelope.position} has an 'id' header unfit for HTTP")
-    return route(envelope.event_type, envelope.value)
+    """The catalog's engine call for a Kafka record (:meth:`Routing.route_envelope`)."""
+    return CATALOG.route_envelope(envelope)
 
 
 def derived_user_sync_key(event_id: str) -> str:
@@ -143,3 +145,136 @@ _SYNC_TYPES: dict[str, SyncType] = {
     EVENT_USER_REGISTERED: SyncType.USER_SYNC,
     EVENT_QUIZ_ATTEMPT_SUBMITTED: SyncType.QUIZ_SYNC,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoreRule:
+    """One ``SINK_IGNORED_TYPES`` pattern: a type glob, on topics matching a topic glob."""
+
+    type_glob: str
+    topic_glob: str = "*"
+
+    def matches(self, topic: str, event_type: str) -> bool:
+        return fnmatchcase(event_type, self.type_glob) and fnmatchcase(topic, self.topic_glob)
+
+    def __str__(self) -> str:
+        return self.type_glob if self.topic_glob == "*" else f"{self.topic_glob}:{self.type_glob}"
+
+
+_BUILDERS: dict[SyncType, Callable[[dict[str, Any]], EngineCall]] = {
+    SyncType.USER_SYNC: _user_registered,
+    SyncType.QUIZ_SYNC: _quiz_attempt_submitted,
+}
+
+
+class Routing:
+    """The catalog, the configured routes and the ignored types; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        extra_routes: Mapping[str, SyncType] | None = None,
+        ignored: Sequence[IgnoreRule] = (),
+    ) -> None:
+        extra = dict(extra_routes or {})
+        clash = sorted(set(extra) & set(_ROUTES))
+        if clash:
+            raise ConfigError(f"SINK_ROUTES cannot re-route catalog event types: {clash}")
+        self._sync_types = {**_SYNC_TYPES, **extra}
+        self._routes = {t: _ROUTES.get(t) or _BUILDERS[s] for t, s in self._sync_types.items()}
+        self._ignored = tuple(ignored)
+        for rule in self._ignored:
+            if rule.topic_glob != "*":
+                continue  # scoped to topics on purpose: e.g. everything on a report topic
+            hidden = sorted(t for t in self._sync_types if fnmatchcase(t, rule.type_glob))
+            if hidden:
+                raise ConfigError(
+                    f"SINK_IGNORED_TYPES pattern {str(rule)!r} would skip routed types {hidden}"
+                )
+
+    @classmethod
+    def from_config(cls, *, routes: str = "", ignored_types: str = "") -> Routing:
+        """From the ``SINK_ROUTES`` and ``SINK_IGNORED_TYPES`` texts (comma-separated)."""
+        return cls(extra_routes=_parse_routes(routes), ignored=_parse_ignored(ignored_types))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Routing:
+        return cls.from_config(
+            routes=settings.sink_routes, ignored_types=settings.sink_ignored_types
+        )
+
+    @property
+    def routed_types(self) -> dict[str, SyncType]:
+        """Every routed event type and the engine call it becomes."""
+        return dict(self._sync_types)
+
+    @property
+    def ignored(self) -> tuple[IgnoreRule, ...]:
+        return self._ignored
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes exactly when the routes or the ignored types change."""
+        text = json.dumps(
+            {"routes": sorted(self._sync_types.items()), "ignored": sorted(map(str, self._ignored))}
+        )
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def is_ignored(self, topic: str, event_type: str) -> bool:
+        """True for a type the sink skips on ``topic`` (never a routed type)."""
+        return any(rule.matches(topic, event_type) for rule in self._ignored)
+
+    def route(self, event_type: str, payload: bytes | None) -> EngineCall:
+        """The engine call for one record; :class:`Unroutable` with the reason otherwise."""
+        builder = self._routes.get(event_type)
+        if builder is None:
+            raise Unroutable(f"no route for event type {event_type!r}")
+        return builder(_payload_object(event_type, payload))
+
+    def route_envelope(self, envelope: Envelope) -> EngineCall:
+        """The engine call for a Kafka record; :class:`Unroutable` also without a usable id.
+
+        The ``id`` header is the idempotency key: without one (or with one that
+        is not printable ASCII, so not an HTTP header value) the record cannot
+        be delivered safely and is parked.
+        """
+        event_id = envelope.event_id
+        if not event_id:
+            raise Unroutable(f"record {envelope.position} has no 'id' header (idempotency key)")
+        if not (event_id.isascii() and event_id.isprintable()):
+            raise Unroutable(f"record {envelope.position} has an 'id' header unfit for HTTP")
+        return self.route(envelope.event_type, envelope.value)
+
+    def sync_type_for(self, event_type: str) -> SyncType | None:
+        """The parking lot's ``event_type`` of a routed type, ``None`` when unknown."""
+        return self._sync_types.get(event_type)
+
+
+def _parse_routes(text: str) -> dict[str, SyncType]:
+    routes: dict[str, SyncType] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        event_type, sep, target = item.partition("=")
+        try:
+            sync_type = SyncType(target.strip().upper())
+        except ValueError:
+            sync_type = None
+        if not sep or not event_type.strip() or sync_type is None:
+            raise ConfigError(
+                f"SINK_ROUTES item {item!r}: expected Type=USER_SYNC or Type=QUIZ_SYNC"
+            )
+        routes[event_type.strip()] = sync_type
+    return routes
+
+
+def _parse_ignored(text: str) -> list[IgnoreRule]:
+    rules = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        topic_glob, sep, type_glob = item.rpartition(":")
+        if sep and not (topic_glob and type_glob):
+            raise ConfigError(f"SINK_IGNORED_TYPES item {item!r}: expected type or topic:type")
+        rules.append(IgnoreRule(type_glob=type_glob, topic_glob=topic_glob or "*"))
+    return rules
+
+
+#: The catalog alone: what every caller gets unless the sink's settings add to it.
+CATALOG = Routing()

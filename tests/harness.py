@@ -299,3 +299,62 @@ def slot_confirmed_lsn(dsn: str, slot: str) -> int:
         ).fetchone()
     assert row is not None, f"slot {slot} does not exist"
     return str_to_lsn(row[0])
+
+
+def produce(
+    kafka: str,
+    topic: str,
+    records: Iterable[tuple[bytes | None, bytes | None, dict[str, bytes]]],
+) -> int:
+    """Produce ``(key, value, headers)`` records to ``topic`` in order; how many."""
+    from confluent_kafka import Producer
+
+    producer = Producer(
+        {"bootstrap.servers": kafka, "linger.ms": 20, "compression.type": "lz4", "acks": "all"}
+    )
+    count = 0
+    for key, value, headers in records:
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, headers=list(headers.items()))
+                break
+            except BufferError:
+                producer.poll(0.1)
+        count += 1
+        producer.poll(0)
+    assert producer.flush(60) == 0, "records left unacknowledged"
+    return count
+
+
+def create_topics(kafka: str, names: list[str], *, partitions: int) -> None:
+    """Create ``names`` (broker auto-creation is off) and wait until they exist."""
+    from confluent_kafka.admin import NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka})
+    new = [NewTopic(n, num_partitions=partitions, replication_factor=-1) for n in names]
+    for future in admin.create_topics(new, request_timeout=30).values():
+        try:
+            future.result(timeout=30)
+        except KafkaException as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise
+    wait_until(lambda: all(n in admin.list_topics(timeout=10).topics for n in names), 30, "topics")
+
+
+def group_caught_up(kafka: str, group: str, topics: Iterable[str]) -> bool:
+    """True when ``group`` committed the end offset of every partition of ``topics``."""
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": group})
+    try:
+        parts = [
+            TopicPartition(t, p)
+            for t in topics
+            for p in consumer.list_topics(t, timeout=10).topics[t].partitions
+        ]
+        committed = consumer.committed(parts, timeout=10)
+        for tp in committed:
+            _low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            if high > 0 and tp.offset != high:
+                return False
+        return True
+    finally:
+        consumer.close()

@@ -262,13 +262,39 @@ def test_two_sinks_schedulers_attempt_each_due_row_once_and_count_each_attempt(
     assert stub.stats()["duplicates"] == 0
 
 
+def _stub_answers(stub: StubServer) -> bool:
+    try:
+        stub.stats()
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def _rebalance_twice(config: dict[str, object], pattern: str) -> None:
+    """A member joins (a rebalance: it takes partitions) and leaves again (another one)."""
+    joiner = Consumer(config)
+    joiner.subscribe([pattern])
+    deadline = time.monotonic() + 60
+    while not joiner.assignment():
+        assert time.monotonic() < deadline, "the joining member got no partitions"
+        joiner.consume(100, 0.2)
+    joiner.close()
+
+
 def test_twenty_rebalances_during_an_outage_keep_the_sinks_state_bounded(
     relay_cfg, relay, sink_cfg: SinkConfig, stub: StubServer, tmp_path: Path
 ) -> None:
+    """Ten rebalances with the engine refusing connections, ten with it too slow to keep up.
+
+    While it refuses, the sink pauses what it is given (Kafka holds the
+    backlog); while it is slow, the sink takes in whole partitions again after
+    every re-assignment. Either way what it keeps is bounded by the records of
+    the partitions it holds - never by the number of rebalances it went through.
+    """
     dsn = relay_cfg.db_dsn
     stub.add_faults({"refuse_connections_s": 600})
     sink, port = start_sink(sink_cfg, tmp_path, wait_ready=False)
-    joiner_config = {
+    joiner_config: dict[str, object] = {
         "bootstrap.servers": relay_cfg.kafka,
         "group.id": sink_cfg.group,
         "partition.assignment.strategy": "cooperative-sticky",
@@ -277,29 +303,26 @@ def test_twenty_rebalances_during_an_outage_keep_the_sinks_state_bounded(
         "heartbeat.interval.ms": 1_000,
     }
     pattern = f"^{relay_cfg.topic_prefix.replace('.', '[.]')}.*"
+    samples: dict[str, list[float]] = {"refusing": [], "slow": []}
     try:
         users = _users(dsn, 100)
         _attempts(dsn, [u for u, _ in users], per_user=19)
         total = 100 * 20
         wait_until(lambda: _gauge(port, "outbox_sink_tracked_entries") > 0, 60, "records taken")
-        samples = []
-        for _ in range(10):  # each join and each leave is a rebalance: 20 in all
-            joiner = Consumer(joiner_config)
-            joiner.subscribe([pattern])
-            wait_until(
-                lambda j=joiner: j.consume(100, 0.5) is not None and bool(j.assignment()),
-                60,
-                "the joiner got partitions",
-                interval_s=0,
-            )
-            samples.append(_gauge(port, "outbox_sink_tracked_entries"))
-            joiner.close()
-            time.sleep(2)
-            samples.append(_gauge(port, "outbox_sink_tracked_entries"))
+        for phase in ("refusing", "slow"):
+            if phase == "slow":  # up again, but 1.5 s per request: the backlog stays
+                stub.end_outage()
+                wait_until(lambda: _stub_answers(stub), 30, "the stub listening again")
+                stub.add_faults({"latency_ms": 1500})
+            for _ in range(5):
+                _rebalance_twice(joiner_config, pattern)
+                time.sleep(2)
+                samples[phase].append(_gauge(port, "outbox_sink_tracked_entries"))
         assert sink.alive()
     finally:
         sink.close()
-    print(f"\ntracked entries over 20 rebalances (limit {4 * total}): {samples}")
+    print(f"\ntracked entries after each pair of rebalances (limit {4 * total}): {samples}")
     # per record at most: its watermark entry, its timestamp, its queue place, its flight -
-    # whatever the number of rebalances (what leaked grew by the backlog on each one)
-    assert max(samples) <= 4 * total, samples
+    # whatever the number of rebalances (the leak grew by the held backlog on each one)
+    assert max(samples["refusing"] + samples["slow"]) <= 4 * total, samples
+    assert max(samples["slow"]) > samples["refusing"][0], "the slow phase took records in again"

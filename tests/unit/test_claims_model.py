@@ -11,7 +11,9 @@ was last found due. After every step:
   whose lease was taken over is not counted, none is counted twice;
 * a scheduled claim finds its row due: between two scheduled attempts of a row
   lies the backoff its last outcome set (at most once per due time);
-* a crashed retrier's row is claimable again once its lease expired.
+* a crashed retrier's row is claimable again once its lease expired;
+* an ``UNROUTABLE`` row is left alone by the scheduler until the routing
+  configuration changes: never two scheduled attempts under one fingerprint.
 
 A mutant at the bottom restores the old claim (``status IN ('FAILED',
 'PENDING')``, no lease) and shows the model catches two schedulers on one row.
@@ -64,6 +66,8 @@ class ClaimsModel(RuleBasedStateMachine):
         self.working: list[Attempt] = []  # claims in progress
         self.counted: dict[int, int] = {}  # rejected attempts counted per row
         self.crashed: set[str] = set()
+        self.fingerprint = "routes-1"  # the routing configuration in force
+        self.tried_under: dict[int, str] = {}  # unroutable row -> fingerprint last tried
 
     def claim_first(self, by: str, *, scheduled: bool, only: int | None = None) -> None:
         """The SQL's claim: the oldest claimable row (``FOR UPDATE SKIP LOCKED``)."""
@@ -72,9 +76,17 @@ class ClaimsModel(RuleBasedStateMachine):
             if only is not None and event_id != only:
                 continue
             if not self.claimable(
-                row, now=self.now, scheduled=scheduled, max_attempts=MAX_ATTEMPTS
+                row,
+                now=self.now,
+                scheduled=scheduled,
+                max_attempts=MAX_ATTEMPTS,
+                fingerprint=self.fingerprint,
             ):
                 continue
+            if scheduled and row.unroutable:
+                assert self.tried_under[event_id] != self.fingerprint, (
+                    f"unroutable row {event_id} retried under the routing it failed under"
+                )
             for other in self.working:
                 if other.event_id == event_id and other.by != by and other.by not in self.crashed:
                     assert self.now >= other.started + LEASE_S, (
@@ -88,11 +100,21 @@ class ClaimsModel(RuleBasedStateMachine):
             self.working.append(Attempt(by, event_id, self.now, scheduled))
             return
 
-    @rule()
-    def park(self) -> None:
+    @rule(unroutable=st.booleans())
+    def park(self, unroutable: bool) -> None:
         event_id = len(self.rows) + 1
-        self.rows[event_id] = ClaimRow(event_id, next_retry_at=self.now + BASE_S)
+        self.rows[event_id] = ClaimRow(
+            event_id,
+            next_retry_at=self.now + BASE_S,
+            unroutable=unroutable,
+            fingerprint=self.fingerprint,
+        )
         self.counted[event_id] = 0
+        self.tried_under[event_id] = self.fingerprint
+
+    @rule()
+    def routing_changes(self) -> None:
+        self.fingerprint = f"routes-{int(self.fingerprint.split('-')[1]) + 1}"
 
     @rule(by=st.sampled_from(RETRIERS))
     def scheduler_claims(self, by: str) -> None:
@@ -120,6 +142,7 @@ class ClaimsModel(RuleBasedStateMachine):
             now=self.now,
             backoff_base_s=BASE_S,
             period_s=PERIOD_S,
+            fingerprint=self.fingerprint,
         )
         holds = row.status is RowStatus.PENDING and row.claimed_by == attempt.by
         assert (after is not None) == holds, "only the lease holder's outcome counts"
@@ -127,7 +150,8 @@ class ClaimsModel(RuleBasedStateMachine):
             return
         if result is AttemptResult.REJECTED:
             self.counted[attempt.event_id] += 1
-        if result is not AttemptResult.DELIVERED:
+        self.tried_under[attempt.event_id] = self.fingerprint
+        if result not in (AttemptResult.DELIVERED, AttemptResult.SKIPPED):
             assert after.next_retry_at is not None and after.next_retry_at > self.now
         self.rows[attempt.event_id] = after
 
@@ -168,11 +192,32 @@ TestClaimsModel.settings = CLAIMS_SETTINGS
 
 
 def _claimable_without_lease(
-    row: ClaimRow, *, now: float, scheduled: bool, max_attempts: int | None = None
+    row: ClaimRow,
+    *,
+    now: float,
+    scheduled: bool,
+    max_attempts: int | None = None,
+    fingerprint: str | None = None,
 ) -> bool:
     """The claim as it was: any FAILED or PENDING row, due and below the limit."""
     unleased = replace(row, status=RowStatus.FAILED) if row.status is RowStatus.PENDING else row
-    return claims.claimable(unleased, now=now, scheduled=scheduled, max_attempts=max_attempts)
+    return claims.claimable(
+        unleased, now=now, scheduled=scheduled, max_attempts=max_attempts, fingerprint=fingerprint
+    )
+
+
+def _claimable_ignoring_routing(
+    row: ClaimRow,
+    *,
+    now: float,
+    scheduled: bool,
+    max_attempts: int | None = None,
+    fingerprint: str | None = None,
+) -> bool:
+    """The claim before the ignore-list work: an UNROUTABLE row retried every period."""
+    return claims.claimable(
+        replace(row, unroutable=False), now=now, scheduled=scheduled, max_attempts=max_attempts
+    )
 
 
 def test_the_model_catches_two_retriers_on_one_row() -> None:
@@ -187,6 +232,25 @@ def test_the_model_catches_two_retriers_on_one_row() -> None:
                 print_blob=False,
                 report_multiple_bugs=False,
                 derandomize=True,  # the same search every run: the finding is reproducible
+                phases=[Phase.generate],
+            ),
+        )
+
+
+def test_the_model_catches_unroutable_rows_retried_without_a_routing_change() -> None:
+    mutant = type(
+        "Mutant", (ClaimsModel,), {"claimable": staticmethod(_claimable_ignoring_routing)}
+    )
+    with pytest.raises(AssertionError, match="retried under the routing it failed under"):
+        run_state_machine_as_test(
+            mutant,
+            settings=settings(
+                CLAIMS_SETTINGS,
+                max_examples=2000,
+                database=None,
+                print_blob=False,
+                report_multiple_bugs=False,
+                derandomize=True,
                 phases=[Phase.generate],
             ),
         )

@@ -6,11 +6,13 @@ import json
 
 import pytest
 
+from cdc.errors import ConfigError
 from sinks.delivery import Envelope
 from sinks.errors import Unroutable
 from sinks.routes import (
     QUIZ_ATTEMPTS_SYNC_PATH,
     USERS_SYNC_PATH,
+    Routing,
     SyncType,
     derived_user_sync_key,
     route,
@@ -123,3 +125,70 @@ def test_derived_user_sync_key_is_stable_and_differs_from_the_event_id() -> None
     assert key == derived_user_sync_key("e-1")
     assert key != "e-1"
     assert key != derived_user_sync_key("e-2")
+
+
+# --- Routing: configured routes and ignored types -------------------------------
+
+
+def test_configured_routes_put_more_types_onto_the_engines_calls() -> None:
+    routing = Routing.from_config(routes="UserEmailChanged=USER_SYNC, Retake=quiz_sync")
+    call = routing.route("UserEmailChanged", _bytes(USER))
+    assert call.path == USERS_SYNC_PATH
+    assert call.body == {"user_id": USER["user_id"]}
+    assert routing.route("Retake", _bytes(ATTEMPT)).path == QUIZ_ATTEMPTS_SYNC_PATH
+    assert routing.sync_type_for("Retake") is SyncType.QUIZ_SYNC
+    assert routing.route("UserRegistered", _bytes(USER)).path == USERS_SYNC_PATH
+    with pytest.raises(Unroutable):
+        Routing().route("UserEmailChanged", _bytes(USER))
+
+
+@pytest.mark.parametrize(
+    ("routes", "message"),
+    [
+        ("UserEmailChanged", "expected Type=USER_SYNC"),
+        ("UserEmailChanged=ORDER_SYNC", "expected Type=USER_SYNC"),
+        ("=USER_SYNC", "expected Type=USER_SYNC"),
+        ("UserRegistered=QUIZ_SYNC", "cannot re-route catalog event types"),
+    ],
+)
+def test_a_bad_route_setting_is_a_config_error_naming_it(routes: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Routing.from_config(routes=routes)
+
+
+def test_ignored_types_match_globs_and_optional_topics() -> None:
+    routing = Routing.from_config(ignored_types="UserEmailChanged, Audit*, outbox.event.report:*")
+    assert routing.is_ignored("outbox.event.user", "UserEmailChanged")
+    assert routing.is_ignored("outbox.event.user", "AuditTrailWritten")
+    assert routing.is_ignored("outbox.event.report", "AnythingAtAll")
+    assert not routing.is_ignored("outbox.event.user", "AnythingAtAll")
+    assert not routing.is_ignored("outbox.event.user", "UserRegistered")
+    assert [str(r) for r in routing.ignored] == [
+        "UserEmailChanged",
+        "Audit*",
+        "outbox.event.report:*",
+    ]
+
+
+def test_an_ignore_pattern_that_would_skip_a_routed_type_is_refused() -> None:
+    with pytest.raises(ConfigError, match="would skip routed types \\['QuizAttemptSubmitted'\\]"):
+        Routing.from_config(ignored_types="Quiz*")
+    with pytest.raises(ConfigError, match="would skip routed types \\['Extra'\\]"):
+        Routing.from_config(routes="Extra=USER_SYNC", ignored_types="Ex*")
+    scoped = Routing.from_config(ignored_types="outbox.event.audit:*")  # taken as meant
+    assert scoped.is_ignored("outbox.event.audit", "UserRegistered")
+    with pytest.raises(ConfigError, match="expected type or topic:type"):
+        Routing.from_config(ignored_types="outbox.event.x:")
+
+
+def test_the_fingerprint_changes_exactly_with_the_routing() -> None:
+    base = Routing().fingerprint
+    assert Routing.from_config().fingerprint == base
+    assert Routing.from_config(ignored_types="A, B").fingerprint == (
+        Routing.from_config(ignored_types="B,A").fingerprint
+    )
+    assert Routing.from_config(ignored_types="A").fingerprint != base
+    assert Routing.from_config(routes="A=USER_SYNC").fingerprint != base
+    assert Routing.from_config(routes="A=USER_SYNC").fingerprint != (
+        Routing.from_config(routes="A=QUIZ_SYNC").fingerprint
+    )
