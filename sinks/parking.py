@@ -122,7 +122,7 @@ INSERT INTO failed_sync_events
      outbox_event_id, kafka_topic, kafka_partition, kafka_offset, kafka_key, kafka_headers,
      routes_fingerprint)
 SELECT r.sync_type, r.payload, 'FAILED', r.attempts, r.reason,
-       now() + make_interval(secs => r.retry_in_s),
+       COALESCE(%(now)s::timestamptz, now()) + make_interval(secs => r.retry_in_s),
        r.outbox_event_id, r.topic, r.kafka_partition, r.kafka_offset, r.kafka_key, r.headers,
        r.fingerprint
 FROM unnest(%(sync_type)s::text[], %(payload)s::text[], %(attempts)s::int[], %(reason)s::text[],
@@ -217,7 +217,7 @@ class ParkingLot:
         """Insert (or refresh) the row of this event; return its ``event_id``."""
         return (await self.park_many([req]))[0]
 
-    async def park_many(self, reqs: list[ParkRequest]) -> list[int]:
+    async def park_many(self, reqs: list[ParkRequest], *, now: datetime | None = None) -> list[int]:
         """Insert (or refresh) the rows of these events in one statement; return their ids.
 
         Two requests for the same event in one batch are written once (the last wins).
@@ -245,6 +245,7 @@ class ParkingLot:
                     for r in batch
                 ],
                 "fingerprint": [r.routes_fingerprint for r in batch],
+                "now": now,
             },
         )
         return [int(r["event_id"]) for r in rows]
@@ -328,7 +329,8 @@ class ParkingLot:
             where,
             {
                 "after": after_id,
-                "max_attempts": max_attempts if max_attempts is not None else 2**31 - 1,
+                "max_attempts": _NO_LIMIT if max_attempts is None else max_attempts,
+                "fingerprint": fingerprint,
             },
             by=by,
             lease_s=lease_s,
