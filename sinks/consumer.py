@@ -510,13 +510,16 @@ class Sink:
     def _log_change(
         self, previous: tuple[Circuit, str, bool] | None, state: tuple[Circuit, str, bool]
     ) -> None:
-        circuit, reason, _ = state
-        extra = {"state": circuit.value}
-        if previous is None or (previous[0] is circuit and previous[1] == reason):
+        """One line per change of the engine's state (OPEN and HALF_OPEN are one: down)."""
+        if previous is None:
             return
-        if circuit is Circuit.OPEN and previous[0] is Circuit.CLOSED:
-            log.warning("engine unavailable (%s): pausing partitions, probing", reason, extra=extra)
-        elif circuit is Circuit.OPEN and previous[1] != reason:
-            log.warning("engine still unavailable, now: %s", reason, extra=extra)
-        elif circuit is Circuit.CLOSED and previous[0] is not Circuit.CLOSED:
+        was_down, down = previous[0] is not Circuit.CLOSED, state[0] is not Circuit.CLOSED
+        extra = {"state": state[0].value}
+        if down and not was_down:
+            log.warning(
+                "engine unavailable (%s): pausing partitions, probing", state[1], extra=extra
+            )
+        elif down and previous[1] != state[1]:
+            log.warning("engine still unavailable, now: %s", state[1], extra=extra)
+        elif was_down and not down:
             log.info("engine is back (was: %s); resuming", previous[1], extra=extra)

@@ -125,12 +125,10 @@ SELECT r.sync_type, r.payload, 'FAILED', r.attempts, r.reason,
        COALESCE(%(now)s::timestamptz, now()) + make_interval(secs => r.retry_in_s),
        r.outbox_event_id, r.topic, r.kafka_partition, r.kafka_offset, r.kafka_key, r.headers,
        r.fingerprint
-FROM unnest(%(sync_type)s::text[], %(payload)s::text[], %(attempts)s::int[], %(reason)s::text[],
-            %(retry_in_s)s::float8[], %(outbox_event_id)s::uuid[], %(topic)s::text[],
-            %(partition)s::int[], %(offset)s::bigint[], %(key)s::text[], %(headers)s::jsonb[],
-            %(fingerprint)s::text[])
-     AS r(sync_type, payload, attempts, reason, retry_in_s, outbox_event_id, topic,
-          kafka_partition, kafka_offset, kafka_key, headers, fingerprint)
+FROM jsonb_to_recordset(%(rows)s::jsonb)
+     AS r(sync_type text, payload text, attempts int, reason text, retry_in_s float8,
+          outbox_event_id uuid, topic text, kafka_partition int, kafka_offset bigint,
+          kafka_key text, headers jsonb, fingerprint text)
 ON CONFLICT (outbox_event_id) DO UPDATE SET
     status = 'FAILED', last_error = EXCLUDED.last_error,
     retry_count = failed_sync_events.retry_count + EXCLUDED.retry_count,
@@ -226,28 +224,28 @@ class ParkingLot:
         for i, req in enumerate(reqs):
             outbox_id = _uuid_or_none(req.outbox_event_id)
             latest[outbox_id or f"no-id-{i}"] = req
-        batch = list(latest.values())
-        rows = await self._fetch(
-            _PARK_SQL,
-            {
-                "sync_type": [r.sync_type for r in batch],
-                "payload": [_text(r.payload or b"") for r in batch],
-                "attempts": [r.attempts for r in batch],
-                "reason": [_text(r.reason.encode())[:4000] for r in batch],
-                "retry_in_s": [r.retry_in_s for r in batch],
-                "outbox_event_id": [_uuid_or_none(r.outbox_event_id) for r in batch],
-                "topic": [r.topic for r in batch],
-                "partition": [r.partition for r in batch],
-                "offset": [r.offset for r in batch],
-                "key": [_text(r.key) if r.key is not None else None for r in batch],
-                "headers": [
-                    orjson.dumps({k: _text(v) for k, v in r.headers.items()}).decode()
-                    for r in batch
-                ],
-                "fingerprint": [r.routes_fingerprint for r in batch],
-                "now": now,
-            },
-        )
+        # One JSON document for the whole batch: encoded in C by orjson, read by
+        # jsonb_to_recordset - ~10x cheaper than a text array per column.
+        document = orjson.dumps(
+            [
+                {
+                    "sync_type": r.sync_type,
+                    "payload": _text(r.payload or b""),
+                    "attempts": r.attempts,
+                    "reason": _text(r.reason.encode())[:4000],
+                    "retry_in_s": r.retry_in_s,
+                    "outbox_event_id": _uuid_or_none(r.outbox_event_id),
+                    "topic": r.topic,
+                    "kafka_partition": r.partition,
+                    "kafka_offset": r.offset,
+                    "kafka_key": _text(r.key) if r.key is not None else None,
+                    "headers": {k: _text(v) for k, v in r.headers.items()},
+                    "fingerprint": r.routes_fingerprint,
+                }
+                for r in latest.values()
+            ]
+        ).decode()
+        rows = await self._fetch(_PARK_SQL, {"rows": document, "now": now})
         return [int(r["event_id"]) for r in rows]
 
     async def list_open(self, limit: int = 100) -> list[ParkedEvent]:
