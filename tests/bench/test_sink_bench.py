@@ -414,3 +414,84 @@ def test_backlog_drain_after_an_engine_outage(
         f"  (caught up = backlog <= {DRAIN_CAUGHT_UP} events; the probe backoff is capped by"
         " SINK_BACKOFF_MAX_S, default 15 s, which bounds the time to notice)"
     )
+
+
+FLOOD_EVENTS = 50_000
+FLOOD_TARGET_PER_S = 5_000.0
+
+
+def _produce_unknown(kafka: str, topic: str, n: int) -> None:
+    """``n`` records of a type the sink has no route for (other teams' new events)."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": kafka, "linger.ms": 20, "compression.type": "lz4"})
+    for i in range(n):
+        user = f"u{i % 1000}"
+        while True:
+            try:
+                producer.produce(
+                    topic,
+                    key=user.encode(),
+                    value=f'{{"user_id":"{user}"}}'.encode(),
+                    headers=[("id", str(uuid.uuid4()).encode()), ("type", b"ShinyNewEvent")],
+                )
+                break
+            except BufferError:
+                producer.poll(0.1)
+        producer.poll(0)
+    assert producer.flush(60) == 0
+
+
+def _parked_on(db_dsn: str, topic: str) -> int:
+    with psycopg.connect(db_dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM failed_sync_events WHERE kafka_topic = %s", (topic,)
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+@pytest.mark.timeout(600)
+def test_a_flood_of_unroutable_events_drains_into_the_parking_lot(
+    db_dsn: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """50,000 records of a type without a route: parked in batches, at what rate."""
+    stub = start_stub(tmp_path, name="stub-flood")
+    cfg = _sink_cfg(db_dsn, kafka_bootstrap, stub)
+    topic = cfg.relay.topic_prefix + "user"
+    try:
+        create_topics(kafka_bootstrap, [topic], partitions=PARTITIONS)
+        _produce_unknown(kafka_bootstrap, topic, FLOOD_EVENTS)
+        sink, _ = start_sink(cfg, tmp_path, name="sink-flood")
+        try:
+            started = time.monotonic()
+            cpu = CpuMeter({"sink": sink.pid}).start()
+            wait_until(
+                lambda: _parked_on(db_dsn, topic) >= FLOOD_EVENTS,
+                300,
+                f"{FLOOD_EVENTS} parked",
+                interval_s=0.2,
+            )
+            elapsed_s = time.monotonic() - started
+            cpu_pct = cpu.stop()
+            assert sink.terminate() == 0, sink.log_tail()
+            log_lines = len(sink.log_path.read_text().splitlines())
+        finally:
+            sink.close()
+    finally:
+        stub.proc.close()
+    rate = FLOOD_EVENTS / elapsed_s
+    print_table(
+        f"a flood of {FLOOD_EVENTS:,} events of a type without a route (sink -> parking lot)",
+        ["figure", "value", "target"],
+        [
+            [
+                "parked/s (sink ready -> all parked)",
+                fmt(rate),
+                (f">= {FLOOD_TARGET_PER_S:,.0f} {_verdict(rate >= FLOOD_TARGET_PER_S)}"),
+            ],
+            ["sink CPU %", fmt(cpu_pct["sink"]), ""],
+            ["machine CPU % (2 cores = 200)", fmt(cpu_pct["machine"]), ""],
+            ["sink log lines for the whole run", fmt(log_lines), ""],
+            ["load average (1 min) at the end", f"{os.getloadavg()[0]:.2f}", ""],
+        ],
+    )
