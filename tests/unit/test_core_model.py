@@ -457,14 +457,15 @@ def _model_fails(machine: type[SinkCoreModel], match: str) -> None:
 def test_the_model_catches_a_circuit_left_half_open_by_a_rejected_probe() -> None:
     _model_fails(
         _mutant_model(lambda: make_core(cls=_ProbeClosesOnlyWhenDelivered)),
-        "HALF_OPEN with 0 probes in flight",
+        "HALF_OPEN with 0 probes in flight|not live: circuit=Circuit.HALF_OPEN",
     )
 
 
 def test_the_model_catches_a_reconsumed_record_queued_behind_later_ones_of_its_key() -> None:
     _model_fails(
         _mutant_model(lambda: make_core(cls=_QueuesCopyBehindLaterRecords)),
-        "sent before .* of its key was settled",
+        # the copy goes out behind a later record of its key, or after its orphan was parked
+        "sent before .* of its key was settled|sent after parked",
     )
 
 
