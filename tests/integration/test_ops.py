@@ -307,7 +307,8 @@ def test_replay_dry_run_reports_the_plan_and_changes_nothing(ops: Ops) -> None:
     assert plan["executed"] is False
     rows = {p["partition"]: p for p in plan["partitions"]}  # type: ignore[attr-defined]
     assert rows[0]["current_offset"] == 3 and rows[0]["target_offset"] == 0
-    assert rows[2]["current_offset"] is None and rows[2]["target_offset"] == 0
+    assert rows[2]["current_offset"] is None and rows[2]["target_offset"] is None
+    assert rows[2]["action"] == "untouched"  # never committed: --topic T leaves it alone
     assert plan["redeliver_count"] == 3 + 2
     assert committed(ops.kafka, ops.group, ops.user_topic) == {0: 3, 1: 2, 2: None}
     table = ops.cli("replay", "--group", ops.group, "--topic", ops.user_topic, "--to-earliest")
