@@ -225,57 +225,37 @@ def test_an_out_of_range_commit_is_explained_with_its_likely_causes() -> None:
     assert out_of_range_warning("t", 0, None, low=0, high=200, reset=EARLIEST) is None
 
 
-def test_caught_up_partition_has_zero_lag_and_zero_age() -> None:
-    row = partition_lag(
+def _lag_row(
+    committed: int | None, *, low: int = 0, high: int, first_ts_ms: int | None, now_ms: int
+) -> PartitionLag:
+    """One partition's lag row under the sink's policy today (earliest)."""
+    return partition_lag(
         topic="t",
         partition=0,
-        committed=5,
-        low=0,
-        high=5,
+        committed=committed,
+        low=low,
+        high=high,
         reset=EARLIEST,
-        first_ts_ms=1_000,
-        now_ms=9_000,
+        first_ts_ms=first_ts_ms,
+        now_ms=now_ms,
     )
+
+
+def test_caught_up_partition_has_zero_lag_and_zero_age() -> None:
+    row = _lag_row(5, high=5, first_ts_ms=1_000, now_ms=9_000)
     assert (row.lag, row.oldest_unprocessed_age_s, row.oldest_unprocessed_ts_ms) == (0, 0.0, None)
     assert (row.resume_offset, row.warning) == (5, None)
 
 
 def test_lagging_partition_age_is_now_minus_first_unprocessed_timestamp() -> None:
-    row = partition_lag(
-        topic="t",
-        partition=0,
-        committed=2,
-        low=0,
-        high=5,
-        reset=EARLIEST,
-        first_ts_ms=1_000,
-        now_ms=61_000,
-    )
+    row = _lag_row(2, high=5, first_ts_ms=1_000, now_ms=61_000)
     assert (row.lag, row.oldest_unprocessed_age_s) == (3, 60.0)
-    unknown = partition_lag(
-        topic="t",
-        partition=1,
-        committed=None,
-        low=0,
-        high=5,
-        reset=EARLIEST,
-        first_ts_ms=None,
-        now_ms=61_000,
-    )
+    unknown = _lag_row(None, high=5, first_ts_ms=None, now_ms=61_000)
     assert (unknown.lag, unknown.oldest_unprocessed_age_s) == (5, None)
 
 
 def test_lag_row_of_a_commit_past_the_end_reports_the_real_resume_point_and_warns() -> None:
-    row = partition_lag(
-        topic="t",
-        partition=0,
-        committed=700,
-        low=0,
-        high=200,
-        reset=EARLIEST,
-        first_ts_ms=1_000,
-        now_ms=11_000,
-    )
+    row = _lag_row(700, high=200, first_ts_ms=1_000, now_ms=11_000)
     assert (row.resume_offset, row.lag, row.position) == (0, 200, 0)
     assert row.oldest_unprocessed_age_s == 10.0
     assert row.commit_range is CommitRange.PAST_END
@@ -380,60 +360,43 @@ def test_from_earliest_if_uncommitted_goes_with_a_shift_only_and_shows_in_the_pl
         ReplaySpec.from_option(ReplayKind.EARLIEST, from_earliest_if_uncommitted=True)
 
 
-def test_plan_counts_records_to_deliver_again_and_to_skip() -> None:
-    back = plan_partition(
-        ReplaySpec(kind=ReplayKind.SHIFT, value=-4),
+def _row(
+    spec: ReplaySpec, *, current: int | None, low: int, high: int, named: bool = False
+) -> PartitionPlan:
+    """One partition's plan under the sink's policy today (earliest)."""
+    return plan_partition(
+        spec,
         topic="t",
-        partition=0,
-        current=7,
-        low=0,
-        high=10,
+        partition=1,
+        current=current,
+        low=low,
+        high=high,
         reset=EARLIEST,
+        named=named,
     )
+
+
+def test_plan_counts_records_to_deliver_again_and_to_skip() -> None:
+    back = _row(ReplaySpec(kind=ReplayKind.SHIFT, value=-4), current=7, low=0, high=10)
     assert (back.target_offset, back.redeliver_count, back.skip_count, back.changes) == (
         3,
         4,
         0,
         True,
     )
-    ahead = plan_partition(
-        ReplaySpec(kind=ReplayKind.LATEST),
-        topic="t",
-        partition=0,
-        current=None,
-        low=2,
-        high=10,
-        reset=EARLIEST,
-        named=True,
-    )
+    ahead = _row(ReplaySpec(kind=ReplayKind.LATEST), current=None, low=2, high=10, named=True)
     assert (ahead.current_offset, ahead.target_offset) == (None, 10)
     assert (ahead.redeliver_count, ahead.skip_count) == (0, 8)
 
 
 def test_counts_are_measured_from_where_the_group_really_resumes() -> None:
-    past_end = plan_partition(
-        ReplaySpec(kind=ReplayKind.SHIFT, value=-50),
-        topic="t",
-        partition=0,
-        current=700,
-        low=0,
-        high=200,
-        reset=EARLIEST,
-    )
+    past_end = _row(ReplaySpec(kind=ReplayKind.SHIFT, value=-50), current=700, low=0, high=200)
     # today the sink resumes at 0 (earliest); Kafka's arithmetic commits 200: 200 skipped
     assert (past_end.resume_offset, past_end.target_offset) == (0, 200)
     assert (past_end.redeliver_count, past_end.skip_count) == (0, 200)
     assert past_end.note == "committed offset out of range"
     assert past_end.warning is not None and "past the end 200" in past_end.warning
-    below = plan_partition(
-        ReplaySpec(kind=ReplayKind.EARLIEST),
-        topic="t",
-        partition=1,
-        current=10,
-        low=30,
-        high=100,
-        reset=EARLIEST,
-    )
+    below = _row(ReplaySpec(kind=ReplayKind.EARLIEST), current=10, low=30, high=100)
     assert (below.resume_offset, below.target_offset, below.skip_count) == (30, 30, 0)
 
 
@@ -467,9 +430,7 @@ def test_uncommitted_partitions_move_only_when_the_operator_says_so(
 
 
 def _uncommitted(spec: ReplaySpec, *, named: bool) -> PartitionPlan:
-    return plan_partition(
-        spec, topic="t", partition=1, current=None, low=30, high=100, reset=EARLIEST, named=named
-    )
+    return _row(spec, current=None, low=30, high=100, named=named)
 
 
 def test_untouched_and_refused_partitions_have_no_target_and_count_nothing() -> None:
