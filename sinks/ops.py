@@ -305,8 +305,7 @@ def resume_offset(committed: int | None, *, low: int, high: int, reset: OffsetRe
     """Where a consumer of the group really starts reading: its committed offset when
     that lies in ``[low, high]``, else where ``reset`` sends it; ``None`` for ERROR
     (the consumer stops on the partition with an error)."""
-    if commit_range(committed, low=low, high=high) is CommitRange.IN_RANGE:
-        assert committed is not None
+    if committed is not None and low <= committed <= high:
         return committed
     if reset is OffsetReset.EARLIEST:
         return low
@@ -337,7 +336,6 @@ def out_of_range_warning(
     where = commit_range(committed, low=low, high=high)
     name = f"{topic}[{partition}]: committed offset {committed}"
     if where is CommitRange.BELOW_LOW:
-        assert committed is not None
         cause = (
             f"{name} is below the low watermark {low} (out of range): records"
             f" {committed}..{low - 1} were deleted (retention, DeleteRecords) before the"
@@ -782,6 +780,7 @@ class ReplayPlan:
         return group_is_active(self.group_state, self.active_members)
 
     def with_action(self, action: PartitionAction) -> tuple[PartitionPlan, ...]:
+        """The partitions the plan treats this way."""
         return tuple(p for p in self.partitions if p.action is action)
 
     @property
