@@ -174,11 +174,14 @@ def _topic_selections(specs: Sequence[str]) -> list[TopicSelection] | None:
 def lag(group: str | None, topic_specs: tuple[str, ...], watch: bool, as_json: bool) -> None:
     """Consumer lag, oldest event age, slot WAL lag.
 
-    Per topic/partition: committed offset ('-' = never committed), end offset,
-    lag, and the age of the oldest event the group has not processed yet (the
-    commit time of the record at the committed offset). Also the replication
+    Per topic/partition: committed offset ('-' = never committed), where the
+    sink resumes, end offset, lag, and the age of the oldest event the group
+    has not processed yet (the commit time of the record where it resumes).
+    A commit that is missing or out of range (below the low watermark, past
+    the end) resumes where the sink's auto.offset.reset sends it; an
+    out-of-range commit gets a warning line on stderr. Also the replication
     slot's WAL lag and the parking lot's counts. --watch refreshes every 2 s
-    with rates (in/s: produced, done/s: committed) until Ctrl-C.
+    with rates (in/s: produced, done/s: processed) until Ctrl-C.
     """
     from sinks.ops import pipeline_lag
 
@@ -192,10 +195,16 @@ def lag(group: str | None, topic_specs: tuple[str, ...], watch: bool, as_json: b
         _echo_json(report.as_json())
     else:
         _out().print(_lag_view(report, rates=None))
+    _warn(report.warnings)
     for problem in report.problems:
         click.echo(f"error: {problem}", err=True)
     if report.problems:
         sys.exit(EXIT_FAILED)
+
+
+def _warn(lines: Sequence[str]) -> None:
+    for line in lines:
+        click.echo(f"warning: {line}", err=True)
 
 
 def _watch(read: Callable[[], PipelineLag], *, as_json: bool) -> None:
@@ -232,7 +241,15 @@ def _lag_view(
 
     totals = report.totals
     table = Table(title=f"consumer group {report.group}", title_justify="left")
-    for name in ("topic", "partition", "committed", "end", "lag", "oldest unprocessed"):
+    for name in (
+        "topic",
+        "partition",
+        "committed",
+        "resumes at",
+        "end",
+        "lag",
+        "oldest unprocessed",
+    ):
         table.add_column(name, justify="left" if name == "topic" else "right")
     if rates is not None:
         table.add_column("in/s", justify="right")
@@ -242,6 +259,7 @@ def _lag_view(
             row.topic,
             str(row.partition),
             fmt_offset(row.committed_offset),
+            _fmt_resume(row.resume_offset, out_of_range=row.warning is not None),
             str(row.end_offset),
             str(row.lag),
             fmt_age(row.oldest_unprocessed_age_s),
@@ -270,8 +288,15 @@ def _lag_view(
         counts = ", ".join(f"{k} {v}" for k, v in report.parking.items())
         parts.append(Text(f"parking lot: {counts}"))
     if problems:
+        parts += [Text(f"warning: {w}", style="yellow") for w in report.warnings]
         parts += [Text(f"error: {p}", style="red") for p in report.problems]
     return Group(*parts)
+
+
+def _fmt_resume(offset: int | None, *, out_of_range: bool) -> str:
+    """Where the consumer resumes; ``!`` marks a commit out of range, ``error`` no resume."""
+    text = "error" if offset is None else str(offset)
+    return f"{text} !" if out_of_range else text
 
 
 def _slot_line(slot: SlotStatus) -> str:
@@ -305,6 +330,16 @@ def _slot_line(slot: SlotStatus) -> str:
 @click.option("--by-duration", metavar="DURATION", help="back by an ISO-8601 duration (PT15M)")
 @click.option("--shift-by", metavar="N", help="move by N records (negative: back)")
 @click.option("--to-offset", metavar="N", help="an absolute offset (clamped per partition)")
+@click.option(
+    "--include-uncommitted",
+    is_flag=True,
+    help="also move partitions the group never committed (default: untouched)",
+)
+@click.option(
+    "--from-earliest-if-uncommitted",
+    is_flag=True,
+    help="--shift-by a partition without a committed offset from its low watermark",
+)
 @click.option("--execute", is_flag=True, help="apply (default: dry run, nothing changes)")
 @click.option("--json", "as_json", is_flag=True, help="the plan as JSON on stdout")
 @_guard
@@ -312,17 +347,23 @@ def replay(
     group: str,
     topic_specs: tuple[str, ...],
     all_topics: bool,
+    include_uncommitted: bool,
+    from_earliest_if_uncommitted: bool,
     execute: bool,
     as_json: bool,
     **targets: Any,
 ) -> None:
     """Move a group's offsets (dry run unless --execute).
 
-    Shows per partition current -> target and the records that will be
-    delivered again (or skipped). Targets are clamped to each partition's
-    [low, high] watermarks; a time target goes to the first record committed
-    at or after it, or to the end. Refused (exit 1) while the group has active
-    members: stop the sink first.
+    Shows per partition the committed offset, where the sink resumes today,
+    the target, and the records that will be delivered again (or skipped).
+    Targets are Kafka's (kafka-consumer-groups --reset-offsets): clamped to
+    each partition's [low, high]; --shift-by is committed + N, then clamped; a
+    time target goes to the first record committed at or after it, or to the
+    end. Partitions the group never committed are left alone ("not committed
+    — untouched") unless named (T:p) or --include-uncommitted; shifting one is
+    refused unless --from-earliest-if-uncommitted. Refused (exit 1, the plan
+    still shown) while the group has active members: stop the sink first.
     """
     from sinks.ops import ReplayKind, ReplaySpec, apply_replay, plan_replay
 
@@ -332,31 +373,77 @@ def replay(
     if len(chosen) != 1:
         raise click.UsageError("give exactly one of --" + " | --".join(k.value for k in ReplayKind))
     name, raw = chosen[0]  # the option's name is the kind's value: to_earliest -> to-earliest
-    spec = ReplaySpec.from_option(ReplayKind(name.replace("_", "-")), None if raw is True else raw)
+    spec = ReplaySpec.from_option(
+        ReplayKind(name.replace("_", "-")),
+        None if raw is True else raw,
+        from_earliest_if_uncommitted=from_earliest_if_uncommitted,
+    )
     settings = load_settings("kafka_bootstrap_servers")
-    plan = plan_replay(settings, group=group, spec=spec, topics=_topic_selections(topic_specs))
-    if plan.active:
-        _show_plan(plan, as_json=as_json, executed=False)
-        _fail(
-            f"consumer group {group} is active ({plan.group_state}, {plan.active_members}"
-            " member(s)): stop every sink of the group first; nothing changed"
-        )
+    plan = plan_replay(
+        settings,
+        group=group,
+        spec=spec,
+        topics=_topic_selections(topic_specs),
+        include_uncommitted=include_uncommitted,
+    )
+    refusals = _refusals(plan)
+    if refusals:
+        _show_plan(plan, as_json=as_json, executed=False, refused=True)
+        _fail("; ".join(refusals) + "; nothing changed")
     if execute:
         apply_replay(settings, plan)
     _show_plan(plan, as_json=as_json, executed=execute)
 
 
-def _show_plan(plan: ReplayPlan, *, as_json: bool, executed: bool) -> None:
+def _refusals(plan: ReplayPlan) -> list[str]:
+    """Why the plan must not be applied (each reason its own sentence), or nothing."""
+    reasons = []
+    if plan.refusal is not None:
+        reasons.append(plan.refusal)
+    if plan.active:
+        reasons.append(
+            f"consumer group {plan.group} is active ({plan.group_state}, {plan.active_members}"
+            " member(s)): stop every sink of the group first"
+        )
+    return reasons
+
+
+def _show_plan(plan: ReplayPlan, *, as_json: bool, executed: bool, refused: bool = False) -> None:
     if as_json:
         _echo_json({**plan.as_json(), "executed": executed})
-        return
+    else:
+        _out().print(_plan_view(plan, executed=executed, refused=refused))
+    _warn(plan.warnings)
+
+
+_PLAN_COLUMNS = (
+    "topic",
+    "partition",
+    "low",
+    "high",
+    "committed",
+    "resumes at",
+    "target",
+    "redeliver",
+    "skip",
+    "note",
+)
+
+
+def _plan_view(plan: ReplayPlan, *, executed: bool, refused: bool) -> Any:
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
+
+    from sinks.ops import PartitionAction
 
     table = Table(
-        title=f"replay of group {plan.group}: {plan.spec.describe()}", title_justify="left"
+        title=f"replay of group {plan.group}: {plan.spec.describe()}"
+        f" (auto.offset.reset={plan.reset.value})",
+        title_justify="left",
     )
-    for name in ("topic", "partition", "low", "high", "current", "target", "redeliver", "skip"):
-        table.add_column(name, justify="left" if name == "topic" else "right")
+    for name in _PLAN_COLUMNS:
+        table.add_column(name, justify="left" if name in ("topic", "note") else "right")
     for p in plan.partitions:
         table.add_row(
             p.topic,
@@ -364,17 +451,24 @@ def _show_plan(plan: ReplayPlan, *, as_json: bool, executed: bool) -> None:
             str(p.low_offset),
             str(p.high_offset),
             fmt_offset(p.current_offset),
-            str(p.target_offset),
+            _fmt_resume(p.resume_offset, out_of_range=p.warning is not None),
+            fmt_offset(p.target_offset),
             str(p.redeliver_count),
             str(p.skip_count),
+            p.note,
             style="bold" if p.changes else None,
         )
-    out = _out()
-    out.print(table)
-    verdict = "applied" if executed else "dry run, nothing changed (add --execute to apply)"
-    out.print(
-        f"{plan.redeliver_count} record(s) to deliver again, {plan.skip_count} to skip: {verdict}"
-    )
+    if refused:
+        verdict = "refused, nothing changed"
+    elif executed:
+        verdict = "applied"
+    else:
+        verdict = "dry run, nothing changed (add --execute to apply)"
+    untouched = len(plan.with_action(PartitionAction.UNTOUCHED))
+    summary = f"{plan.redeliver_count} record(s) to deliver again, {plan.skip_count} to skip"
+    if untouched:
+        summary += f", {untouched} partition(s) not committed — untouched"
+    return Group(table, Text(f"{summary}: {verdict}"))
 
 
 # --- redeliver -------------------------------------------------------------------------------

@@ -11,12 +11,24 @@ Guarantees:
   targets for the plan's group, and refuses with :class:`GroupActiveError`
   while the group has members (Kafka itself also refuses an offset change of
   a non-empty group; that answer is reported the same way).
-* Replay targets are clamped to each partition's ``[low, high]`` watermarks; a
+* Replay targets are Kafka's (``kafka-consumer-groups --reset-offsets``), clamped
+  to each partition's ``[low, high]`` watermarks: a shift is the committed offset
+  plus N, then clamped, also when the committed offset is itself out of range; a
   time target (``--to-datetime`` / ``--by-duration``) is the first record whose
   timestamp - the commit time, by the record contract - is at or after the
   time, or the partition's end when there is none.
-* A group that never committed a partition resumes at its low watermark (the
-  sink runs with ``auto.offset.reset=earliest``); its current offset is ``None``.
+* A replay never skips what the group has not processed unless the operator says
+  so: partitions the group never committed are left alone by ``--all-topics`` and
+  ``--topic T`` (moved only when named, ``T:p``, or with ``include_uncommitted``),
+  and a shift of a partition without a committed offset is refused unless
+  ``from_earliest_if_uncommitted`` says to shift from the low watermark.
+* Where a group resumes is where the sink's consumer really starts reading: the
+  committed offset when it lies in ``[low, high]``, else (never committed, or
+  out of range: below the low watermark or past the end) where the sink's
+  ``auto.offset.reset`` sends it - earliest today, so the low watermark, for a
+  commit past the end too (librdkafka's behaviour against a real broker). Lag,
+  the oldest unprocessed age and a replay's counts are measured from there, and
+  an out-of-range commit is reported with a warning naming the likely causes.
 * :func:`redeliver` sends each chosen record through
   :func:`sinks.dispatch.deliver` with its own ``id`` header as
   ``Idempotency-Key``, one at a time, in commit order (LSN header, else the
@@ -26,7 +38,8 @@ Guarantees:
   rates, ISO-8601 durations, topic selection) is a pure function below.
 
 Kafka failures surface as :class:`KafkaOpsError` with the librdkafka error
-chained; usage mistakes as :class:`OpsUsageError`.
+chained; usage mistakes as :class:`OpsUsageError`; a refused plan as
+:class:`GroupActiveError` or :class:`UncommittedShiftError`.
 """
 
 from __future__ import annotations
@@ -56,9 +69,11 @@ from confluent_kafka.admin import AdminClient
 
 from cdc.constants import HEADER_LSN
 from cdc.errors import CdcError
+from cdc.kafkalog import KafkaClientEvents
 from cdc.ops import SlotStatus, slot_status
 from cdc.replproto import str_to_lsn
 from cdc.settings import Settings
+from sinks.consumer import consumer_config
 from sinks.delivery import Envelope
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
@@ -112,6 +127,10 @@ class GroupActiveError(OpsError):
         self.group = group
         self.state = state
         self.members = members
+
+
+class UncommittedShiftError(OpsError):
+    """A shift of partitions the group never committed: there is nothing to shift from."""
 
 
 class KafkaOpsError(OpsError):
@@ -221,15 +240,133 @@ def clamp_offset(offset: int, *, low: int, high: int) -> int:
     return min(max(offset, low), high)
 
 
-def effective_position(committed: int | None, *, low: int, high: int) -> int:
-    """Where the group resumes: its committed offset, or ``low`` when it never
-    committed or the committed records were deleted; never beyond ``high``."""
+class OffsetReset(enum.Enum):
+    """librdkafka's ``auto.offset.reset``: where a consumer starts reading a partition
+    whose committed offset it cannot use - none, or one outside ``[low, high]``, which
+    the broker answers with OFFSET_OUT_OF_RANGE (checked against a real broker, both
+    below the low watermark and past the end)."""
+
+    EARLIEST = "earliest"  # the low watermark (librdkafka also says smallest, beginning)
+    LATEST = "latest"  # the end (largest, end; librdkafka's default)
+    ERROR = "error"  # nowhere: the consumer reports an error for the partition
+
+    @classmethod
+    def parse(cls, value: str) -> OffsetReset:
+        """The policy of one librdkafka spelling (``smallest`` -> EARLIEST)."""
+        try:
+            return _RESET_SPELLINGS[value.strip().lower()]
+        except KeyError:
+            raise OpsUsageError(
+                f"auto.offset.reset {value!r}: not one of {', '.join(sorted(_RESET_SPELLINGS))}"
+            ) from None
+
+
+_RESET_SPELLINGS = {
+    "smallest": OffsetReset.EARLIEST,
+    "earliest": OffsetReset.EARLIEST,
+    "beginning": OffsetReset.EARLIEST,
+    "largest": OffsetReset.LATEST,
+    "latest": OffsetReset.LATEST,
+    "end": OffsetReset.LATEST,
+    "error": OffsetReset.ERROR,
+}
+#: librdkafka's own default when a consumer's configuration does not name one.
+LIBRDKAFKA_DEFAULT_RESET = "largest"
+
+
+def sink_offset_reset(settings: Settings) -> OffsetReset:
+    """The sink's ``auto.offset.reset`` exactly as its consumer is configured
+    (:func:`sinks.consumer.consumer_config`, ``KAFKA_CONFIG_*`` overrides included)."""
+    value = consumer_config(settings).get("auto.offset.reset", LIBRDKAFKA_DEFAULT_RESET)
+    return OffsetReset.parse(str(value))
+
+
+class CommitRange(enum.Enum):
+    """Where a group's committed offset lies against a partition's ``[low, high]``."""
+
+    NONE = "none"  # the group never committed here
+    IN_RANGE = "in_range"  # low <= committed <= high: the consumer resumes at it
+    BELOW_LOW = "below_low"  # records were deleted before the group processed them
+    PAST_END = "past_end"  # the topic was recreated, its log truncated, or set by hand
+
+
+def commit_range(committed: int | None, *, low: int, high: int) -> CommitRange:
+    """Classify a committed offset against the partition's watermarks."""
+    if committed is None:
+        return CommitRange.NONE
+    if committed < low:
+        return CommitRange.BELOW_LOW
+    if committed > high:
+        return CommitRange.PAST_END
+    return CommitRange.IN_RANGE
+
+
+def resume_offset(committed: int | None, *, low: int, high: int, reset: OffsetReset) -> int | None:
+    """Where a consumer of the group really starts reading: its committed offset when
+    that lies in ``[low, high]``, else where ``reset`` sends it; ``None`` for ERROR
+    (the consumer stops on the partition with an error)."""
+    if committed is not None and low <= committed <= high:
+        return committed
+    if reset is OffsetReset.EARLIEST:
+        return low
+    if reset is OffsetReset.LATEST:
+        return high
+    return None
+
+
+def counting_position(committed: int | None, *, low: int, high: int, reset: OffsetReset) -> int:
+    """The position lag and replay counts are measured from: :func:`resume_offset`,
+    or, where the consumer stops (ERROR), its committed offset clamped (``low`` if none)."""
+    resume = resume_offset(committed, low=low, high=high, reset=reset)
+    if resume is not None:
+        return resume
     return clamp_offset(low if committed is None else committed, low=low, high=high)
 
 
-def lag_count(committed: int | None, *, low: int, high: int) -> int:
-    """Records the group has still to process in one partition."""
-    return high - effective_position(committed, low=low, high=high)
+def lag_count(committed: int | None, *, low: int, high: int, reset: OffsetReset) -> int:
+    """Records the group has still to process in one partition, from where it resumes."""
+    return high - counting_position(committed, low=low, high=high, reset=reset)
+
+
+def out_of_range_warning(
+    topic: str, partition: int, committed: int | None, *, low: int, high: int, reset: OffsetReset
+) -> str | None:
+    """One line saying a committed offset is out of range, why that happens and what
+    the sink will do about it; ``None`` when it is in range (or absent)."""
+    where = commit_range(committed, low=low, high=high)
+    name = f"{topic}[{partition}]: committed offset {committed}"
+    if where is CommitRange.BELOW_LOW:
+        cause = (
+            f"{name} is below the low watermark {low} (out of range): records"
+            f" {committed}..{low - 1} were deleted (retention, DeleteRecords) before the"
+            " group processed them"
+        )
+    elif where is CommitRange.PAST_END:
+        cause = (
+            f"{name} is past the end {high} (out of range): the topic was deleted and"
+            " recreated, its log was truncated (unclean leader election), or the offset"
+            " was set by hand"
+        )
+    else:
+        return None
+    return f"{cause}; {_reset_outcome(reset, low=low, high=high)}"
+
+
+def _reset_outcome(reset: OffsetReset, *, low: int, high: int) -> str:
+    if reset is OffsetReset.EARLIEST:
+        return (
+            f"the sink resumes at the low watermark {low} (auto.offset.reset=earliest)"
+            f" and processes the {high - low} record(s) from there"
+        )
+    if reset is OffsetReset.LATEST:
+        return (
+            f"the sink resumes at the end {high} (auto.offset.reset=latest) and skips the"
+            f" {high - low} record(s) still in Kafka"
+        )
+    return (
+        "the sink's consumer stops on this partition with an offset-out-of-range error"
+        " (auto.offset.reset=error)"
+    )
 
 
 def age_s(timestamp_ms: int | None, *, now_ms: int) -> float | None:
@@ -248,11 +385,22 @@ class PartitionLag:
     committed_offset: int | None  # None: the group never committed here
     low_offset: int
     end_offset: int
+    #: Where the sink's consumer really starts reading (auto.offset.reset applied to a
+    #: missing or out-of-range commit); None when it stops with an error instead.
+    resume_offset: int | None
     lag: int
     #: Timestamp (= commit time) of the first record not yet processed; None when lag is 0.
     oldest_unprocessed_ts_ms: int | None
     #: Its age; 0.0 when lag is 0, None when the record could not be read in time.
     oldest_unprocessed_age_s: float | None
+    commit_range: CommitRange = CommitRange.IN_RANGE
+    #: Why the committed offset is out of range and what the sink does; None when in range.
+    warning: str | None = None
+
+    @property
+    def position(self) -> int:
+        """The offset lag is counted from (records at and after it are unprocessed)."""
+        return self.end_offset - self.lag
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -261,9 +409,12 @@ class PartitionLag:
             "committed_offset": self.committed_offset,
             "low_offset": self.low_offset,
             "end_offset": self.end_offset,
+            "resume_offset": self.resume_offset,
+            "commit_range": self.commit_range.value,
             "lag": self.lag,
             "oldest_unprocessed_ts_ms": self.oldest_unprocessed_ts_ms,
             "oldest_unprocessed_age_s": self.oldest_unprocessed_age_s,
+            "warning": self.warning,
         }
 
 
@@ -274,11 +425,13 @@ def partition_lag(
     committed: int | None,
     low: int,
     high: int,
+    reset: OffsetReset,
     first_ts_ms: int | None,
     now_ms: int,
 ) -> PartitionLag:
-    """The lag row of one partition from its offsets and the first unprocessed timestamp."""
-    lag = lag_count(committed, low=low, high=high)
+    """The lag row of one partition from its offsets, the sink's reset policy and the
+    timestamp of the first record at the position the group resumes from."""
+    lag = lag_count(committed, low=low, high=high, reset=reset)
     ts_ms = first_ts_ms if lag > 0 else None
     return PartitionLag(
         topic=topic,
@@ -286,9 +439,12 @@ def partition_lag(
         committed_offset=committed,
         low_offset=low,
         end_offset=high,
+        resume_offset=resume_offset(committed, low=low, high=high, reset=reset),
         lag=lag,
         oldest_unprocessed_ts_ms=ts_ms,
         oldest_unprocessed_age_s=age_s(ts_ms, now_ms=now_ms) if lag > 0 else 0.0,
+        commit_range=commit_range(committed, low=low, high=high),
+        warning=out_of_range_warning(topic, partition, committed, low=low, high=high, reset=reset),
     )
 
 
@@ -327,7 +483,7 @@ class LagRate:
     """Records per second between two lag snapshots of one partition."""
 
     produced_per_s: float  # end offset growth
-    processed_per_s: float  # committed offset growth
+    processed_per_s: float  # growth of the position lag is counted from
 
 
 def lag_rates(
@@ -342,11 +498,9 @@ def lag_rates(
         prev = old.get((row.topic, row.partition))
         if prev is None:
             continue
-        was = effective_position(prev.committed_offset, low=prev.low_offset, high=prev.end_offset)
-        now = effective_position(row.committed_offset, low=row.low_offset, high=row.end_offset)
         rates[(row.topic, row.partition)] = LagRate(
             produced_per_s=max(0, row.end_offset - prev.end_offset) / elapsed_s,
-            processed_per_s=max(0, now - was) / elapsed_s,
+            processed_per_s=max(0, row.position - prev.position) / elapsed_s,
         )
     return rates
 
@@ -361,21 +515,28 @@ class ReplayKind(enum.Enum):
     LATEST = "to-latest"  # the end: skip everything not yet processed
     DATETIME = "to-datetime"  # first record committed at or after a time
     DURATION = "by-duration"  # first record committed at or after now minus a duration
-    SHIFT = "shift-by"  # current position plus N (negative: back)
+    SHIFT = "shift-by"  # the committed offset plus N (negative: back), as Kafka
     OFFSET = "to-offset"  # an absolute offset
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReplaySpec:
     """The operator's target. ``value``: ms since epoch (DATETIME), ms (DURATION),
-    a delta (SHIFT), an offset (OFFSET); unused otherwise."""
+    a delta (SHIFT), an offset (OFFSET); unused otherwise.
+    ``from_earliest_if_uncommitted``: a SHIFT may start from the low watermark of a
+    partition the group never committed (otherwise such a shift is refused)."""
 
     kind: ReplayKind
     value: int = 0
+    from_earliest_if_uncommitted: bool = False
 
     @classmethod
-    def from_option(cls, kind: ReplayKind, raw: str | None = None) -> ReplaySpec:
+    def from_option(
+        cls, kind: ReplayKind, raw: str | None = None, *, from_earliest_if_uncommitted: bool = False
+    ) -> ReplaySpec:
         """The spec of one CLI option and its text (``PT15M``, ``-100``, an ISO time)."""
+        if from_earliest_if_uncommitted and kind is not ReplayKind.SHIFT:
+            raise OpsUsageError("--from-earliest-if-uncommitted goes with --shift-by only")
         if kind in (ReplayKind.EARLIEST, ReplayKind.LATEST):
             return cls(kind=kind)
         text = (raw or "").strip()
@@ -389,7 +550,9 @@ class ReplaySpec:
             raise OpsUsageError(f"--{kind.value} {text!r}: not an integer") from exc
         if kind is ReplayKind.OFFSET and number < 0:
             raise OpsUsageError(f"--to-offset {number}: offsets are not negative")
-        return cls(kind=kind, value=number)
+        return cls(
+            kind=kind, value=number, from_earliest_if_uncommitted=from_earliest_if_uncommitted
+        )
 
     def timestamp_ms(self, *, now_ms: int) -> int | None:
         """The time a DATETIME/DURATION target resolves to; ``None`` for the others."""
@@ -407,7 +570,8 @@ class ReplaySpec:
         if self.kind is ReplayKind.DURATION:
             return f"--by-duration PT{self.value / 1000:g}S"
         if self.kind is ReplayKind.SHIFT:
-            return f"--shift-by {self.value:+d}"
+            extra = " --from-earliest-if-uncommitted" if self.from_earliest_if_uncommitted else ""
+            return f"--shift-by {self.value:+d}{extra}"
         return f"--to-offset {self.value}"
 
 
@@ -418,11 +582,15 @@ def _iso_ms(ms: int) -> str:
 def replay_target(
     spec: ReplaySpec, *, current: int | None, low: int, high: int, time_offset: int | None
 ) -> int:
-    """The offset a partition moves to, inside ``[low, high]``.
+    """The offset a partition moves to, inside ``[low, high]``, as Kafka's
+    ``kafka-consumer-groups --reset-offsets`` computes it.
 
+    A shift is the committed offset plus N, then clamped - also when the committed
+    offset is itself out of range (700 with end 200, shift -50 -> 200); ``current=None``
+    shifts from ``low`` (only asked for with ``--from-earliest-if-uncommitted``).
     ``time_offset`` is ``offsets_for_times``' answer for time targets: the first
-    offset at or after the time, or ``None``/negative when no record is that
-    recent (then the partition goes to its end).
+    offset at or after the time, or ``None``/negative when no record is that recent
+    (then the partition goes to its end).
     """
     kind = spec.kind
     if kind is ReplayKind.EARLIEST:
@@ -432,42 +600,113 @@ def replay_target(
     if kind is ReplayKind.OFFSET:
         return clamp_offset(spec.value, low=low, high=high)
     if kind is ReplayKind.SHIFT:
-        start = effective_position(current, low=low, high=high)
-        return clamp_offset(start + spec.value, low=low, high=high)
+        base = low if current is None else current
+        return clamp_offset(base + spec.value, low=low, high=high)
     if time_offset is None or time_offset < 0:
         return high
     return clamp_offset(time_offset, low=low, high=high)
 
 
+class PartitionAction(enum.Enum):
+    """What a replay does to one partition of the group."""
+
+    MOVE = "move"  # commit target_offset
+    UNTOUCHED = "untouched"  # never committed, not named by partition: left alone
+    REFUSED = "refused"  # a shift with no committed offset to shift from
+
+
+def partition_action(
+    spec: ReplaySpec, *, current: int | None, named: bool, include_uncommitted: bool
+) -> PartitionAction:
+    """The rules that keep a replay from skipping what the group never processed.
+
+    A partition the group never committed is left alone unless the operator named it
+    (``--topic T:p``) or passed ``--include-uncommitted``; a shift of such a partition
+    is refused unless ``--from-earliest-if-uncommitted`` says where to shift from.
+    """
+    if current is not None:
+        return PartitionAction.MOVE
+    if not (named or include_uncommitted):
+        return PartitionAction.UNTOUCHED
+    if spec.kind is ReplayKind.SHIFT and not spec.from_earliest_if_uncommitted:
+        return PartitionAction.REFUSED
+    return PartitionAction.MOVE
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PartitionPlan:
-    """One partition of a replay: where the group is and where it would go."""
+    """One partition of a replay: where the group is, where it resumes, where it would go."""
 
     topic: str
     partition: int
     low_offset: int
     high_offset: int
-    current_offset: int | None  # None: never committed (resumes at low_offset)
-    target_offset: int
+    current_offset: int | None  # the committed offset; None: never committed
+    action: PartitionAction
+    target_offset: int | None  # None unless the action is MOVE
+    reset: OffsetReset  # the sink's auto.offset.reset, which decides the resume point
+    shifted_from_earliest: bool = False  # a SHIFT of an uncommitted partition from low
+
+    @property
+    def resume_offset(self) -> int | None:
+        """Where the sink's consumer resumes today (None: it stops with an error)."""
+        return resume_offset(
+            self.current_offset, low=self.low_offset, high=self.high_offset, reset=self.reset
+        )
 
     @property
     def start_offset(self) -> int:
-        """Where the group resumes today."""
-        return effective_position(self.current_offset, low=self.low_offset, high=self.high_offset)
+        """The position today that the counts are measured from."""
+        return counting_position(
+            self.current_offset, low=self.low_offset, high=self.high_offset, reset=self.reset
+        )
 
     @property
     def redeliver_count(self) -> int:
-        """Records below the current position the group will process again."""
+        """Records below where the group resumes today that it will process again."""
+        if self.target_offset is None:
+            return 0
         return max(0, self.start_offset - self.target_offset)
 
     @property
     def skip_count(self) -> int:
-        """Records not yet processed that the group will never process."""
+        """Records at or after where the group resumes today that it will never process."""
+        if self.target_offset is None:
+            return 0
         return max(0, self.target_offset - self.start_offset)
 
     @property
     def changes(self) -> bool:
-        return self.current_offset != self.target_offset
+        return self.target_offset is not None and self.current_offset != self.target_offset
+
+    @property
+    def commit_range(self) -> CommitRange:
+        return commit_range(self.current_offset, low=self.low_offset, high=self.high_offset)
+
+    @property
+    def warning(self) -> str | None:
+        """Why the committed offset is out of range and what the sink does today."""
+        return out_of_range_warning(
+            self.topic,
+            self.partition,
+            self.current_offset,
+            low=self.low_offset,
+            high=self.high_offset,
+            reset=self.reset,
+        )
+
+    @property
+    def note(self) -> str:
+        """What the table says beside the numbers."""
+        if self.action is PartitionAction.UNTOUCHED:
+            return "not committed — untouched"
+        if self.action is PartitionAction.REFUSED:
+            return "not committed — shift refused"
+        if self.shifted_from_earliest:
+            return f"not committed — shifted from the low watermark {self.low_offset}"
+        if self.commit_range in (CommitRange.BELOW_LOW, CommitRange.PAST_END):
+            return "committed offset out of range"
+        return ""
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -476,9 +715,14 @@ class PartitionPlan:
             "low_offset": self.low_offset,
             "high_offset": self.high_offset,
             "current_offset": self.current_offset,
+            "commit_range": self.commit_range.value,
+            "resume_offset": self.resume_offset,
+            "action": self.action.value,
             "target_offset": self.target_offset,
             "redeliver_count": self.redeliver_count,
             "skip_count": self.skip_count,
+            "note": self.note,
+            "warning": self.warning,
         }
 
 
@@ -490,17 +734,29 @@ def plan_partition(
     current: int | None,
     low: int,
     high: int,
+    reset: OffsetReset,
     time_offset: int | None = None,
+    named: bool = False,
+    include_uncommitted: bool = False,
 ) -> PartitionPlan:
-    """The plan of one partition (pure)."""
+    """The plan of one partition (pure); ``named``: the operator listed this partition."""
+    action = partition_action(
+        spec, current=current, named=named, include_uncommitted=include_uncommitted
+    )
+    target = None
+    if action is PartitionAction.MOVE:
+        target = replay_target(spec, current=current, low=low, high=high, time_offset=time_offset)
     return PartitionPlan(
         topic=topic,
         partition=partition,
         low_offset=low,
         high_offset=high,
         current_offset=current,
-        target_offset=replay_target(
-            spec, current=current, low=low, high=high, time_offset=time_offset
+        action=action,
+        target_offset=target,
+        reset=reset,
+        shifted_from_earliest=(
+            action is PartitionAction.MOVE and current is None and spec.kind is ReplayKind.SHIFT
         ),
     )
 
@@ -515,11 +771,30 @@ class ReplayPlan:
     partitions: tuple[PartitionPlan, ...]
     group_state: str
     active_members: int
+    reset: OffsetReset = OffsetReset.EARLIEST
+    include_uncommitted: bool = False
 
     @property
     def active(self) -> bool:
         """Members are consuming: :func:`apply_replay` would refuse."""
         return group_is_active(self.group_state, self.active_members)
+
+    def with_action(self, action: PartitionAction) -> tuple[PartitionPlan, ...]:
+        """The partitions the plan treats this way."""
+        return tuple(p for p in self.partitions if p.action is action)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why :func:`apply_replay` refuses this plan whatever the group's state, or None."""
+        refused = self.with_action(PartitionAction.REFUSED)
+        if not refused:
+            return None
+        names = ", ".join(f"{p.topic}[{p.partition}]" for p in refused)
+        return (
+            f"cannot shift {names}: the group has no committed offset there to shift from"
+            " (Kafka refuses the same); add --from-earliest-if-uncommitted to shift from"
+            " the low watermark, or pick a target that needs no committed offset"
+        )
 
     @property
     def redeliver_count(self) -> int:
@@ -529,6 +804,11 @@ class ReplayPlan:
     def skip_count(self) -> int:
         return sum(p.skip_count for p in self.partitions)
 
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """One line per partition whose committed offset is out of range."""
+        return tuple(p.warning for p in self.partitions if p.warning is not None)
+
     def as_json(self) -> dict[str, object]:
         return {
             "group": self.group,
@@ -536,15 +816,31 @@ class ReplayPlan:
             "at": _iso_ms(self.at_ms) if self.at_ms is not None else None,
             "group_state": self.group_state,
             "active_members": self.active_members,
+            "auto_offset_reset": self.reset.value,
+            "include_uncommitted": self.include_uncommitted,
+            "refused": self.refusal is not None,
+            "refusal": self.refusal,
             "redeliver_count": self.redeliver_count,
             "skip_count": self.skip_count,
+            "untouched_count": len(self.with_action(PartitionAction.UNTOUCHED)),
             "partitions": [p.as_json() for p in self.partitions],
+            "warnings": list(self.warnings),
         }
 
 
 def group_is_active(state: str, members: int) -> bool:
     """A group with members, or in any state but EMPTY/DEAD, is consuming."""
     return members > 0 or state.upper() not in _IDLE_GROUP_STATES
+
+
+def named_partitions(selections: Sequence[TopicSelection] | None) -> frozenset[TP]:
+    """The partitions the operator listed one by one (``--topic T:0,2``)."""
+    return frozenset(
+        (sel.topic, p)
+        for sel in selections or ()
+        if sel.partitions is not None
+        for p in sel.partitions
+    )
 
 
 # --- pure: redelivery selection -------------------------------------------------------------
@@ -608,6 +904,7 @@ def _client_config(settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap_servers,
         "client.id": "outbox-cdc-ops",
+        **KafkaClientEvents("ops").config(),
     }
     config.update(settings.kafka_config)
     return config
@@ -820,19 +1117,22 @@ def group_lag(
     topics: Sequence[TopicSelection] | None = None,
     at_ms: int | None = None,
 ) -> list[PartitionLag]:
-    """Per topic/partition: committed and end offsets, lag, and the oldest unprocessed
-    event's age (from the timestamp of the record at the committed offset, read with a
-    throwaway consumer). ``group`` defaults to ``SINK_GROUP_ID``; ``topics`` to the sink's."""
+    """Per topic/partition: committed and end offsets, where the sink resumes, lag, and
+    the oldest unprocessed event's age (the timestamp of the record at the resume
+    position, read with a throwaway consumer). Resume positions follow the sink's
+    ``auto.offset.reset`` for a missing or out-of-range commit (:func:`resume_offset`).
+    ``group`` defaults to ``SINK_GROUP_ID``; ``topics`` to the sink's."""
     group = group or settings.sink_group_id
+    reset = sink_offset_reset(settings)
     with KafkaOps(settings) as kafka:
         tps = kafka.partitions(topics)
         marks = kafka.watermarks(tps)
         committed = kafka.committed(group, tps)
-        behind = {
-            tp: effective_position(committed[tp], low=marks[tp][0], high=marks[tp][1])
+        positions = {
+            tp: counting_position(committed[tp], low=marks[tp][0], high=marks[tp][1], reset=reset)
             for tp in tps
-            if lag_count(committed[tp], low=marks[tp][0], high=marks[tp][1]) > 0
         }
+        behind = {tp: pos for tp, pos in positions.items() if pos < marks[tp][1]}
         first_ts = _first_timestamps(kafka, behind, marks)
     now = now_ms() if at_ms is None else at_ms
     return [
@@ -842,6 +1142,7 @@ def group_lag(
             committed=committed[(t, p)],
             low=marks[(t, p)][0],
             high=marks[(t, p)][1],
+            reset=reset,
             first_ts_ms=first_ts.get((t, p)),
             now_ms=now,
         )
@@ -885,6 +1186,11 @@ class PipelineLag:
     def totals(self) -> LagTotals:
         return lag_totals(self.partitions)
 
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """One line per partition whose committed offset is out of range."""
+        return tuple(p.warning for p in self.partitions if p.warning is not None)
+
     def as_json(self) -> dict[str, object]:
         return {
             "group": self.group,
@@ -893,6 +1199,7 @@ class PipelineLag:
             "partitions": [p.as_json() for p in self.partitions],
             "slot": dict(self.slot) if self.slot is not None else None,
             "parking_lot": self.parking,
+            "warnings": list(self.warnings),
             "problems": list(self.problems),
         }
 
@@ -941,13 +1248,18 @@ def plan_replay(
     group: str,
     spec: ReplaySpec,
     topics: Sequence[TopicSelection] | None = None,
+    include_uncommitted: bool = False,
     at_ms: int | None = None,
 ) -> ReplayPlan:
-    """Per partition current -> target offsets and the records to deliver again.
+    """Per partition current -> target offsets and the records to deliver again or skip.
 
-    ``topics=None`` takes every partition of the sink's topics. Reads only.
+    ``topics=None`` takes every partition of the sink's topics. Partitions the group
+    never committed are planned only when named (``T:p``) or ``include_uncommitted``
+    (:func:`partition_action`). Reads only.
     """
     now = now_ms() if at_ms is None else at_ms
+    reset = sink_offset_reset(settings)
+    named = named_partitions(topics)
     with KafkaOps(settings) as kafka:
         tps = kafka.partitions(topics)
         if not tps:
@@ -967,7 +1279,10 @@ def plan_replay(
             current=committed[(t, p)],
             low=marks[(t, p)][0],
             high=marks[(t, p)][1],
+            reset=reset,
             time_offset=by_time.get((t, p)),
+            named=(t, p) in named,
+            include_uncommitted=include_uncommitted,
         )
         for t, p in tps
     )
@@ -978,16 +1293,28 @@ def plan_replay(
         partitions=partitions,
         group_state=state,
         active_members=members,
+        reset=reset,
+        include_uncommitted=include_uncommitted,
     )
 
 
 def apply_replay(settings: Settings, plan: ReplayPlan) -> None:
-    """Commit the plan's targets for its group; :class:`GroupActiveError` while it has members."""
+    """Commit the plan's targets (MOVE partitions only) for its group.
+
+    :class:`UncommittedShiftError` when the plan shifts a partition without a
+    committed offset; :class:`GroupActiveError` while the group has members.
+    """
+    if plan.refusal is not None:
+        raise UncommittedShiftError(plan.refusal)
     with KafkaOps(settings) as kafka:
         state, members = kafka.group_state(plan.group)
         if group_is_active(state, members):
             raise GroupActiveError(plan.group, state=state, members=members)
-        offsets = {(p.topic, p.partition): p.target_offset for p in plan.partitions}
+        offsets = {
+            (p.topic, p.partition): p.target_offset
+            for p in plan.partitions
+            if p.target_offset is not None
+        }
         if offsets:
             kafka.commit_for_group(plan.group, offsets)
 
@@ -1245,14 +1572,17 @@ async def _with_lot(settings: Settings, use: Callable[[ParkingLot], Awaitable[_T
 
 
 __all__ = [
+    "CommitRange",
     "GroupActiveError",
     "KafkaOps",
     "KafkaOpsError",
     "LagRate",
     "LagTotals",
+    "OffsetReset",
     "OpsError",
     "OpsUsageError",
     "Outcome",
+    "PartitionAction",
     "PartitionLag",
     "PartitionPlan",
     "PipelineLag",
@@ -1263,8 +1593,10 @@ __all__ = [
     "ReplayPlan",
     "ReplaySpec",
     "TopicSelection",
+    "UncommittedShiftError",
     "apply_replay",
     "clamp_offset",
+    "commit_range",
     "group_lag",
     "lag_rates",
     "lag_totals",
@@ -1276,5 +1608,7 @@ __all__ = [
     "plan_replay",
     "redeliver",
     "replay_target",
+    "resume_offset",
     "retry_parked",
+    "sink_offset_reset",
 ]

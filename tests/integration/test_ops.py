@@ -12,9 +12,11 @@ import asyncio
 import json
 import math
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -46,6 +48,8 @@ from tests.harness import (
 pytestmark = pytest.mark.integration
 
 PARTITIONS = 3
+#: Longest wait for one `lag --watch` frame (a loaded machine starts the CLI slowly).
+WATCH_FRAME_TIMEOUT_S = 120.0
 SYNC_TYPES = {"UserRegistered": "USER_SYNC", "QuizAttemptSubmitted": "QUIZ_SYNC"}
 API_KEY = "ops-test-key"
 
@@ -307,7 +311,8 @@ def test_replay_dry_run_reports_the_plan_and_changes_nothing(ops: Ops) -> None:
     assert plan["executed"] is False
     rows = {p["partition"]: p for p in plan["partitions"]}  # type: ignore[attr-defined]
     assert rows[0]["current_offset"] == 3 and rows[0]["target_offset"] == 0
-    assert rows[2]["current_offset"] is None and rows[2]["target_offset"] == 0
+    assert rows[2]["current_offset"] is None and rows[2]["target_offset"] is None
+    assert rows[2]["action"] == "untouched"  # never committed: --topic T leaves it alone
     assert plan["redeliver_count"] == 3 + 2
     assert committed(ops.kafka, ops.group, ops.user_topic) == {0: 3, 1: 2, 2: None}
     table = ops.cli("replay", "--group", ops.group, "--topic", ops.user_topic, "--to-earliest")
@@ -452,23 +457,44 @@ def test_lag_is_zero_with_zero_age_when_the_group_caught_up(ops: Ops) -> None:
     assert "total lag 0 in 0/3 partitions" in table.stdout
 
 
-def test_lag_watch_refreshes_until_interrupted_and_exits_zero(ops: Ops) -> None:
-    _spread(ops, now_ms() - 60_000, {0: [0, 1], 1: [2]})
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "cdc.cli", "lag", "--topic", ops.user_topic, "--watch", "--json"],
+def _watch_until_frames(ops: Ops, count: int) -> tuple[int, list[str], str]:
+    """Run ``lag --watch --json`` until it printed ``count`` frames (however long a loaded
+    machine takes to start the CLI and read Kafka), then Ctrl-C it: (exit code, every
+    line it printed, stderr)."""
+    command = [sys.executable, "-m", "cdc.cli", "lag", "--topic", ops.user_topic, "--watch"]
+    lines: queue.Queue[str] = queue.Queue()
+    with subprocess.Popen(
+        [*command, "--json"],
         env=ops.env(),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        time.sleep(6.0)  # three refreshes at the 2 s period
-    finally:
-        watch.send_signal(signal.SIGINT)
-        out, err = watch.communicate(timeout=30)
-    assert watch.returncode == 0, err
-    frames = [json.loads(line) for line in out.splitlines() if line.strip()]
+    ) as watch:
+        out, err = watch.stdout, watch.stderr
+        assert out is not None and err is not None
+        reader = threading.Thread(target=lambda: [lines.put(x) for x in out], daemon=True)
+        reader.start()
+        seen: list[str] = []
+        try:
+            while len(seen) < count:
+                seen.append(lines.get(timeout=WATCH_FRAME_TIMEOUT_S))
+        finally:
+            watch.send_signal(signal.SIGINT)
+            watch.wait(timeout=30)
+            reader.join(timeout=30)
+        while not lines.empty():  # frames printed before the interrupt arrived
+            seen.append(lines.get_nowait())
+        return watch.returncode, seen, err.read()
+
+
+def test_lag_watch_refreshes_until_interrupted_and_exits_zero(ops: Ops) -> None:
+    _spread(ops, now_ms() - 60_000, {0: [0, 1], 1: [2]})
+
+    returncode, lines, err = _watch_until_frames(ops, 2)
+
+    assert returncode == 0, err
+    frames = [json.loads(line) for line in lines if line.strip()]
     assert len(frames) >= 2, "the view refreshes"
     assert all(f["totals"]["lag"] == 3 for f in frames)
 

@@ -13,28 +13,41 @@ from cdc.cli_ops import fmt_age, fmt_bytes, fmt_offset
 from cdc.settings import Settings
 from sinks.delivery import Envelope
 from sinks.ops import (
+    CommitRange,
+    OffsetReset,
     OpsUsageError,
+    PartitionAction,
     PartitionLag,
+    PartitionPlan,
     RedeliverySelector,
     ReplayKind,
+    ReplayPlan,
     ReplaySpec,
     TopicSelection,
     clamp_offset,
+    commit_range,
+    counting_position,
     default_topic_filter,
-    effective_position,
     group_is_active,
     in_commit_order,
     lag_count,
     lag_rates,
     lag_totals,
+    named_partitions,
+    out_of_range_warning,
     parse_datetime_ms,
     parse_iso_duration_s,
     parse_topic_spec,
+    partition_action,
     partition_lag,
     plan_partition,
     replay_target,
+    resume_offset,
     select_topics,
+    sink_offset_reset,
 )
+
+EARLIEST = OffsetReset.EARLIEST
 
 # --- ISO-8601 durations -----------------------------------------------------------------
 
@@ -126,29 +139,129 @@ def test_clamp_keeps_offsets_inside_the_watermarks() -> None:
     assert clamp_offset(99, low=3, high=10) == 10
 
 
-def test_a_group_that_never_committed_resumes_at_the_low_watermark() -> None:
-    assert effective_position(None, low=4, high=9) == 4
-    assert lag_count(None, low=4, high=9) == 5
-    assert effective_position(2, low=4, high=9) == 4  # its records were deleted
-    assert lag_count(12, low=4, high=9) == 0  # ahead of a recreated topic
+@pytest.mark.parametrize(
+    ("spelling", "policy"),
+    [
+        ("earliest", OffsetReset.EARLIEST),
+        ("smallest", OffsetReset.EARLIEST),
+        ("Beginning", OffsetReset.EARLIEST),
+        ("latest", OffsetReset.LATEST),
+        ("largest", OffsetReset.LATEST),
+        ("end", OffsetReset.LATEST),
+        ("error", OffsetReset.ERROR),
+    ],
+)
+def test_every_librdkafka_spelling_of_auto_offset_reset_is_understood(
+    spelling: str, policy: OffsetReset
+) -> None:
+    assert OffsetReset.parse(spelling) is policy
+
+
+def test_an_unknown_auto_offset_reset_is_a_usage_error() -> None:
+    with pytest.raises(OpsUsageError, match=r"auto\.offset\.reset 'sometimes'"):
+        OffsetReset.parse("sometimes")
+
+
+def test_the_sinks_reset_policy_is_read_from_its_consumer_configuration() -> None:
+    assert sink_offset_reset(Settings()) is OffsetReset.EARLIEST  # sinks/consumer.py today
+    overridden = Settings(kafka_config={"auto.offset.reset": "largest"})
+    assert sink_offset_reset(overridden) is OffsetReset.LATEST
+
+
+def test_a_commit_is_classified_against_the_watermarks() -> None:
+    assert commit_range(None, low=30, high=100) is CommitRange.NONE
+    assert commit_range(29, low=30, high=100) is CommitRange.BELOW_LOW
+    assert commit_range(30, low=30, high=100) is CommitRange.IN_RANGE
+    assert commit_range(100, low=30, high=100) is CommitRange.IN_RANGE  # at the end: waits
+    assert commit_range(101, low=30, high=100) is CommitRange.PAST_END
+
+
+@pytest.mark.parametrize(
+    ("committed", "reset", "resume"),
+    [
+        (50, OffsetReset.EARLIEST, 50),  # in range: the commit, whatever the policy
+        (50, OffsetReset.LATEST, 50),
+        (50, OffsetReset.ERROR, 50),
+        (None, OffsetReset.EARLIEST, 30),  # never committed: the policy
+        (None, OffsetReset.LATEST, 100),
+        (None, OffsetReset.ERROR, None),
+        (10, OffsetReset.EARLIEST, 30),  # below the low watermark: the policy
+        (10, OffsetReset.LATEST, 100),
+        (700, OffsetReset.EARLIEST, 30),  # past the end: the policy, NOT the end
+        (700, OffsetReset.LATEST, 100),
+        (700, OffsetReset.ERROR, None),
+    ],
+)
+def test_the_consumer_resumes_at_an_in_range_commit_else_where_the_policy_sends_it(
+    committed: int | None, reset: OffsetReset, resume: int | None
+) -> None:
+    assert resume_offset(committed, low=30, high=100, reset=reset) == resume
+
+
+def test_lag_counts_from_where_the_consumer_really_resumes() -> None:
+    assert lag_count(None, low=4, high=9, reset=EARLIEST) == 5
+    assert lag_count(2, low=4, high=9, reset=EARLIEST) == 5  # its records were deleted
+    assert lag_count(12, low=4, high=9, reset=EARLIEST) == 5  # past the end: all again
+    assert lag_count(12, low=4, high=9, reset=OffsetReset.LATEST) == 0
+    # a consumer that stops on the error still has its committed position to count from
+    assert counting_position(12, low=4, high=9, reset=OffsetReset.ERROR) == 9
+    assert counting_position(None, low=4, high=9, reset=OffsetReset.ERROR) == 4
+
+
+def test_an_out_of_range_commit_is_explained_with_its_likely_causes() -> None:
+    past = out_of_range_warning("t", 0, 700, low=0, high=200, reset=EARLIEST)
+    below = out_of_range_warning("t", 1, 10, low=30, high=100, reset=EARLIEST)
+    latest = out_of_range_warning("t", 1, 10, low=30, high=100, reset=OffsetReset.LATEST)
+    stops = out_of_range_warning("t", 1, 10, low=30, high=100, reset=OffsetReset.ERROR)
+    assert past is not None and below is not None and latest is not None and stops is not None
+    assert "t[0]: committed offset 700 is past the end 200 (out of range)" in past
+    assert "recreated" in past and "truncated" in past
+    assert "resumes at the low watermark 0 (auto.offset.reset=earliest)" in past
+    assert "records 10..29 were deleted (retention, DeleteRecords)" in below
+    assert "resumes at the low watermark 30" in below
+    assert "skips the 70 record(s)" in latest
+    assert "stops on this partition" in stops
+    assert out_of_range_warning("t", 0, 50, low=0, high=200, reset=EARLIEST) is None
+    assert out_of_range_warning("t", 0, None, low=0, high=200, reset=EARLIEST) is None
+
+
+def _lag_row(
+    committed: int | None, *, low: int = 0, high: int, first_ts_ms: int | None, now_ms: int
+) -> PartitionLag:
+    """One partition's lag row under the sink's policy today (earliest)."""
+    return partition_lag(
+        topic="t",
+        partition=0,
+        committed=committed,
+        low=low,
+        high=high,
+        reset=EARLIEST,
+        first_ts_ms=first_ts_ms,
+        now_ms=now_ms,
+    )
 
 
 def test_caught_up_partition_has_zero_lag_and_zero_age() -> None:
-    row = partition_lag(
-        topic="t", partition=0, committed=5, low=0, high=5, first_ts_ms=1_000, now_ms=9_000
-    )
+    row = _lag_row(5, high=5, first_ts_ms=1_000, now_ms=9_000)
     assert (row.lag, row.oldest_unprocessed_age_s, row.oldest_unprocessed_ts_ms) == (0, 0.0, None)
+    assert (row.resume_offset, row.warning) == (5, None)
 
 
 def test_lagging_partition_age_is_now_minus_first_unprocessed_timestamp() -> None:
-    row = partition_lag(
-        topic="t", partition=0, committed=2, low=0, high=5, first_ts_ms=1_000, now_ms=61_000
-    )
+    row = _lag_row(2, high=5, first_ts_ms=1_000, now_ms=61_000)
     assert (row.lag, row.oldest_unprocessed_age_s) == (3, 60.0)
-    unknown = partition_lag(
-        topic="t", partition=1, committed=None, low=0, high=5, first_ts_ms=None, now_ms=61_000
-    )
+    unknown = _lag_row(None, high=5, first_ts_ms=None, now_ms=61_000)
     assert (unknown.lag, unknown.oldest_unprocessed_age_s) == (5, None)
+
+
+def test_lag_row_of_a_commit_past_the_end_reports_the_real_resume_point_and_warns() -> None:
+    row = _lag_row(700, high=200, first_ts_ms=1_000, now_ms=11_000)
+    assert (row.resume_offset, row.lag, row.position) == (0, 200, 0)
+    assert row.oldest_unprocessed_age_s == 10.0
+    assert row.commit_range is CommitRange.PAST_END
+    assert row.warning is not None and "past the end 200" in row.warning
+    assert row.as_json()["resume_offset"] == 0
+    assert row.as_json()["commit_range"] == "past_end"
 
 
 def _lag(partition: int, committed: int | None, high: int, age: float | None) -> PartitionLag:
@@ -158,7 +271,8 @@ def _lag(partition: int, committed: int | None, high: int, age: float | None) ->
         committed_offset=committed,
         low_offset=0,
         end_offset=high,
-        lag=lag_count(committed, low=0, high=high),
+        resume_offset=resume_offset(committed, low=0, high=high, reset=EARLIEST),
+        lag=lag_count(committed, low=0, high=high, reset=EARLIEST),
         oldest_unprocessed_ts_ms=None,
         oldest_unprocessed_age_s=age,
     )
@@ -194,12 +308,24 @@ def test_each_target_kind_resolves_inside_the_watermarks() -> None:
     assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=-2)) == 4
     assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=-20)) == 3
     assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=20)) == 10
-    assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=2), current=None) == 5
+    assert target(ReplaySpec(kind=ReplayKind.SHIFT, value=2), current=None) == 5  # from low
     at = ReplaySpec(kind=ReplayKind.DATETIME, value=1_000)
     assert target(at, time_offset=7) == 7
     assert target(at, time_offset=None) == 10  # no record that recent: the end
     assert target(at, time_offset=-1) == 10
     assert target(at, time_offset=0) == 3  # below a deleted head: clamped
+
+
+def test_shift_of_an_out_of_range_commit_is_kafkas_committed_plus_n_then_clamped() -> None:
+    def shift(current: int, by: int, *, low: int, high: int) -> int:
+        spec = ReplaySpec(kind=ReplayKind.SHIFT, value=by)
+        return replay_target(spec, current=current, low=low, high=high, time_offset=None)
+
+    # the issue's numbers, checked against kafka-consumer-groups 4.1.1
+    assert shift(700, -50, low=0, high=200) == 200  # not 150 (end - 50)
+    assert shift(700, +50, low=0, high=200) == 200
+    assert shift(10, +50, low=30, high=100) == 60  # not 80 (low + 50)
+    assert shift(10, -50, low=30, high=100) == 30
 
 
 def test_time_targets_resolve_against_now() -> None:
@@ -212,6 +338,8 @@ def test_time_targets_resolve_against_now() -> None:
 
 def test_spec_from_cli_option_parses_its_value() -> None:
     assert ReplaySpec.from_option(ReplayKind.DURATION, "PT15M").value == 900_000
+    assert ReplaySpec.from_option(ReplayKind.DURATION, "PT1.5H").value == 5_400_000
+    assert ReplaySpec.from_option(ReplayKind.DURATION, "P1W").value == 604_800_000
     assert ReplaySpec.from_option(ReplayKind.SHIFT, "-5").value == -5
     assert ReplaySpec.from_option(ReplayKind.SHIFT, "+5").value == 5
     assert ReplaySpec.from_option(ReplayKind.OFFSET, "42").value == 42
@@ -220,37 +348,154 @@ def test_spec_from_cli_option_parses_its_value() -> None:
         ReplaySpec.from_option(ReplayKind.OFFSET, "-1")
     with pytest.raises(OpsUsageError, match="not an integer"):
         ReplaySpec.from_option(ReplayKind.SHIFT, "ten")
+    with pytest.raises(OpsUsageError, match="ISO-8601 duration"):
+        ReplaySpec.from_option(ReplayKind.DURATION, "-PT10M")
+
+
+def test_from_earliest_if_uncommitted_goes_with_a_shift_only_and_shows_in_the_plan() -> None:
+    spec = ReplaySpec.from_option(ReplayKind.SHIFT, "+5", from_earliest_if_uncommitted=True)
+    assert spec.describe() == "--shift-by +5 --from-earliest-if-uncommitted"
+    assert ReplaySpec.from_option(ReplayKind.SHIFT, "+5").describe() == "--shift-by +5"
+    with pytest.raises(OpsUsageError, match="with --shift-by only"):
+        ReplaySpec.from_option(ReplayKind.EARLIEST, from_earliest_if_uncommitted=True)
+
+
+def _row(
+    spec: ReplaySpec, *, current: int | None, low: int, high: int, named: bool = False
+) -> PartitionPlan:
+    """One partition's plan under the sink's policy today (earliest)."""
+    return plan_partition(
+        spec,
+        topic="t",
+        partition=1,
+        current=current,
+        low=low,
+        high=high,
+        reset=EARLIEST,
+        named=named,
+    )
 
 
 def test_plan_counts_records_to_deliver_again_and_to_skip() -> None:
-    back = plan_partition(
-        ReplaySpec(kind=ReplayKind.SHIFT, value=-4),
-        topic="t",
-        partition=0,
-        current=7,
-        low=0,
-        high=10,
-    )
+    back = _row(ReplaySpec(kind=ReplayKind.SHIFT, value=-4), current=7, low=0, high=10)
     assert (back.target_offset, back.redeliver_count, back.skip_count, back.changes) == (
         3,
         4,
         0,
         True,
     )
-    ahead = plan_partition(
-        ReplaySpec(kind=ReplayKind.LATEST), topic="t", partition=0, current=None, low=2, high=10
-    )
+    ahead = _row(ReplaySpec(kind=ReplayKind.LATEST), current=None, low=2, high=10, named=True)
     assert (ahead.current_offset, ahead.target_offset) == (None, 10)
     assert (ahead.redeliver_count, ahead.skip_count) == (0, 8)
+
+
+def test_counts_are_measured_from_where_the_group_really_resumes() -> None:
+    past_end = _row(ReplaySpec(kind=ReplayKind.SHIFT, value=-50), current=700, low=0, high=200)
+    # today the sink resumes at 0 (earliest); Kafka's arithmetic commits 200: 200 skipped
+    assert (past_end.resume_offset, past_end.target_offset) == (0, 200)
+    assert (past_end.redeliver_count, past_end.skip_count) == (0, 200)
+    assert past_end.note == "committed offset out of range"
+    assert past_end.warning is not None and "past the end 200" in past_end.warning
+    below = _row(ReplaySpec(kind=ReplayKind.EARLIEST), current=10, low=30, high=100)
+    assert (below.resume_offset, below.target_offset, below.skip_count) == (30, 30, 0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "current", "named", "include", "from_earliest", "action"),
+    [
+        (ReplayKind.DATETIME, 5, False, False, False, PartitionAction.MOVE),
+        (ReplayKind.DATETIME, None, False, False, False, PartitionAction.UNTOUCHED),
+        (ReplayKind.EARLIEST, None, False, False, False, PartitionAction.UNTOUCHED),
+        (ReplayKind.DATETIME, None, True, False, False, PartitionAction.MOVE),
+        (ReplayKind.DATETIME, None, False, True, False, PartitionAction.MOVE),
+        (ReplayKind.SHIFT, 5, False, False, False, PartitionAction.MOVE),
+        (ReplayKind.SHIFT, None, False, False, False, PartitionAction.UNTOUCHED),
+        (ReplayKind.SHIFT, None, True, False, False, PartitionAction.REFUSED),
+        (ReplayKind.SHIFT, None, False, True, False, PartitionAction.REFUSED),
+        (ReplayKind.SHIFT, None, True, False, True, PartitionAction.MOVE),
+        (ReplayKind.SHIFT, None, False, False, True, PartitionAction.UNTOUCHED),
+    ],
+)
+def test_uncommitted_partitions_move_only_when_the_operator_says_so(
+    kind: ReplayKind,
+    current: int | None,
+    named: bool,
+    include: bool,
+    from_earliest: bool,
+    action: PartitionAction,
+) -> None:
+    spec = ReplaySpec(kind=kind, value=1, from_earliest_if_uncommitted=from_earliest)
+    got = partition_action(spec, current=current, named=named, include_uncommitted=include)
+    assert got is action
+
+
+def _uncommitted(spec: ReplaySpec, *, named: bool) -> PartitionPlan:
+    return _row(spec, current=None, low=30, high=100, named=named)
+
+
+def test_untouched_and_refused_partitions_have_no_target_and_count_nothing() -> None:
+    shift = ReplaySpec(kind=ReplayKind.SHIFT, value=50)
+    untouched = _uncommitted(shift, named=False)
+    refused = _uncommitted(shift, named=True)
+    for row in (untouched, refused):
+        assert (row.target_offset, row.redeliver_count, row.skip_count) == (None, 0, 0)
+        assert not row.changes
+    assert untouched.note == "not committed — untouched"
+    assert refused.note == "not committed — shift refused"
+    from_low = _uncommitted(
+        ReplaySpec(kind=ReplayKind.SHIFT, value=50, from_earliest_if_uncommitted=True), named=True
+    )
+    assert (from_low.target_offset, from_low.skip_count) == (80, 50)
+    assert from_low.note == "not committed — shifted from the low watermark 30"
+
+
+def _plan(*rows: PartitionPlan) -> ReplayPlan:
+    return ReplayPlan(
+        group="g",
+        spec=ReplaySpec(kind=ReplayKind.SHIFT, value=50),
+        at_ms=None,
+        partitions=rows,
+        group_state="EMPTY",
+        active_members=0,
+    )
+
+
+def test_a_plan_with_a_refused_shift_names_the_partitions_and_the_way_out() -> None:
+    shift = ReplaySpec(kind=ReplayKind.SHIFT, value=50)
+    rows = [
+        plan_partition(
+            shift, topic="t", partition=p, current=c, low=0, high=9, reset=EARLIEST, named=True
+        )
+        for p, c in ((0, 3), (1, None), (2, None))
+    ]
+    plan = _plan(*rows)
+    assert plan.refusal is not None
+    assert plan.refusal.startswith("cannot shift t[1], t[2]: the group has no committed offset")
+    assert "--from-earliest-if-uncommitted" in plan.refusal
+    assert plan.as_json()["refused"] is True
+    assert _plan(rows[0]).refusal is None
+
+
+def test_named_partitions_are_the_ones_listed_one_by_one() -> None:
+    selections = [
+        TopicSelection(topic="a"),
+        TopicSelection(topic="b", partitions=(0, 2)),
+    ]
+    assert named_partitions(selections) == {("b", 0), ("b", 2)}
+    assert named_partitions(None) == frozenset()
 
 
 @given(
     low=st.integers(0, 1_000),
     span=st.integers(0, 1_000),
-    current=st.one_of(st.none(), st.integers(-10, 3_000)),
+    current=st.one_of(st.none(), st.integers(0, 3_000)),
     kind=st.sampled_from(list(ReplayKind)),
     value=st.integers(-3_000, 3_000),
     time_offset=st.one_of(st.none(), st.integers(-1, 3_000)),
+    reset=st.sampled_from(list(OffsetReset)),
+    named=st.booleans(),
+    include=st.booleans(),
+    from_earliest=st.booleans(),
 )
 def test_every_plan_stays_in_the_watermarks_and_its_counts_add_up(
     low: int,
@@ -259,23 +504,44 @@ def test_every_plan_stays_in_the_watermarks_and_its_counts_add_up(
     kind: ReplayKind,
     value: int,
     time_offset: int | None,
+    reset: OffsetReset,
+    named: bool,
+    include: bool,
+    from_earliest: bool,
 ) -> None:
     high = low + span
     if kind is ReplayKind.OFFSET:
         value = abs(value)
+    spec = ReplaySpec(
+        kind=kind,
+        value=value,
+        from_earliest_if_uncommitted=from_earliest and kind is ReplayKind.SHIFT,
+    )
     plan = plan_partition(
-        ReplaySpec(kind=kind, value=value),
+        spec,
         topic="t",
         partition=0,
         current=current,
         low=low,
         high=high,
+        reset=reset,
         time_offset=time_offset,
+        named=named,
+        include_uncommitted=include,
     )
-    assert low <= plan.target_offset <= high
     assert plan.redeliver_count >= 0
     assert plan.skip_count >= 0
+    if plan.target_offset is None:
+        assert current is None  # only a never-committed partition is ever left alone
+        assert plan.redeliver_count == plan.skip_count == 0
+        return
+    assert low <= plan.target_offset <= high
     assert plan.redeliver_count - plan.skip_count == plan.start_offset - plan.target_offset
+    if current is None:
+        assert named or include  # never moved unless the operator said so
+        assert kind is not ReplayKind.SHIFT or spec.from_earliest_if_uncommitted
+    if kind is ReplayKind.SHIFT and current is not None:
+        assert plan.target_offset == clamp_offset(current + value, low=low, high=high)
 
 
 def test_only_an_empty_or_dead_group_without_members_is_idle() -> None:
