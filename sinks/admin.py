@@ -35,11 +35,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cdc.health import Liveness
 from sinks.errors import SinkError
 from sinks.guard import (
     DEFAULT_MAX_BODY_BYTES,
+    MAX_HEADER_BYTES,
+    MAX_HEADER_COUNT,
     ErrorDetail,
     ErrorResponse,
     RequestGuard,
@@ -235,13 +238,16 @@ def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         400: (
             "The body is not JSON (syntax, encoding, nesting deeper than 200). The server"
             " itself answers a malformed request, or a header section that has not ended"
-            " within 16 KiB, with a plain-text 400."
+            f" within {MAX_HEADER_BYTES} bytes, with a plain-text 400."
         ),
         401: "No valid `Authorization: Bearer` token; the body was not read.",
         413: "The body is larger than `ADMIN_API_MAX_BODY_BYTES`.",
         415: "The body is not declared `application/json` (UTF-8).",
         422: "The body breaks the request schema.",
-        431: "The header section is larger than 16 KiB or has more than 100 fields.",
+        431: (
+            f"The header section is larger than {MAX_HEADER_BYTES} bytes"
+            f" or has more than {MAX_HEADER_COUNT} fields."
+        ),
         503: "No `ADMIN_API_TOKEN` is configured, or the database is unreachable.",
     }
     out: dict[int | str, dict[str, Any]] = {}
@@ -317,6 +323,11 @@ def create_app(
     )
     app.openapi = _openapi(app)  # type: ignore[method-assign]
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404, 405 (with its Allow header) and the like, in the same envelope."""
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
     @app.exception_handler(psycopg.OperationalError)
     async def database_unreachable(_: Request, exc: Exception) -> JSONResponse:
         log.warning("admin request failed: database unreachable: %s", type(exc).__name__)
@@ -344,7 +355,7 @@ def create_app(
         openapi_extra={**_SECURED, **_RETRY_BODY},
     )
     async def retry_failed(request: Request) -> RetryResponse | JSONResponse:
-        """Retry the named rows, or (``retry_all``) the oldest 100 open rows, now."""
+        """Retry the named rows, or (`retry_all`) the oldest 100 open rows, now."""
         if not is_json(request.headers.get("content-type")):
             return error_response(415, "send the body as Content-Type: application/json")
         try:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from enum import Enum
 from typing import Literal
 
@@ -105,7 +105,7 @@ def error_response(
     message: str,
     errors: Sequence[ErrorDetail] = (),
     *,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     """A JSON refusal in the reference envelope."""
     body = ErrorResponse(success=False, message=message, data=ErrorData(errors=list(errors)))
@@ -227,7 +227,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        target = scope.get("raw_path", b"") + scope["query_string"]
+        target = (scope.get("raw_path") or b"") + scope["query_string"]
         if headers_too_large(target, headers):
             await error_response(
                 431,

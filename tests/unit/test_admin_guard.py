@@ -31,6 +31,7 @@ from sinks.admin import (
     is_json,
     parse_retry_request,
     quote,
+    retry_message,
 )
 from sinks.engine import EngineClient
 from sinks.guard import (
@@ -354,3 +355,28 @@ def test_the_model_accepts_exactly_what_its_json_schema_accepts(body: object) ->
         assert exc.status_code == 422, exc.errors
         accepted = False
     assert accepted == SCHEMA.is_valid(body), raw[:200]
+
+
+def test_a_retry_message_names_at_most_20_unknown_ids() -> None:
+    assert retry_message([]) == "Retry failed sync events finished"
+    assert retry_message([7, 9]).endswith("unknown or not open: [7, 9]")
+    message = retry_message(list(range(1, 1001)))
+    assert message.endswith(f"{list(range(1, 21))} and 980 more")
+
+
+def test_unknown_paths_and_methods_answer_in_the_same_envelope() -> None:
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=_app())
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://sink") as client:
+            return [
+                await client.put(RETRY, headers=auth),
+                await client.get("/api/v1/admin/nothing-here", headers=auth),
+            ]
+
+    wrong_method, unknown = asyncio.run(run())
+    assert wrong_method.status_code == 405
+    assert wrong_method.headers["allow"] == "POST"
+    assert unknown.status_code == 404
+    for response in (wrong_method, unknown):
+        assert response.json()["success"] is False
