@@ -46,6 +46,7 @@ from sinks.guard import (
     ErrorDetail,
     ErrorResponse,
     RequestGuard,
+    checked_body_limit,
     error_response,
 )
 from sinks.parking import ParkedEvent, ParkingLot
@@ -318,8 +319,12 @@ def create_app(
             " `Authorization: Bearer <ADMIN_API_TOKEN>`, checked before the body is read."
         ),
     )
+    # Starlette builds middleware on the first request: check the limit now, at start-up.
     app.add_middleware(
-        RequestGuard, token=token, max_body_bytes=max_body_bytes, public_paths=PUBLIC_PATHS
+        RequestGuard,
+        token=token,
+        max_body_bytes=checked_body_limit(max_body_bytes),
+        public_paths=PUBLIC_PATHS,
     )
     app.openapi = _openapi(app)  # type: ignore[method-assign]
 

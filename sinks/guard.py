@@ -149,6 +149,13 @@ def headers_too_large(target: bytes, headers: Sequence[tuple[bytes, bytes]]) -> 
     )
 
 
+def checked_body_limit(max_body_bytes: int) -> int:
+    """The body limit, or :class:`ConfigError` when it is below one byte."""
+    if max_body_bytes < 1:
+        raise ConfigError(f"ADMIN_API_MAX_BODY_BYTES={max_body_bytes} must be at least 1")
+    return max_body_bytes
+
+
 def declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     """The request's ``Content-Length`` (the server has already refused malformed ones)."""
     for name, value in headers:
@@ -215,11 +222,9 @@ class RequestGuard:
         max_body_bytes: int,
         public_paths: Iterable[str],
     ) -> None:
-        if max_body_bytes < 1:
-            raise ConfigError(f"ADMIN_API_MAX_BODY_BYTES={max_body_bytes} must be at least 1")
         self.app = app
         self._digest = token_digest(token)
-        self._max_body_bytes = max_body_bytes
+        self._max_body_bytes = checked_body_limit(max_body_bytes)
         self._public_paths = frozenset(public_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -243,9 +243,12 @@ def test_a_declared_oversize_body_is_413_without_reading_it() -> None:
     assert sent.status == 413
 
 
-def test_the_guard_refuses_a_body_limit_below_one_byte() -> None:
-    with pytest.raises(ConfigError, match="ADMIN_API_MAX_BODY_BYTES"):
-        RequestGuard(_app(), token=TOKEN, max_body_bytes=0, public_paths=())
+def test_a_body_limit_below_one_byte_is_refused_when_the_app_is_built() -> None:
+    for limit in (0, -1):
+        with pytest.raises(ConfigError, match="ADMIN_API_MAX_BODY_BYTES"):
+            _app(max_body_bytes=limit)
+        with pytest.raises(ConfigError, match="ADMIN_API_MAX_BODY_BYTES"):
+            RequestGuard(_app(), token=TOKEN, max_body_bytes=limit, public_paths=())
 
 
 def test_an_unreachable_database_is_a_503_that_names_no_secret() -> None:
