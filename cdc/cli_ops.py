@@ -698,9 +698,11 @@ def failed_retry(ids: tuple[int, ...], retry_all: bool, as_json: bool) -> None:
 
 
 def _retry_answer(summary: RetrySummary, *, ok: bool) -> dict[str, object]:
+    from sinks.retrier import retry_message
+
     return {
         "success": ok,
-        "message": summary.message,
+        "message": retry_message(summary.unknown_ids, summary.busy_ids),
         "data": summary.as_data(),
         "unknown_ids": summary.unknown_ids,
         "busy_ids": summary.busy_ids,

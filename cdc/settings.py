@@ -49,6 +49,7 @@ ENV: dict[str, str] = {
     "engine_connect_timeout_s": "ENGINE_CONNECT_TIMEOUT_S",
     "engine_read_timeout_s": "ENGINE_READ_TIMEOUT_S",
     "admin_api_token": "ADMIN_API_TOKEN",
+    "admin_api_max_body_bytes": "ADMIN_API_MAX_BODY_BYTES",
     "scheduler_enabled": "OUTBOX_SCHEDULER_ENABLED",
     "scheduler_interval_s": "OUTBOX_SCHEDULER_INTERVAL_S",
     "retry_max_attempts": "OUTBOX_RETRY_MAX_ATTEMPTS",
@@ -113,6 +114,8 @@ class Settings:
     engine_connect_timeout_s: float = 2.0
     engine_read_timeout_s: float = 3.0
     admin_api_token: str = field(default="", repr=False)
+    #: Largest request body the sink's HTTP server takes (413 above it).
+    admin_api_max_body_bytes: int = 1_048_576
     scheduler_enabled: bool = True
     scheduler_interval_s: float = 300.0
     retry_max_attempts: int = 5

@@ -22,5 +22,7 @@ I/O:
 - :mod:`sinks.dispatch` - one delivery (with the user sync a quiz attempt may need);
 - :mod:`sinks.consumer` - the consumer loop; :mod:`sinks.parking`, :mod:`sinks.retrier`
   - the parking lot and its retries; :mod:`sinks.admin`, :mod:`sinks.service`,
-  :mod:`sinks.ops` - the process, its HTTP face and the ops commands.
+  :mod:`sinks.ops` - the process, its HTTP face and the ops commands;
+- :mod:`sinks.guard`    - the HTTP face's request guard: the admin token before the
+  body, bounded headers and bodies (its decisions are pure functions).
 """

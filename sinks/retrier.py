@@ -41,6 +41,22 @@ log = logging.getLogger(__name__)
 _DEFAULT_TYPES = {"USER_SYNC": "UserRegistered", "QUIZ_SYNC": "QuizAttemptSubmitted"}
 #: Rows an explicit retry_all takes at most (the admin list shows 100 too).
 RETRY_ALL_LIMIT = 100
+#: Ids a retry answer names at most per kind: a message stays a line, whatever was asked.
+MAX_IDS_QUOTED = 20
+
+
+def retry_message(unknown_ids: list[int], busy_ids: list[int] | None = None) -> str:
+    """A retry answer's ``message`` (admin API and CLI): at most 20 ids per kind not retried."""
+    message = "Retry failed sync events finished"
+    for what, ids in (
+        ("unknown or not open", unknown_ids),
+        ("being retried by another instance right now", busy_ids or []),
+    ):
+        if ids:
+            named = ids[:MAX_IDS_QUOTED]
+            more = len(ids) - len(named)
+            message += f"; {what}: {named}" + (f" and {more} more" if more else "")
+    return message
 
 
 def claimer_id() -> str:
@@ -62,16 +78,6 @@ class RetrySummary:
     unknown_ids: list[int] = field(default_factory=list)
     busy_ids: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def message(self) -> str:
-        """The answer's ``message`` (admin API and CLI): names ids that were not retried."""
-        message = "Retry failed sync events finished"
-        if self.unknown_ids:
-            message += f"; unknown or not open: {self.unknown_ids}"
-        if self.busy_ids:
-            message += f"; being retried by another instance right now: {self.busy_ids}"
-        return message
 
     def as_data(self) -> dict[str, int]:
         return {

@@ -20,6 +20,7 @@ from cdc.settings import Settings
 from sinks.admin import create_app
 from sinks.consumer import Sink
 from sinks.engine import EngineClient
+from sinks.guard import MAX_HEADER_BYTES
 from sinks.parking import ParkingLot
 from sinks.retrier import Retrier, Scheduler
 
@@ -45,6 +46,7 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
         token=settings.admin_api_token,
         registry=registry,
         liveness=liveness,
+        max_body_bytes=settings.admin_api_max_body_bytes,
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -53,6 +55,9 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
             port=settings.sink_http_port,
             log_level="warning",
             lifespan="off",
+            # h11 bounds the request line + headers (400 above it); httptools does not.
+            http="h11",
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
         )
     )
     if install_signals:

@@ -287,7 +287,9 @@ def test_admin_api_needs_a_token_validates_bodies_and_never_fails_with_500(
         assert httpx.get(base).status_code == 401
         assert httpx.get(base, headers={"Authorization": "Bearer nope"}).status_code == 401
         assert httpx.get(base, headers=auth).status_code == 200
-        assert httpx.post(f"{base}/retry", headers=auth, content=b"{not json").status_code == 422
+        as_json = {**auth, "content-type": "application/json"}
+        assert httpx.post(f"{base}/retry", headers=as_json, content=b"{not json").status_code == 400
+        assert httpx.post(f"{base}/retry", headers=auth, content=b"{not json").status_code == 415
         assert (
             httpx.post(f"{base}/retry", headers=auth, json={"event_ids": ["x"]}).status_code == 422
         )
