@@ -3,7 +3,7 @@
 Guarantees (Sink invariants 6 and 7):
 
 * a retry sends the event exactly as Kafka held it (type, payload, idempotency
-  key), through the same dispatch as the consumer;
+  key, trace context), through the same dispatch as the consumer;
 * success turns the row DONE; a rejection spends an attempt (``retry_count+1``)
   and sets an exponential ``next_retry_at``; engine-wide trouble spends nothing
   and puts the row back to FAILED;
@@ -24,6 +24,7 @@ from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError
 from sinks.parking import ParkedEvent, ParkingLot
 from sinks.retry import retry_delay_s
+from sinks.tracing import engine_trace_headers
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class Retrier:
                 event_type=event_type,
                 payload=row.payload_json.encode(),
                 event_id=event_id,
+                headers=engine_trace_headers(row.kafka_headers),
             )
         except EngineUnavailable as exc:
             await self._lot.release(row.event_id)
