@@ -144,8 +144,9 @@ def trace_headers(headers: Mapping[str, str | bytes | None]) -> dict[str, str] |
         return None
     out = {c.HEADER_TRACEPARENT: parent.header}
     state = parse_tracestate(headers.get(HEADER_TRACESTATE))
-    if state is None:  # a Debezium value may hold both
-        state = parse_tracestate(headers.get(c.HEADER_TRACEPARENT))
+    raw = _text(headers.get(c.HEADER_TRACEPARENT)) or ""
+    if state is None and "tracestate" in raw:  # a Debezium value may hold both
+        state = parse_tracestate(raw)
     if state is not None:
         out[HEADER_TRACESTATE] = state
     return out
