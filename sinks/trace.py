@@ -799,8 +799,10 @@ def trace_key(
                 kafka, lambda t: default_topic_filter(settings)(t) or t == settings.dlq_topic
             )
 
-            def match(env: Envelope) -> bool:
-                return env.key == raw
+            row_ids = {r.event_id.encode() for r in rows}
+
+            def match(env: Envelope) -> bool:  # the key, or the id of one of its rows
+                return env.key == raw or env.headers.get(c.HEADER_ID) in row_ids
 
             found = _find(kafka, topics, scan, match, key=raw, stop_at_first=False)
             bounds = _bounds(scan, source, topics)

@@ -79,7 +79,9 @@ def test_parse_traceparent_accepts_a_future_version_with_more_fields() -> None:
 
 
 def test_debezium_tracingspancontext_properties_are_understood() -> None:
-    value = f"#Mon Nov 30 10:00:00 UTC 2026\ntraceparent={TRACEPARENT}\ntracestate=congo=t61rcWkgMzE\n"
+    value = (
+        f"#Mon Nov 30 10:00:00 UTC 2026\ntraceparent={TRACEPARENT}\ntracestate=congo=t61rcWkgMzE\n"
+    )
     parent = parse_traceparent(value)
     assert parent is not None and parent.header == TRACEPARENT
     assert parse_tracestate(value) == "congo=t61rcWkgMzE"
