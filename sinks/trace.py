@@ -795,9 +795,8 @@ def trace_key(
         rows = outbox_rows(conn, settings, key=key, since_ms=since)
         scan = _Scan(since, max_records)
         with KafkaOps(settings) as kafka:
-            topics = _existing_topics(
-                kafka, lambda t: default_topic_filter(settings)(t) or t == settings.dlq_topic
-            )
+            sink_topic = default_topic_filter(settings)
+            topics = _existing_topics(kafka, lambda t: sink_topic(t) or t == settings.dlq_topic)
 
             row_ids = {r.event_id.encode() for r in rows}
 

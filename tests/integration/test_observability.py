@@ -23,6 +23,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -368,6 +369,33 @@ def test_an_event_without_trace_context_sends_no_trace_headers(p: Pipeline) -> N
     wait_until(lambda: p.stub.applied(event_id=p.outage[0])["items"], 60, "outage event applied")
     (item,) = p.stub.applied(event_id=p.outage[0])["items"]
     assert item["trace"] == {}
+
+
+def test_relay_with_otel_on_exports_a_produce_span_in_the_applications_trace(
+    db_dsn: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    otel = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    cfg = RelayConfig(
+        db_dsn=db_dsn, kafka=kafka_bootstrap, unique=uuid.uuid4().hex[:10], extra=otel
+    )
+    relay, _ = start_relay(cfg, tmp_path)
+    try:
+        (event_id,) = _commit(db_dsn, _user_event(str(uuid.uuid4()), traceparent=TRACEPARENT))
+        wait_until(lambda: event_id in relay.log_path.read_text(), 60, "the span in the output")
+    finally:
+        relay.terminate()
+        relay.close()
+        drop_slot(db_dsn, cfg.slot)
+    output = relay.log_path.read_text()
+    # ConsoleSpanExporter prints each span as indented JSON, starting with its name
+    start = output.rfind('{\n    "name"', 0, output.index(event_id))
+    doc = json.JSONDecoder().raw_decode(output[start:])[0]
+    assert doc["name"] == f"{cfg.topic_prefix}user publish"
+    assert doc["kind"] == "SpanKind.PRODUCER"
+    assert doc["context"]["trace_id"] == "0x" + TRACEPARENT.split("-")[1]
+    assert doc["parent_id"] == "0x" + TRACEPARENT.split("-")[2]
+    assert doc["attributes"]["messaging.message.id"] == event_id
+    assert doc["attributes"]["messaging.kafka.offset"] >= 0
 
 
 # --- no dangling names -------------------------------------------------------------------------
