@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -599,12 +599,17 @@ def _search(
         if truncated:
             scan.truncated.append(f"{tp[0]}[{tp[1]}]")
     found: list[Envelope] = []
-    for record in kafka.read(starts, ends=ends, idle_timeout_s=SCAN_IDLE_TIMEOUT_S):
-        scan.scanned += 1
-        if match(record):
-            found.append(record)
-            if stop_at_first:
-                break
+    records = kafka.read(starts, ends=ends, idle_timeout_s=SCAN_IDLE_TIMEOUT_S)
+    try:
+        for record in records:
+            scan.scanned += 1
+            if match(record):
+                found.append(record)
+                if stop_at_first:
+                    break
+    finally:  # the reader unassigns now, not whenever the generator is collected
+        if isinstance(records, Generator):
+            records.close()
     return found
 
 
