@@ -782,8 +782,10 @@ def _key_table(key: str, traces: Sequence[EventTrace]) -> Any:
     from rich.table import Table
 
     table = Table(title=f"{len(traces)} event(s) of key {key}", title_justify="left")
-    for name in ("#", "event id", "type", "committed", "kafka", "state"):
-        table.add_column(name, justify="right" if name == "#" else "left")
+    table.add_column("#", justify="right")
+    table.add_column("event id", no_wrap=True)
+    for name in ("type", "committed", "kafka", "state"):
+        table.add_column(name, overflow="fold")
     for n, item in enumerate(traces, start=1):
         found = item.record or item.dead_letter
         event_type = (found.headers.get("type") if found else None) or (
