@@ -9,12 +9,13 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv up down status lint test test-unit bench demo clean
+.PHONY: help venv up down status lint rules test test-unit bench demo clean
 
 help:
 	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
 	@echo "make test    venv, stack up, ruff + mypy, pytest (unit, integration, fault)"
 	@echo "make bench   benchmarks under tests/bench (print figures)"
+	@echo "make rules   promtool: check the Prometheus config and alert rules, run their unit tests"
 	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/)"
 
 $(STAMP): pyproject.toml
@@ -39,10 +40,15 @@ lint: venv
 	$(BIN)/ruff format --check cdc sinks tests
 	$(BIN)/mypy
 
+# promtool comes from Debian's prometheus package, unpacked under .dev/prometheus
+# (no service is installed or started); see compose/prometheus/promtool.sh.
+rules:
+	@bash compose/prometheus/promtool.sh check
+
 test-unit: venv
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-test: venv up lint
+test: venv up lint rules
 	. ./.dev/env && $(BIN)/pytest tests/unit tests/integration $(PYTEST_ARGS)
 
 bench: venv up

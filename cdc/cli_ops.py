@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from sinks.ops import LagRate, PipelineLag, RedeliveryReport, ReplayPlan, TopicSelection
     from sinks.parking import ParkedEvent
     from sinks.retrier import RetrySummary
+    from sinks.trace import EventTrace
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -859,6 +860,147 @@ def resync_users_cmd(batch_size: int, delete_after: bool, as_json: bool) -> None
         _echo_json({"emitted": emitted})
     else:
         click.echo(f"emitted {emitted} UserRegistered event(s) through the outbox")
+
+
+# --- trace (where is event X?) ----------------------------------------------------------------
+
+
+@click.command()
+@click.argument("event_id", required=False, type=click.UUID)
+@click.option("--key", default=None, help="every event of this key (aggregate id) instead")
+@click.option(
+    "--since",
+    default=None,
+    metavar="ISO8601",
+    help="search records committed since then (naive = UTC)  [default: the outbox row's"
+    " creation, else 24 h ago]",
+)
+@click.option(
+    "--max-records",
+    type=click.IntRange(min=1),
+    default=20_000,
+    show_default=True,
+    help="records read per partition at most",
+)
+@click.option("--group", default=None, help="the sink's group  [default: SINK_GROUP_ID]")
+@click.option("--json", "as_json", is_flag=True, help="the trace as JSON on stdout")
+@_guard
+def trace(
+    event_id: Any,
+    key: str | None,
+    since: str | None,
+    max_records: int,
+    group: str | None,
+    as_json: bool,
+) -> None:
+    """Where is an event? Its outbox commit, Kafka record, groups, parking lot, DLQ.
+
+    By event id (the outbox row's id, the record's 'id' header), or with --key
+    every event of one aggregate id. Kafka is searched from the commit time
+    (offsets_for_times) and at most --max-records per partition, never whole
+    topics. Exit 1 when nothing is found within those bounds (the message says
+    which to widen).
+    """
+    from sinks.ops import parse_datetime_ms
+    from sinks.trace import trace_event, trace_key
+
+    if (event_id is None) == (key is None):
+        raise click.UsageError("give an EVENT_ID or --key K")
+    since_ms = parse_datetime_ms(since) if since else None
+    settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    if event_id is not None:
+        found = [
+            trace_event(
+                settings, str(event_id), since_ms=since_ms, max_records=max_records, group=group
+            )
+        ]
+    else:
+        assert key is not None
+        found = trace_key(settings, key, since_ms=since_ms, max_records=max_records, group=group)
+    if as_json:
+        _echo_json(found[0].as_json() if event_id is not None else [t.as_json() for t in found])
+        return
+    out = _out()
+    if key is not None:
+        out.print(_key_table(key, found))
+    for item in found:
+        out.print(_trace_view(item))
+
+
+def _key_table(key: str, traces: Sequence[EventTrace]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"{len(traces)} event(s) of key {key}", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("event id", no_wrap=True)
+    for name in ("type", "committed", "kafka", "state"):
+        table.add_column(name, overflow="fold")
+    for n, item in enumerate(traces, start=1):
+        found = item.record or item.dead_letter
+        event_type = (found.headers.get("type") if found else None) or (
+            item.outbox.event_type if item.outbox else "?"
+        )
+        table.add_row(
+            str(n),
+            item.event_id,
+            event_type,
+            item.commit_ts or "-",
+            found.where if found else "-",
+            item.state.value,
+        )
+    return table
+
+
+def _trace_view(item: EventTrace) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    facts = Table(show_header=False, box=None, pad_edge=False)
+    facts.add_column(style="bold", no_wrap=True)
+    facts.add_column(overflow="fold")
+    row = item.outbox
+    facts.add_row(
+        "outbox row",
+        f"{row.aggregate_type}/{row.aggregate_id} {row.event_type}, created {row.created_at}"
+        if row
+        else "gone (pruned, or deleted in its transaction) or never there",
+    )
+    facts.add_row("commit", f"LSN {item.commit_lsn or '?'} at {item.commit_ts or '?'}")
+    for label, found in (("kafka record", item.record), ("dead letter", item.dead_letter)):
+        if found is None:
+            continue
+        headers = ", ".join(f"{k}={v}" for k, v in found.headers.items())
+        facts.add_row(label, f"{found.where} ts {found.timestamp_iso} key {found.key}")
+        facts.add_row("  headers", headers)
+    if item.record is None and item.dead_letter is None:
+        facts.add_row("kafka record", f"not found ({item.bounds.scanned} records read)")
+    parked = item.parked
+    if parked is not None:
+        facts.add_row(
+            "parking lot",
+            f"#{parked.id} {parked.sync_type} {parked.status}, {parked.retry_count} retries,"
+            f" parked {parked.created_at}, updated {parked.updated_at}, next retry"
+            f" {parked.next_retry_at or '-'}: {parked.last_error or ''}",
+        )
+    groups = Table(title="consumer groups on that partition", title_justify="left")
+    for name in ("group", "committed", "position", "records before it"):
+        groups.add_column(name, justify="left" if name in ("group", "position") else "right")
+    for g in item.groups:
+        groups.add_row(
+            g.group + (" (sink)" if g.group == item.sink_group else ""),
+            fmt_offset(g.committed),
+            g.position.value,
+            "" if g.records_before is None else str(g.records_before),
+        )
+    title = Text(f"event {item.event_id}: {item.state.value.upper()}", style="bold")
+    parts: list[Any] = [title, Text(item.summary), facts]
+    if item.groups:
+        parts.append(groups)
+    return Group(*parts)
+
+
+main.add_command(trace)
 
 
 # --- registration ----------------------------------------------------------------------------

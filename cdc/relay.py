@@ -64,6 +64,7 @@ from cdc.stream import (
     server_is_utf8,
     slot_info,
 )
+from cdc.tracing import DeliveryCallback, relay_tracing
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +242,8 @@ class Relay:
         self._topic_of: dict[bytes, str] = {}
         #: the database's text is UTF-8, so the fast path may use raw bytes
         self._utf8 = False
+        #: OpenTelemetry produce spans; None (the default) costs one test per record
+        self._tracing = relay_tracing()
 
     # -- lifecycle -----------------------------------------------------------
     def stop(self) -> None:
@@ -687,7 +690,9 @@ class Relay:
         """
         producer = self._producer
         assert producer is not None
-        callback = partial(self._on_delivery, sess, tx_id, topic, event_id)
+        callback: DeliveryCallback = partial(self._on_delivery, sess, tx_id, topic, event_id)
+        if self._tracing is not None:
+            callback = self._tracing.produce(topic, key, headers, event_id, callback)
         while True:
             try:
                 # (the stubs want list[tuple[str, str | bytes | None]]; list is invariant)

@@ -61,6 +61,7 @@ from sinks.logs import BoundedLabels, RepeatLog
 from sinks.parking import ParkingLot, ParkRequest
 from sinks.retry import Backoff, retry_delay_s
 from sinks.routes import Routing
+from sinks.tracing import SinkTracing
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ class Sink:
         self.liveness = liveness
         self.routing = Routing.from_settings(settings)
         self.core = make_core(settings, self.routing)
+        self.tracing = SinkTracing.from_env()
         self.kafka_events = KafkaClientEvents(
             "sink-consumer", count=lambda code: self.metrics.kafka_errors.labels(code).inc()
         )
@@ -399,13 +401,15 @@ class Sink:
 
     async def _deliver(self, record: Envelope) -> Result:
         try:
-            await deliver(
-                self.engine,
-                event_type=record.event_type,
-                payload=record.value,
-                event_id=record.event_id,
-                routing=self.routing,
-            )
+            with self.tracing.delivery(record) as trace_headers:
+                await deliver(
+                    self.engine,
+                    event_type=record.event_type,
+                    payload=record.value,
+                    event_id=record.event_id,
+                    routing=self.routing,
+                    headers=trace_headers,
+                )
         except Unroutable as exc:
             return Result(ResultKind.UNROUTABLE, exc.reason)
         except EngineUnavailable as exc:

@@ -1,6 +1,7 @@
 """One delivery of one event to the engine, shared by the consumer and retries.
 
-Guarantees: the event's own id is the ``Idempotency-Key``; a quiz attempt
+Guarantees: the event's own id is the ``Idempotency-Key``; ``headers`` (the
+record's trace context) go with every request of the delivery; a quiz attempt
 whose user the engine does not know yet triggers a ``users/sync`` first (under
 a key derived from the attempt's id, the same on every redelivery), then the
 attempt is sent again once. Every failure surfaces as a
@@ -10,10 +11,11 @@ attempt is sent again once. Every failure surfaces as a
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from sinks.engine import EngineClient
 from sinks.errors import UserNotFound
-from sinks.routes import CATALOG, EngineCall, Routing, derived_user_sync_key
+from sinks.routes import CATALOG, EngineCall, Routing, derived_user_sync_key, user_sync_call
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ async def deliver(
     payload: bytes | None,
     event_id: str,
     routing: Routing = CATALOG,
+    headers: Mapping[str, str] | None = None,
 ) -> EngineCall:
     """Route (``routing``: the catalog unless configured) and send one event.
 
@@ -32,12 +35,13 @@ async def deliver(
     """
     call = routing.route(event_type, payload)
     try:
-        await engine.send(call, event_id=event_id)
+        await engine.send(call, event_id=event_id, headers=headers)
     except UserNotFound as exc:
         user_id = exc.user_id or call.user_id
         if not user_id:
             raise
         log.info("event %s: engine lacks user %s; syncing the user first", event_id, user_id)
-        await engine.sync_user(user_id, event_id=derived_user_sync_key(event_id))
-        await engine.send(call, event_id=event_id)
+        sync_key = derived_user_sync_key(event_id)
+        await engine.send(user_sync_call(user_id), event_id=sync_key, headers=headers)
+        await engine.send(call, event_id=event_id, headers=headers)
     return call

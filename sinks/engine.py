@@ -57,6 +57,8 @@ KEEPALIVE_EXPIRY_S = 4.0
 #: Selects httpx's own network stack (``transport="httpx"``): the former default.
 HTTPX_TRANSPORT: Final = "httpx"
 USER_AGENT = "outbox-cdc-sink"
+#: Headers the client sets itself; ``send(headers=...)`` may not repeat them.
+_OWN_HEADERS = frozenset({"idempotency-key", API_KEY_HEADER, "content-type", "user-agent"})
 #: Connections per httpx pool (``transport="httpx"`` only). httpcore scans its
 #: whole pool (a poll() per connection) on every request and response: with 64
 #: requests in flight against the stub, one pool of 64 cost ~2.6 ms of client
@@ -187,21 +189,37 @@ class EngineClient:
             transport=transport,
         )
 
-    async def send(self, call: EngineCall, *, event_id: str) -> None:
-        """POST ``call`` with ``event_id`` as idempotency key; return on 2xx, raise otherwise."""
+    async def send(
+        self, call: EngineCall, *, event_id: str, headers: Mapping[str, str] | None = None
+    ) -> None:
+        """POST ``call`` with ``event_id`` as idempotency key; return on 2xx, raise otherwise.
+
+        ``headers``: extra request headers (the record's trace context,
+        :func:`sinks.tracing.engine_trace_headers`); validated like every header.
+        """
         if not event_id or not (event_id.isascii() and event_id.isprintable()):
             raise Unroutable(f"event id {event_id!r} cannot be an Idempotency-Key")
+        extra = b""
+        if headers:
+            if any(name.lower() in _OWN_HEADERS for name in headers):
+                raise Unroutable(f"{call.path}: extra headers may not replace {sorted(headers)}")
+            try:
+                extra = http1.encode_headers(headers.items())
+            except ValueError as exc:
+                raise Unroutable(f"{call.path}: {exc}") from exc
         try:
             content = json.dumps(call.body, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise Unroutable(f"{call.path}: body is not JSON ({exc})") from exc
         started = time.perf_counter()
         try:
-            status, body, headers = await self._post(call.path, content, event_id)
+            status, body, answer_headers = await self._post(
+                call.path, content, event_id, extra, headers
+            )
         except (http1.TransportError, httpx.RequestError) as exc:  # incl. undecodable responses
             log.debug("engine %s event %s: %r", call.path, event_id, exc)
             raise EngineUnavailable(_transport_reason(exc)) from exc
-        outcome = classify(status, body, headers)
+        outcome = classify(status, body, answer_headers)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "engine %s event %s -> %s in %.1f ms",
@@ -215,7 +233,12 @@ class EngineClient:
             raise error
 
     async def _post(
-        self, path: str, content: bytes, event_id: str
+        self,
+        path: str,
+        content: bytes,
+        event_id: str,
+        extra_block: bytes = b"",
+        extra: Mapping[str, str] | None = None,
     ) -> tuple[int, bytes, Mapping[str, str]]:
         """Status, body and headers of the engine's answer; a transport error else."""
         async with self._slots:
@@ -225,7 +248,7 @@ class EngineClient:
                 answer = await self._pool.request(
                     "POST",
                     self._target_prefix + path,
-                    header_block=self._header_block + key_line,
+                    header_block=self._header_block + key_line + extra_block,
                     body=content,
                 )
                 return answer.status, answer.body, answer.headers
@@ -233,7 +256,7 @@ class EngineClient:
             pool.in_flight += 1
             try:
                 response = await pool.client.post(
-                    path, content=content, headers={IDEMPOTENCY_HEADER: event_id}
+                    path, content=content, headers={**(extra or {}), IDEMPOTENCY_HEADER: event_id}
                 )
             finally:
                 pool.in_flight -= 1

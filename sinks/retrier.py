@@ -3,7 +3,7 @@
 Guarantees (Sink invariants 6 and 7):
 
 * a retry sends the event exactly as Kafka held it (type, payload, idempotency
-  key), through the same dispatch as the consumer;
+  key, trace context), through the same dispatch as the consumer;
 * every row is retried under a lease (:mod:`sinks.claims`), one row at a
   time, so any number of sink instances (and operators) never retry the same
   row at once, and each attempt is counted exactly once;
@@ -34,6 +34,7 @@ from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError
 from sinks.parking import ParkedEvent, ParkingLot
 from sinks.routes import Routing
+from sinks.tracing import engine_trace_headers
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,7 @@ class Retrier:
                 payload=row.payload_json.encode(),
                 event_id=event_id,
                 routing=self.routing,
+                headers=engine_trace_headers(row.kafka_headers),
             )
         except EngineUnavailable as exc:
             return AttemptResult.UNAVAILABLE, f"engine unavailable: {exc.reason}"

@@ -10,7 +10,8 @@ Guarantees, as the real engine's contract (DESIGN "Engine API"):
   ``404 {"error":"user_not_found"}`` and is not applied (its key stays free).
 - With an API key configured, a request without the right ``x-api-key`` gets
   401 before anything else. A request without ``Idempotency-Key`` gets 400.
-- Everything applied is recorded in order, per path, with event id, body and time.
+- Everything applied is recorded in order, per path, with event id, body, time
+  and the request's W3C trace headers (``trace``: ``traceparent``/``tracestate``).
 - Like a real engine, a request whose client gave up while the stub was
   delaying it (latency beyond the client's read timeout) is still applied:
   the resend is then a duplicate - the at-least-once case made visible.
@@ -305,14 +306,15 @@ class StubEngine:
         event_id = headers.get(b"idempotency-key", b"").decode("latin-1")
         self._by_key[event_id] += 1
         rule = self.faults.take(path, event_id)
+        trace = _trace_of(headers)
         if rule is None:
-            return self._apply(path, event_id, body)
+            return self._apply(path, event_id, body, trace)
         self._counts["faults_injected"] += 1
         if rule.apply:
-            self._apply(path, event_id, body)
+            self._apply(path, event_id, body, trace)
         return self.faults.consume(rule)
 
-    def _apply(self, path: str, event_id: str, body: bytes) -> Reply:
+    def _apply(self, path: str, event_id: str, body: bytes, trace: dict[str, str]) -> Reply:
         if not event_id:
             return json_reply(400, {"error": "missing_idempotency_key"})
         seen = self._keys.get(event_id)
@@ -327,11 +329,17 @@ class StubEngine:
             return json_reply(400, {"error": "invalid_body", "detail": "need a user_id string"})
         if path == QUIZ_ATTEMPTS_SYNC_PATH and user_id not in self._users:
             return json_reply(404, {"error": "user_not_found"})
-        self._record(path, event_id, user_id, payload, body)
+        self._record(path, event_id, user_id, payload, body, trace)
         return json_reply(200, {"status": "applied", "seq": len(self.applied)})
 
     def _record(
-        self, path: str, event_id: str, user_id: str, payload: dict[str, Any], body: bytes
+        self,
+        path: str,
+        event_id: str,
+        user_id: str,
+        payload: dict[str, Any],
+        body: bytes,
+        trace: dict[str, str],
     ) -> None:
         if path == USERS_SYNC_PATH:
             self._users.add(user_id)
@@ -345,6 +353,7 @@ class StubEngine:
                 "user_id": user_id,
                 "body": payload,
                 "applied_at": time.time(),
+                "trace": trace,
             }
         )
 
@@ -386,6 +395,17 @@ class StubEngine:
             "by_status": {str(k): v for k, v in sorted(self._by_status.items())},
             "latency_ms": self.faults.latency_ms,
         }
+
+
+#: Request headers the stub records with an applied event (trace context).
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
+
+
+def _trace_of(headers: Mapping[bytes, bytes]) -> dict[str, str]:
+    """The request's trace headers, as received."""
+    return {
+        name.decode(): headers[name].decode("latin-1") for name in _TRACE_HEADERS if name in headers
+    }
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

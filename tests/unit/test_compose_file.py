@@ -3,6 +3,7 @@ checked against the code's settings and CLI instead."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,63 @@ def test_sink_and_relay_reach_postgres_and_kafka_by_service_name() -> None:
         assert "@postgres:5432/" in env["CDC_PG_DSN"]
         assert env["KAFKA_BOOTSTRAP_SERVERS"] == "kafka:9092"
     assert services["sink"]["environment"]["ENGINE_BASE_URL"] == "http://engine-stub:8081"
+
+
+# --- observability (Prometheus + Grafana) -----------------------------------------------------
+
+PROMETHEUS_DIR = COMPOSE.parent / "prometheus"
+GRAFANA_DIR = COMPOSE.parent / "grafana"
+
+
+def test_prometheus_and_grafana_services_have_healthchecks() -> None:
+    services = _compose()["services"]
+    for name in ("prometheus", "grafana"):
+        assert name in services, name
+        assert "healthcheck" in services[name], name
+
+
+def test_prometheus_mounts_the_repository_config_and_rules() -> None:
+    service = _compose()["services"]["prometheus"]
+    assert "./prometheus:/etc/prometheus:ro" in service["volumes"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in service["command"]
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    assert config["rule_files"] == ["rules/*.rules.yml"]
+    assert list(PROMETHEUS_DIR.glob("rules/*.rules.yml")), "no rule file to mount"
+
+
+def test_prometheus_scrapes_relay_and_sink_on_their_compose_ports() -> None:
+    services = _compose()["services"]
+    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
+    targets = {
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for job in config["scrape_configs"]
+    }
+    relay_port = services["relay"]["environment"]["CDC_RELAY_HTTP_PORT"]
+    sink_port = services["sink"]["environment"]["SINK_HTTP_PORT"]
+    assert targets["outbox-relay"] == [f"relay:{relay_port}"]
+    assert targets["outbox-sink"] == [f"sink:{sink_port}"]
+    sink_job = next(j for j in config["scrape_configs"] if j["job_name"] == "outbox-sink")
+    group = services["sink"]["environment"]["SINK_GROUP_ID"]
+    assert sink_job["static_configs"][0]["labels"]["group"] == group
+
+
+def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard() -> None:
+    service = _compose()["services"]["grafana"]
+    assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in service["volumes"]
+    assert "./grafana/dashboards:/var/lib/grafana/dashboards:ro" in service["volumes"]
+    datasources = yaml.safe_load(
+        (GRAFANA_DIR / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"]
+    assert datasources[0]["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load(
+        (GRAFANA_DIR / "provisioning" / "dashboards" / "outbox.yml").read_text()
+    )["providers"]
+    assert providers[0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    dashboards = list((GRAFANA_DIR / "dashboards").glob("*.json"))
+    assert [d.name for d in dashboards] == ["outbox-cdc.json"]
+    uid = datasources[0]["uid"]
+    panels = json.loads(dashboards[0].read_text())["panels"]
+    for panel in panels:
+        assert panel["datasource"]["uid"] == uid, panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == uid, panel["title"]
