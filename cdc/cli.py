@@ -56,7 +56,7 @@ def migrate() -> None:
     from cdc.migrate import migrate as run_migrations
 
     settings = load_settings("pg_dsn")
-    applied = run_migrations(settings.pg_dsn)
+    applied = run_migrations(settings.pg_dsn.get_secret_value())
     if applied:
         click.echo(f"applied migrations: {', '.join(applied)}")
     else:
@@ -79,7 +79,7 @@ def prune(older_than_s: float) -> None:
     from cdc.outbox import prune_outbox
 
     settings = load_settings("pg_dsn")
-    with psycopg.connect(settings.pg_dsn, autocommit=True) as conn:
+    with psycopg.connect(settings.pg_dsn.get_secret_value(), autocommit=True) as conn:
         deleted = prune_outbox(conn, older_than_s=older_than_s, table=settings.outbox_table)
     click.echo(f"deleted {deleted} outbox rows older than {older_than_s:g}s")
 
@@ -140,7 +140,7 @@ def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
     run_stub(
         host=host,
         port=port or settings.engine_stub_port,
-        api_key=settings.internal_api_key,
+        api_key=settings.internal_api_key.get_secret_value(),
         latency_ms=latency_ms,
     )
 

@@ -178,7 +178,7 @@ class EngineClient:
         """A client configured by ``ENGINE_BASE_URL``, ``INTERNAL_API_KEY``, timeouts, in-flight."""
         return cls(
             base_url=settings.engine_base_url,
-            api_key=settings.internal_api_key,
+            api_key=settings.internal_api_key.get_secret_value(),
             timeouts=EngineTimeouts(
                 connect_s=settings.engine_connect_timeout_s,
                 read_s=settings.engine_read_timeout_s,

@@ -32,7 +32,7 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
     registry = CollectorRegistry()
     liveness = Liveness()
     engine = EngineClient.from_settings(settings)
-    lot = ParkingLot(settings.pg_dsn)
+    lot = ParkingLot(settings.pg_dsn.get_secret_value())
     retrier = Retrier(lot=lot, engine=engine, settings=settings)
     sink = Sink(settings, engine=engine, lot=lot, registry=registry, liveness=liveness)
     stop = asyncio.Event()
@@ -42,7 +42,7 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
     app = create_app(
         lot=lot,
         retrier=retrier,
-        token=settings.admin_api_token,
+        token=settings.admin_api_token.get_secret_value(),
         registry=registry,
         liveness=liveness,
     )
