@@ -133,15 +133,28 @@ def sink() -> None:
     help="fixed latency added to every engine request",
 )
 def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
-    """Run the engine stub: a real HTTP server standing in for the engine."""
-    from sinks.stub import run_stub
+    """Run the engine stub: a real HTTP server standing in for the engine.
+
+    HTTPS with ENGINE_STUB_TLS_CERT and ENGINE_STUB_TLS_KEY; client certificates
+    signed by ENGINE_STUB_CLIENT_CA required when that is set too.
+    """
+    from sinks.stub import StubTLS, run_stub
 
     settings = load_settings()
+    tls = None
+    if settings.engine_stub_tls_cert or settings.engine_stub_tls_key:
+        settings.require("engine_stub_tls_cert", "engine_stub_tls_key")
+        tls = StubTLS(
+            certfile=settings.engine_stub_tls_cert,
+            keyfile=settings.engine_stub_tls_key,
+            client_ca=settings.engine_stub_client_ca,
+        )
     run_stub(
         host=host,
         port=port or settings.engine_stub_port,
         api_key=settings.internal_api_key.get_secret_value(),
         latency_ms=latency_ms,
+        tls=tls,
     )
 
 
