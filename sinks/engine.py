@@ -448,8 +448,21 @@ def _extra_header_block(headers: Mapping[str, str]) -> bytes:
         raise Unroutable(f"cannot send header: {exc}") from exc
 
 
+#: A proxy refusing a CONNECT with these wants a setting changed, not time.
+PROXY_REFUSALS = frozenset({403, 405, 407})
+
+
 def _transport_error(exc: http1.TransportError | httpx.RequestError) -> EngineUnavailable:
     """The exception for a request that got no response: TLS trouble is misconfiguration."""
+    if isinstance(exc, http1.TLSError):
+        return EngineMisconfigured(tls_reason(exc.ssl_error, str(exc)))
+    if isinstance(exc, http1.ProxyError) and exc.status in PROXY_REFUSALS:
+        fix = (
+            "put the right credentials in HTTPS_PROXY/HTTP_PROXY (http://user:password@host:port)"
+            if exc.status == 407
+            else "the proxy does not allow the engine: check HTTPS_PROXY/HTTP_PROXY and NO_PROXY"
+        )
+        return EngineMisconfigured(f"{exc}: {fix}", status=exc.status)
     ssl_error = _ssl_error(exc)
     if ssl_error is not None:
         return EngineMisconfigured(tls_reason(ssl_error, str(exc)))
@@ -457,9 +470,7 @@ def _transport_error(exc: http1.TransportError | httpx.RequestError) -> EngineUn
 
 
 def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
-    """The :class:`ssl.SSLError` behind a transport error (http1 or httpx), if any."""
-    if isinstance(exc, http1.TLSError):
-        return exc.ssl_error
+    """The :class:`ssl.SSLError` behind an httpx transport error, if any."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -484,8 +495,17 @@ _CLIENT_CERT_REFUSED = (
 _NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG")
 
 
-def tls_reason(error: ssl.SSLError, detail: str) -> str:
-    """What a person must fix after the TLS failure ``error`` (``detail``: its message)."""
+def tls_reason(error: ssl.SSLError | None, detail: str) -> str:
+    """What a person must fix after the TLS failure ``error`` (``detail``: its message).
+
+    ``None`` (or an EOF) means the engine dropped the connection mid-handshake.
+    """
+    if error is None or isinstance(error, ssl.SSLEOFError):
+        return (
+            f"TLS: the engine closed the connection during the handshake ({detail}): it "
+            "refuses our client certificate (ENGINE_CLIENT_CERT/ENGINE_CLIENT_KEY) or "
+            "does not accept TLS here (ENGINE_BASE_URL)"
+        )
     reason = (error.reason or "").upper()
     if isinstance(error, ssl.SSLCertVerificationError):
         message = error.verify_message or "certificate verify failed"

@@ -125,10 +125,12 @@ class TLSError(ConnectError):
     """The TLS handshake or session failed: an untrusted or misnamed certificate, a
     client certificate the server refused, or a server that does not speak TLS.
 
-    ``ssl_error`` is the :class:`ssl.SSLError` (its ``reason`` names the failure).
+    ``ssl_error`` is the :class:`ssl.SSLError` (its ``reason`` names the failure),
+    or ``None`` when the server reset the connection during the handshake (as
+    asyncio's TLS server does when it refuses a client certificate).
     """
 
-    def __init__(self, message: str, *, ssl_error: ssl.SSLError) -> None:
+    def __init__(self, message: str, *, ssl_error: ssl.SSLError | None) -> None:
         super().__init__(message)
         self.ssl_error = ssl_error
 
@@ -925,6 +927,11 @@ class ConnectionPool:
             raise ConnectTimeout(f"no connection to {where} within {timeout_s:g} s") from None
         except ssl.SSLError as exc:
             raise TLSError(describe_os_error(exc, where), ssl_error=exc) from exc
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            if self._ssl is None:
+                raise ConnectError(describe_os_error(exc, where)) from exc
+            # TCP was up (a refused connect is ConnectionRefusedError): the handshake broke
+            raise TLSError(describe_os_error(exc, where), ssl_error=None) from exc
         except OSError as exc:
             raise ConnectError(describe_os_error(exc, where)) from exc
         self.connects += 1

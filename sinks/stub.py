@@ -33,8 +33,9 @@ Control API (JSON; never behind the API key)::
 TLS: given a certificate and key (:class:`StubTLS`; ``ENGINE_STUB_TLS_CERT`` /
 ``ENGINE_STUB_TLS_KEY`` for ``outbox-cdc engine-stub``) the stub serves HTTPS,
 and with a client CA (``ENGINE_STUB_CLIENT_CA``) it requires a client
-certificate signed by that CA (mTLS) - the handshake fails without one. The
-listener reopened after an outage window serves TLS the same way.
+certificate signed by that CA (mTLS) - the handshake fails without one (in
+mTLS mode the stub speaks TLS 1.2: see :func:`build_server`). The listener
+reopened after an outage window serves TLS the same way.
 
 The app is raw ASGI (no framework) on uvicorn - ``httptools`` when installed,
 else ``h11`` - because the sink's benchmarks need thousands of requests per
@@ -715,6 +716,14 @@ def build_server(
         backlog=LISTEN_BACKLOG,
         **(tls.uvicorn_options() if tls is not None else {}),
     )
+    if tls is not None and tls.client_ca:
+        config.load()  # builds config.ssl
+        assert config.ssl is not None
+        # asyncio's TLS server closes without sending the alert when it refuses a
+        # client certificate; under TLS 1.3 that happens after the client's
+        # handshake is done, so the client would see a bare disconnect. Under
+        # TLS 1.2 the refusal is part of the handshake the client still waits on.
+        config.ssl.maximum_version = ssl.TLSVersion.TLSv1_2
     server = uvicorn.Server(config)
     listener = app.listener = Listener(server=server, host=host, port=sock.getsockname()[1])
     return server, sock, listener
