@@ -6,6 +6,7 @@ problem (e.g. refused), 2 usage or configuration error.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from collections.abc import Callable
@@ -88,7 +89,10 @@ def _on_signals(stop: Callable[[], None]) -> None:
     """SIGTERM and SIGINT ask the running loop to stop cleanly."""
 
     def handler(signum: int, _frame: object) -> None:
-        click.echo(f"signal {signal.Signals(signum).name}: stopping", err=True)
+        # a log line (not an echo): it must come out in the process's log format
+        logging.getLogger("cdc").info(
+            "signal %s: stopping", signal.Signals(signum).name, extra={"state": "stopping"}
+        )
         stop()
 
     signal.signal(signal.SIGTERM, handler)
@@ -98,8 +102,6 @@ def _on_signals(stop: Callable[[], None]) -> None:
 @main.command()
 def relay() -> None:
     """Stream committed outbox inserts from the WAL into Kafka (runs until SIGTERM)."""
-    import logging
-
     from cdc.relay import Relay
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
@@ -113,7 +115,6 @@ def relay() -> None:
 def sink() -> None:
     """Deliver outbox events from Kafka to the engine (consumer group; runs until SIGTERM)."""
     import asyncio
-    import logging
 
     from sinks.service import run_sink
 
