@@ -2,7 +2,7 @@
 
 Everything is generated with ``cryptography`` into a directory of PEM files,
 so TLS and mTLS tests run against real handshakes with no file checked in.
-The server certificate names ``127.0.0.1``, ``::1`` and ``localhost``.
+The server certificate names ``127.0.0.1``, ``::1`` and ``localhost`` unless told otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALID_DAYS = 2
+#: What the server certificate is valid for (DNS names and IP addresses).
+SERVER_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ def _leaf(
     common_name: str,
     *,
     server: bool,
+    names: tuple[str, ...] = SERVER_NAMES,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
@@ -85,20 +88,26 @@ def _leaf(
     )
     if server:
         builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                    x509.IPAddress(ipaddress.ip_address("::1")),
-                ]
-            ),
+            x509.SubjectAlternativeName([_general_name(name) for name in names]),
             critical=False,
         )
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
-def make_pki(directory: Path, *, name: str = "test") -> Pki:
-    """Generate a CA, a server and a client certificate (EC P-256) under ``directory``."""
+def _general_name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def make_pki(
+    directory: Path, *, name: str = "test", server_names: tuple[str, ...] = SERVER_NAMES
+) -> Pki:
+    """Generate a CA, a server and a client certificate (EC P-256) under ``directory``.
+
+    The server certificate is valid for ``server_names`` only.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name(f"outbox-cdc {name} CA")
@@ -128,7 +137,7 @@ def make_pki(directory: Path, *, name: str = "test") -> Pki:
         )
         .sign(ca_key, hashes.SHA256())
     )
-    server, server_key = _leaf(ca_key, ca_name, "engine.test", server=True)
+    server, server_key = _leaf(ca_key, ca_name, "engine.test", server=True, names=server_names)
     client, client_key = _leaf(ca_key, ca_name, "outbox-cdc-sink", server=False)
     pki = Pki(
         ca_cert=directory / f"{name}-ca.pem",

@@ -100,6 +100,20 @@ def test_untrusted_certificate_is_misconfiguration_naming_engine_ca_file(
     assert _applied_ids(tls_stub) == set()
 
 
+def test_certificate_for_another_host_is_misconfiguration_naming_the_base_url(
+    tmp_path: Path,
+) -> None:
+    misnamed = make_pki(tmp_path / "misnamed", server_names=("engine.elsewhere.test",))
+    tls = StubTLS(certfile=str(misnamed.server_cert), keyfile=str(misnamed.server_key))
+    control = misnamed.client_context()
+    control.check_hostname = False
+    with StubServer(api_key=API_KEY, tls=tls, control_ssl=control) as stub:
+        error = _misconfigured(stub.url, tls=EngineTLS(ca_file=str(misnamed.ca_cert)))
+        assert "mismatch" in error.reason
+        assert "ENGINE_BASE_URL" in error.reason
+        assert _applied_ids(stub) == set()
+
+
 def test_system_trust_store_does_not_trust_the_private_ca(tls_stub: StubServer) -> None:
     error = _misconfigured(tls_stub.url)
     assert "ENGINE_CA_FILE" in error.reason
