@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import psycopg
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cdc.errors import ConfigError
@@ -123,6 +122,14 @@ class Settings(BaseSettings):
     engine_stub_tls_key: str = env("ENGINE_STUB_TLS_KEY", "")
     #: The stub then requires client certificates signed by this CA (mTLS).
     engine_stub_client_ca: str = env("ENGINE_STUB_CLIENT_CA", "")
+
+    @field_validator("pg_dsn")
+    @classmethod
+    def _dsn_parses(cls, value: SecretStr) -> SecretStr:
+        """libpq must parse the DSN; its error text may quote the password, so it is dropped."""
+        if value.get_secret_value() and _parse_dsn(value.get_secret_value()) is None:
+            raise ValueError("not a connection string libpq can parse (value not shown)")
+        return value
 
     @classmethod
     def settings_customise_sources(
@@ -273,13 +280,28 @@ def redact_dsn(dsn: str) -> str:
     """
     if not dsn:
         return ""
-    try:
-        params = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.Error:
+    params = _parse_dsn(dsn)
+    if params is None:
         return "<unparseable DSN>"
     for key in DSN_SECRET_KEYS & params.keys():
         params[key] = REDACTED
-    return psycopg.conninfo.make_conninfo("", **params)
+    from psycopg.conninfo import make_conninfo  # noqa: PLC0415 - see _parse_dsn
+
+    return make_conninfo("", **params)
+
+
+def _parse_dsn(dsn: str) -> dict[str, Any] | None:
+    """libpq's reading of ``dsn`` (``None`` when it cannot parse it).
+
+    psycopg is imported here, not at the top: it costs a CLI start-up a
+    noticeable part of a second that commands without a database need not pay.
+    """
+    import psycopg  # noqa: PLC0415 - deferred, see the docstring
+
+    try:
+        return psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return None
 
 
 def redact_url(url: str) -> str:

@@ -101,6 +101,13 @@ def test_redact_dsn_never_echoes_a_dsn_it_cannot_parse() -> None:
     assert redact_dsn("host=h password='s3cret") == "<unparseable DSN>"
 
 
+@pytest.mark.parametrize("dsn", ["host=h password s3cret", "host=h password='s3cret"])
+def test_an_unparseable_dsn_is_a_config_error_that_does_not_quote_it(dsn: str) -> None:
+    with pytest.raises(ConfigError, match="CDC_PG_DSN") as info:
+        Settings.from_env({"CDC_PG_DSN": dsn})
+    assert "s3cret" not in str(info.value)
+
+
 def test_secrets_never_appear_in_repr_str_or_summary() -> None:
     s = Settings.from_env(
         {
