@@ -16,7 +16,7 @@ help:
 	@echo "make test    venv, stack up, ruff + mypy, pytest (unit, integration, fault)"
 	@echo "make bench   benchmarks under tests/bench (print figures)"
 	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/)"
-	@echo "make lock    re-pin requirements.lock (what the image installs) from pyproject.toml"
+	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
 	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
 
 $(STAMP): pyproject.toml
@@ -59,7 +59,7 @@ lock: venv
 	$(BIN)/python -m pip install -q "uv>=0.4,<1"
 	$(BIN)/uv pip compile pyproject.toml --extra build --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_28 --generate-hashes --quiet \
-		--custom-compile-command "make lock" -o requirements.lock
+		--custom-compile-command "make lock" -o compose/requirements.lock
 
 wheel: venv
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .

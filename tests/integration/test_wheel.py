@@ -2,7 +2,7 @@
 
 The wheel is built from this checkout (``pip wheel --no-build-isolation``),
 installed into a new virtualenv (``uv pip install``) with exactly the pins of
-``requirements.lock`` (from a local wheelhouse under ``.dev/wheelhouse``, filled
+``compose/requirements.lock`` (from a local wheelhouse under ``.dev/wheelhouse``, filled
 from PyPI once and reused, so the install needs no network afterwards), and
 run from a directory outside the checkout:
 
@@ -39,7 +39,7 @@ from tests.pki import Pki, make_pki
 pytestmark = pytest.mark.integration
 
 WHEELHOUSE = ROOT / ".dev" / "wheelhouse"
-LOCK = ROOT / "requirements.lock"
+LOCK = ROOT / "compose" / "requirements.lock"
 API_KEY = "wheel-api-key-5f0e8a"
 ADMIN_TOKEN = "wheel-admin-token-77c1d2"
 INSTALL_TIMEOUT_S = 600

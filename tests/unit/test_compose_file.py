@@ -116,7 +116,7 @@ def test_the_image_installs_the_lock_file_with_hashes() -> None:
     dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
     assert "--require-hashes -r requirements.lock" in dockerfile
     assert "--no-deps" in dockerfile
-    lock = (ROOT / "requirements.lock").read_text()
+    lock = (ROOT / "compose" / "requirements.lock").read_text()
     pins = re.findall(r"^([a-z0-9][a-z0-9._-]*)==\S+ \\$", lock, flags=re.MULTILINE | re.IGNORECASE)
     assert {"psycopg", "confluent-kafka", "pydantic-settings", "uvicorn", "setuptools"} <= {
         p.lower() for p in pins
