@@ -105,7 +105,9 @@ def relay() -> None:
     from cdc.relay import Relay
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
-    logging.getLogger("cdc").info("relay starting with %s", settings.safe_summary())
+    logging.getLogger("cdc").info(
+        "relay starting with %s", settings.safe_summary(), extra={"state": "starting"}
+    )
     runner = Relay(settings)
     _on_signals(runner.stop)
     sys.exit(runner.run())
@@ -119,7 +121,9 @@ def sink() -> None:
     from sinks.service import run_sink
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
-    logging.getLogger("sinks").info("sink starting with %s", settings.safe_summary())
+    logging.getLogger("sinks").info(
+        "sink starting with %s", settings.safe_summary(), extra={"state": "starting"}
+    )
     sys.exit(asyncio.run(run_sink(settings)))
 
 

@@ -129,7 +129,7 @@ def migrate(dsn: str, *, directory: Path | None = None) -> list[str]:
 
 
 def _apply(conn: psycopg.Connection[Any], migration: Migration) -> None:
-    log.info("migration %s applying", migration.path.name)
+    log.info("migration %s applying", migration.path.name, extra={"migration": migration.version})
     try:
         with conn.transaction():
             conn.execute(migration.sql.encode())
