@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv up down status lint rules test test-unit bench demo clean
+.PHONY: help venv up down status lint rules test test-unit bench demo clean lock wheel
 
 help:
 	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
@@ -17,6 +17,8 @@ help:
 	@echo "make bench   benchmarks under tests/bench (print figures)"
 	@echo "make rules   promtool: check the Prometheus config and alert rules, run their unit tests"
 	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/)"
+	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
+	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,5 +59,16 @@ bench: venv up
 demo: venv up
 	. ./.dev/env && $(BIN)/outbox-cdc demo
 
+# The image installs exactly these pins (with hashes); run after changing
+# dependencies in pyproject.toml and commit the result.
+lock: venv
+	$(BIN)/python -m pip install -q "uv>=0.4,<1"
+	$(BIN)/uv pip compile pyproject.toml --extra build --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --generate-hashes --quiet \
+		--custom-compile-command "make lock" -o compose/requirements.lock
+
+wheel: venv
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
+
 clean: down
-	rm -rf .dev $(VENV)
+	rm -rf .dev $(VENV) build dist

@@ -6,6 +6,7 @@ problem (e.g. refused), 2 usage or configuration error.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 from collections.abc import Callable
@@ -56,7 +57,7 @@ def migrate() -> None:
     from cdc.migrate import migrate as run_migrations
 
     settings = load_settings("pg_dsn")
-    applied = run_migrations(settings.pg_dsn)
+    applied = run_migrations(settings.pg_dsn.get_secret_value())
     if applied:
         click.echo(f"applied migrations: {', '.join(applied)}")
     else:
@@ -79,7 +80,7 @@ def prune(older_than_s: float) -> None:
     from cdc.outbox import prune_outbox
 
     settings = load_settings("pg_dsn")
-    with psycopg.connect(settings.pg_dsn, autocommit=True) as conn:
+    with psycopg.connect(settings.pg_dsn.get_secret_value(), autocommit=True) as conn:
         deleted = prune_outbox(conn, older_than_s=older_than_s, table=settings.outbox_table)
     click.echo(f"deleted {deleted} outbox rows older than {older_than_s:g}s")
 
@@ -88,7 +89,10 @@ def _on_signals(stop: Callable[[], None]) -> None:
     """SIGTERM and SIGINT ask the running loop to stop cleanly."""
 
     def handler(signum: int, _frame: object) -> None:
-        click.echo(f"signal {signal.Signals(signum).name}: stopping", err=True)
+        # a log line (not an echo): it must come out in the process's log format
+        logging.getLogger("cdc").info(
+            "signal %s: stopping", signal.Signals(signum).name, extra={"state": "stopping"}
+        )
         stop()
 
     signal.signal(signal.SIGTERM, handler)
@@ -98,12 +102,12 @@ def _on_signals(stop: Callable[[], None]) -> None:
 @main.command()
 def relay() -> None:
     """Stream committed outbox inserts from the WAL into Kafka (runs until SIGTERM)."""
-    import logging
-
     from cdc.relay import Relay
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
-    logging.getLogger("cdc").info("relay starting with %s", settings.safe_summary())
+    logging.getLogger("cdc").info(
+        "relay starting with %s", settings.safe_summary(), extra={"state": "starting"}
+    )
     runner = Relay(settings)
     _on_signals(runner.stop)
     sys.exit(runner.run())
@@ -113,12 +117,13 @@ def relay() -> None:
 def sink() -> None:
     """Deliver outbox events from Kafka to the engine (consumer group; runs until SIGTERM)."""
     import asyncio
-    import logging
 
     from sinks.service import run_sink
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
-    logging.getLogger("sinks").info("sink starting with %s", settings.safe_summary())
+    logging.getLogger("sinks").info(
+        "sink starting with %s", settings.safe_summary(), extra={"state": "starting"}
+    )
     sys.exit(asyncio.run(run_sink(settings)))
 
 
@@ -133,15 +138,28 @@ def sink() -> None:
     help="fixed latency added to every engine request",
 )
 def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
-    """Run the engine stub: a real HTTP server standing in for the engine."""
-    from sinks.stub import run_stub
+    """Run the engine stub: a real HTTP server standing in for the engine.
+
+    HTTPS with ENGINE_STUB_TLS_CERT and ENGINE_STUB_TLS_KEY; client certificates
+    signed by ENGINE_STUB_CLIENT_CA required when that is set too.
+    """
+    from sinks.stub import StubTLS, run_stub
 
     settings = load_settings()
+    tls = None
+    if settings.engine_stub_tls_cert or settings.engine_stub_tls_key:
+        settings.require("engine_stub_tls_cert", "engine_stub_tls_key")
+        tls = StubTLS(
+            certfile=settings.engine_stub_tls_cert,
+            keyfile=settings.engine_stub_tls_key,
+            client_ca=settings.engine_stub_client_ca,
+        )
     run_stub(
         host=host,
         port=port or settings.engine_stub_port,
-        api_key=settings.internal_api_key,
+        api_key=settings.internal_api_key.get_secret_value(),
         latency_ms=latency_ms,
+        tls=tls,
     )
 
 

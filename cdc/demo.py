@@ -226,7 +226,7 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
     """Run the demo; raise :class:`DemoError` when it cannot finish."""
     settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
     console = Console()
-    applied_versions = migrate(settings.pg_dsn)
+    applied_versions = migrate(settings.pg_dsn.get_secret_value())
     console.print(
         f"schema: {'applied ' + ', '.join(applied_versions) if applied_versions else 'up to date'}"
     )
@@ -252,7 +252,10 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
         )
         with Progress(*columns, console=console) as progress:
             burst = _burst(
-                settings.pg_dsn, users=users, attempts_per_user=attempts_per_user, progress=progress
+                settings.pg_dsn.get_secret_value(),
+                users=users,
+                attempts_per_user=attempts_per_user,
+                progress=progress,
             )
             applied = _follow(
                 f"http://127.0.0.1:{settings.engine_stub_port}", burst, progress, children

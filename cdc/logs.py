@@ -8,6 +8,11 @@ Structured fields: a call passes them as ``extra={"event_id": ..., "topic": ...,
 "partition": ..., "offset": ..., "lsn": ..., "state": ...}``; the JSON format
 writes every such field as a key of its own next to ``msg`` (the text format
 shows the message only, which already names the object).
+
+Every line of the process goes through the one root handler, in the one
+format: uvicorn's (the HTTP servers are built with ``log_config=None``, so
+its loggers propagate here) and librdkafka's (:mod:`cdc.kafkalog` routes them
+to the ``kafka.<client>`` loggers) included. Every JSON line is one object.
 """
 
 from __future__ import annotations
@@ -58,3 +63,7 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
     root.setLevel(level)
     for noisy in ("httpx", "httpcore", "uvicorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        # an earlier uvicorn dictConfig may have given them handlers of their own
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True

@@ -8,7 +8,9 @@ Guarantees:
 * a second run applies nothing (the recorded versions are skipped);
 * an applied file whose text changed since is refused, not silently re-run;
 * two concurrent runs serialise on an advisory lock;
-* a server whose ``wal_level`` is not ``logical`` is refused up front with the fix.
+* a server whose ``wal_level`` is not ``logical`` is refused up front with the fix;
+* the files are found without a checkout: an installed wheel carries them as
+  package data (``cdc/sql``), a checkout has them in ``sql/``.
 """
 
 from __future__ import annotations
@@ -53,10 +55,18 @@ class Migration:
         return hashlib.sha256(self.path.read_bytes()).hexdigest()
 
 
+#: The migrations inside an installed wheel (``sql/`` shipped as package data).
+PACKAGED_SQL_DIR = Path(__file__).resolve().parent / "sql"
+#: The migrations of a checkout (the source of the packaged copy).
+CHECKOUT_SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+
+
 def sql_dir() -> Path:
-    """Where the migration files are: ``CDC_SQL_DIR`` or the repository's ``sql/``."""
+    """Where the migration files are: ``CDC_SQL_DIR``, the wheel's copy, or the checkout's."""
     override = os.environ.get("CDC_SQL_DIR")
-    return Path(override) if override else Path(__file__).resolve().parent.parent / "sql"
+    if override:
+        return Path(override)
+    return PACKAGED_SQL_DIR if PACKAGED_SQL_DIR.is_dir() else CHECKOUT_SQL_DIR
 
 
 def discover(directory: Path | None = None) -> list[Migration]:
@@ -119,7 +129,7 @@ def migrate(dsn: str, *, directory: Path | None = None) -> list[str]:
 
 
 def _apply(conn: psycopg.Connection[Any], migration: Migration) -> None:
-    log.info("migration %s applying", migration.path.name)
+    log.info("migration %s applying", migration.path.name, extra={"migration": migration.version})
     try:
         with conn.transaction():
             conn.execute(migration.sql.encode())

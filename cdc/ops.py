@@ -126,7 +126,9 @@ FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, {_PEEK_ARGS})
 
 def _connect(settings: Settings) -> Conn:
     try:
-        return psycopg.connect(settings.require("pg_dsn").pg_dsn, autocommit=True)
+        return psycopg.connect(
+            settings.require("pg_dsn").pg_dsn.get_secret_value(), autocommit=True
+        )
     except psycopg.OperationalError as exc:
         raise CdcError(f"PostgreSQL connection failed: {exc}") from exc
 

@@ -29,6 +29,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
 from cdc.errors import KafkaUnavailableError
+from cdc.kafkalog import KafkaClientEvents
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,13 @@ def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, s
     return config
 
 
-def make_producer(bootstrap: str, overrides: Mapping[str, str]) -> Producer:
-    return Producer(producer_config(bootstrap, overrides))
+def make_producer(
+    bootstrap: str, overrides: Mapping[str, str], *, events: KafkaClientEvents | None = None
+) -> Producer:
+    """The relay's producer; librdkafka's errors and log lines go through ``events``
+    (by default a :class:`KafkaClientEvents` that only logs), never raw to stderr."""
+    events = events or KafkaClientEvents("producer")
+    return Producer({**producer_config(bootstrap, overrides), **events.config()})
 
 
 class TopicManager:
@@ -93,7 +99,7 @@ class TopicManager:
             k: v for k, v in overrides.items() if k.startswith(("security.", "sasl.", "ssl."))
         }
         config["bootstrap.servers"] = bootstrap
-        self._admin = AdminClient(config)
+        self._admin = AdminClient({**config, **KafkaClientEvents("relay-admin").config()})
         self._partitions = partitions
         self._replication_factor = replication_factor
         self._timeout_s = timeout_s

@@ -324,14 +324,18 @@ class Relay:
     # -- one session -----------------------------------------------------------
     def _session(self) -> None:
         s = self.settings
-        with psycopg.connect(s.pg_dsn, autocommit=True, connect_timeout=10) as conn:
+        with psycopg.connect(
+            s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
+        ) as conn:
             ensure_publication(conn, s.publication, self._table[1])
             info = ensure_slot(conn, s.slot)
             self._utf8 = server_is_utf8(conn)
         self._topics.ensure([s.dlq_topic])
         if self._producer is None:
             self._producer = make_producer(s.kafka_bootstrap_servers, s.kafka_config)
-        stream = ReplicationStream(s.pg_dsn, slot=s.slot, publication=s.publication)
+        stream = ReplicationStream(
+            s.pg_dsn.get_secret_value(), slot=s.slot, publication=s.publication
+        )
         try:
             stream.start(0)
             sess = Session(
@@ -812,7 +816,9 @@ class Relay:
             else min(MONITOR_INTERVAL_S, s.heartbeat_interval_s)
         ):
             try:
-                with psycopg.connect(s.pg_dsn, autocommit=True, connect_timeout=5) as conn:
+                with psycopg.connect(
+                    s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=5
+                ) as conn:
                     info = slot_info(conn, s.slot)
                     if info is not None and info.lag_bytes is not None:
                         self.metrics.slot_lag.set(info.lag_bytes)

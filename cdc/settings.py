@@ -1,10 +1,32 @@
 """Typed settings for every process, read from the environment (12-factor).
 
-The variable names in :data:`ENV` are the contract documented in the README;
-an optional TOML file (``CDC_CONFIG_FILE``) supplies the same keys in lower
-case, and the environment wins over the file. librdkafka settings pass through
-from variables prefixed ``KAFKA_CONFIG_`` (``KAFKA_CONFIG_SECURITY_PROTOCOL``
-becomes ``security.protocol``). Secrets are kept out of ``repr``.
+Guarantees:
+
+* every field's environment variable is its alias (:data:`ENV` lists them);
+  these names and the defaults are the contract documented in the README;
+* an optional TOML file (``CDC_CONFIG_FILE``, or ``config_file=``) supplies the
+  same settings under their field names (``slot = "x"``) or variable names;
+  the environment wins over the file;
+* librdkafka settings pass through from variables prefixed ``KAFKA_CONFIG_``
+  (``KAFKA_CONFIG_SECURITY_PROTOCOL`` becomes ``security.protocol``) or a
+  ``[kafka_config]`` table of the file;
+* every value is validated by pydantic for its type; a bad or unknown setting
+  raises :class:`cdc.errors.ConfigError` naming the variable (and never the
+  value of a secret);
+* secrets (the DSN, ``INTERNAL_API_KEY``, ``ADMIN_API_TOKEN``, proxy URLs that
+  may carry credentials) are :class:`pydantic.SecretStr`: ``repr``, ``str``
+  and :meth:`Settings.safe_summary` never show them; code that needs the value
+  asks for it with ``.get_secret_value()``;
+* :func:`redact_dsn` hides the password of a DSN in any form libpq accepts
+  (URL, ``?password=``, key=value with spaces or quotes) by parsing it with
+  psycopg's own conninfo parser.
+
+``Settings(...)`` is exactly its arguments over the defaults (tests build it
+that way); :meth:`Settings.from_env` reads the environment and the file.
+
+Adding a setting is one line: ``name: type = env("VARIABLE", default)`` in
+:class:`Settings` (a ``SecretStr`` type for a secret), plus its row in the
+README's configuration table.
 """
 
 from __future__ import annotations
@@ -12,140 +34,138 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
 from cdc.errors import ConfigError
 
 KAFKA_CONFIG_PREFIX = "KAFKA_CONFIG_"
-
-#: setting attribute -> environment variable
-ENV: dict[str, str] = {
-    "pg_dsn": "CDC_PG_DSN",
-    "slot": "CDC_SLOT",
-    "publication": "CDC_PUBLICATION",
-    "outbox_table": "CDC_OUTBOX_TABLE",
-    "topic_prefix": "CDC_TOPIC_PREFIX",
-    "topic_partitions": "CDC_TOPIC_PARTITIONS",
-    "topic_replication_factor": "CDC_TOPIC_REPLICATION_FACTOR",
-    "dlq_topic": "CDC_DLQ_TOPIC",
-    "heartbeat_interval_s": "CDC_HEARTBEAT_INTERVAL_S",
-    "relay_http_port": "CDC_RELAY_HTTP_PORT",
-    "relay_max_in_flight": "CDC_MAX_IN_FLIGHT",
-    "http_host": "CDC_HTTP_HOST",
-    "kafka_bootstrap_servers": "KAFKA_BOOTSTRAP_SERVERS",
-    "sink_group_id": "SINK_GROUP_ID",
-    "sink_topics_pattern": "SINK_TOPICS_PATTERN",
-    "sink_max_in_flight": "SINK_MAX_IN_FLIGHT",
-    "sink_http_port": "SINK_HTTP_PORT",
-    "sink_backoff_max_s": "SINK_BACKOFF_MAX_S",
-    "sink_inline_attempts": "SINK_INLINE_ATTEMPTS",
-    "sink_routes": "SINK_ROUTES",
-    "sink_ignored_types": "SINK_IGNORED_TYPES",
-    "engine_base_url": "ENGINE_BASE_URL",
-    "internal_api_key": "INTERNAL_API_KEY",
-    "engine_connect_timeout_s": "ENGINE_CONNECT_TIMEOUT_S",
-    "engine_read_timeout_s": "ENGINE_READ_TIMEOUT_S",
-    "admin_api_token": "ADMIN_API_TOKEN",
-    "admin_api_max_body_bytes": "ADMIN_API_MAX_BODY_BYTES",
-    "scheduler_enabled": "OUTBOX_SCHEDULER_ENABLED",
-    "scheduler_interval_s": "OUTBOX_SCHEDULER_INTERVAL_S",
-    "retry_max_attempts": "OUTBOX_RETRY_MAX_ATTEMPTS",
-    "retry_batch_size": "OUTBOX_RETRY_BATCH_SIZE",
-    "retry_backoff_base_s": "OUTBOX_RETRY_BACKOFF_BASE_S",
-    "engine_stub_port": "ENGINE_STUB_PORT",
-}
-
-SECRET_FIELDS = frozenset({"pg_dsn", "internal_api_key", "admin_api_token"})
+CONFIG_FILE_VAR = "CDC_CONFIG_FILE"
+#: conninfo keywords whose value is a secret (libpq's ``password`` and the
+#: passphrase of an encrypted client key).
+DSN_SECRET_KEYS = frozenset({"password", "sslpassword"})
+REDACTED = "***"
+#: Proxy variables are read in either case, the upper case first (curl's habit).
+_LOWERCASE_FALLBACK = ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")
 
 
-def redact_dsn(dsn: str) -> str:
-    """The DSN with any password replaced by ``***`` (URL or key=value form)."""
-    if "://" in dsn:
-        parts = urlsplit(dsn)
-        if parts.password is None:
-            return dsn
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return " ".join(
-        "password=***" if item.startswith("password=") else item for item in dsn.split()
-    )
+def env(variable: str, default: Any) -> Any:
+    """A field read from environment variable ``variable`` (its alias), with a default."""
+    return Field(default, alias=variable)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Settings:
+class Settings(BaseSettings):
     """Every knob of relay, sink, engine stub and ops CLI; see the README table."""
 
-    pg_dsn: str = field(default="", repr=False)
-    slot: str = "outbox_slot"
-    publication: str = "outbox_pub"
-    outbox_table: str = "outbox"
-    topic_prefix: str = "outbox.event."
-    topic_partitions: int = 6
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        populate_by_name=True,
+        case_sensitive=True,
+        hide_input_in_errors=True,
+    )
+
+    pg_dsn: SecretStr = env("CDC_PG_DSN", SecretStr(""))
+    slot: str = env("CDC_SLOT", "outbox_slot")
+    publication: str = env("CDC_PUBLICATION", "outbox_pub")
+    outbox_table: str = env("CDC_OUTBOX_TABLE", "outbox")
+    topic_prefix: str = env("CDC_TOPIC_PREFIX", "outbox.event.")
+    topic_partitions: int = env("CDC_TOPIC_PARTITIONS", 6)
     #: -1 takes the broker's default.replication.factor.
-    topic_replication_factor: int = -1
-    dlq_topic: str = "outbox.dlq"
+    topic_replication_factor: int = env("CDC_TOPIC_REPLICATION_FACTOR", -1)
+    dlq_topic: str = env("CDC_DLQ_TOPIC", "outbox.dlq")
     #: 0 disables; else a pg_logical_emit_message heartbeat this often.
-    heartbeat_interval_s: float = 0.0
-    relay_http_port: int = 9101
+    heartbeat_interval_s: float = env("CDC_HEARTBEAT_INTERVAL_S", 0.0)
+    relay_http_port: int = env("CDC_RELAY_HTTP_PORT", 9101)
     #: Records handed to Kafka but not yet acknowledged before the relay stops
     #: reading WAL (back-pressure); bounds memory while Kafka is slow or away.
-    relay_max_in_flight: int = 50_000
+    relay_max_in_flight: int = env("CDC_MAX_IN_FLIGHT", 50_000)
     #: Address the /metrics, /healthz, /readyz (and admin) servers bind.
-    http_host: str = "127.0.0.1"
-    kafka_bootstrap_servers: str = ""
-    kafka_config: Mapping[str, str] = field(default_factory=dict, repr=False)
-    sink_group_id: str = "engine-sync"
-    sink_topics_pattern: str = ""
-    sink_max_in_flight: int = 64
-    sink_http_port: int = 9102
+    http_host: str = env("CDC_HTTP_HOST", "127.0.0.1")
+    kafka_bootstrap_servers: str = env("KAFKA_BOOTSTRAP_SERVERS", "")
+    #: librdkafka settings from KAFKA_CONFIG_* (no variable of its own).
+    kafka_config: dict[str, str] = Field(default_factory=dict, repr=False)
+    sink_group_id: str = env("SINK_GROUP_ID", "engine-sync")
+    sink_topics_pattern: str = env("SINK_TOPICS_PATTERN", "")
+    sink_max_in_flight: int = env("SINK_MAX_IN_FLIGHT", 64)
+    sink_http_port: int = env("SINK_HTTP_PORT", 9102)
     #: Longest wait between probes of an engine that is down (jittered, growing).
-    sink_backoff_max_s: float = 15.0
+    sink_backoff_max_s: float = env("SINK_BACKOFF_MAX_S", 15.0)
     #: Attempts a record the healthy engine rejects gets inline before it is parked.
-    sink_inline_attempts: int = 3
+    sink_inline_attempts: int = env("SINK_INLINE_ATTEMPTS", 3)
     #: More event types routed onto the engine's calls: ``Type=USER_SYNC,Other=QUIZ_SYNC``.
-    sink_routes: str = ""
+    sink_routes: str = env("SINK_ROUTES", "")
     #: Event types the sink skips on purpose: globs, ``Type`` or ``topic:Type``, comma-separated.
-    sink_ignored_types: str = ""
-    engine_base_url: str = "http://localhost:8081"
-    internal_api_key: str = field(default="", repr=False)
-    engine_connect_timeout_s: float = 2.0
-    engine_read_timeout_s: float = 3.0
-    admin_api_token: str = field(default="", repr=False)
+    sink_ignored_types: str = env("SINK_IGNORED_TYPES", "")
+    engine_base_url: str = env("ENGINE_BASE_URL", "http://localhost:8081")
+    internal_api_key: SecretStr = env("INTERNAL_API_KEY", SecretStr(""))
+    engine_connect_timeout_s: float = env("ENGINE_CONNECT_TIMEOUT_S", 2.0)
+    engine_read_timeout_s: float = env("ENGINE_READ_TIMEOUT_S", 3.0)
+    #: PEM bundle of the CAs trusted for the engine's certificate (instead of the system's).
+    engine_ca_file: str = env("ENGINE_CA_FILE", "")
+    #: PEM client certificate (chain) presented to the engine (mTLS), with its key.
+    engine_client_cert: str = env("ENGINE_CLIENT_CERT", "")
+    engine_client_key: str = env("ENGINE_CLIENT_KEY", "")
+    #: false: the engine's certificate is not verified (logged loudly; never in production).
+    engine_tls_verify: bool = env("ENGINE_TLS_VERIFY", True)
+    #: Standard proxy variables (either case); they may carry credentials.
+    https_proxy: SecretStr = env("HTTPS_PROXY", SecretStr(""))
+    http_proxy: SecretStr = env("HTTP_PROXY", SecretStr(""))
+    no_proxy: str = env("NO_PROXY", "")
+    admin_api_token: SecretStr = env("ADMIN_API_TOKEN", SecretStr(""))
     #: Largest request body the sink's HTTP server takes (413 above it).
-    admin_api_max_body_bytes: int = 1_048_576
-    scheduler_enabled: bool = True
-    scheduler_interval_s: float = 300.0
-    retry_max_attempts: int = 5
-    retry_batch_size: int = 100
-    retry_backoff_base_s: float = 60.0
-    engine_stub_port: int = 8081
+    admin_api_max_body_bytes: int = env("ADMIN_API_MAX_BODY_BYTES", 1_048_576)
+    scheduler_enabled: bool = env("OUTBOX_SCHEDULER_ENABLED", True)
+    scheduler_interval_s: float = env("OUTBOX_SCHEDULER_INTERVAL_S", 300.0)
+    retry_max_attempts: int = env("OUTBOX_RETRY_MAX_ATTEMPTS", 5)
+    retry_batch_size: int = env("OUTBOX_RETRY_BATCH_SIZE", 100)
+    retry_backoff_base_s: float = env("OUTBOX_RETRY_BACKOFF_BASE_S", 60.0)
+    engine_stub_port: int = env("ENGINE_STUB_PORT", 8081)
+    #: The stub serves HTTPS with this certificate and key when both are set.
+    engine_stub_tls_cert: str = env("ENGINE_STUB_TLS_CERT", "")
+    engine_stub_tls_key: str = env("ENGINE_STUB_TLS_KEY", "")
+    #: The stub then requires client certificates signed by this CA (mTLS).
+    engine_stub_client_ca: str = env("ENGINE_STUB_CLIENT_CA", "")
+
+    @field_validator("pg_dsn")
+    @classmethod
+    def _dsn_parses(cls, value: SecretStr) -> SecretStr:
+        """libpq must parse the DSN; its error text may quote the password, so it is dropped."""
+        if value.get_secret_value() and _parse_dsn(value.get_secret_value()) is None:
+            raise ValueError("not a connection string libpq can parse (value not shown)")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """``Settings(...)`` is its arguments only; :meth:`from_env` reads the sources."""
+        return (init_settings,)
 
     @classmethod
     def from_env(
         cls, env: Mapping[str, str] | None = None, *, config_file: str | None = None
     ) -> Settings:
         """Settings from a TOML file (optional) overlaid by the environment."""
-        env = os.environ if env is None else env
-        raw: dict[str, Any] = {}
-        path = config_file or env.get("CDC_CONFIG_FILE")
-        if path:
-            try:
-                raw.update(tomllib.loads(Path(path).read_text(encoding="utf-8")))
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise ConfigError(f"CDC_CONFIG_FILE {path}: {exc}") from exc
-        for attr, var in ENV.items():
-            if var in env:
-                raw[attr] = env[var]
-        kafka_config = {
-            k[len(KAFKA_CONFIG_PREFIX) :].lower().replace("_", "."): v
-            for k, v in env.items()
-            if k.startswith(KAFKA_CONFIG_PREFIX)
-        }
-        kafka_config.update(raw.pop("kafka_config", {}) or {})
-        return cls(kafka_config=kafka_config, **_coerce(raw))
+        environ = os.environ if env is None else env
+        path = config_file or environ.get(CONFIG_FILE_VAR)
+        sources = [_TomlSource(cls, path), _MappingSource(cls, environ)]
+        data: dict[str, Any] = {}
+        kafka_config: dict[str, Any] = {}
+        for source in sources:  # later sources win
+            values = source()
+            kafka_config.update(values.pop("kafka_config", {}) or {})
+            data.update(values)
+        return build(cls, kafka_config=kafka_config, **data)
 
     def require(self, *attrs: str) -> Settings:
         """Raise :class:`ConfigError` naming the variable of each empty setting."""
@@ -161,51 +181,147 @@ class Settings:
     def safe_summary(self) -> dict[str, object]:
         """Settings fit for a log line: secrets redacted, the DSN without password."""
         out: dict[str, object] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "pg_dsn":
-                value = redact_dsn(value)
-            elif f.name in SECRET_FIELDS:
-                value = "***" if value else ""
-            elif f.name == "kafka_config":
-                value = sorted(value)
-            out[f.name] = value
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if name == "pg_dsn":
+                value = redact_dsn(self.pg_dsn.get_secret_value())
+            elif name in {"https_proxy", "http_proxy"}:
+                value = redact_url(value.get_secret_value())
+            elif isinstance(value, SecretStr):
+                value = REDACTED if value.get_secret_value() else ""
+            elif name == "kafka_config":
+                value = sorted(value)  # names only: values may hold SASL passwords
+            out[name] = value
         return out
 
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+#: setting attribute -> environment variable (every field but ``kafka_config``).
+ENV: dict[str, str] = {
+    name: info.alias for name, info in Settings.model_fields.items() if info.alias is not None
+}
+_BY_VARIABLE = {var: name for name, var in ENV.items()}
+#: Settings whose value must never appear in a message.
+SECRET_FIELDS = frozenset(
+    name for name, info in Settings.model_fields.items() if info.annotation is SecretStr
+)
 
 
-def _coerce(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Convert raw strings to each field's type; unknown keys are an error."""
-    types = {f.name: f.type for f in fields(Settings)}
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in types:
-            raise ConfigError(f"unknown setting {key!r}")
-        kind = types[key]
-        var = ENV.get(key, key)
+def build(cls: type[Settings], **values: Any) -> Settings:
+    """``cls(**values)`` with pydantic's errors turned into one :class:`ConfigError`."""
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_explain(error) for error in exc.errors())) from None
+
+
+def _explain(error: Any) -> str:
+    """One validation error as ``VARIABLE: what is wrong`` (a secret's value never shown)."""
+    loc = error.get("loc") or ("?",)
+    key = str(loc[0])
+    if error.get("type") == "extra_forbidden":
+        return f"unknown setting {key!r}"
+    name = _BY_VARIABLE.get(key, key)
+    variable = ENV.get(name, key)
+    where = ".".join(str(part) for part in (variable, *loc[1:]))
+    if name in SECRET_FIELDS:
+        return f"{where}: {error.get('msg', 'invalid')}"
+    return f"{where}={error.get('input')!r}: {error.get('msg', 'invalid')}"
+
+
+class _MappingSource(PydanticBaseSettingsSource):
+    """Settings from an environment mapping: each field's variable, and ``KAFKA_CONFIG_*``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        super().__init__(settings_cls)
+        self._environ = environ
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        variable = ENV.get(field_name, field_name)
+        value = self._environ.get(variable)
+        if value is None and variable in _LOWERCASE_FALLBACK:
+            value = self._environ.get(variable.lower())
+        return value, variable, False
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in ENV:
+            value, _, _ = self.get_field_value(None, name)
+            if value is not None:
+                out[name] = value
+        kafka_config = {
+            key[len(KAFKA_CONFIG_PREFIX) :].lower().replace("_", "."): value
+            for key, value in self._environ.items()
+            if key.startswith(KAFKA_CONFIG_PREFIX)
+        }
+        if kafka_config:
+            out["kafka_config"] = kafka_config
+        return out
+
+
+class _TomlSource(PydanticBaseSettingsSource):
+    """Settings from a TOML file: field names or variable names as keys."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: str | None) -> None:
+        super().__init__(settings_cls)
+        self._path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        if not self._path:
+            return {}
         try:
-            if kind == "bool":
-                out[key] = _to_bool(value)
-            elif kind == "int":
-                out[key] = int(value)
-            elif kind == "float":
-                out[key] = float(value)
-            else:
-                out[key] = str(value)
-        except ValueError as exc:
-            raise ConfigError(f"{var}={value!r} is not a valid {kind}") from exc
-    return out
+            raw = tomllib.loads(Path(self._path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{CONFIG_FILE_VAR} {self._path}: {exc}") from exc
+        return {_BY_VARIABLE.get(key, key): value for key, value in raw.items()}
 
 
-def _to_bool(value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ValueError(text)
+def redact_dsn(dsn: str) -> str:
+    """The DSN as ``key=value`` pairs with any password replaced by ``***``.
+
+    Parsed by libpq (psycopg's ``conninfo_to_dict``), so every form libpq
+    accepts is covered: ``postgresql://u:pw@h/db``, ``...?password=pw``,
+    ``password = pw``, ``password='p w'``. A DSN libpq cannot parse is not
+    echoed at all (its text may hold the password).
+    """
+    if not dsn:
+        return ""
+    params = _parse_dsn(dsn)
+    if params is None:
+        return "<unparseable DSN>"
+    for key in DSN_SECRET_KEYS & params.keys():
+        params[key] = REDACTED
+    from psycopg.conninfo import make_conninfo  # noqa: PLC0415 - see _parse_dsn
+
+    return make_conninfo("", **params)
+
+
+def _parse_dsn(dsn: str) -> dict[str, Any] | None:
+    """libpq's reading of ``dsn`` (``None`` when it cannot parse it).
+
+    psycopg is imported here, not at the top: it costs a CLI start-up a
+    noticeable part of a second that commands without a database need not pay.
+    """
+    import psycopg  # noqa: PLC0415 - deferred, see the docstring
+
+    try:
+        return psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return None
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its userinfo replaced by ``***`` (proxy URLs)."""
+    if not url:
+        return ""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "<unparseable URL>"
+    if password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{REDACTED}@{host}"))

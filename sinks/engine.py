@@ -9,21 +9,36 @@ Guarantees:
   ``<failure class>: <detail>`` (e.g. ``ConnectError: [Errno 111] Connection
   refused (127.0.0.1:8081)``, ``ReadTimeout: nothing received for 3 s``) and
   whose cause is the transport's exception (:mod:`sinks.http1` or httpx).
+- Configuration errors are not outages: a TLS failure (untrusted or misnamed
+  certificate, client certificate refused, TLS to a plain-HTTP port), a 401/403
+  and a 3xx raise :class:`~sinks.errors.EngineMisconfigured` (still engine-wide:
+  the sink pauses, spends no attempt) whose reason names the setting to fix.
 - Every request carries ``Idempotency-Key: <event id>``, so a resend after a
   lost response is applied once; and ``x-api-key`` when a key is configured.
-  The key is never logged.
+  The key is never logged. ``send(..., headers=...)`` adds request headers
+  (e.g. ``traceparent``); they cannot replace the client's own.
+- TLS (:class:`EngineTLS`): the system's CAs, or only those of
+  ``ENGINE_CA_FILE``; a client certificate for mTLS (``ENGINE_CLIENT_CERT`` /
+  ``ENGINE_CLIENT_KEY``); ``ENGINE_TLS_VERIFY=false`` turns verification off
+  and is logged as a warning whenever a client is built that way. Unreadable
+  files are a :class:`~cdc.errors.ConfigError` naming the variable, at start-up.
+- Proxies: the standard ``HTTPS_PROXY`` / ``HTTP_PROXY`` / ``NO_PROXY`` (either
+  case) choose an HTTP proxy for the engine's URL (:func:`select_proxy`):
+  an ``https://`` engine is reached through a ``CONNECT`` tunnel (TLS end to
+  end, the proxy sees no request), a plain ``http://`` engine by sending the
+  requests to the proxy. Credentials in the proxy URL go in
+  ``Proxy-Authorization`` and are never logged.
 - At most ``max_in_flight`` requests run at once (more wait their turn, which
   is never reported as engine trouble), over at most ``max_in_flight``
   keep-alive connections, reused last-in first-out and closed after
   :data:`KEEPALIVE_EXPIRY_S` idle.
-- The transport is :class:`sinks.http1.ConnectionPool` (DESIGN names httpx;
-  measured: httpx costs ~0.7 ms of client CPU per request, capping the sink
-  near 1,100 deliveries/s on 2 cores; see :mod:`sinks.http1`). A request on a
+- The transport is :class:`sinks.http1.ConnectionPool`, chosen by measurement
+  over httpx and aiohttp (``make bench``, tests/bench/test_transport_bench.py:
+  client CPU per request and requests/s, plain HTTP and TLS). A request on a
   keep-alive connection the engine had closed is resent once on a new one
   (safe: the Idempotency-Key). ``transport="httpx"`` selects httpx's own
-  network stack instead, an ``httpx.AsyncBaseTransport`` (tests' MockTransport)
-  httpx over that transport.
-- Proxy variables of the environment are ignored: the engine is internal.
+  network stack instead; an ``httpx.AsyncBaseTransport`` (tests' MockTransport)
+  runs httpx over that transport.
 """
 
 from __future__ import annotations
@@ -37,12 +52,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Final, Literal
+from urllib.parse import urlsplit
 
 import httpx
 
-from cdc.settings import Settings
+from cdc.errors import ConfigError
+from cdc.settings import Settings, redact_url
 from sinks import http1
-from sinks.errors import EngineUnavailable, Unroutable
+from sinks.errors import EngineMisconfigured, EngineUnavailable, Unroutable
 from sinks.retry import classify
 from sinks.routes import EngineCall, user_sync_call
 
@@ -64,6 +81,13 @@ _OWN_HEADERS = frozenset({"idempotency-key", API_KEY_HEADER, "content-type", "us
 #: requests in flight against the stub, one pool of 64 cost ~2.6 ms of client
 #: CPU per request (~380 req/s), pools of 4 ~0.86 ms (~1150 req/s).
 CONNECTIONS_PER_POOL = 4
+#: Headers the client sets itself; ``send(headers=...)`` cannot replace them.
+OWN_HEADERS = frozenset({"content-type", "user-agent", "x-api-key", "idempotency-key"})
+TLS_UNVERIFIED_WARNING = (
+    "ENGINE_TLS_VERIFY=false: the engine's TLS certificate is NOT verified; anyone "
+    "on the network path can pose as the engine and read INTERNAL_API_KEY and every "
+    "event. Use ENGINE_CA_FILE for a private CA instead; never run this in production."
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +105,96 @@ class EngineTimeouts:
     def as_pool(self) -> http1.PoolTimeouts:
         """The same limits for :class:`sinks.http1.ConnectionPool`."""
         return http1.PoolTimeouts(connect_s=self.connect_s, read_s=self.read_s, write_s=self.read_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineTLS:
+    """How the client checks the engine and proves itself (PEM file paths)."""
+
+    #: Trust only the CAs of this bundle ("" = the system's CAs).
+    ca_file: str = ""
+    #: Client certificate (chain) and its unencrypted key, for mTLS ("" = none).
+    client_cert: str = ""
+    client_key: str = ""
+    #: False: no certificate check at all (a loud warning; never in production).
+    verify: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EngineTLS:
+        return cls(
+            ca_file=settings.engine_ca_file,
+            client_cert=settings.engine_client_cert,
+            client_key=settings.engine_client_key,
+            verify=settings.engine_tls_verify,
+        )
+
+    def context(self) -> ssl.SSLContext:
+        """The client context; :class:`ConfigError` naming the variable of a bad file."""
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file or None)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise ConfigError(f"ENGINE_CA_FILE={self.ca_file!r}: {_file_error(exc)}") from None
+        if bool(self.client_cert) != bool(self.client_key):
+            raise ConfigError("ENGINE_CLIENT_CERT and ENGINE_CLIENT_KEY are set together")
+        if self.client_cert:
+            try:
+                ctx.load_cert_chain(self.client_cert, self.client_key)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"ENGINE_CLIENT_CERT={self.client_cert!r} / ENGINE_CLIENT_KEY="
+                    f"{self.client_key!r}: {_file_error(exc)}"
+                ) from None
+        if not self.verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+
+def _file_error(exc: BaseException) -> str:
+    """An error about a PEM file without the file's content (the key must not leak)."""
+    if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
+        return exc.strerror or type(exc).__name__
+    if isinstance(exc, ssl.SSLError):
+        return f"not a usable PEM file ({exc.reason or exc.library or 'ssl error'})"
+    return f"not a usable PEM file ({type(exc).__name__})"
+
+
+def select_proxy(
+    base_url: str, *, https_proxy: str = "", http_proxy: str = "", no_proxy: str = ""
+) -> str:
+    """The proxy URL for ``base_url`` ("" = connect directly), as curl reads the variables.
+
+    ``https://`` engines use ``https_proxy``, ``http://`` ones ``http_proxy``;
+    ``no_proxy`` is a comma-separated list of host names, domain suffixes
+    (``.internal`` or ``internal``), IP addresses, ``host:port`` entries, or
+    ``*`` (no proxy at all).
+    """
+    parts = urlsplit(base_url)
+    proxy = https_proxy if parts.scheme == "https" else http_proxy
+    host = (parts.hostname or "").lower()
+    if not proxy or not host:
+        return ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    for raw in no_proxy.split(","):
+        entry = raw.strip().lower()
+        if not entry:
+            continue
+        if entry == "*":
+            return ""
+        name, _, entry_port = entry.rpartition(":") if _has_port(entry) else (entry, "", "")
+        if entry_port and entry_port != str(port):
+            continue
+        name = name.strip("[]").lstrip("*").lstrip(".")
+        if host == name or host.endswith("." + name):
+            return ""
+    return proxy
+
+
+def _has_port(entry: str) -> bool:
+    """``host:port`` or ``[v6]:port`` (a bare IPv6 address has colons but no port)."""
+    if entry.startswith("["):
+        return "]:" in entry
+    return entry.count(":") == 1
 
 
 @dataclass(slots=True)
@@ -102,7 +216,8 @@ class EngineClient:
     :class:`sinks.http1.ConnectionPool` of ``max_in_flight`` connections;
     ``"httpx"`` is httpx's network stack in pools of :data:`CONNECTIONS_PER_POOL`
     connections, each request to the least busy pool; an ``httpx.AsyncBaseTransport``
-    (tests) is used by one httpx client.
+    (tests) is used by one httpx client. ``tls`` applies to ``https://`` engines;
+    ``proxy`` is an ``http://`` proxy URL (see :func:`select_proxy`).
     """
 
     def __init__(
@@ -113,6 +228,8 @@ class EngineClient:
         timeouts: EngineTimeouts | None = None,
         max_in_flight: int = 64,
         transport: Transport = None,
+        tls: EngineTLS | None = None,
+        proxy: str = "",
     ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
@@ -123,11 +240,17 @@ class EngineClient:
         timeouts = timeouts or EngineTimeouts()
         self._timeout = timeouts.as_httpx()
         self._slots = asyncio.Semaphore(max_in_flight)
+        self._tls = tls or EngineTLS()
         self._ssl_context: ssl.SSLContext | None = None  # built once, shared by the pools
+        self._proxy = proxy
         self._pools: list[_Pool] = []
         self._pool: http1.ConnectionPool | None = None
         self._target_prefix = ""
         self._header_block = b""
+        if self.base_url.startswith("https:"):
+            self._ssl()  # a bad CA or key file fails now, not at the first event
+            if not self._tls.verify:
+                log.warning(TLS_UNVERIFIED_WARNING, extra={"state": "tls_unverified"})
         if transport is None:
             self._pool = self._fast_pool(max_in_flight, timeouts)
         elif transport == HTTPX_TRANSPORT:
@@ -136,24 +259,36 @@ class EngineClient:
             self._pools = [_Pool(self._client(max_in_flight, transport))]
         else:
             raise ValueError(f"unknown transport {transport!r}")
+        if proxy:
+            log.info(
+                "engine %s through proxy %s",
+                self.base_url,
+                redact_url(proxy),
+                extra={"proxy": True},
+            )
 
     def _fast_pool(self, connections: int, timeouts: EngineTimeouts) -> http1.ConnectionPool:
         origin = http1.parse_origin(self.base_url)
         self._target_prefix = origin.path_prefix
         headers = [("user-agent", USER_AGENT), *self._headers.items()]
         self._header_block = http1.encode_headers(headers)
+        try:
+            proxy = http1.parse_proxy(self._proxy) if self._proxy else None
+        except ValueError as exc:
+            raise ConfigError(f"HTTPS_PROXY/HTTP_PROXY: {exc}") from None
         return http1.ConnectionPool(
             origin,
             max_connections=connections,
             timeouts=timeouts.as_pool(),
             keepalive_expiry_s=KEEPALIVE_EXPIRY_S,
             ssl_context=self._ssl() if origin.scheme == "https" else None,
+            proxy=proxy,
         )
 
     def _ssl(self) -> ssl.SSLContext:
-        """httpx's TLS defaults (certifi CAs), for either transport."""
+        """The TLS context of :class:`EngineTLS`, for either transport."""
         if self._ssl_context is None:
-            self._ssl_context = httpx.create_ssl_context()
+            self._ssl_context = self._tls.context()
         return self._ssl_context
 
     def _client(
@@ -171,22 +306,30 @@ class EngineClient:
             limits=limits,
             transport=transport,
             follow_redirects=False,
-            verify=self._ssl(),
-            trust_env=False,  # the engine is an internal service: no proxies from the env
+            verify=self._ssl() if self.base_url.startswith("https:") else True,
+            proxy=self._proxy or None,
+            trust_env=False,  # proxies come from the settings (select_proxy), not httpx's reading
         )
 
     @classmethod
     def from_settings(cls, settings: Settings, *, transport: Transport = None) -> EngineClient:
-        """A client configured by ``ENGINE_BASE_URL``, ``INTERNAL_API_KEY``, timeouts, in-flight."""
+        """A client configured by ``ENGINE_*``, ``INTERNAL_API_KEY``, the proxy variables."""
         return cls(
             base_url=settings.engine_base_url,
-            api_key=settings.internal_api_key,
+            api_key=settings.internal_api_key.get_secret_value(),
             timeouts=EngineTimeouts(
                 connect_s=settings.engine_connect_timeout_s,
                 read_s=settings.engine_read_timeout_s,
             ),
             max_in_flight=settings.sink_max_in_flight,
             transport=transport,
+            tls=EngineTLS.from_settings(settings),
+            proxy=select_proxy(
+                settings.engine_base_url,
+                https_proxy=settings.https_proxy.get_secret_value(),
+                http_proxy=settings.http_proxy.get_secret_value(),
+                no_proxy=settings.no_proxy,
+            ),
         )
 
     async def send(
@@ -194,32 +337,25 @@ class EngineClient:
     ) -> None:
         """POST ``call`` with ``event_id`` as idempotency key; return on 2xx, raise otherwise.
 
-        ``headers``: extra request headers (the record's trace context,
-        :func:`sinks.tracing.engine_trace_headers`); validated like every header.
+        ``headers`` are sent too (names other than the client's own; values
+        without CR, LF or NUL, else :class:`Unroutable`).
         """
         if not event_id or not (event_id.isascii() and event_id.isprintable()):
             raise Unroutable(f"event id {event_id!r} cannot be an Idempotency-Key")
-        extra = b""
-        if headers:
-            if any(name.lower() in _OWN_HEADERS for name in headers):
-                raise Unroutable(f"{call.path}: extra headers may not replace {sorted(headers)}")
-            try:
-                extra = http1.encode_headers(headers.items())
-            except ValueError as exc:
-                raise Unroutable(f"{call.path}: {exc}") from exc
+        extra = _extra_header_block(headers) if headers else b""
         try:
             content = json.dumps(call.body, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise Unroutable(f"{call.path}: body is not JSON ({exc})") from exc
         started = time.perf_counter()
         try:
-            status, body, answer_headers = await self._post(
+            status, body, response_headers = await self._post(
                 call.path, content, event_id, extra, headers
             )
         except (http1.TransportError, httpx.RequestError) as exc:  # incl. undecodable responses
             log.debug("engine %s event %s: %r", call.path, event_id, exc)
-            raise EngineUnavailable(_transport_reason(exc)) from exc
-        outcome = classify(status, body, answer_headers)
+            raise _transport_error(exc) from exc
+        outcome = classify(status, body, response_headers)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "engine %s event %s -> %s in %.1f ms",
@@ -227,6 +363,7 @@ class EngineClient:
                 event_id,
                 status,
                 (time.perf_counter() - started) * 1000,
+                extra={"event_id": event_id, "status": status},
             )
         error = outcome.error(user_id=call.user_id)
         if error is not None:
@@ -237,8 +374,8 @@ class EngineClient:
         path: str,
         content: bytes,
         event_id: str,
-        extra_block: bytes = b"",
-        extra: Mapping[str, str] | None = None,
+        extra_block: bytes,
+        extra: Mapping[str, str] | None,
     ) -> tuple[int, bytes, Mapping[str, str]]:
         """Status, body and headers of the engine's answer; a transport error else."""
         async with self._slots:
@@ -300,6 +437,102 @@ def _split(connections: int) -> list[int]:
     """Sizes of httpx pools: as many of CONNECTIONS_PER_POOL as fit, then the rest."""
     full, rest = divmod(connections, CONNECTIONS_PER_POOL)
     return [CONNECTIONS_PER_POOL] * full + ([rest] if rest else [])
+
+
+def _extra_header_block(headers: Mapping[str, str]) -> bytes:
+    """The caller's extra headers as head lines; :class:`Unroutable` when one is unusable."""
+    own = [name for name in headers if name.lower() in OWN_HEADERS]
+    if own:
+        raise Unroutable(f"headers {own} are set by the engine client itself")
+    try:
+        return http1.encode_headers(headers.items())
+    except ValueError as exc:
+        raise Unroutable(f"cannot send header: {exc}") from exc
+
+
+#: A proxy refusing a CONNECT with these wants a setting changed, not time.
+PROXY_REFUSALS = frozenset({403, 405, 407})
+
+
+def _transport_error(exc: http1.TransportError | httpx.RequestError) -> EngineUnavailable:
+    """The exception for a request that got no response: TLS trouble is misconfiguration."""
+    if isinstance(exc, http1.TLSError):
+        return EngineMisconfigured(tls_reason(exc.ssl_error, str(exc)))
+    if isinstance(exc, http1.ProxyError) and exc.status in PROXY_REFUSALS:
+        fix = (
+            "put the right credentials in HTTPS_PROXY/HTTP_PROXY (http://user:password@host:port)"
+            if exc.status == 407
+            else "the proxy does not allow the engine: check HTTPS_PROXY/HTTP_PROXY and NO_PROXY"
+        )
+        return EngineMisconfigured(f"{exc}: {fix}", status=exc.status)
+    ssl_error = _ssl_error(exc)
+    if ssl_error is not None:
+        return EngineMisconfigured(tls_reason(ssl_error, str(exc)))
+    return EngineUnavailable(_transport_reason(exc))
+
+
+def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
+    """The :class:`ssl.SSLError` behind an httpx transport error, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, ssl.SSLError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+#: ssl error reasons (OpenSSL's names) that say the server refused our client certificate.
+_CLIENT_CERT_REFUSED = (
+    "CERTIFICATE_REQUIRED",
+    "BAD_CERTIFICATE",
+    "UNKNOWN_CA",
+    "CERTIFICATE_UNKNOWN",
+    "ACCESS_DENIED",
+    "CERTIFICATE_EXPIRED",
+    "CERTIFICATE_REVOKED",
+)
+#: ... that say the other end does not speak TLS (an http:// port, a proxy's error page).
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG")
+
+
+def tls_reason(error: ssl.SSLError | None, detail: str) -> str:
+    """What a person must fix after the TLS failure ``error`` (``detail``: its message).
+
+    ``None`` (or an EOF) means the engine dropped the connection mid-handshake.
+    """
+    if error is None or isinstance(error, ssl.SSLEOFError):
+        return (
+            f"TLS: the engine closed the connection during the handshake ({detail}): it "
+            "refuses our client certificate (ENGINE_CLIENT_CERT/ENGINE_CLIENT_KEY) or "
+            "does not accept TLS here (ENGINE_BASE_URL)"
+        )
+    reason = (error.reason or "").upper()
+    if isinstance(error, ssl.SSLCertVerificationError):
+        message = error.verify_message or "certificate verify failed"
+        if "hostname" in message.lower() or "ip address mismatch" in message.lower():
+            fix = "the host of ENGINE_BASE_URL is not a name in the engine's certificate"
+        else:
+            fix = (
+                "the engine's certificate is not trusted: "
+                "set ENGINE_CA_FILE to the CA that signed it"
+            )
+        return f"TLS: {message} ({detail}): {fix}"
+    if any(name in reason for name in _CLIENT_CERT_REFUSED):
+        return (
+            f"TLS: the engine refused our client certificate ({detail}): set "
+            "ENGINE_CLIENT_CERT/ENGINE_CLIENT_KEY to a certificate its CA accepts"
+        )
+    if any(name in reason for name in _NOT_TLS):
+        return (
+            f"TLS: the engine's port does not speak TLS ({detail}): check the scheme and port "
+            "of ENGINE_BASE_URL"
+        )
+    return (
+        f"TLS handshake with the engine failed ({detail}): check ENGINE_BASE_URL, "
+        "ENGINE_CA_FILE and ENGINE_CLIENT_CERT/ENGINE_CLIENT_KEY"
+    )
 
 
 def _transport_reason(exc: http1.TransportError | httpx.RequestError) -> str:

@@ -11,7 +11,9 @@ partitions and probe with backoff; Kafka holds the backlog, nothing is parked::
 
     SinkError                                       retriable  spends_attempt
     ├── EngineUnavailable   refused, timeout, 408,      yes         no
-    │                       429, 5xx, 401/403
+    │   │                   429, 5xx
+    │   └── EngineMisconfigured  TLS failure, 401/403,  yes         no
+    │                       407, 3xx: a setting must change
     ├── EngineRejected      other 4xx for THIS record   yes         yes  (parked at max)
     │   └── UserNotFound    quiz attempt 404            yes         yes  (sync user first)
     │                       {"error":"user_not_found"}
@@ -51,6 +53,17 @@ class EngineUnavailable(SinkError):  # noqa: N818 - the name is the contract
         super().__init__(reason)
         self.status = status
         self.retry_after_s = retry_after_s
+
+
+class EngineMisconfigured(EngineUnavailable):
+    """The engine cannot be used as configured: no amount of waiting fixes it.
+
+    A TLS failure (certificate not trusted, name mismatch, client certificate
+    refused, TLS to a plain-HTTP port), an authentication failure (401/403) or
+    a redirect (3xx). As engine-wide trouble it pauses the sink and spends no
+    attempt (a fixed setting, or a rotated key at the engine, resumes it);
+    ``reason`` says what a person has to fix, naming the setting.
+    """
 
 
 class EngineRejected(SinkError):  # noqa: N818 - the name is the contract

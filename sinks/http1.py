@@ -59,21 +59,32 @@ Guarantees of :class:`ConnectionPool`:
   failed, or whose request was cancelled, is closed, never reused.
 - :meth:`ConnectionPool.aclose` closes every connection, in use or idle;
   requests after it raise :class:`RuntimeError`.
+- TLS: an ``https`` origin is reached with the pool's :class:`ssl.SSLContext`
+  (SNI and name check against the origin's host); any TLS failure, in the
+  handshake or later (a server's alert such as "certificate required"), is a
+  :class:`TLSError` carrying the :class:`ssl.SSLError`.
+- Proxy (:class:`Proxy`, an ``http://`` proxy): an ``https`` origin is reached
+  through a ``CONNECT host:port`` tunnel, TLS end to end; an ``http`` origin by
+  sending absolute-form requests (``POST http://host/path``) to the proxy. The
+  proxy's credentials go in ``Proxy-Authorization`` (Basic) and never into a
+  message. A refused ``CONNECT`` is a :class:`ProxyError` with the status.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import importlib.util
 import os
 import re
+import socket
 import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import h11
 
@@ -108,6 +119,28 @@ class TransportError(Exception):
 
 class ConnectError(TransportError):
     """The connection could not be made (refused, unreachable, DNS, TLS)."""
+
+
+class TLSError(ConnectError):
+    """The TLS handshake or session failed: an untrusted or misnamed certificate, a
+    client certificate the server refused, or a server that does not speak TLS.
+
+    ``ssl_error`` is the :class:`ssl.SSLError` (its ``reason`` names the failure),
+    or ``None`` when the server reset the connection during the handshake (as
+    asyncio's TLS server does when it refuses a client certificate).
+    """
+
+    def __init__(self, message: str, *, ssl_error: ssl.SSLError | None) -> None:
+        super().__init__(message)
+        self.ssl_error = ssl_error
+
+
+class ProxyError(ConnectError):
+    """The proxy refused to open a tunnel to the origin; ``status`` is its answer."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ConnectTimeout(TransportError):  # noqa: N818 - httpx's names, kept in reasons
@@ -154,6 +187,69 @@ class Response:
     keep_alive: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Proxy:
+    """An ``http://`` proxy: where it is and the ``Proxy-Authorization`` line, if any."""
+
+    host: str
+    port: int
+    authority: str
+    authorization: bytes = b""  # a complete header line; never printed (repr=False below)
+
+    def __repr__(self) -> str:
+        return f"Proxy({self.authority!r}, credentials={'yes' if self.authorization else 'no'})"
+
+
+def parse_proxy(url: str) -> Proxy:
+    """The :class:`Proxy` of ``http://[user:password@]host[:port]`` (port 80 by default)."""
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        port = parts.port or 80
+    except ValueError:
+        raise ValueError("the proxy URL is not a valid URL") from None
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"only http:// proxies with a host are supported (got {parts.scheme}://)")
+    authorization = b""
+    if parts.username is not None:
+        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        token = base64.b64encode(credentials.encode("utf-8"))
+        authorization = b"proxy-authorization: Basic " + token + b"\r\n"
+    authority = parts.netloc.rpartition("@")[2].lower()
+    return Proxy(parts.hostname, port, authority, authorization)
+
+
+def connect_request(origin: Origin, proxy: Proxy) -> bytes:
+    """The ``CONNECT`` request that opens a tunnel to ``origin`` through ``proxy``."""
+    target = (
+        f"{origin.host}:{origin.port}"
+        if ":" not in origin.host
+        else f"[{origin.host}]:{origin.port}"
+    )
+    return b"CONNECT %s HTTP/1.1\r\nhost: %s\r\n%s\r\n" % (
+        target.encode("ascii"),
+        target.encode("ascii"),
+        proxy.authorization,
+    )
+
+
+def parse_connect_response(head: bytes, proxy: Proxy) -> None:
+    """Check a proxy's answer to ``CONNECT`` (the head up to its blank line).
+
+    A 2xx opens the tunnel; anything else is a :class:`ProxyError` with the status.
+    """
+    line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = line.split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise RemoteProtocolError(f"invalid answer to CONNECT from proxy {proxy.authority}")
+    status = int(parts[1])
+    if not 200 <= status < 300:
+        text = parts[2] if len(parts) > 2 else ""
+        raise ProxyError(
+            f"proxy {proxy.authority} answered CONNECT with {status} {text}".rstrip(),
+            status=status,
+        )
+
+
 def parse_origin(url: str) -> Origin:
     """The :class:`Origin` of an ``http://`` or ``https://`` base URL; :class:`ValueError` else."""
     parts = urlsplit(url)
@@ -187,17 +283,28 @@ def encode_headers(headers: Iterable[tuple[str, str]]) -> bytes:
 
 
 def serialize_request(
-    method: str, target: str, *, authority: str, header_block: bytes = b"", body: bytes = b""
+    method: str,
+    target: str,
+    *,
+    authority: str,
+    header_block: bytes = b"",
+    body: bytes = b"",
+    absolute_prefix: str = "",
 ) -> bytes:
-    """A complete HTTP/1.1 request; ``header_block`` comes from :func:`encode_headers`."""
+    """A complete HTTP/1.1 request; ``header_block`` comes from :func:`encode_headers`.
+
+    ``absolute_prefix`` (``http://host:port``) makes the target absolute-form,
+    as a request sent to a forwarding proxy must be.
+    """
     if not _TOKEN.fullmatch(method) or method in {"HEAD", "CONNECT"}:
         raise ValueError(f"unsupported method {method!r}")
     if not _TARGET.fullmatch(target):
         raise ValueError(f"invalid request target {target!r}")
     if not _TOKEN.fullmatch(authority.replace(":", "").replace("[", "").replace("]", "")):
         raise ValueError(f"invalid host {authority!r}")
-    return b"%s %s HTTP/1.1\r\nhost: %s\r\n%scontent-length: %d\r\n\r\n%s" % (
+    return b"%s %s%s HTTP/1.1\r\nhost: %s\r\n%scontent-length: %d\r\n\r\n%s" % (
         method.encode("ascii"),
+        absolute_prefix.encode("ascii"),
         target.encode("ascii"),
         authority.encode("ascii"),
         header_block,
@@ -615,7 +722,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.closed = True
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            if exc is not None:
+            if isinstance(exc, ssl.SSLError):  # e.g. the server's alert: certificate required
+                waiter.set_exception(TLSError(str(exc), ssl_error=exc))
+            elif exc is not None:
                 waiter.set_exception(ReadError(str(exc) or type(exc).__name__))
             elif self._closed_locally:
                 waiter.set_exception(ReadError("connection closed by the client"))
@@ -668,13 +777,19 @@ class ConnectionPool:
         keepalive_expiry_s: float = 4.0,
         ssl_context: ssl.SSLContext | None = None,
         parser_factory: ParserFactory = new_response_parser,
+        proxy: Proxy | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         if origin.scheme == "https" and ssl_context is None:
             ssl_context = ssl.create_default_context()
         self.origin = origin
+        self.proxy = proxy
         self._ssl = ssl_context if origin.scheme == "https" else None
+        #: Forwarding through a proxy (plain http): absolute-form targets, credentials per request.
+        self._forward = proxy is not None and origin.scheme == "http"
+        self._absolute_prefix = f"http://{origin.authority}" if self._forward else ""
+        self._proxy_auth = proxy.authorization if proxy is not None and self._forward else b""
         self._timeouts = timeouts or PoolTimeouts()
         self._expiry_s = keepalive_expiry_s
         self._new_parser = parser_factory
@@ -702,7 +817,12 @@ class ConnectionPool:
         if self._closed:
             raise RuntimeError("the connection pool is closed")
         data = serialize_request(
-            method, target, authority=self.origin.authority, header_block=header_block, body=body
+            method,
+            target,
+            authority=self.origin.authority,
+            header_block=header_block + self._proxy_auth,
+            body=body,
+            absolute_prefix=self._absolute_prefix,
         )
         async with self._slots:
             conn = self._checkout()
@@ -739,6 +859,28 @@ class ConnectionPool:
             conn.close()
         return response
 
+    async def _tunnel(self, loop: asyncio.AbstractEventLoop, proxy: Proxy) -> socket.socket:
+        """A TCP socket to ``proxy`` on which ``CONNECT`` to the origin succeeded."""
+        sock = await _open_socket(loop, proxy.host, proxy.port)
+        try:
+            await loop.sock_sendall(sock, connect_request(self.origin, proxy))
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = await loop.sock_recv(sock, READ_BUFFER_BYTES)
+                if not chunk:
+                    raise RemoteProtocolError(f"proxy {proxy.authority} closed during CONNECT")
+                head += chunk
+                if len(head) > MAX_HEADER_BYTES:
+                    raise RemoteProtocolError(f"proxy {proxy.authority}: CONNECT answer too long")
+            head, _, rest = head.partition(b"\r\n\r\n")
+            parse_connect_response(head, proxy)
+            if rest:  # the origin speaks only after our TLS hello: nothing may be here
+                raise RemoteProtocolError(f"proxy {proxy.authority} sent bytes after CONNECT")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
     def _checkout(self) -> _Connection | None:
         now = time.monotonic()
         while self._idle:
@@ -758,20 +900,40 @@ class ConnectionPool:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         origin, timeout_s = self.origin, self._timeouts.connect_s
+        proxy = self.proxy
+        where = origin.authority if proxy is None else f"{origin.authority} via {proxy.authority}"
         try:
             async with asyncio.timeout(timeout_s):
-                _, conn = await loop.create_connection(
-                    lambda: _Connection(loop, self._new_parser),
-                    origin.host,
-                    origin.port,
-                    ssl=self._ssl,
-                )
+                if proxy is None or self._forward:
+                    host, port = (
+                        (origin.host, origin.port) if proxy is None else (proxy.host, proxy.port)
+                    )
+                    _, conn = await loop.create_connection(
+                        lambda: _Connection(loop, self._new_parser), host, port, ssl=self._ssl
+                    )
+                else:
+                    sock = await self._tunnel(loop, proxy)
+                    try:
+                        _, conn = await loop.create_connection(
+                            lambda: _Connection(loop, self._new_parser),
+                            sock=sock,
+                            ssl=self._ssl,
+                            server_hostname=origin.host if self._ssl is not None else None,
+                        )
+                    except BaseException:
+                        sock.close()
+                        raise
         except TimeoutError:
-            raise ConnectTimeout(
-                f"no connection to {origin.authority} within {timeout_s:g} s"
-            ) from None
+            raise ConnectTimeout(f"no connection to {where} within {timeout_s:g} s") from None
+        except ssl.SSLError as exc:
+            raise TLSError(describe_os_error(exc, where), ssl_error=exc) from exc
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            if self._ssl is None:
+                raise ConnectError(describe_os_error(exc, where)) from exc
+            # TCP was up (a refused connect is ConnectionRefusedError): the handshake broke
+            raise TLSError(describe_os_error(exc, where), ssl_error=None) from exc
         except OSError as exc:
-            raise ConnectError(describe_os_error(exc, origin.authority)) from exc
+            raise ConnectError(describe_os_error(exc, where)) from exc
         self.connects += 1
         self._connections.add(conn)
         conn.lost.add_done_callback(lambda _: self._connections.discard(conn))
@@ -779,3 +941,24 @@ class ConnectionPool:
             conn.abort()
             raise RuntimeError("the connection pool is closed")
         return conn
+
+
+async def _open_socket(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to ``host:port`` (each address tried in turn)."""
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    error: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+    raise error

@@ -1564,7 +1564,7 @@ def retry_parked(settings: Settings, *, ids: Sequence[int] | None, retry_all: bo
 
 
 async def _with_lot(settings: Settings, use: Callable[[ParkingLot], Awaitable[_T]]) -> _T:
-    lot = ParkingLot(settings.require("pg_dsn").pg_dsn)
+    lot = ParkingLot(settings.require("pg_dsn").pg_dsn.get_secret_value())
     try:
         return await use(lot)
     finally:

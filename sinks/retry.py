@@ -3,9 +3,12 @@
 Guarantees:
 
 - :func:`classify` maps every HTTP status to exactly one :class:`OutcomeKind`;
-  only a 4xx other than 401/403/408/429 blames the record (spends an attempt),
+  only a 4xx other than 401/403/407/408/429 blames the record (spends an attempt),
   so an engine that is down, overloaded, misconfigured or unauthorised never
   gets a record parked. Statuses outside 2xx/4xx (1xx, 3xx, 5xx) are engine-wide.
+  401/403/407 and 3xx are :attr:`OutcomeKind.MISCONFIGURED` (an
+  :class:`~sinks.errors.EngineMisconfigured` whose reason names the setting
+  to fix): waiting does not help, a person does.
 - :class:`Backoff` hands out growing, jittered delays for probing a down
   engine, never above ``cap_s`` unless the engine's ``Retry-After`` asks for
   more (it is a floor, itself capped at :data:`RETRY_AFTER_MAX_S`).
@@ -26,7 +29,13 @@ from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from enum import Enum
 
-from sinks.errors import EngineRejected, EngineUnavailable, SinkError, UserNotFound
+from sinks.errors import (
+    EngineMisconfigured,
+    EngineRejected,
+    EngineUnavailable,
+    SinkError,
+    UserNotFound,
+)
 
 #: A Retry-After beyond an hour is read as an hour: a typo or a hostile value
 #: must not silence the sink for days; an hour still honours real maintenance.
@@ -38,7 +47,12 @@ BODY_EXCERPT_BYTES = 200
 PARKING_RETRY_CAP_S = 24 * 3600.0
 #: 4xx that say nothing about the record: the engine times out, sheds load or
 #: does not accept our API key - trouble shared by every record.
-ENGINE_WIDE_4XX = frozenset({401, 403, 408, 429})
+ENGINE_WIDE_4XX = frozenset({401, 403, 407, 408, 429})
+#: Statuses only a changed setting (or key) fixes: the engine's authentication,
+#: and a forwarding proxy's (407; the engine never sends it).
+AUTH_FAILURES = frozenset({401, 403, 407})
+#: A Location header is quoted in a reason up to this many characters.
+LOCATION_EXCERPT_CHARS = 200
 #: Exponents above this are past any cap anyway; keeps ``2**n`` finite.
 _MAX_EXPONENT = 64
 
@@ -50,6 +64,7 @@ class OutcomeKind(Enum):
 
     DELIVERED = "delivered"  # 2xx: applied now or earlier (duplicate); the record is done
     UNAVAILABLE = "unavailable"  # engine-wide trouble: pause and probe, spend no attempt
+    MISCONFIGURED = "misconfigured"  # 401/403/3xx: engine-wide, and a setting must change
     REJECTED = "rejected"  # a healthy engine refused this record: spend an attempt
     USER_NOT_FOUND = "user_not_found"  # quiz attempt before its user: sync the user, retry
 
@@ -74,6 +89,8 @@ class Outcome:
 
         ``user_id`` names the user of a :class:`~sinks.errors.UserNotFound`.
         """
+        if self.kind is OutcomeKind.MISCONFIGURED:
+            return EngineMisconfigured(self.reason, status=self.status)
         if self.kind is OutcomeKind.UNAVAILABLE:
             return EngineUnavailable(
                 self.reason, status=self.status, retry_after_s=self.retry_after_s
@@ -104,6 +121,13 @@ def classify(
             kind=OutcomeKind.REJECTED,
             status=status,
             reason=f"HTTP {status}: {excerpt}" if excerpt else f"HTTP {status}",
+            body_excerpt=excerpt,
+        )
+    if status in AUTH_FAILURES or 300 <= status < 400:
+        return Outcome(
+            kind=OutcomeKind.MISCONFIGURED,
+            status=status,
+            reason=_misconfigured_reason(status, _header(headers, "location")),
             body_excerpt=excerpt,
         )
     retry_after_s = parse_retry_after(_header(headers, "retry-after"), now_s=now_s)
@@ -152,9 +176,32 @@ def _is_user_not_found(body: bytes) -> bool:
 
 
 def _unavailable_reason(status: int, excerpt: str) -> str:
-    if status in {401, 403}:
-        return f"HTTP {status}: the engine refuses our API key (INTERNAL_API_KEY)"
     return f"HTTP {status}: {excerpt}" if excerpt else f"HTTP {status}"
+
+
+def _misconfigured_reason(status: int, location: str | None) -> str:
+    """What a person must fix for a 401, 403 or 3xx (the key itself is never quoted)."""
+    if status == 401:
+        return (
+            "HTTP 401: the engine refuses our API key: set INTERNAL_API_KEY to the key "
+            "the engine expects"
+        )
+    if status == 407:
+        return (
+            "HTTP 407: the proxy wants credentials: put them in HTTP_PROXY/HTTPS_PROXY "
+            "(http://user:password@proxy:port)"
+        )
+    if status == 403:
+        return (
+            "HTTP 403: the engine forbids this client: check INTERNAL_API_KEY and, with "
+            "mTLS, the client certificate (ENGINE_CLIENT_CERT)"
+        )
+    target = (location or "").strip()[:LOCATION_EXCERPT_CHARS]
+    where = f" to {target}" if target else ""
+    return (
+        f"HTTP {status}: the engine redirects{where}; redirects are not followed: "
+        "set ENGINE_BASE_URL to the engine's real address"
+    )
 
 
 def _header(headers: Mapping[str, str], name: str) -> str | None:

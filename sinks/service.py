@@ -2,15 +2,16 @@
 
 All three run on one asyncio event loop; SIGTERM stops the consumer (which
 drains in-flight deliveries and commits), then the server and scheduler.
+uvicorn's own log lines go through the process's logging set-up
+(``log_config=None``), so ``LOG_FORMAT=json`` applies to them too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -33,7 +34,7 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
     registry = CollectorRegistry()
     liveness = Liveness()
     engine = EngineClient.from_settings(settings)
-    lot = ParkingLot(settings.pg_dsn)
+    lot = ParkingLot(settings.pg_dsn.get_secret_value())
     retrier = Retrier(lot=lot, engine=engine, settings=settings)
     sink = Sink(settings, engine=engine, lot=lot, registry=registry, liveness=liveness)
     stop = asyncio.Event()
@@ -43,7 +44,7 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
     app = create_app(
         lot=lot,
         retrier=retrier,
-        token=settings.admin_api_token,
+        token=settings.admin_api_token.get_secret_value(),
         registry=registry,
         liveness=liveness,
         max_body_bytes=settings.admin_api_max_body_bytes,
@@ -53,7 +54,9 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
             app,
             host=settings.http_host,
             port=settings.sink_http_port,
-            log_level="warning",
+            log_config=None,  # propagate to the root handler: text or JSON, like every line
+            log_level=None,  # the root logger's level (LOG_LEVEL) decides
+            access_log=False,
             lifespan="off",
             # h11 bounds the request line + headers (400 above it); httptools does not.
             http="h11",
@@ -76,21 +79,18 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         await engine.aclose()
         await lot.close()
-    log.info("sink stopped: %d delivered, %d parked", sink.delivered_count, sink.parked_count)
+    log.info(
+        "sink stopped: %d delivered, %d parked",
+        sink.delivered_count,
+        sink.parked_count,
+        extra={"state": "stopped"},
+    )
     return 0
-
-
-class _QuietServer(uvicorn.Server):
-    """uvicorn without its own signal handling: the sink owns SIGTERM/SIGINT."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 def _stopper(sink: Sink, stop: asyncio.Event, sig: signal.Signals) -> Callable[[], None]:
     def handler() -> None:
-        log.info("signal %s: stopping the sink", sig.name)
+        log.info("signal %s: stopping the sink", sig.name, extra={"state": "stopping"})
         sink.stop()
         stop.set()
 

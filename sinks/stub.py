@@ -32,6 +32,13 @@ Control API (JSON; never behind the API key)::
     POST   /_stub/faults                  add a fault instruction (object or list of objects)
     DELETE /_stub/faults                  clear rules and latency
 
+TLS: given a certificate and key (:class:`StubTLS`; ``ENGINE_STUB_TLS_CERT`` /
+``ENGINE_STUB_TLS_KEY`` for ``outbox-cdc engine-stub``) the stub serves HTTPS,
+and with a client CA (``ENGINE_STUB_CLIENT_CA``) it requires a client
+certificate signed by that CA (mTLS) - the handshake fails without one (in
+mTLS mode the stub speaks TLS 1.2: see :func:`build_server`). The listener
+reopened after an outage window serves TLS the same way.
+
 The app is raw ASGI (no framework) on uvicorn - ``httptools`` when installed,
 else ``h11`` - because the sink's benchmarks need thousands of requests per
 second from one core. State lives on the server's event loop only; other
@@ -46,6 +53,7 @@ import importlib.util
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections import Counter, deque
@@ -423,6 +431,28 @@ class ListenerState(Enum):
     REFUSING = "refusing"  # an outage window: no listening socket, connect() is refused
 
 
+@dataclass(frozen=True, slots=True)
+class StubTLS:
+    """PEM files for serving HTTPS; ``client_ca`` set: client certificates are required."""
+
+    certfile: str
+    keyfile: str
+    client_ca: str = ""
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """The ``uvicorn.Config`` keywords that serve TLS this way."""
+        return {
+            "ssl_certfile": self.certfile,
+            "ssl_keyfile": self.keyfile,
+            "ssl_ca_certs": self.client_ca or None,
+            "ssl_cert_reqs": ssl.CERT_REQUIRED if self.client_ca else ssl.CERT_NONE,
+        }
+
+    def describe(self) -> str:
+        """How the stub serves, for its start-up log line."""
+        return "TLS, client certificates required" if self.client_ca else "TLS"
+
+
 class Listener:
     """The stub's listening socket; closes it for an outage window and reopens it.
 
@@ -461,7 +491,13 @@ class Listener:
         for connection in list(self._server.server_state.connections):
             connection.shutdown()
         self._task = asyncio.get_running_loop().create_task(self._reopen_after(window_s))
-        log.info("engine stub %s:%s refuses connections for %.1f s", self.host, self.port, window_s)
+        log.info(
+            "engine stub %s:%s refuses connections for %.1f s",
+            self.host,
+            self.port,
+            window_s,
+            extra={"state": ListenerState.REFUSING.value},
+        )
 
     def reopen_now(self) -> None:
         """End the outage window early."""
@@ -480,9 +516,16 @@ class Listener:
                 await asyncio.sleep(REBIND_RETRY_S)
                 continue
             loop = asyncio.get_running_loop()
-            server = await loop.create_server(self._protocol, sock=sock, backlog=LISTEN_BACKLOG)
+            server = await loop.create_server(
+                self._protocol, sock=sock, backlog=LISTEN_BACKLOG, ssl=self._server.config.ssl
+            )
             self._server.servers.append(server)
-            log.info("engine stub %s:%s accepts connections again", self.host, self.port)
+            log.info(
+                "engine stub %s:%s accepts connections again",
+                self.host,
+                self.port,
+                extra={"state": ListenerState.LISTENING.value},
+            )
             return
 
     def _protocol(self) -> asyncio.Protocol:
@@ -677,9 +720,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def build_server(
-    *, host: str, port: int, engine: StubEngine, log_level: str = "warning"
+    *,
+    host: str,
+    port: int,
+    engine: StubEngine,
+    log_level: str = "warning",
+    tls: StubTLS | None = None,
 ) -> tuple[uvicorn.Server, socket.socket, Listener]:
-    """The uvicorn server of a stub, its bound socket and the listener that can close it."""
+    """The uvicorn server of a stub, its bound socket and the listener that can close it.
+
+    uvicorn's own log lines go to the process's logging set-up (``log_config=None``),
+    so they come out in its format, text or JSON.
+    """
     sock = bind_socket(host, port)
     app = StubApp(engine=engine)
     config = uvicorn.Config(
@@ -693,7 +745,16 @@ def build_server(
         log_level=log_level,
         timeout_keep_alive=KEEP_ALIVE_S,
         backlog=LISTEN_BACKLOG,
+        **(tls.uvicorn_options() if tls is not None else {}),
     )
+    if tls is not None and tls.client_ca:
+        config.load()  # builds config.ssl
+        assert config.ssl is not None
+        # asyncio's TLS server closes without sending the alert when it refuses a
+        # client certificate; under TLS 1.3 that happens after the client's
+        # handshake is done, so the client would see a bare disconnect. Under
+        # TLS 1.2 the refusal is part of the handshake the client still waits on.
+        config.ssl.maximum_version = ssl.TLSVersion.TLSv1_2
     server = uvicorn.Server(config)
     listener = app.listener = Listener(server=server, host=host, port=sock.getsockname()[1])
     return server, sock, listener
@@ -706,15 +767,20 @@ def run_stub(
     *,
     latency_ms: float = 0.0,
     log_level: str = "info",
+    tls: StubTLS | None = None,
 ) -> None:
     """Serve the engine stub until SIGINT/SIGTERM (what ``outbox-cdc engine-stub`` runs)."""
     engine = StubEngine(api_key=api_key, latency_ms=latency_ms)
-    server, sock, _ = build_server(host=host, port=port, engine=engine, log_level=log_level)
+    server, sock, _ = build_server(
+        host=host, port=port, engine=engine, log_level=log_level, tls=tls
+    )
     log.info(
-        "engine stub on http://%s:%s (%s, api key %s)",
+        "engine stub on %s://%s:%s (%s, %s, api key %s)",
+        "https" if tls else "http",
         host,
         sock.getsockname()[1],
         http_implementation(),
+        tls.describe() if tls else "no TLS",
         "required" if api_key else "not required",
     )
     server.run(sockets=[sock])
@@ -729,13 +795,23 @@ class StubServer:
         assert stub.stats()["applied"] == 1
     """
 
-    def __init__(self, *, api_key: str = "", port: int = 0, latency_ms: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        api_key: str = "",
+        port: int = 0,
+        latency_ms: float = 0.0,
+        tls: StubTLS | None = None,
+        control_ssl: ssl.SSLContext | None = None,
+    ) -> None:
+        """``tls`` serves HTTPS; ``control_ssl`` is the context the control helpers connect with."""
         self._engine = StubEngine(api_key=api_key, latency_ms=latency_ms)
         self._server, self._sock, self._listener = build_server(
-            host="127.0.0.1", port=port, engine=self._engine
+            host="127.0.0.1", port=port, engine=self._engine, tls=tls
         )
         self.port: int = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self._control_verify: ssl.SSLContext | bool = control_ssl or True
         self._thread = threading.Thread(target=self._run, name=f"engine-stub-{self.port}")
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -795,7 +871,12 @@ class StubServer:
         query: Mapping[str, str] | None = None,
     ) -> Any:
         """Call the control API; the decoded JSON answer (raises on non-2xx)."""
-        with httpx.Client(base_url=self.url, timeout=STARTUP_TIMEOUT_S) as client:
+        with httpx.Client(
+            base_url=self.url,
+            timeout=STARTUP_TIMEOUT_S,
+            verify=self._control_verify,
+            trust_env=False,
+        ) as client:
             response = client.request(method, endpoint, json=body, params=query)
         response.raise_for_status()
         return response.json()

@@ -730,7 +730,9 @@ def trace_event(
     settings.require("pg_dsn", "kafka_bootstrap_servers")
     event_id = _uuid(event_id)
     sink_group = group or settings.sink_group_id
-    with psycopg.connect(settings.pg_dsn, autocommit=True, connect_timeout=10) as conn:
+    with psycopg.connect(
+        settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
+    ) as conn:
         rows = outbox_rows(conn, settings, event_id=event_id)
         since, source = _since(since_ms, rows, now_ms() if at_ms is None else at_ms)
         scan = _Scan(since, max_records)
@@ -796,7 +798,9 @@ def trace_key(
     since = since_ms if since_ms is not None else now - DEFAULT_LOOKBACK_S * 1000
     source = "--since" if since_ms is not None else "default lookback"
     raw = key.encode()
-    with psycopg.connect(settings.pg_dsn, autocommit=True, connect_timeout=10) as conn:
+    with psycopg.connect(
+        settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
+    ) as conn:
         rows = outbox_rows(conn, settings, key=key, since_ms=since)
         scan = _Scan(since, max_records)
         with KafkaOps(settings) as kafka:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,3 +174,47 @@ def kafka_bootstrap(services: Services) -> str:
 def unique() -> str:
     """A short unique suffix for slot, publication, topic and group names."""
     return uuid.uuid4().hex[:10]
+
+
+#: A password naive redaction gets wrong: spaces, a quote, a backslash.
+DB_PASSWORD = "s3cr3t pass' wheel\\x"
+
+
+@dataclass(frozen=True)
+class PasswordDb:
+    """An empty database of a role whose password needs quoting, as DSNs of several forms."""
+
+    keyvalue_dsn: str  # password = '...' with spaces around "=" and quotes
+    query_dsn: str  # postgresql://role@host:port/db?password=...
+    role: str
+    password: str
+
+
+@pytest.fixture
+def password_db(pg_server: str) -> Iterator[PasswordDb]:
+    """A fresh role (LOGIN REPLICATION SUPERUSER) with :data:`DB_PASSWORD` and its database."""
+    role = f"pw_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE ROLE {} LOGIN REPLICATION SUPERUSER PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(DB_PASSWORD)
+            )
+        )
+    dsn = create_database(pg_server, "cdc_pw")
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    quoted = DB_PASSWORD.replace("\\", "\\\\").replace("'", "\\'")
+    keyvalue = (
+        f"host={params['host']} port={params['port']} dbname={params['dbname']} "
+        f"user={role} password = '{quoted}'"
+    )
+    query = (
+        f"postgresql://{role}@{params['host']}:{params['port']}/{params['dbname']}"
+        f"?password={urllib.parse.quote(DB_PASSWORD, safe='')}"
+    )
+    for form in (keyvalue, query):
+        with psycopg.connect(form) as conn:  # each form works as written
+            conn.execute("SELECT 1")
+    yield PasswordDb(keyvalue, query, role, DB_PASSWORD)
+    drop_database(pg_server, dsn)
+    with psycopg.connect(pg_server, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))

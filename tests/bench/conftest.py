@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import time
 import urllib.request
 import uuid
@@ -24,7 +25,8 @@ import pytest
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from tests.harness import Proc, env_without, free_port, http_status, wait_until
+from tests.harness import Proc, env_without, free_port, wait_until
+from tests.pki import Pki
 
 API_KEY = "bench-key"
 #: Offered-rate schedules start this far in the future so the first event is on time.
@@ -96,13 +98,18 @@ class StubProc:
 
     proc: Proc
     port: int
+    #: The client context of a TLS stub (trusts its CA, presents the client certificate).
+    ssl_context: ssl.SSLContext | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def get(self, endpoint: str) -> Any:
-        with urllib.request.urlopen(self.url + endpoint, timeout=30) as resp:
+        with urllib.request.urlopen(
+            self.url + endpoint, timeout=30, context=self.ssl_context
+        ) as resp:
             return json.loads(resp.read())
 
     def stats(self) -> dict[str, Any]:
@@ -125,20 +132,43 @@ class StubProc:
         return items
 
 
-def start_stub(tmp: Path, *, latency_ms: float = 0.0, name: str = "stub") -> StubProc:
+def start_stub(
+    tmp: Path,
+    *,
+    latency_ms: float = 0.0,
+    name: str = "stub",
+    pki: Pki | None = None,
+    mtls: bool = False,
+) -> StubProc:
+    """The stub in its own process; with ``pki`` over TLS (``mtls``: client certs required)."""
     port = free_port()
     env = env_without(os.environ, "CDC_", "KAFKA_", "SINK_", "ENGINE_", "OUTBOX_")
     env.update({"INTERNAL_API_KEY": API_KEY, "LOG_LEVEL": "WARNING"})
+    context = None
+    if pki is not None:
+        env.update(
+            {
+                "ENGINE_STUB_TLS_CERT": str(pki.server_cert),
+                "ENGINE_STUB_TLS_KEY": str(pki.server_key),
+            }
+        )
+        if mtls:
+            env["ENGINE_STUB_CLIENT_CA"] = str(pki.ca_cert)
+        context = pki.client_context(with_client_cert=mtls)
     args = ["engine-stub", "--port", str(port), "--latency-ms", str(latency_ms)]
     proc = Proc(args, env, tmp / f"{name}.log").start()
+    stub = StubProc(proc, port, context)
 
     def up() -> bool:
         if not proc.alive():
             raise AssertionError(f"engine stub exited:\n{proc.log_tail()}")
-        return http_status(f"http://127.0.0.1:{port}/healthz") == 200
+        try:
+            return bool(stub.get("/healthz"))
+        except OSError:
+            return False
 
     wait_until(up, 30, "engine stub /healthz")
-    return StubProc(proc, port)
+    return stub
 
 
 # -- offered load ----------------------------------------------------------------

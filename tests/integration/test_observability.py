@@ -139,7 +139,7 @@ def _gauge(port: int, name: str) -> float:
 
 def _retry(p: Pipeline, row_id: int) -> None:
     async def go() -> None:
-        lot = ParkingLot(p.settings.pg_dsn)
+        lot = ParkingLot(p.settings.pg_dsn.get_secret_value())
         async with EngineClient(base_url=p.stub.url, api_key=API_KEY) as engine:
             summary = await Retrier(lot=lot, engine=engine, settings=p.settings).retry(
                 [row_id], retry_all=False

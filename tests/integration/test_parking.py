@@ -69,7 +69,7 @@ def _row(dsn: str, row_id: int) -> tuple:  # type: ignore[type-arg]
 
 async def _run_scheduler(settings: Settings, seconds: float, *, enabled: bool = True) -> int:
     engine = EngineClient.from_settings(settings)
-    lot = ParkingLot(settings.pg_dsn)
+    lot = ParkingLot(settings.pg_dsn.get_secret_value())
     scheduler = Scheduler(
         Retrier(lot=lot, engine=engine, settings=settings),
         interval_s=settings.scheduler_interval_s,

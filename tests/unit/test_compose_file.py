@@ -1,18 +1,29 @@
 """The Docker path stays honest: no engine runs here, so the compose file is
-checked against the code's settings and CLI instead."""
+checked against the code's settings and CLI instead; where the compose plugin
+is installed, ``docker compose config`` validates the file too (it needs no
+Docker engine)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from cdc.cli import main as cli
 from cdc.settings import ENV, Settings
 
-COMPOSE = Path(__file__).resolve().parents[2] / "compose" / "docker-compose.yml"
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose" / "docker-compose.yml"
+APP_SERVICES = ("migrate", "relay", "sink", "engine-stub")
+#: Host ports of `make up` (stack.sh defaults) and of processes run from a checkout.
+LOCAL_PORTS = {25432, 29092, 29093, 9101, 9102, 8081}
+_DEFAULTED = re.compile(r"^127\.0\.0\.1:\$\{(OUTBOX_COMPOSE_\w+_PORT):-(\d+)\}:(\d+)$")
 
 
 def _compose() -> dict[str, Any]:
@@ -53,16 +64,89 @@ def test_app_commands_exist_in_the_cli() -> None:
         assert command in cli.commands, f"{name}: outbox-cdc {command} does not exist"
 
 
-def test_published_ports_match_the_settings_defaults() -> None:
+def _published(service: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(variable, default host port, container port) of each published port."""
+    out = []
+    for spec in service.get("ports", []):
+        match = _DEFAULTED.match(spec)
+        assert match, f"port {spec!r} is not 127.0.0.1:${{OUTBOX_COMPOSE_*_PORT:-N}}:M"
+        out.append((match[1], int(match[2]), int(match[3])))
+    return out
+
+
+def test_published_container_ports_match_the_settings_defaults() -> None:
     services = _compose()["services"]
     defaults = Settings()
     expected = {
         "relay": defaults.relay_http_port,
         "sink": defaults.sink_http_port,
         "engine-stub": defaults.engine_stub_port,
+        "postgres": 5432,
+        "kafka": 29092,
     }
     for name, port in expected.items():
-        assert f"127.0.0.1:{port}:{port}" in services[name]["ports"], name
+        assert [container for _, _, container in _published(services[name])] == [port], name
+
+
+def test_host_ports_are_configurable_and_never_collide_with_the_local_stack() -> None:
+    services = _compose()["services"]
+    published = [p for service in services.values() for p in _published(service)]
+    variables = [variable for variable, _, _ in published]
+    hosts = [host for _, host, _ in published]
+    assert len(set(variables)) == len(variables) == 5
+    assert len(set(hosts)) == len(hosts)
+    assert not set(hosts) & LOCAL_PORTS
+
+
+def test_kafka_advertises_the_configured_host_port() -> None:
+    kafka = _compose()["services"]["kafka"]
+    ((variable, default, _),) = _published(kafka)
+    advertised = kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"]
+    assert f"HOST://127.0.0.1:${{{variable}:-{default}}}" in advertised
+
+
+def test_every_app_service_can_build_the_one_image() -> None:
+    services = _compose()["services"]
+    for name in APP_SERVICES:
+        service = services[name]
+        assert service["image"] == "outbox-cdc:local", name
+        assert service["build"] == {"context": "..", "dockerfile": "compose/Dockerfile"}, name
+
+
+def test_the_image_installs_the_lock_file_with_hashes() -> None:
+    dockerfile = (ROOT / "compose" / "Dockerfile").read_text()
+    assert "--require-hashes -r requirements.lock" in dockerfile
+    assert "--no-deps" in dockerfile
+    lock = (ROOT / "compose" / "requirements.lock").read_text()
+    pins = re.findall(r"^([a-z0-9][a-z0-9._-]*)==\S+ \\$", lock, flags=re.MULTILINE | re.IGNORECASE)
+    assert {"psycopg", "confluent-kafka", "pydantic-settings", "uvicorn", "setuptools"} <= {
+        p.lower() for p in pins
+    }
+
+
+def _compose_plugin() -> bool:
+    try:
+        proc = subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def test_docker_compose_config_accepts_the_file() -> None:
+    if not _compose_plugin():
+        pytest.skip("the docker compose plugin is not installed (the YAML checks above still run)")
+    env = {**os.environ, "ADMIN_API_TOKEN": "validate-only"}
+    proc = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_sink_and_relay_reach_postgres_and_kafka_by_service_name() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from cdc.settings import Settings
-from sinks.engine import EngineClient, EngineTimeouts
+from sinks.engine import EngineClient, EngineTimeouts, select_proxy, tls_reason
 from sinks.errors import EngineRejected, EngineUnavailable, SinkError, Unroutable, UserNotFound
 from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH, route, user_sync_call
 
@@ -289,3 +290,95 @@ def test_api_key_never_appears_in_logs_or_repr(caplog: pytest.LogCaptureFixture)
 def test_max_in_flight_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         EngineClient(max_in_flight=0)
+
+
+# --- TLS reasons, proxy selection, extra headers (pure) -------------------------
+
+
+def _ssl_error(reason: str) -> ssl.SSLError:
+    error = ssl.SSLError(1, f"[SSL: {reason}] {reason.lower()}")
+    error.reason = reason
+    return error
+
+
+def test_tls_reason_for_a_refused_client_certificate_names_the_client_cert_setting() -> None:
+    for alert in ("TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_BAD_CERTIFICATE"):
+        reason = tls_reason(_ssl_error(alert), "detail")
+        assert "ENGINE_CLIENT_CERT" in reason, alert
+
+
+def test_tls_reason_for_a_plain_http_port_names_the_base_url() -> None:
+    assert "ENGINE_BASE_URL" in tls_reason(_ssl_error("WRONG_VERSION_NUMBER"), "d")
+
+
+def test_tls_reason_for_a_dropped_handshake_names_both_suspects() -> None:
+    reason = tls_reason(None, "ConnectionResetError (h:443)")
+    assert "ENGINE_CLIENT_CERT" in reason and "ENGINE_BASE_URL" in reason
+
+
+@pytest.mark.parametrize(
+    ("url", "no_proxy", "expected"),
+    [
+        ("https://engine.internal:8443", "", "http://p:3128"),
+        ("https://engine.internal:8443", "*", ""),
+        ("https://engine.internal:8443", "internal", ""),
+        ("https://engine.internal:8443", ".internal", ""),
+        ("https://engine.internal:8443", "engine.internal:8443", ""),
+        ("https://engine.internal:8443", "engine.internal:9999", "http://p:3128"),
+        ("https://engine.internal:8443", "other.internal, 10.0.0.1", "http://p:3128"),
+        ("https://notinternal:8443", "internal", "http://p:3128"),
+        ("https://127.0.0.1:8443", "127.0.0.1", ""),
+        ("https://[::1]:8443", "::1", ""),
+        ("http://engine.internal", "", "http://plain:80"),
+    ],
+)
+def test_select_proxy_reads_the_variables_as_curl_does(
+    url: str, no_proxy: str, expected: str
+) -> None:
+    chosen = select_proxy(
+        url, https_proxy="http://p:3128", http_proxy="http://plain:80", no_proxy=no_proxy
+    )
+    assert chosen == expected
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"x-api-key": "other"},
+        {"Idempotency-Key": "other"},
+        {"traceparent": "a\r\nx-evil: 1"},
+        {"bad name": "v"},
+    ],
+)
+def test_unusable_extra_headers_are_unroutable_and_nothing_is_sent(
+    headers: dict[str, str],
+) -> None:
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200)
+
+    async def go() -> None:
+        async with EngineClient(transport=httpx.MockTransport(handler)) as client:
+            await client.send(user_sync_call("u"), event_id="e", headers=headers)
+
+    with pytest.raises(Unroutable):
+        run(go())
+    assert not sent
+
+
+def test_extra_headers_are_sent_with_the_request() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200)
+
+    async def go() -> None:
+        async with EngineClient(transport=httpx.MockTransport(handler)) as client:
+            await client.send(user_sync_call("u"), event_id="e", headers={"tracestate": "k=v"})
+
+    run(go())
+    assert seen[0].headers["tracestate"] == "k=v"
+    assert seen[0].headers["idempotency-key"] == "e"

@@ -967,3 +967,51 @@ def test_engine_client_maps_pool_failures_to_engine_unavailable() -> None:
 def test_engine_client_refuses_a_config_it_cannot_send(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         EngineClient(**kwargs)
+
+
+# --- proxies (pure) ----------------------------------------------------------------
+
+
+def test_parse_proxy_takes_host_port_and_basic_credentials_without_printing_them() -> None:
+    proxy = http1.parse_proxy("http://user:p%40ss@proxy.example:3128")
+    assert (proxy.host, proxy.port, proxy.authority) == (
+        "proxy.example",
+        3128,
+        "proxy.example:3128",
+    )
+    assert proxy.authorization == b"proxy-authorization: Basic dXNlcjpwQHNz\r\n"
+    assert "p@ss" not in repr(proxy) and "dXNlcjpwQHNz" not in repr(proxy)
+    assert http1.parse_proxy("proxy:8080").port == 8080
+    assert http1.parse_proxy("http://proxy").port == 80
+
+
+@pytest.mark.parametrize("url", ["https://proxy:443", "socks5://proxy:1080", "http://:3128"])
+def test_parse_proxy_refuses_what_it_cannot_speak(url: str) -> None:
+    with pytest.raises(ValueError, match="proxies"):
+        http1.parse_proxy(url)
+
+
+def test_connect_request_names_the_origin_and_carries_the_credentials() -> None:
+    origin = http1.parse_origin("https://engine.internal:8443/base")
+    proxy = http1.parse_proxy("http://u:pw@proxy:3128")
+    assert http1.connect_request(origin, proxy) == (
+        b"CONNECT engine.internal:8443 HTTP/1.1\r\nhost: engine.internal:8443\r\n"
+        b"proxy-authorization: Basic dTpwdw==\r\n\r\n"
+    )
+
+
+def test_connect_answer_other_than_2xx_is_a_proxy_error_with_the_status() -> None:
+    proxy = http1.parse_proxy("http://proxy:3128")
+    http1.parse_connect_response(b"HTTP/1.1 200 Connection established", proxy)
+    with pytest.raises(http1.ProxyError) as info:
+        http1.parse_connect_response(b"HTTP/1.1 407 Proxy Authentication Required", proxy)
+    assert info.value.status == 407
+    with pytest.raises(http1.RemoteProtocolError):
+        http1.parse_connect_response(b"garbage", proxy)
+
+
+def test_absolute_form_request_for_a_forwarding_proxy() -> None:
+    data = http1.serialize_request(
+        "POST", "/x", authority="engine:80", absolute_prefix="http://engine:80"
+    )
+    assert data.startswith(b"POST http://engine:80/x HTTP/1.1\r\nhost: engine:80\r\n")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sinks.errors import EngineRejected, EngineUnavailable, UserNotFound
+from sinks.errors import EngineMisconfigured, EngineRejected, EngineUnavailable, UserNotFound
 from sinks.retry import (
     PARKING_RETRY_CAP_S,
     RETRY_AFTER_MAX_S,
@@ -33,14 +33,40 @@ def test_2xx_is_delivered_and_has_no_error(status: int) -> None:
     assert outcome.error() is None
 
 
-@pytest.mark.parametrize("status", [401, 403, 408, 429, 500, 502, 503, 504, 100, 301, 304])
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 100])
 def test_engine_wide_statuses_are_unavailable_and_spend_no_attempt(status: int) -> None:
     outcome = classify(status, b"", {})
     assert outcome.kind is OutcomeKind.UNAVAILABLE
     error = outcome.error()
     assert isinstance(error, EngineUnavailable)
+    assert not isinstance(error, EngineMisconfigured)
     assert error.retriable and not error.spends_attempt
     assert error.status == status
+
+
+@pytest.mark.parametrize("status", [401, 403, 407, 300, 301, 302, 303, 304, 307, 308])
+def test_auth_failures_and_redirects_are_misconfiguration_spending_no_attempt(
+    status: int,
+) -> None:
+    outcome = classify(status, b"", {})
+    assert outcome.kind is OutcomeKind.MISCONFIGURED
+    error = outcome.error()
+    assert isinstance(error, EngineMisconfigured)
+    assert isinstance(error, EngineUnavailable)  # the consumer pauses and probes
+    assert error.retriable and not error.spends_attempt
+    assert error.status == status
+
+
+def test_redirect_reason_names_the_target_and_the_setting() -> None:
+    reason = classify(301, b"", {"Location": "https://engine.example/api"}).reason
+    assert "https://engine.example/api" in reason
+    assert "ENGINE_BASE_URL" in reason
+
+
+def test_403_reason_points_at_the_key_and_the_client_certificate() -> None:
+    reason = classify(403, b"", {}).reason
+    assert "INTERNAL_API_KEY" in reason
+    assert "ENGINE_CLIENT_CERT" in reason
 
 
 @pytest.mark.parametrize("status", [400, 404, 405, 409, 410, 413, 415, 422])

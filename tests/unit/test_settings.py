@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from cdc.errors import ConfigError
-from cdc.settings import ENV, Settings, redact_dsn
+from cdc.settings import ENV, SECRET_FIELDS, Settings, redact_dsn
 
 
 def test_defaults_match_the_design_contract() -> None:
@@ -15,7 +16,7 @@ def test_defaults_match_the_design_contract() -> None:
     assert (s.slot, s.publication, s.topic_prefix) == ("outbox_slot", "outbox_pub", "outbox.event.")
     assert s.sink_group_id == "engine-sync"
     assert s.engine_base_url == "http://localhost:8081"
-    assert s.internal_api_key == ""
+    assert s.internal_api_key.get_secret_value() == ""
     assert s.scheduler_enabled is True
     assert s.retry_max_attempts == 5
     assert (s.engine_connect_timeout_s, s.engine_read_timeout_s) == (2.0, 3.0)
@@ -65,33 +66,119 @@ def test_unknown_toml_key_is_an_error(tmp_path: Path) -> None:
         Settings.from_env({"CDC_CONFIG_FILE": str(f)})
 
 
-@pytest.mark.parametrize(
-    ("dsn", "expected"),
-    [
-        ("postgresql://u:s3cret@h:5432/db", "postgresql://u:***@h:5432/db"),
-        ("host=h password=s3cret dbname=db", "host=h password=*** dbname=db"),
-        ("postgresql://u@h/db", "postgresql://u@h/db"),
-    ],
-)
-def test_redact_dsn_hides_the_password(dsn: str, expected: str) -> None:
-    assert redact_dsn(dsn) == expected
+DSN_FORMS = [
+    "postgresql://u:s3cret@h:5432/db",
+    "postgresql://u@h/db?password=s3cret",
+    "postgresql://u@h/db?sslmode=disable&password=s3cret&application_name=x",
+    "postgres://u:s3cret@h1:5432,h2:5433/db?target_session_attrs=any",
+    "host=h password=s3cret dbname=db",
+    "host=h password = s3cret dbname=db",
+    "host=h password= s3cret dbname=db",
+    "host=h password='s3cret' dbname=db",
+    "host=h password='s3 cret\\'s' dbname=db",
+    "host=h sslpassword=s3cret dbname=db",
+]
 
 
-def test_secrets_never_appear_in_repr_or_summary() -> None:
+@pytest.mark.parametrize("dsn", DSN_FORMS)
+def test_redact_dsn_hides_the_password_in_every_form_libpq_accepts(dsn: str) -> None:
+    redacted = redact_dsn(dsn)
+    assert "s3" not in redacted
+    assert "cret" not in redacted
+    assert "password=***" in redacted
+    assert "host=h" in redacted
+
+
+def test_redact_dsn_keeps_the_rest_of_the_dsn() -> None:
+    assert redact_dsn("postgresql://u:s3cret@h:5432/db") == (
+        "user=u password=*** dbname=db host=h port=5432"
+    )
+    assert redact_dsn("postgresql://u@h/db") == "user=u dbname=db host=h"
+    assert redact_dsn("") == ""
+
+
+def test_redact_dsn_never_echoes_a_dsn_it_cannot_parse() -> None:
+    assert redact_dsn("host=h password='s3cret") == "<unparseable DSN>"
+
+
+@pytest.mark.parametrize("dsn", ["host=h password s3cret", "host=h password='s3cret"])
+def test_an_unparseable_dsn_is_a_config_error_that_does_not_quote_it(dsn: str) -> None:
+    with pytest.raises(ConfigError, match="CDC_PG_DSN") as info:
+        Settings.from_env({"CDC_PG_DSN": dsn})
+    assert "s3cret" not in str(info.value)
+
+
+def test_secrets_never_appear_in_repr_str_or_summary() -> None:
     s = Settings.from_env(
         {
-            "CDC_PG_DSN": "postgresql://u:pgpass@h/db",
+            "CDC_PG_DSN": "host=h password = 'pg pass' dbname=db",
             "INTERNAL_API_KEY": "apikey",
             "ADMIN_API_TOKEN": "admintok",
+            "HTTPS_PROXY": "http://proxyuser:proxypass@proxy:3128",
+            "KAFKA_CONFIG_SASL_PASSWORD": "kafkapass",
         }
     )
-    text = repr(s) + repr(s.safe_summary())
-    for secret in ("pgpass", "apikey", "admintok"):
+    text = repr(s) + str(s) + repr(s.safe_summary())
+    for secret in ("pg pass", "apikey", "admintok", "proxypass", "kafkapass"):
         assert secret not in text
+    assert s.safe_summary()["https_proxy"] == "http://proxyuser:***@proxy:3128"
+    assert s.pg_dsn.get_secret_value() == "host=h password = 'pg pass' dbname=db"
+    assert s.internal_api_key.get_secret_value() == "apikey"
+
+
+def test_secret_fields_are_secret_strings() -> None:
+    assert {"pg_dsn", "internal_api_key", "admin_api_token"} <= SECRET_FIELDS
+
+
+def test_a_malformed_secret_names_the_variable_but_not_the_value(tmp_path: Path) -> None:
+    f = tmp_path / "cdc.toml"
+    f.write_text("internal_api_key = 123456789\n")
+    with pytest.raises(ConfigError, match="INTERNAL_API_KEY") as info:
+        Settings.from_env({"CDC_CONFIG_FILE": str(f)})
+    assert "123456789" not in str(info.value)
+
+
+def test_toml_file_takes_field_or_variable_names_and_a_kafka_table(tmp_path: Path) -> None:
+    f = tmp_path / "cdc.toml"
+    f.write_text('slot = "s"\nCDC_PUBLICATION = "p"\n[kafka_config]\n"linger.ms" = "7"\n')
+    s = Settings.from_env({}, config_file=str(f))
+    assert (s.slot, s.publication, s.kafka_config) == ("s", "p", {"linger.ms": "7"})
+
+
+def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="CDC_CONFIG_FILE"):
+        Settings.from_env({"CDC_CONFIG_FILE": str(tmp_path / "absent.toml")})
+
+
+def test_proxy_variables_are_read_in_either_case() -> None:
+    s = Settings.from_env({"https_proxy": "http://p:3128", "no_proxy": "engine.internal"})
+    assert s.https_proxy.get_secret_value() == "http://p:3128"
+    assert s.no_proxy == "engine.internal"
+    upper = Settings.from_env({"HTTPS_PROXY": "http://upper:1", "https_proxy": "http://lower:2"})
+    assert upper.https_proxy.get_secret_value() == "http://upper:1"
+
+
+def test_engine_tls_settings_default_to_verified_system_trust() -> None:
+    s = Settings.from_env({})
+    assert s.engine_tls_verify is True
+    assert (s.engine_ca_file, s.engine_client_cert, s.engine_client_key) == ("", "", "")
+    assert Settings.from_env({"ENGINE_TLS_VERIFY": "false"}).engine_tls_verify is False
+
+
+def test_settings_are_immutable() -> None:
+    s = Settings()
+    with pytest.raises(ValidationError):
+        s.slot = "other"  # type: ignore[misc]
+
+
+def test_settings_built_directly_ignore_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CDC_SLOT", "from_env")
+    assert Settings().slot == "outbox_slot"
+    assert Settings(slot="given").slot == "given"
 
 
 def test_every_field_but_kafka_config_has_an_environment_variable() -> None:
-    from dataclasses import fields
-
-    names = {f.name for f in fields(Settings)} - {"kafka_config"}
+    names = set(Settings.model_fields) - {"kafka_config"}
     assert names == set(ENV)
+    assert ENV["pg_dsn"] == "CDC_PG_DSN"
+    assert ENV["engine_ca_file"] == "ENGINE_CA_FILE"
