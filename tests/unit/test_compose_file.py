@@ -93,7 +93,7 @@ def test_host_ports_are_configurable_and_never_collide_with_the_local_stack() ->
     published = [p for service in services.values() for p in _published(service)]
     variables = [variable for variable, _, _ in published]
     hosts = [host for _, host, _ in published]
-    assert len(set(variables)) == len(variables) == 5
+    assert len(set(variables)) == len(variables) == 7  # 5 app services, prometheus, grafana
     assert len(set(hosts)) == len(hosts)
     assert not set(hosts) & LOCAL_PORTS
 
