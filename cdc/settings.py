@@ -52,6 +52,12 @@ ENV: dict[str, str] = {
     "retry_batch_size": "OUTBOX_RETRY_BATCH_SIZE",
     "retry_backoff_base_s": "OUTBOX_RETRY_BACKOFF_BASE_S",
     "engine_stub_port": "ENGINE_STUB_PORT",
+    "backlog_max_relay_age_s": "CDC_BACKLOG_MAX_RELAY_AGE_S",
+    "backlog_max_slot_lag_bytes": "CDC_BACKLOG_MAX_SLOT_LAG_BYTES",
+    "backlog_group": "CDC_BACKLOG_GROUP",
+    "backlog_max_group_age_s": "CDC_BACKLOG_MAX_GROUP_AGE_S",
+    "backlog_cache_ttl_s": "CDC_BACKLOG_CACHE_TTL_S",
+    "backlog_retry_after_s": "CDC_BACKLOG_RETRY_AFTER_S",
 }
 
 SECRET_FIELDS = frozenset({"pg_dsn", "internal_api_key", "admin_api_token"})
@@ -110,6 +116,19 @@ class Settings:
     retry_batch_size: int = 100
     retry_backoff_base_s: float = 60.0
     engine_stub_port: int = 8081
+    # Backlog guard (cdc.backlog): a limit <= 0 switches that check off.
+    #: Oldest committed event not yet confirmed in Kafka older than this: over.
+    backlog_max_relay_age_s: float = 60.0
+    #: WAL the slot holds unconfirmed above this: over (1 GiB).
+    backlog_max_slot_lag_bytes: int = 1 << 30
+    #: Consumer group whose oldest unprocessed record is checked too (empty: none).
+    backlog_group: str = ""
+    #: That group's oldest unprocessed record older than this: over.
+    backlog_max_group_age_s: float = 300.0
+    #: A measurement is reused this long, so a check per request stays cheap.
+    backlog_cache_ttl_s: float = 1.0
+    #: Seconds an over-limit answer tells the client to wait (Retry-After).
+    backlog_retry_after_s: int = 5
 
     @classmethod
     def from_env(
