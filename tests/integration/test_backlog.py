@@ -18,7 +18,8 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from cdc.backlog import BacklogGuard, BacklogState
-from cdc.outbox import register_user
+from cdc.demo import Refused, register_guarded
+from cdc.outbox import Written, register_user
 from cdc.settings import Settings
 from tests.harness import (
     Proc,
@@ -181,3 +182,30 @@ def test_group_whose_oldest_record_waits_past_the_limit_is_429_and_200_once_comm
         assert _backlog(port, "?group=no%20such")[0] == 400
     finally:
         relay.close()
+
+
+def test_the_demo_registration_path_refuses_with_retry_after_while_over_and_registers_when_ok(
+    cfg: RelayConfig, guard: BacklogGuard, tmp_path: Path
+) -> None:
+    relay, _ = start_relay(cfg, tmp_path)
+    relay.terminate()
+    relay.close()
+    _register(cfg.db_dsn, 3)  # committed while no relay runs
+    wait_until(lambda: guard.check().over, 30, "over")
+    with psycopg.connect(cfg.db_dsn) as conn:
+        users_before = conn.execute("SELECT count(*) FROM users").fetchone()
+        email = f"{uuid.uuid4()}@ex.org"
+        refused = register_guarded(conn, guard, group="", email=email, name="R")
+        assert isinstance(refused, Refused)
+        assert refused.retry_after_s == 3
+        assert "relay_age_s" in refused.reason
+        assert conn.execute("SELECT count(*) FROM users").fetchone() == users_before
+        relay, _ = start_relay(cfg, tmp_path, name="relay-again")
+        try:
+            wait_until(lambda: guard.check().state is BacklogState.OK, 60, "ok after catch-up")
+            written = register_guarded(conn, guard, group="", email=email, name="R")
+        finally:
+            relay.close()
+        assert isinstance(written, Written)
+        row = conn.execute("SELECT email FROM users WHERE id = %s", (written.entity_id,)).fetchone()
+        assert row == (email,)
