@@ -205,9 +205,6 @@ class AttemptBook:
             return None
         return retry_delay_s(count - 1, self._base_s, cap_s=RETRY_BACKOFF_CAP_S)
 
-    def exhausted(self, position: tuple[str, int, int]) -> bool:
-        return self._failures.get(position, 0) >= self.max_attempts
-
     def settle(self, position: tuple[str, int, int]) -> None:
         """The record is done (handled, skipped, parked or dead-lettered)."""
         self._failures.pop(position, None)
@@ -376,6 +373,8 @@ class IdempotentConsumer:
             max_attempts=options.max_attempts, backoff_base_s=options.retry_backoff_s
         )
         self._paused: dict[TP, float] = {}  # partition -> when to resume it
+        #: why a record was given up, kept while its dead letter waits for Kafka
+        self._given_up: dict[tuple[str, int, int], str] = {}
         self._stop = False
         if options.create_tables:
             ensure_ledger(
@@ -462,14 +461,14 @@ class IdempotentConsumer:
         return Processed(outcome=outcome, record=record, event_id=event_id)
 
     def _process(self, record: Envelope, msg: Message) -> Outcome:
+        _require_idle(self.conn)
         try:
             event_id = event_id_of(record)
         except BadEvent as exc:
             return self._give_up(record, msg, None, exc.reason)
-        position = record.position
-        if self._book.exhausted(position):  # a dead letter that was not acknowledged
-            return self._give_up(record, msg, event_id, "dead letter retried")
-        _require_idle(self.conn)
+        reason = self._given_up.get(record.position)
+        if reason is not None:  # given up; its dead letter was not acknowledged
+            return self._give_up(record, msg, event_id, reason)
         try:
             with self.conn.transaction():
                 fresh = self._ledger_insert(event_id, record, "handled")
@@ -519,6 +518,7 @@ class IdempotentConsumer:
                 self._dead_letter(msg, reason)
             except DeadLetterError as exc:
                 log.error("%s", exc.reason, extra=_fields(record, event_id))
+                self._given_up[record.position] = reason
                 self._rewind(record, RETRY_BACKOFF_CAP_S)
                 return Outcome.RETRY
             with self.conn.transaction():
@@ -546,6 +546,7 @@ class IdempotentConsumer:
     def _done(self, record: Envelope, msg: Message) -> None:
         """The transaction committed: only now may the offset move past the record."""
         self._book.settle(record.position)
+        self._given_up.pop(record.position, None)
         self.consumer.store_offsets(message=msg)
 
     def _rewind(self, record: Envelope, delay_s: float) -> None:
@@ -642,9 +643,11 @@ class IdempotentConsumer:
         except (KafkaException, BufferError) as exc:
             raise DeadLetterError(f"dead letter to {topic} refused: {exc}") from exc
         self._producer.flush(DEAD_LETTER_TIMEOUT_S)
-        if reports != [None]:
-            detail = reports[0] if reports else "no acknowledgement in time"
-            raise DeadLetterError(f"dead letter to {topic} failed: {detail}")
+        if not reports:
+            raise DeadLetterError(f"dead letter to {topic}: no acknowledgement in time")
+        error = reports[0]  # (KafkaError's == with None raises inside C: test identity)
+        if error is not None:
+            raise DeadLetterError(f"dead letter to {topic} failed: {error.str()}")
 
     def _on_kafka_error(self, err: KafkaError, msg: Message) -> None:
         if err.code() == KafkaError._PARTITION_EOF:
@@ -668,6 +671,9 @@ class IdempotentConsumer:
         """Partitions (re)assigned or taken away: they start from their committed offset."""
         for tp in tps:
             self._paused.pop(tp, None)
+        gone = set(tps)
+        for position in [p for p in self._given_up if (p[0], p[1]) in gone]:
+            del self._given_up[position]
         self._book.forget_partitions(tps)
 
 

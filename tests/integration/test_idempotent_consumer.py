@@ -482,3 +482,29 @@ def test_a_connection_left_inside_a_transaction_is_refused_before_anything_runs(
         c.conn.rollback()
         seen = _drive(c, lambda s: len(s) == 1)
     assert [p.outcome for p in seen] == [Outcome.HANDLED], "the refused record came again"
+
+
+def test_a_dead_letter_kafka_refuses_spends_no_attempt_and_moves_no_offset(
+    consumer_dsn: str, kafka_bootstrap: str, unique: str
+) -> None:
+    """The dead-letter topic's name is invalid, so Kafka refuses the dead letter:
+    the record is neither lost nor marked processed, and it will come again."""
+    topic = _topic(kafka_bootstrap, f"idem-dlqfail-{unique}")
+    poison = str(uuid.uuid4())
+    _produce(kafka_bootstrap, topic, [_relay_record(poison)])
+    with _consumer(
+        consumer_dsn,
+        kafka_bootstrap,
+        topic,
+        f"g-{unique}",
+        _always_fails,
+        max_attempts=1,
+        on_failure=FailurePolicy.DEAD_LETTER,
+        dead_letter_topic="not a valid topic!",
+    ) as consumer:
+        seen = _drive(consumer, lambda s: len(s) == 1)
+        assert [(p.outcome, p.event_id) for p in seen] == [(Outcome.RETRY, poison)]
+        assert consumer.stats.dead_lettered == 0
+    assert _rows(consumer_dsn, "SELECT count(*) FROM processed_events") == [(0,)]
+    assert _rows(consumer_dsn, "SELECT count(*) FROM handled") == [(0,)]
+    assert all(o < 0 for o in _committed(kafka_bootstrap, f"g-{unique}", topic)), "offset kept"

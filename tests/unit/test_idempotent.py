@@ -62,9 +62,7 @@ def test_attempt_book_backs_off_doubling_then_gives_up_at_max_attempts() -> None
     book = AttemptBook(max_attempts=4, backoff_base_s=0.5)
     pos = ("t", 0, 7)
     assert [book.failed(pos) for _ in range(3)] == [0.5, 1.0, 2.0]
-    assert not book.exhausted(pos)
     assert book.failed(pos) is None
-    assert book.exhausted(pos)
     assert book.failures(pos) == 4
     book.settle(pos)
     assert book.failures(pos) == 0
