@@ -7,6 +7,11 @@ them, prints a summary (events, throughput, commit->engine latency, lag), stops
 the children with SIGTERM and exits 0 — or 1 with the reason and the children's
 log tails when something did not arrive in time. Running it again works: the
 slot and the group's offsets carry over, the stub starts empty.
+
+Registration goes through the backlog guard (:mod:`cdc.backlog`), as an
+application's registration endpoint would: while the pipeline is over a limit
+the registration is refused with a Retry-After (an HTTP app answers 429) and
+the demo's client waits that long and tries again; the summary counts refusals.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -30,9 +36,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cdc.backlog import BacklogGuard
 from cdc.errors import CdcError
 from cdc.migrate import migrate
-from cdc.outbox import QUIZ_AGGREGATE, USER_AGGREGATE, register_user, submit_quiz_attempt
+from cdc.outbox import (
+    QUIZ_AGGREGATE,
+    USER_AGGREGATE,
+    Written,
+    register_user,
+    submit_quiz_attempt,
+)
 from cdc.producer import TopicManager
 from cdc.settings import Settings
 from sinks.ops import group_lag, lag_totals
@@ -66,6 +79,27 @@ class Burst:
 
     committed: dict[str, float] = field(default_factory=dict)
     first_commit: float = 0.0
+    #: Registrations the backlog guard refused (an app's 429), each retried later.
+    refused: int = 0
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A registration the backlog guard turned away: try again after ``retry_after_s``."""
+
+    retry_after_s: int
+    reason: str
+
+
+def register_guarded(
+    conn: psycopg.Connection[Any], guard: BacklogGuard, *, group: str, email: str, name: str
+) -> Written | Refused:
+    """The demo app's registration path: refuse while the pipeline is over its limits
+    (an HTTP handler answers ``429`` with ``Retry-After``), else register."""
+    backlog = guard.check(group=group)
+    if backlog.over:
+        return Refused(backlog.retry_after_s, "; ".join(backlog.exceeded))
+    return register_user(conn, email=email, display_name=name)
 
 
 def _wait_http(url: str, child: Child, timeout_s: float = 60.0, *, unless: str = "") -> None:
@@ -122,16 +156,44 @@ def _children(settings: Settings, log_dir: Path, env: dict[str, str]) -> Iterato
                 child.proc.kill()
 
 
-def _burst(dsn: str, *, users: int, attempts_per_user: int, progress: Progress) -> Burst:
+def _register(
+    conn: psycopg.Connection[Any],
+    guard: BacklogGuard,
+    burst: Burst,
+    *,
+    group: str,
+    i: int,
+    run: str,
+) -> Written:
+    """One registration as a client sees it: on a refusal, wait Retry-After and try again."""
+    deadline = time.monotonic() + DEMO_TIMEOUT_S
+    while True:
+        answer = register_guarded(
+            conn, guard, group=group, email=f"demo-{run}-{i}@example.org", name=f"Player {i}"
+        )
+        if isinstance(answer, Written):
+            return answer
+        burst.refused += 1
+        if time.monotonic() + answer.retry_after_s > deadline:
+            raise DemoError(f"registrations refused for {DEMO_TIMEOUT_S:.0f}s: {answer.reason}")
+        time.sleep(answer.retry_after_s)
+
+
+def _burst(
+    settings: Settings,
+    guard: BacklogGuard,
+    *,
+    users: int,
+    attempts_per_user: int,
+    progress: Progress,
+) -> Burst:
     burst = Burst()
     task = progress.add_task("committing", total=users * (1 + attempts_per_user))
     run = uuid.uuid4().hex[:8]
-    with psycopg.connect(dsn) as conn:
+    with psycopg.connect(settings.pg_dsn.get_secret_value()) as conn:
         ids: list[uuid.UUID] = []
         for i in range(users):
-            written = register_user(
-                conn, email=f"demo-{run}-{i}@example.org", display_name=f"Player {i}"
-            )
+            written = _register(conn, guard, burst, group=settings.sink_group_id, i=i, run=run)
             burst.committed[str(written.event_id)] = time.time()
             ids.append(written.entity_id)
             progress.advance(task)
@@ -205,6 +267,7 @@ def _summary(
     table.add_row("commit -> engine latency p50", f"{_percentile(latencies, 0.5) * 1000:.1f} ms")
     table.add_row("commit -> engine latency p99", f"{_percentile(latencies, 0.99) * 1000:.1f} ms")
     table.add_row(f"consumer lag of group {settings.sink_group_id}", f"{lag}")
+    table.add_row("registrations refused by the backlog guard (429)", f"{burst.refused}")
     console.print(table)
     group = settings.sink_group_id
     hints = [
@@ -250,16 +313,21 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
             MofNCompleteColumn(),
             TimeElapsedColumn(),
         )
-        with Progress(*columns, console=console) as progress:
-            burst = _burst(
-                settings.pg_dsn.get_secret_value(),
-                users=users,
-                attempts_per_user=attempts_per_user,
-                progress=progress,
-            )
-            applied = _follow(
-                f"http://127.0.0.1:{settings.engine_stub_port}", burst, progress, children
-            )
+        guard = BacklogGuard(settings)
+        try:
+            with Progress(*columns, console=console) as progress:
+                burst = _burst(
+                    settings,
+                    guard,
+                    users=users,
+                    attempts_per_user=attempts_per_user,
+                    progress=progress,
+                )
+                applied = _follow(
+                    f"http://127.0.0.1:{settings.engine_stub_port}", burst, progress, children
+                )
+        finally:
+            guard.close()
         lag = _settled_lag(settings)
         _summary(console, burst, applied, settings, lag)
     if lag:

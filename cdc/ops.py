@@ -136,11 +136,17 @@ def _connect(settings: Settings) -> Conn:
 def slot_status(settings: Settings) -> SlotStatus:
     """The slot's row, WAL lag in bytes and the lag time (see the module docstring)."""
     with _connect(settings) as conn:
-        row = conn.execute(_STATUS_SQL, (settings.slot,)).fetchone()
-        assert row is not None
-        status = _status_from_row(settings.slot, row)
-        if status["exists"]:
-            _fill_lag_time(conn, settings, status)
+        return read_slot_status(conn, settings)
+
+
+def read_slot_status(conn: Conn, settings: Settings) -> SlotStatus:
+    """:func:`slot_status` on the caller's autocommit connection (kept open by
+    callers that ask often, e.g. :mod:`cdc.backlog`)."""
+    row = conn.execute(_STATUS_SQL, (settings.slot,)).fetchone()
+    assert row is not None
+    status = _status_from_row(settings.slot, row)
+    if status["exists"]:
+        _fill_lag_time(conn, settings, status)
     return status
 
 

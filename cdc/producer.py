@@ -11,6 +11,13 @@ Guarantees:
 * :func:`is_record_error` tells a record Kafka refuses for itself (too large,
   invalid) — dead-lettered — from trouble of the cluster, which is retried.
 
+Partitioning: ``partitioner=murmur2_random`` - librdkafka's port of the Java
+client's default, ``toPositive(murmur2(key)) % partitions`` - so a key lands
+on the partition Debezium (Kafka Connect) or any Java producer would pick, and
+moving between them on live topics keeps each key on one partition. (The relay
+never sends a NULL key, so the ``_random`` half never applies.) Override with
+``KAFKA_CONFIG_PARTITIONER`` (``consistent_random`` was librdkafka's CRC32 default).
+
 Tuning (documented in the README, overridable with ``KAFKA_CONFIG_*``):
 ``linger.ms=5`` and ``batch.size=1 MB`` batch a burst into few requests while
 an isolated commit waits at most 5 ms; ``compression.type=lz4`` is cheap on
@@ -34,6 +41,7 @@ from cdc.kafkalog import KafkaClientEvents
 log = logging.getLogger(__name__)
 
 PRODUCER_DEFAULTS: dict[str, str | int | bool] = {
+    "partitioner": "murmur2_random",
     "enable.idempotence": True,
     "acks": "all",
     "linger.ms": 5,

@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cdc import constants as c
 from cdc import pgoutput as pgo
+from cdc.backlog import BacklogGuard, backlog_route
 from cdc.errors import CdcError, DecodeError, KafkaUnavailableError, SlotInUseError
 from cdc.health import HealthServer, Liveness
 from cdc.lsn import LsnTracker
@@ -273,12 +274,14 @@ class Relay:
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
         server = None
+        guard = BacklogGuard(self.settings)  # GET /backlog: measured from PG and Kafka
         if self._serve_http:
             server = HealthServer(
                 host=self.settings.http_host,
                 port=self.settings.relay_http_port,
                 registry=self.registry,
                 liveness=self.liveness,
+                routes={"/backlog": backlog_route(guard)},
             ).start()
         monitor = threading.Thread(target=self._monitor, name="slot-monitor", daemon=True)
         monitor.start()
@@ -290,6 +293,7 @@ class Relay:
             self._set_state(RelayState.STOPPED)
             if server:
                 server.stop()
+            guard.close()
         return 0
 
     def _run_sessions(self) -> None:

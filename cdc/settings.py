@@ -130,6 +130,19 @@ class Settings(BaseSettings):
     engine_stub_tls_key: str = env("ENGINE_STUB_TLS_KEY", "")
     #: The stub then requires client certificates signed by this CA (mTLS).
     engine_stub_client_ca: str = env("ENGINE_STUB_CLIENT_CA", "")
+    # Backlog guard (cdc.backlog): a limit <= 0 switches that check off.
+    #: Oldest committed event not yet confirmed in Kafka older than this: over.
+    backlog_max_relay_age_s: float = env("CDC_BACKLOG_MAX_RELAY_AGE_S", 60.0)
+    #: WAL the slot holds unconfirmed above this: over (1 GiB).
+    backlog_max_slot_lag_bytes: int = env("CDC_BACKLOG_MAX_SLOT_LAG_BYTES", 1 << 30)
+    #: Consumer group whose oldest unprocessed record is checked too (empty: none).
+    backlog_group: str = env("CDC_BACKLOG_GROUP", "")
+    #: That group's oldest unprocessed record older than this: over.
+    backlog_max_group_age_s: float = env("CDC_BACKLOG_MAX_GROUP_AGE_S", 300.0)
+    #: A measurement is reused this long, so a check per request stays cheap.
+    backlog_cache_ttl_s: float = env("CDC_BACKLOG_CACHE_TTL_S", 1.0)
+    #: Seconds an over-limit answer tells the client to wait (Retry-After).
+    backlog_retry_after_s: int = env("CDC_BACKLOG_RETRY_AFTER_S", 5)
 
     @field_validator("pg_dsn")
     @classmethod

@@ -48,6 +48,9 @@ def test_demo_runs_end_to_end_and_exits_zero(
         assert "events applied by the engine stub" in run.stdout
         assert "│ 240 " in run.stdout.replace("\u2502", "│")
         assert "consumer lag of group" in run.stdout
+        assert "registrations refused by the backlog guard (429) │ 0 " in run.stdout.replace(
+            "\u2502", "│"
+        )
         assert "demo-key" not in run.stdout + run.stderr
     finally:
         drop_slot(db_dsn, relay.slot)
