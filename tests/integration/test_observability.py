@@ -232,6 +232,11 @@ def _outage(p: Pipeline, *, relay_port: int, sink_port: int) -> None:
             60,
             "oldest unprocessed age above zero",
         )
+        wait_until(  # refreshed from the broker every few seconds, off the event loop
+            lambda: _gauge(sink_port, "outbox_sink_consumer_lag") > 0,
+            60,
+            "consumer lag above zero",
+        )
         p.scrapes = {"relay": _scrape(relay_port), "sink": _scrape(sink_port)}
         p.outage_trace = trace_event(p.settings, p.outage[0])
     finally:
