@@ -16,7 +16,9 @@ Guarantees:
 * the loop talks back through :meth:`KafkaWorker.command` (pause, resume,
   commit, close), a queue this thread drains between ``consume`` calls;
 * librdkafka's errors and log lines go through :class:`cdc.kafkalog.KafkaClientEvents`;
-  a fatal consumer error ends the thread with :class:`KafkaFatalError`.
+  a fatal consumer error ends the thread with :class:`KafkaFatalError`;
+* the consumer-lag gauge is measured by :class:`LagMonitor` on a thread and a
+  client of its own: its broker round-trips never delay a fetch.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 #: Records fetched per consume() call.
 CONSUME_BATCH = 1_000
-#: Longest one consume() call waits for records: how soon a command is served.
+#: Longest the consumer waits for a first record: how soon a command is served.
 POLL_S = 0.05
 #: Longest a rebalance callback waits for the loop's answer (a dead loop: give up).
 LOOP_ANSWER_TIMEOUT_S = 10.0
@@ -116,9 +117,19 @@ class KafkaWorker:
         self._thread = threading.Thread(target=self._run, name="kafka-consumer", daemon=True)
         self._consumer: Consumer | None = None
         self._closing = False
+        #: What the group assigned to this member; replaced, never changed in place,
+        #: so the lag monitor's thread always reads a whole set.
+        self._assignment: frozenset[TP] = frozenset()
+        self._lag = (
+            None
+            if lag_gauge is None
+            else LagMonitor(config, gauge=lag_gauge, assigned=lambda: set(self._assignment))
+        )
 
     def start(self) -> KafkaWorker:
         self._thread.start()
+        if self._lag is not None:
+            self._lag.start()
         return self
 
     @property
@@ -159,7 +170,6 @@ class KafkaWorker:
             self._post_done(error)
 
     def _loop_until_closed(self, consumer: Consumer) -> None:
-        next_lag = time.monotonic() + LAG_REFRESH_S
         while True:
             close = self._serve_commands(consumer)
             if close is not None:
@@ -170,13 +180,18 @@ class KafkaWorker:
             records = self._consume(consumer)
             if records:
                 self._post(self._side.on_records, records)
-            if time.monotonic() >= next_lag:
-                next_lag = time.monotonic() + LAG_REFRESH_S
-                self._refresh_lag(consumer)
 
     def _consume(self, consumer: Consumer) -> list[Envelope]:
+        """What is there now, without waiting for a whole batch.
+
+        librdkafka's batch consume waits its full timeout unless the batch
+        fills: wait for the first record only, then take what is ready.
+        """
+        messages = consumer.consume(1, POLL_S)
+        if messages:
+            messages += consumer.consume(CONSUME_BATCH - 1, 0)
         records = []
-        for msg in consumer.consume(CONSUME_BATCH, POLL_S):
+        for msg in messages:
             err = msg.error()
             if err is None:
                 records.append(Envelope.from_kafka(msg))
@@ -215,6 +230,8 @@ class KafkaWorker:
 
     def _close(self, consumer: Consumer, close: _Close) -> None:
         self._closing = True
+        if self._lag is not None:
+            self._lag.stop()
         self._commit_sync(consumer, close.final, what="final commit")
         consumer.close()  # leaves the group; the revoke callback commits what is left
 
@@ -235,42 +252,23 @@ class KafkaWorker:
         current = {(tp.topic, tp.partition) for tp in consumer.assignment()}
         return [TopicPartition(t, p) for t, p in partitions if (t, p) in current]
 
-    def _refresh_lag(self, consumer: Consumer) -> None:
-        """``outbox_sink_consumer_lag``: end offset - committed (or the low watermark), summed."""
-        if self._lag_gauge is None:
-            return
-        assigned = consumer.assignment()
-        if not assigned:
-            self._lag_gauge.set(0)
-            return
-        try:
-            committed = consumer.committed(assigned, timeout=LAG_QUERY_TIMEOUT_S)
-            lag = 0
-            for tp in committed:
-                low, high = consumer.get_watermark_offsets(
-                    TopicPartition(tp.topic, tp.partition), timeout=LAG_QUERY_TIMEOUT_S
-                )
-                start = tp.offset if tp.offset >= 0 else low
-                lag += max(0, high - max(start, low))
-        except KafkaException as exc:
-            log.debug("lag refresh failed: %s", exc)
-            return
-        self._lag_gauge.set(lag)
-
     # -- callbacks (inside consume() and close(), on this thread) -----------------------
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = [(tp.topic, tp.partition) for tp in partitions]
+        self._assignment = self._assignment | set(tps)
         self._post(self._side.on_assign, tps)
         log.info("assigned %s", _names(tps))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = [(tp.topic, tp.partition) for tp in partitions]
+        self._assignment = self._assignment - set(tps)
         final = self._ask(lambda: self._side.on_revoke(tps, lost=False))
         self._commit_sync(consumer, final or [], what="commit on revoke")
         log.info("revoked %s", _names(tps))
 
     def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = [(tp.topic, tp.partition) for tp in partitions]
+        self._assignment = self._assignment - set(tps)
         self._ask(lambda: self._side.on_revoke(tps, lost=True))
         log.warning("assignment lost (no commit possible): %s", _names(tps))
 
@@ -331,3 +329,75 @@ def _names(partitions: Sequence[tuple[Any, ...]]) -> str:
         name = f"{item[0]}[{item[1]}]"
         names.append(f"{name}@{item[2]}" if len(item) > 2 else name)
     return ", ".join(names) or "nothing"
+
+
+class LagMonitor:
+    """``outbox_sink_consumer_lag`` = end offset - committed offset, summed over the assignment.
+
+    Runs on a daemon thread with a consumer of its own that never subscribes
+    (it only reads the group's committed offsets and the watermarks), so the
+    member's fetching is never held up by these broker round-trips. A
+    partition without a commit counts from its low watermark. A failed
+    refresh keeps the last value (and says so at DEBUG).
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        gauge: Gauge,
+        assigned: Callable[[], set[TP]],
+        period_s: float = LAG_REFRESH_S,
+    ) -> None:
+        keep = ("bootstrap.servers", "group.id", "security.", "sasl.", "ssl.", "client.")
+        self._config = {
+            k: v for k, v in config.items() if isinstance(k, str) and k.startswith(keep)
+        }
+        self._config["enable.auto.commit"] = False
+        self._gauge = gauge
+        self._assigned = assigned
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kafka-lag", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        events = KafkaClientEvents("sink-lag")
+        try:
+            client = Consumer({**self._config, **events.config()})
+        except KafkaException as exc:
+            log.warning("consumer-lag gauge disabled: %s", exc)
+            return
+        try:
+            while not self._stop.wait(self._period_s):
+                lag = self.measure(client, sorted(self._assigned()))
+                if lag is not None:
+                    self._gauge.set(lag)
+        finally:
+            client.close()
+
+    @staticmethod
+    def measure(client: Consumer, partitions: list[TP]) -> int | None:
+        """The lag of ``partitions`` now; ``None`` when the broker did not answer."""
+        if not partitions:
+            return 0
+        try:
+            committed = client.committed(
+                [TopicPartition(t, p) for t, p in partitions], timeout=LAG_QUERY_TIMEOUT_S
+            )
+            lag = 0
+            for tp in committed:
+                low, high = client.get_watermark_offsets(
+                    TopicPartition(tp.topic, tp.partition), timeout=LAG_QUERY_TIMEOUT_S
+                )
+                start = tp.offset if tp.offset >= 0 else low
+                lag += max(0, high - max(start, low))
+        except KafkaException as exc:
+            log.debug("lag refresh failed: %s", exc)
+            return None
+        return lag
