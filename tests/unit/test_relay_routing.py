@@ -22,7 +22,7 @@ from confluent_kafka import KafkaError, Producer
 from cdc import relay as relay_mod
 from cdc.lsn import LsnTracker
 from cdc.relay import Relay, Session
-from cdc.router import TxContext, route_fields
+from cdc.router import DeadLetterCode, TxContext, route_fields
 from cdc.settings import Settings
 
 OID = 16_400
@@ -292,7 +292,9 @@ def test_a_known_poison_event_goes_to_the_dead_letter_queue(relay: Relay) -> Non
     relay._on_change(sess, relation())
     run_tx(relay, sess, [row()], final_lsn=0x5000)  # warms the topic cache
     poison_id = "7c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c"
-    relay.poison[poison_id.encode()] = "Broker: Message size too large"
+    relay.poison.remember(
+        poison_id.encode(), DeadLetterCode.TOO_LARGE, "Broker: Message size too large"
+    )
     run_tx(relay, sess, [row(event_id=poison_id)], final_lsn=0x6000)
 
     assert len(producer_of(relay).produced) == 1
