@@ -819,10 +819,25 @@ class Relay:
     def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
         """End the session for ``exc``: ProducerFatalError when it is fatal."""
         err = fatal_error(exc)
-        if err is not None:
-            self._events.raised(exc)
-            raise ProducerFatalError(f"producer fatal error {err.name()}: {err.str()}") from exc
-        raise KafkaUnavailableError(f"{what}: {exc}") from exc
+        if err is None:
+            raise KafkaUnavailableError(f"{what}: {exc}") from exc
+        if not err.fatal():  # produce()'s "_FATAL": the error itself comes from the next poll
+            exc = self._underlying_fatal(exc)
+            err = fatal_error(exc) or err
+        self._events.raised(exc)
+        raise ProducerFatalError(f"producer fatal error {err.name()}: {err.str()}") from exc
+
+    def _underlying_fatal(self, exc: KafkaException) -> KafkaException:
+        """The fatal error behind a ``_FATAL`` from produce(), when poll() raises it."""
+        producer = self._producer
+        assert producer is not None
+        try:
+            producer.poll(0)
+        except KafkaException as raised:
+            err = fatal_error(raised)
+            if err is not None and err.fatal():
+                return raised
+        return exc
 
     def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
         """Hand ``record`` to Kafka (or to the dead-letter queue when it is known poison)."""

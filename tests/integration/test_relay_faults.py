@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -211,3 +212,66 @@ def test_standby_takes_over_when_the_active_relay_is_killed(
         active.close()
         if standby is not None:
             standby.close()
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def _readyz(port: int) -> tuple[int | None, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+    except OSError:
+        return None, ""
+
+
+def test_a_dead_letter_produce_raising_buffer_error_holds_backs_off_and_retries(
+    cfg: RelayConfig, tmp_path: Path, record_property: object
+) -> None:
+    """Kafka away and the producer's local queue full (5 records): produce()
+    raises BufferError for the dead letter of a malformed event. Before, the
+    relay spun inside the dead letter's produce; now it holds (not reading WAL,
+    /readyz naming the cause), retries after a growing back-off, and writes it
+    when Kafka is back. Nothing is lost, nothing exits."""
+    cfg.extra.update({"KAFKA_CONFIG_QUEUE_BUFFERING_MAX_MESSAGES": "5", "CDC_MAX_IN_FLIGHT": "50"})
+    relay, port = start_relay(cfg, tmp_path)
+    try:
+        _bulk(cfg.db_dsn, "qfull", 5, per_tx=5)
+        wait_until(lambda: _relayed(port) >= 5, 60, "the topic to exist")
+        stack("kill", "kafka")
+        try:
+            _bulk(cfg.db_dsn, "qfull", 5, per_tx=5, start=5)
+            with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
+                conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json')")
+            _bulk(cfg.db_dsn, "qfull", 5, per_tx=5, start=10)
+            cause = f"held: dead letter to {cfg.dlq_topic} not written: the producer's local"
+
+            def held() -> bool:
+                status, body = _readyz(port)
+                return status == 503 and body.startswith(cause)
+
+            wait_until(held, 60, "/readyz to name the held dead letter")
+            wait_until(
+                lambda: _metric(port, "outbox_relay_dead_letter_retries_total") >= 3,
+                60,
+                "three failed attempts",
+            )
+            assert relay.alive(), relay.log_tail()
+            log = relay.log_path.read_text()
+            delays = [float(d) for d in re.findall(r"local queue is full; retrying in (\S+)s", log)]
+            assert delays[:3] == [0.5, 1.0, 2.0], "the back-off grows"
+        finally:
+            stack("up", "kafka")
+        wait_for_ready(relay, port, timeout_s=120)
+        dead = read_topics(cfg.kafka, [cfg.dlq_topic], expect=1)
+        assert [m.value() for m in dead] == [b"not json"]
+        _assert_all_arrived(cfg, "qfull", _expected_ids(cfg.db_dsn, "qfull"), record_property)
+        assert relay.alive()
+    finally:
+        relay.close()

@@ -414,22 +414,33 @@ def test_a_fatal_error_raised_from_poll_ends_the_session_as_producer_fatal(relay
     assert sample(relay, "outbox_relay_kafka_errors_total", {"code": "_GAPLESS_GUARANTEE"}) == 1
 
 
+@pytest.mark.parametrize(
+    ("poll_raises", "named"),
+    [
+        ([KafkaException(KafkaError(KafkaError._GAPLESS_GUARANTEE, "gap", fatal=True))], "gap"),
+        ([], "_FATAL"),
+    ],
+    ids=["fatal-error-raised-by-the-next-poll", "already-raised"],
+)
 def test_produce_refusing_with_fatal_on_the_hot_path_ends_the_session_as_producer_fatal(
-    relay: Relay,
+    relay: Relay, poll_raises: list[BaseException], named: str
 ) -> None:
     """Before: ``_FATAL`` from produce ended the session as Kafka trouble and the
-    next session reused the dead producer - a reconnect loop delivering nothing."""
+    next session reused the dead producer - a reconnect loop delivering nothing.
+    The cause named is the fatal error itself when a poll still raises it."""
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
     relay._topic_of[b"user"] = topic
     producer.raises[topic] = [KafkaException(KafkaError(KafkaError._FATAL))]
+    producer.poll_raises = poll_raises
     sess = new_session()
     relay._on_change(sess, relation())
     relay._on_change(sess, begin(0x1000))
-    with pytest.raises(ProducerFatalError, match="_FATAL"):
+    with pytest.raises(ProducerFatalError, match=named):
         relay._on_change(sess, insert(row()))
     assert sess.tracker.confirmable == 0
+    assert relay._events.fatal is not None
 
 
 def test_a_fatal_dead_letter_produce_ends_the_session_as_producer_fatal(relay: Relay) -> None:
