@@ -150,8 +150,17 @@ class TopicManager:
         self._timeout_s = timeout_s
         self.known: set[str] = set()
 
+    def serve(self) -> None:
+        """Serve the admin client's error and log callbacks (librdkafka queues them
+        until served: call this now and then, e.g. from a monitor thread)."""
+        try:
+            self._admin.poll(0)
+        except KafkaException as exc:  # fatal errors are raised, not called back
+            log.warning("admin client: %s", exc)
+
     def ensure(self, topics: Iterable[str]) -> None:
         """Make sure every topic exists; raise KafkaUnavailableError when Kafka does not answer."""
+        self.serve()
         wanted = [t for t in topics if t not in self.known]
         if not wanted:
             return

@@ -498,6 +498,14 @@ class Relay:
         deadline = time.monotonic() + c.STANDBY_RETRY_S
         while not self._stop.is_set() and time.monotonic() < deadline:
             self.liveness.tick()
+            if self._producer is not None:  # (kept from an earlier session)
+                try:
+                    self._poll(0)  # librdkafka queues log lines and errors until served
+                except ProducerFatalError as exc:
+                    self._rebuild_producer(str(exc))
+                    return
+                except KafkaUnavailableError as exc:
+                    log.warning("standby: %s", exc)
             self._stop.wait(0.2)
 
     # -- one session -----------------------------------------------------------
@@ -508,13 +516,13 @@ class Relay:
             info = ensure_slot(conn, s.slot)
             self._utf8 = server_is_utf8(conn)
         self._topics.ensure([s.dlq_topic])
-        if self._producer is None:
-            self._producer = make_producer(
-                s.kafka_bootstrap_servers, s.kafka_config, events=self._events
-            )
         stream = ReplicationStream(s.pg_dsn, slot=s.slot, publication=s.publication)
         try:
-            stream.start(0)
+            stream.start(0)  # a standby stops here (SlotInUseError), without a producer
+            if self._producer is None:
+                self._producer = make_producer(
+                    s.kafka_bootstrap_servers, s.kafka_config, events=self._events
+                )
             sess = Session(
                 stream=stream,
                 tracker=LsnTracker(info.confirmed_flush_lsn),
@@ -1098,7 +1106,8 @@ class Relay:
 
     # -- monitor thread ----------------------------------------------------------
     def _monitor(self) -> None:
-        """Slot lag gauge and optional heartbeat, on a connection of its own."""
+        """Slot lag gauge and optional heartbeat, on a connection of its own; serves
+        the admin client's log lines and errors (queued until served)."""
         s = self.settings
         last_beat = 0.0
         while not self._stop.wait(
@@ -1106,6 +1115,7 @@ class Relay:
             if s.heartbeat_interval_s <= 0
             else min(MONITOR_INTERVAL_S, s.heartbeat_interval_s)
         ):
+            self._topics.serve()
             try:
                 with psycopg.connect(s.pg_dsn, autocommit=True, connect_timeout=5) as conn:
                     info = slot_info(conn, s.slot)

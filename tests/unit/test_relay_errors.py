@@ -9,7 +9,9 @@
   names the cause) and is retried after a growing back-off; a dead letter
   Kafka refuses for its size is written in its minimal form;
 * the poison ids and the dead-letter metric stay bounded over distinct refused
-  events well beyond the bound.
+  events well beyond the bound;
+* librdkafka's errors and log lines of the producer and the admin client reach
+  the logging tree and the error counter.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc import relay as relay_mod
 from cdc.errors import KafkaUnavailableError, ProducerFatalError
+from cdc.kafkalog import KafkaClientEvents
 from cdc.lsn import LsnTracker
-from cdc.producer import discard_producer
+from cdc.producer import TopicManager, discard_producer, make_producer
 from cdc.relay import (
     DLQ_MINIMAL_FIELD_BYTES,
     DLQ_RETRY_MIN_S,
@@ -509,6 +512,24 @@ def test_each_fatal_error_rebuilds_the_producer_after_a_growing_back_off(
     assert sample(relay, "outbox_relay_producer_rebuilds_total") == 10
 
 
+def test_a_standby_serves_a_kept_producer_and_rebuilds_it_after_a_fatal_error(
+    relay: Relay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """librdkafka queues log lines and errors until served: a standby keeps
+    polling a producer it kept, and a fatal error found there is handled."""
+    producer = producer_of(relay)
+    fatal = KafkaError(KafkaError._FATAL, "fenced", fatal=True)
+    producer.poll_raises.append(KafkaException(fatal))
+    discarded: list[object] = []
+    monkeypatch.setattr(relay_mod, "discard_producer", discarded.append)
+    monkeypatch.setattr(relay, "_wait", lambda delay_s: None)
+    relay._standby("slot busy")
+    assert producer.polls == 1
+    assert discarded == [producer] and relay._producer is None
+    assert relay.state is RelayState.REBUILDING
+    assert sample(relay, "outbox_relay_producer_rebuilds_total") == 1
+
+
 def test_discarding_a_producer_purges_its_records_unacknowledged_and_closes_it() -> None:
     producer = Producer({"bootstrap.servers": "127.0.0.1:9", "log_level": 0})
     reports: list[str] = []
@@ -518,3 +539,43 @@ def test_discarding_a_producer_purges_its_records_unacknowledged_and_closes_it()
     assert reports == ["_PURGE_QUEUE"] * 3
     with pytest.raises(RuntimeError):  # closed
         producer.produce("t", b"after")
+
+
+# --- librdkafka's own errors and logs ---------------------------------------------------
+
+
+def _served_until(serve: Any, done: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        serve()
+        time.sleep(0.05)
+    return bool(done())
+
+
+def test_the_producers_and_admin_clients_errors_and_logs_reach_logging_and_the_metric(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Both clients point at a closed port: librdkafka reports transport errors
+    (error_cb) and logs connection failures; both reach the logging tree and
+    the relay's counter - once the clients are served (poll)."""
+    counted: list[str] = []
+    events = {name: KafkaClientEvents(name, count=counted.append) for name in ("producer", "admin")}
+    producer = make_producer("127.0.0.1:9", {}, events=events["producer"])
+    topics = TopicManager(
+        bootstrap="127.0.0.1:9",
+        overrides={},
+        partitions=1,
+        replication_factor=1,
+        events=events["admin"],
+    )
+    with caplog.at_level(logging.INFO):
+        assert _served_until(lambda: producer.poll(0), lambda: "_TRANSPORT" in counted)
+        produced = len(counted)
+        assert _served_until(topics.serve, lambda: len(counted) > produced)
+    loggers = {r.name for r in caplog.records}
+    assert {"kafka.producer", "kafka.admin", "cdc.kafkalog"} <= loggers
+    assert {r.kafka_client for r in caplog.records if r.name == "cdc.kafkalog"} == {  # type: ignore[attr-defined]
+        "producer",
+        "admin",
+    }
+    discard_producer(producer)
