@@ -50,7 +50,7 @@ States and transitions::
     STREAMING <--in-flight at bound / below--> BACKPRESSURE
     STREAMING | BACKPRESSURE --a dead letter fails--> HELD --a dead letter written--> STREAMING
     STARTING | STREAMING | BACKPRESSURE | HELD --stream or Kafka error--> RECONNECTING --> STARTING
-    STREAMING | BACKPRESSURE | HELD --producer fatal error--> REBUILDING --> STARTING
+    STANDBY | STREAMING | BACKPRESSURE | HELD --producer fatal error--> REBUILDING --> STARTING
     any --SIGTERM--> STOPPING --> STOPPED
 
 Ready (``/readyz`` 200) in STREAMING and BACKPRESSURE only; otherwise the body

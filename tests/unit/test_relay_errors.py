@@ -44,38 +44,18 @@ from cdc.relay import (
 )
 from cdc.router import DeadLetterCode
 from cdc.settings import Settings
-from tests.unit.test_relay_routing import FakeTopics, begin, commit, insert, relation, row
+from tests.unit.test_relay_routing import (
+    DeliveredMsg,
+    FakeTopics,
+    Produced,
+    begin,
+    commit,
+    insert,
+    relation,
+    row,
+)
 
 DLQ = "outbox.dlq"
-
-
-class _Msg:
-    """What a delivery callback reads of a record."""
-
-    def __init__(self, record: Sent) -> None:
-        self._r = record
-
-    def topic(self) -> str:
-        return self._r.topic
-
-    def key(self) -> bytes:
-        return self._r.key
-
-    def value(self) -> bytes:
-        return self._r.value
-
-    def timestamp(self) -> tuple[int, int]:
-        return (1, self._r.timestamp)
-
-
-@dataclass
-class Sent:
-    topic: str
-    value: bytes
-    key: bytes
-    timestamp: int
-    headers: list[tuple[str, bytes]]
-    callback: Any
 
 
 @dataclass
@@ -88,8 +68,8 @@ class ScriptedProducer:
     raises: dict[str, list[BaseException | None]] = field(default_factory=dict)
     fails: dict[str, deque[KafkaError]] = field(default_factory=dict)
     poll_raises: list[BaseException] = field(default_factory=list)
-    sent: list[Sent] = field(default_factory=list)
-    pending: list[Sent] = field(default_factory=list)
+    sent: list[Produced] = field(default_factory=list)
+    pending: list[Produced] = field(default_factory=list)
     attempts: dict[str, int] = field(default_factory=dict)
     polls: int = 0
 
@@ -109,7 +89,7 @@ class ScriptedProducer:
             failure = self.raises[topic].pop(0)
             if failure is not None:
                 raise failure
-        record = Sent(topic, value, key, timestamp, list(headers), callback)
+        record = Produced(topic, value, key, timestamp, list(headers), callback)
         self.sent.append(record)
         self.pending.append(record)
 
@@ -120,10 +100,10 @@ class ScriptedProducer:
         pending, self.pending = self.pending, []
         for record in pending:
             errors = self.fails.get(record.topic)
-            record.callback(errors.popleft() if errors else None, _Msg(record))
+            record.callback(errors.popleft() if errors else None, DeliveredMsg(record))
         return len(pending)
 
-    def to(self, topic: str) -> list[Sent]:
+    def to(self, topic: str) -> list[Produced]:
         return [s for s in self.sent if s.topic == topic]
 
 

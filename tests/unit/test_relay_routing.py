@@ -87,12 +87,20 @@ class Produced:
     callback: Any
 
 
-class _Msg:
+class DeliveredMsg:
+    """What a delivery callback reads of a record."""
+
     def __init__(self, produced: Produced) -> None:
         self._p = produced
 
     def topic(self) -> str:
         return self._p.topic
+
+    def key(self) -> bytes:
+        return self._p.key
+
+    def value(self) -> bytes:
+        return self._p.value
 
     def timestamp(self) -> tuple[int, int]:
         return (1, self._p.timestamp)
@@ -127,7 +135,7 @@ class RecordingProducer:
     def poll(self, timeout: float = 0) -> int:
         pending, self.pending = self.pending, []
         for produced in pending:
-            produced.callback(None, _Msg(produced))
+            produced.callback(None, DeliveredMsg(produced))
         return len(pending)
 
 
