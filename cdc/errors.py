@@ -11,6 +11,7 @@ the class attribute ``retriable`` instead of listing types::
     ├── StreamError            replication connection lost        (retriable)
     │   └── SlotInUseError     another relay streams the slot     (retriable)
     └── KafkaUnavailableError  brokers unreachable / timed out    (retriable)
+        └── ProducerFatalError librdkafka fatal error: rebuild it (retriable)
 """
 
 
@@ -50,3 +51,8 @@ class KafkaUnavailableError(CdcError):
     """Kafka did not answer in time; the relay applies back-pressure and retries."""
 
     retriable = True
+
+
+class ProducerFatalError(KafkaUnavailableError):
+    """The producer hit a librdkafka fatal error (e.g. an idempotent producer out of
+    sequence): it can never produce again, so the relay purges, closes and rebuilds it."""

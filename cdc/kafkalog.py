@@ -13,7 +13,12 @@ configuration. Guarantees:
   does not flood the log; the metric still counts every one;
 * a fatal error (``err.fatal()``, e.g. an idempotent producer fenced or out of
   sequence) is kept in :attr:`KafkaClientEvents.fatal` so the owner can
-  rebuild its client: librdkafka cannot recover one by itself;
+  rebuild its client: librdkafka cannot recover one by itself. confluent-kafka
+  does not hand fatal errors to ``error_cb``: it raises them as a
+  ``KafkaException`` from the call that serves callbacks (``poll``, ``flush``,
+  ``consume``), and ``produce`` raises ``_FATAL`` afterwards. The owner routes
+  such an exception through :meth:`KafkaClientEvents.raised`, which counts,
+  logs and keeps it exactly like an ``error_cb`` error;
 * librdkafka's log lines go to the logger ``kafka.<client>`` (confluent-kafka
   maps syslog levels to logging levels), in whichever format (text or JSON)
   the process uses; they are served by the client's ``poll``/``consume``.
@@ -29,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +78,30 @@ class KafkaClientEvents:
 
     def on_error(self, err: Any) -> None:
         """librdkafka's ``error_cb``: count, log (rate-limited), remember a fatal one."""
-        code = str(err.name())
-        text = str(err.str())
-        is_fatal = bool(err.fatal())
+        self._report(str(err.name()), str(err.str()), is_fatal=bool(err.fatal()))
+
+    def raised(self, exc: BaseException) -> bool:
+        """Route an exception a client call raised; True when it carries a fatal error.
+
+        A ``KafkaException`` whose error is fatal (or ``_FATAL``, as ``produce``
+        raises once the client is dead) is counted, logged and kept as
+        :attr:`fatal`, like an ``error_cb`` error; anything else is left alone.
+        """
+        err = fatal_error(exc)
+        if err is None:
+            return False
+        self._report(str(err.name()), str(err.str()), is_fatal=True)
+        return True
+
+    def _report(self, code: str, text: str, *, is_fatal: bool) -> None:
         if self._count is not None:
             self._count(code)
         with self._lock:
             self.last_error = (code, text)
             now = self._clock()
             last = self._last_logged.get(code)
-            if not is_fatal and last is not None and now - last < REPEAT_LOG_S:
+            quiet = not is_fatal or self.fatal is not None  # a dead client's repeats too
+            if quiet and last is not None and now - last < REPEAT_LOG_S:
                 self._repeats[code] = self._repeats.get(code, 0) + 1
                 return
             repeats = self._repeats.pop(code, 0)
@@ -107,3 +128,11 @@ class KafkaClientEvents:
         """The owner rebuilt its client: forget the fatal error."""
         with self._lock:
             self.fatal = None
+
+
+def fatal_error(exc: BaseException) -> Any | None:
+    """The fatal ``KafkaError`` ``exc`` carries, else None (see ``KafkaClientEvents.raised``)."""
+    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    if isinstance(err, KafkaError) and (err.fatal() or err.code() == KafkaError._FATAL):
+        return err
+    return None

@@ -9,7 +9,12 @@ Guarantees:
   factor) before the first record is produced to them, never by broker
   auto-creation;
 * :func:`is_record_error` tells a record Kafka refuses for itself (too large,
-  invalid) — dead-lettered — from trouble of the cluster, which is retried.
+  invalid) — dead-lettered — from trouble of the cluster, which is retried;
+* librdkafka's errors and log lines reach the process's logging and metrics
+  (:class:`cdc.kafkalog.KafkaClientEvents`) from the producer and the admin client;
+* :func:`discard_producer` ends a producer that hit a fatal error without
+  blocking: its records are purged (never acknowledged, so read again), their
+  reports served, then it is closed.
 
 Partitioning: ``partitioner=murmur2_random`` - librdkafka's port of the Java
 client's default, ``toPositive(murmur2(key)) % partitions`` - so a key lands
@@ -29,7 +34,9 @@ and dead-lettered instead of poisoning an idempotent batch.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
@@ -37,6 +44,7 @@ from confluent_kafka.cimpl import NewTopic
 
 from cdc.errors import KafkaUnavailableError
 from cdc.kafkalog import KafkaClientEvents
+from cdc.router import DeadLetterCode
 
 log = logging.getLogger(__name__)
 
@@ -54,22 +62,30 @@ PRODUCER_DEFAULTS: dict[str, str | int | bool] = {
     "max.in.flight.requests.per.connection": 5,
 }
 
-#: Error codes that mean "this record itself is unacceptable".
-RECORD_ERRORS = frozenset(
-    {
-        KafkaError.MSG_SIZE_TOO_LARGE,
-        KafkaError.INVALID_MSG,
-        KafkaError.INVALID_MSG_SIZE,
-        KafkaError.INVALID_RECORD,
-        KafkaError.RECORD_LIST_TOO_LARGE,
-        KafkaError.INVALID_TIMESTAMP,
-    }
-)
+#: Error codes that mean "this record itself is unacceptable", with the
+#: dead-letter code each is counted under.
+RECORD_ERRORS: Mapping[int, DeadLetterCode] = {
+    KafkaError.MSG_SIZE_TOO_LARGE: DeadLetterCode.TOO_LARGE,
+    KafkaError.RECORD_LIST_TOO_LARGE: DeadLetterCode.TOO_LARGE,
+    KafkaError.INVALID_MSG_SIZE: DeadLetterCode.TOO_LARGE,
+    KafkaError.INVALID_MSG: DeadLetterCode.INVALID_RECORD,
+    KafkaError.INVALID_RECORD: DeadLetterCode.INVALID_RECORD,
+    KafkaError.INVALID_TIMESTAMP: DeadLetterCode.INVALID_RECORD,
+}
+#: Delivery reports of records purged from a producer being discarded.
+PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
+#: How long :func:`discard_producer` serves the purged records' reports.
+DISCARD_DRAIN_S = 5.0
 
 
 def is_record_error(err: KafkaError) -> bool:
     """True when Kafka refused the record for itself (dead-letter it)."""
     return err.code() in RECORD_ERRORS
+
+
+def record_error_code(err: KafkaError) -> DeadLetterCode:
+    """The dead-letter code of an error :func:`is_record_error` accepts."""
+    return RECORD_ERRORS.get(err.code(), DeadLetterCode.OTHER)
 
 
 def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, str | int | bool]:
@@ -88,7 +104,34 @@ def make_producer(
     """The relay's producer; librdkafka's errors and log lines go through ``events``
     (by default a :class:`KafkaClientEvents` that only logs), never raw to stderr."""
     events = events or KafkaClientEvents("producer")
-    return Producer({**producer_config(bootstrap, overrides), **events.config()})
+    config: dict[str, Any] = dict(producer_config(bootstrap, overrides))
+    config.update(events.config())
+    return Producer(config)
+
+
+def discard_producer(producer: Producer, *, drain_s: float = DISCARD_DRAIN_S) -> None:
+    """Purge, serve the purge reports, close: the end of a producer after a fatal error.
+
+    Every record still queued or in flight fails with ``_PURGE_QUEUE`` or
+    ``_PURGE_INFLIGHT`` (so it is never acknowledged and the relay reads it
+    again). ``close()`` waits for an empty queue without a time limit, so it
+    is called only once the queue is empty; otherwise the producer is left to
+    be destroyed with its last reference.
+    """
+    try:
+        producer.purge(in_queue=True, in_flight=True)
+    except KafkaException as exc:
+        log.warning("producer purge failed: %s", exc)
+    deadline = time.monotonic() + drain_s
+    while len(producer) and time.monotonic() < deadline:
+        try:
+            producer.poll(0.05)
+        except KafkaException as exc:  # the fatal error may be raised once more
+            log.debug("serving purged reports: %s", exc)
+    if len(producer):
+        log.warning("producer discarded with %d reports unserved", len(producer))
+        return
+    producer.close()
 
 
 class TopicManager:
@@ -102,19 +145,30 @@ class TopicManager:
         partitions: int,
         replication_factor: int,
         timeout_s: float = 30.0,
+        events: KafkaClientEvents | None = None,
     ) -> None:
-        config: dict[str, str | int | float | bool] = {
+        config: dict[str, Any] = {
             k: v for k, v in overrides.items() if k.startswith(("security.", "sasl.", "ssl."))
         }
         config["bootstrap.servers"] = bootstrap
-        self._admin = AdminClient({**config, **KafkaClientEvents("relay-admin").config()})
+        config.update((events or KafkaClientEvents("relay-admin")).config())
+        self._admin = AdminClient(config)
         self._partitions = partitions
         self._replication_factor = replication_factor
         self._timeout_s = timeout_s
         self.known: set[str] = set()
 
+    def serve(self) -> None:
+        """Serve the admin client's error and log callbacks (librdkafka queues them
+        until served: call this now and then, e.g. from a monitor thread)."""
+        try:
+            self._admin.poll(0)
+        except KafkaException as exc:  # fatal errors are raised, not called back
+            log.warning("admin client: %s", exc)
+
     def ensure(self, topics: Iterable[str]) -> None:
         """Make sure every topic exists; raise KafkaUnavailableError when Kafka does not answer."""
+        self.serve()
         wanted = [t for t in topics if t not in self.known]
         if not wanted:
             return

@@ -16,12 +16,45 @@ Invariants (DESIGN.md, "Relay invariants"):
 6. A record Kafka refuses for itself goes to the dead-letter topic with the
    reason in headers; the stream never stalls on one row, never drops one.
 
+Its own error paths (none of them ends the process):
+
+* A librdkafka fatal error (confluent-kafka raises it from ``poll``; e.g. an
+  idempotent producer out of sequence, or ``enable.gapless.guarantee``): the
+  session ends, the producer is purged, closed and dropped, and after a
+  back-off (:data:`REBUILD_MIN_S` doubling to :data:`REBUILD_MAX_S`; back to
+  the minimum only after :data:`REBUILD_CALM_S` without one, so a producer that
+  dies at once every time is rebuilt at most once per back-off: no crash loop)
+  a new session builds a new producer and reads from the slot's confirmed LSN.
+  Purged records were never acknowledged, so they are read again: duplicates,
+  never loss. ``outbox_relay_producer_rebuilds_total`` counts rebuilds and
+  ``/readyz`` answers 503 ``rebuilding: <error>`` meanwhile.
+* A dead letter that cannot be written (``produce`` raising ``BufferError`` or
+  ``KafkaException``, a failed delivery report, e.g. the dead-letter topic
+  deleted while broker auto-creation is off): the record stays pending and
+  unacknowledged (so unconfirmed), the relay stops reading WAL (HELD) but
+  keeps answering the server, retries after a back-off, and ``/readyz``
+  answers 503 naming the cause until a dead letter is written. A dead letter
+  Kafka refuses for its own size is written again in a minimal form (key and
+  headers cut, the value a note).
+* State stays bounded: :class:`PoisonIds` is an LRU, and the dead-letter
+  metric is labelled with a :class:`cdc.router.DeadLetterCode` (a fixed set);
+  the reason's full text goes to the record's ``dlq.reason`` header and the log.
+* librdkafka's own errors and log lines (producer and admin client) reach the
+  process's logging and ``outbox_relay_kafka_errors_total{code}`` through
+  :class:`cdc.kafkalog.KafkaClientEvents`; that counter also counts failed
+  delivery reports by their code.
+
 States and transitions::
 
     STARTING --slot held elsewhere--> STANDBY --slot free--> STREAMING
     STREAMING <--in-flight at bound / below--> BACKPRESSURE
-    STARTING | STREAMING | BACKPRESSURE --stream or Kafka error--> RECONNECTING --> STARTING
+    STREAMING | BACKPRESSURE --a dead letter fails--> HELD --a dead letter written--> STREAMING
+    STARTING | STREAMING | BACKPRESSURE | HELD --stream or Kafka error--> RECONNECTING --> STARTING
+    STANDBY | STREAMING | BACKPRESSURE | HELD --producer fatal error--> REBUILDING --> STARTING
     any --SIGTERM--> STOPPING --> STOPPED
+
+Ready (``/readyz`` 200) in STREAMING and BACKPRESSURE only; otherwise the body
+names the state and its cause.
 """
 
 from __future__ import annotations
@@ -31,9 +64,10 @@ import gc
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 import psycopg
@@ -43,13 +77,29 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from cdc import constants as c
 from cdc import pgoutput as pgo
 from cdc.backlog import BacklogGuard, backlog_route
-from cdc.errors import CdcError, DecodeError, KafkaUnavailableError, SlotInUseError
+from cdc.backoff import Backoff
+from cdc.errors import (
+    CdcError,
+    DecodeError,
+    KafkaUnavailableError,
+    ProducerFatalError,
+    SlotInUseError,
+)
 from cdc.health import HealthServer, Liveness
+from cdc.kafkalog import KafkaClientEvents, fatal_error
 from cdc.lsn import LsnTracker
-from cdc.producer import TopicManager, is_record_error, make_producer
+from cdc.producer import (
+    PURGED,
+    TopicManager,
+    discard_producer,
+    is_record_error,
+    make_producer,
+    record_error_code,
+)
 from cdc.replproto import Keepalive, lsn_to_str, parse_copy_data, xlog_payload
 from cdc.router import (
     ROUTED_COLUMNS,
+    DeadLetterCode,
     KafkaRecord,
     RouteError,
     TxContext,
@@ -80,9 +130,28 @@ ACK_WAIT_S = 0.005
 STATUS_MIN_INTERVAL_S = 0.02
 #: Cyclic-GC thresholds for the relay process (see Relay.run).
 GC_THRESHOLDS = (50_000, 20, 50)
-#: Reconnect backoff after stream or Kafka trouble.
+#: Reconnect backoff after stream or Kafka trouble (back to the minimum after
+#: a session that lasted the maximum).
 RECONNECT_MIN_S = 0.5
 RECONNECT_MAX_S = 30.0
+#: Producer rebuilds after a fatal error: never closer than the minimum, doubling
+#: while they follow each other, back to the minimum after the calm period.
+REBUILD_MIN_S = 1.0
+REBUILD_MAX_S = 60.0
+REBUILD_CALM_S = 300.0
+#: Retries of a dead letter that could not be written (reset once one is written).
+DLQ_RETRY_MIN_S = 0.5
+DLQ_RETRY_MAX_S = 30.0
+#: Cap of each field of a minimal dead letter (written after Kafka refused the
+#: full one for its size): key and header values, the value's prefix.
+DLQ_MINIMAL_FIELD_BYTES = 1024
+#: Event ids remembered as refused by Kafka (see PoisonIds): ~100 bytes each.
+POISON_MAX = 10_000
+#: A dead-letter reason longer than this is cut in the log line (the record's
+#: dlq.reason header keeps it whole); reasons quote the event's own values.
+LOG_REASON_MAX_CHARS = 2_000
+#: Longest single wait between liveness ticks while backing off.
+WAIT_TICK_S = 1.0
 #: How long shutdown waits for Kafka to acknowledge what is in flight.
 SHUTDOWN_FLUSH_S = 15.0
 #: Slot lag and heartbeat period of the monitor thread.
@@ -103,7 +172,9 @@ class RelayState(enum.Enum):
     STANDBY = "standby"  # another relay streams the slot; we wait to take over
     STREAMING = "streaming"  # reading WAL and producing
     BACKPRESSURE = "backpressure"  # in-flight at its bound: not reading WAL
+    HELD = "held"  # a dead letter could not be written: not reading WAL, retrying it
     RECONNECTING = "reconnecting"  # after an error, waiting before a new session
+    REBUILDING = "rebuilding"  # producer fatal error: purged, closed; a new one after a back-off
     STOPPING = "stopping"  # SIGTERM received: flushing and confirming
     STOPPED = "stopped"  # done; the process exits 0
 
@@ -120,8 +191,23 @@ class RelayMetrics:
         )
         self.dead_lettered = Counter(
             "outbox_relay_dead_lettered_total",
-            "Events sent to the dead-letter topic",
+            "Events written to the dead-letter topic, by reason code (cdc.router.DeadLetterCode)",
             ["reason"],
+            registry=registry,
+        )
+        self.dead_letter_retries = Counter(
+            "outbox_relay_dead_letter_retries_total",
+            "Dead letters that could not be written and were scheduled again",
+            registry=registry,
+        )
+        self.producer_rebuilds = Counter(
+            "outbox_relay_producer_rebuilds_total",
+            "Producers purged, closed and rebuilt after a librdkafka fatal error",
+            registry=registry,
+        )
+        self.poison_ids = Gauge(
+            "outbox_relay_poison_ids",
+            "Event ids remembered as refused by Kafka (bounded LRU)",
             registry=registry,
         )
         self.ignored = Counter(
@@ -132,7 +218,7 @@ class RelayMetrics:
         )
         self.kafka_errors = Counter(
             "outbox_relay_kafka_errors_total",
-            "Kafka errors seen by the producer",
+            "librdkafka errors (producer and admin client) and failed delivery reports, by code",
             ["code"],
             registry=registry,
         )
@@ -178,15 +264,55 @@ def _decode(value: object) -> str | None:
     raise DecodeError("outbox row has a non-text value: the full row is not in the stream")
 
 
-@dataclass
+class PoisonIds(OrderedDict[bytes, tuple[DeadLetterCode, str]]):
+    """Event ids Kafka refused for themselves -> (code, reason); least recently used first.
+
+    Purpose: a record the broker refuses is dead-lettered from its failed
+    delivery report, but its transaction is confirmed only once the dead letter
+    is acknowledged; after a reconnect or a producer rebuild the same event is
+    read again. Found here, it goes straight to the dead-letter topic instead of
+    being offered to Kafka again (a second refusal - and, with
+    ``enable.gapless.guarantee``, a second fatal error).
+
+    Bounded: at most ``max_entries`` ids, the least recently used forgotten
+    first. Forgetting loses nothing: an event read again after its id was
+    forgotten is refused by Kafka again and dead-lettered by the same path.
+    """
+
+    def __init__(self, max_entries: int = POISON_MAX) -> None:
+        super().__init__()
+        self.max_entries = max_entries
+
+    def remember(self, event_id: bytes, code: DeadLetterCode, reason: str) -> None:
+        """Kafka refused ``event_id`` for ``reason``; forget the oldest beyond the bound."""
+        self[event_id] = (code, reason)
+        self.move_to_end(event_id)
+        while len(self) > self.max_entries:
+            self.popitem(last=False)
+
+    def recall(self, event_id: bytes) -> tuple[DeadLetterCode, str] | None:
+        """The refusal of ``event_id`` if remembered (it becomes the most recent)."""
+        found = self.get(event_id)
+        if found is not None:
+            self.move_to_end(event_id)
+        return found
+
+
+@dataclass(eq=False)
 class _PendingDlq:
+    """A dead letter waiting to be written; it holds one add of ``tx_id`` in the tracker."""
+
     tx_id: int
+    code: DeadLetterCode
     reason: str
     topic: str
     key: bytes
     value: bytes
     headers: list[tuple[str, bytes]]
     timestamp_ms: int
+    event_id: str
+    #: Kafka refused the full dead letter for its size: write the minimal form.
+    minimal: bool = False
 
 
 @dataclass
@@ -200,7 +326,15 @@ class Session:
     tx: TxContext | None = None
     reply_requested: bool = False
     fatal: KafkaError | None = None
-    pending_dlq: list[_PendingDlq] = field(default_factory=list)
+    #: dead letters not yet handed to Kafka, oldest first
+    pending_dlq: deque[_PendingDlq] = field(default_factory=deque)
+    #: why a dead letter failed (the stream is HELD), None while they flow
+    held: str | None = None
+    #: no dead letter is produced before this time (monotonic seconds)
+    dlq_retry_at: float = 0.0
+    dlq_backoff: Backoff = field(
+        default_factory=lambda: Backoff(min_s=DLQ_RETRY_MIN_S, max_s=DLQ_RETRY_MAX_S)
+    )
     last_confirmed: int = 0
     ignored_kinds: set[str] = field(default_factory=set)
     #: relation oid -> positions of the routed columns, None if not the outbox
@@ -227,18 +361,24 @@ class Relay:
         self.liveness = Liveness()
         self._stop = threading.Event()
         self._state = RelayState.STARTING
+        self._reason = ""
         self._serve_http = serve_http
         self._producer: Producer | None = None
+        #: librdkafka's errors and logs of the producer (the same one across rebuilds)
+        self._events = KafkaClientEvents("producer", count=self._count_kafka_error)
+        self._rebuild_backoff = Backoff(
+            min_s=REBUILD_MIN_S, max_s=REBUILD_MAX_S, calm_s=REBUILD_CALM_S
+        )
         self._topics = TopicManager(
             bootstrap=settings.kafka_bootstrap_servers,
             overrides=settings.kafka_config,
             partitions=settings.topic_partitions,
             replication_factor=settings.topic_replication_factor,
+            events=KafkaClientEvents("admin", count=self._count_kafka_error),
         )
         table = settings.outbox_table
         self._table = tuple(table.split(".", 1)) if "." in table else (None, table)
-        #: event id -> reason, for records Kafka refused: dead-lettered if resent
-        self.poison: dict[bytes, str] = {}
+        self.poison = PoisonIds()
         #: aggregatetype as sent -> its topic, validated and created (fast path)
         self._topic_of: dict[bytes, str] = {}
         #: the database's text is UTF-8, so the fast path may use raw bytes
@@ -255,16 +395,33 @@ class Relay:
     def state(self) -> RelayState:
         return self._state
 
-    def _set_state(self, state: RelayState) -> None:
-        if state is self._state:
+    def _set_state(self, state: RelayState, reason: str = "") -> None:
+        """Enter ``state``; ``reason`` (the cause, for /readyz) is shown after it."""
+        if state is self._state and reason == self._reason:
             return
-        log.info("relay %s -> %s", self._state.value, state.value)
-        self.metrics.state.labels(self._state.value).set(0)
-        self.metrics.state.labels(state.value).set(1)
+        if state is not self._state:
+            log.info("relay %s -> %s", self._state.value, state.value, extra={"state": state.value})
+            self.metrics.state.labels(self._state.value).set(0)
+            self.metrics.state.labels(state.value).set(1)
         self._state = state
+        self._reason = reason
         self.liveness.set(
-            state.value, ready=state in (RelayState.STREAMING, RelayState.BACKPRESSURE)
+            f"{state.value}: {reason}" if reason else state.value,
+            ready=state in (RelayState.STREAMING, RelayState.BACKPRESSURE),
         )
+
+    def _count_kafka_error(self, code: str) -> None:
+        self.metrics.kafka_errors.labels(code).inc()
+
+    def _wait(self, delay_s: float) -> None:
+        """Wait ``delay_s`` (less when stopped), ticking the liveness meanwhile."""
+        deadline = time.monotonic() + delay_s
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.liveness.tick()
+            self._stop.wait(min(left, WAIT_TICK_S))
 
     def run(self) -> int:
         """Stream until :meth:`stop`; return the process exit code."""
@@ -289,7 +446,11 @@ class Relay:
             self._run_sessions()
         finally:
             if self._producer is not None:
-                self._producer.flush(SHUTDOWN_FLUSH_S)
+                try:
+                    self._producer.flush(SHUTDOWN_FLUSH_S)
+                except KafkaException as exc:
+                    self._events.raised(exc)
+                    log.warning("final flush failed: %s", exc)
             self._set_state(RelayState.STOPPED)
             if server:
                 server.stop()
@@ -297,24 +458,45 @@ class Relay:
         return 0
 
     def _run_sessions(self) -> None:
-        delay_s = RECONNECT_MIN_S
+        reconnect = Backoff(min_s=RECONNECT_MIN_S, max_s=RECONNECT_MAX_S, calm_s=RECONNECT_MAX_S)
         while not self._stop.is_set():
             self._set_state(RelayState.STARTING)
-            started = time.monotonic()
             try:
                 self._session()
             except SlotInUseError as exc:
                 self._standby(str(exc))
-                continue
+            except ProducerFatalError as exc:
+                self._rebuild_producer(str(exc))
             except (CdcError, psycopg.OperationalError) as exc:
                 if isinstance(exc, CdcError) and not exc.retriable:
                     raise
-                if time.monotonic() - started > RECONNECT_MAX_S:
-                    delay_s = RECONNECT_MIN_S
+                delay_s = reconnect.failed(time.monotonic())
                 log.warning("relay session ended: %s; reconnecting in %.1fs", exc, delay_s)
-                self._set_state(RelayState.RECONNECTING)
-                self._stop.wait(delay_s)
-                delay_s = min(delay_s * 2, RECONNECT_MAX_S)
+                self._set_state(RelayState.RECONNECTING, str(exc))
+                self._wait(delay_s)
+
+    def _rebuild_producer(self, reason: str) -> None:
+        """Purge, close and drop the producer; the next session builds a new one.
+
+        Called after a fatal error ended the session. The records the producer
+        held were never acknowledged, so the next session - which starts at
+        the slot's confirmed LSN - reads them again. The back-off comes first,
+        so rebuilds are never closer than :data:`REBUILD_MIN_S`.
+        """
+        self.metrics.producer_rebuilds.inc()
+        delay_s = self._rebuild_backoff.failed(time.monotonic())
+        self._set_state(RelayState.REBUILDING, reason)
+        log.error(
+            "%s: purging and closing the producer; a new one in %.1fs",
+            reason,
+            delay_s,
+            extra={"state": RelayState.REBUILDING.value},
+        )
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            discard_producer(producer)
+        self._wait(delay_s)
+        self._events.clear_fatal()
 
     def _standby(self, reason: str) -> None:
         if self._state is not RelayState.STANDBY:
@@ -323,6 +505,14 @@ class Relay:
         deadline = time.monotonic() + c.STANDBY_RETRY_S
         while not self._stop.is_set() and time.monotonic() < deadline:
             self.liveness.tick()
+            if self._producer is not None:  # (kept from an earlier session)
+                try:
+                    self._poll(0)  # librdkafka queues log lines and errors until served
+                except ProducerFatalError as exc:
+                    self._rebuild_producer(str(exc))
+                    return
+                except KafkaUnavailableError as exc:
+                    log.warning("standby: %s", exc)
             self._stop.wait(0.2)
 
     # -- one session -----------------------------------------------------------
@@ -335,13 +525,15 @@ class Relay:
             info = ensure_slot(conn, s.slot)
             self._utf8 = server_is_utf8(conn)
         self._topics.ensure([s.dlq_topic])
-        if self._producer is None:
-            self._producer = make_producer(s.kafka_bootstrap_servers, s.kafka_config)
         stream = ReplicationStream(
             s.pg_dsn.get_secret_value(), slot=s.slot, publication=s.publication
         )
         try:
-            stream.start(0)
+            stream.start(0)  # a standby stops here (SlotInUseError), without a producer
+            if self._producer is None:
+                self._producer = make_producer(
+                    s.kafka_bootstrap_servers, s.kafka_config, events=self._events
+                )
             sess = Session(
                 stream=stream,
                 tracker=LsnTracker(info.confirmed_flush_lsn),
@@ -354,18 +546,19 @@ class Relay:
             stream.close()
 
     def _stream_loop(self, sess: Session) -> None:
-        producer = self._producer
-        assert producer is not None
         next_status = 0.0
         while not self._stop.is_set():
             self.liveness.tick()
-            producer.poll(0)
+            self._poll(0)
             self._drain_dlq(sess)
             if sess.fatal is not None:
                 raise KafkaUnavailableError(f"producer error: {sess.fatal}")
-            if sess.tracker.in_flight >= self.settings.relay_max_in_flight:
+            if sess.held is not None:
+                self._set_state(RelayState.HELD, sess.held)
+                self._poll(c.BACKPRESSURE_POLL_S)
+            elif sess.tracker.in_flight >= self.settings.relay_max_in_flight:
                 self._set_state(RelayState.BACKPRESSURE)
-                producer.poll(c.BACKPRESSURE_POLL_S)
+                self._poll(c.BACKPRESSURE_POLL_S)
             else:
                 self._set_state(RelayState.STREAMING)
                 self._read_batch(sess)
@@ -415,11 +608,9 @@ class Relay:
 
     def _shutdown(self, sess: Session) -> None:
         self._set_state(RelayState.STOPPING)
-        producer = self._producer
-        assert producer is not None
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
         while time.monotonic() < deadline and (sess.tracker.in_flight or sess.pending_dlq):
-            producer.poll(0.05)
+            self._poll(0.05)
             self._drain_dlq(sess)
         self._send_status(sess)
         log.info(
@@ -531,7 +722,7 @@ class Relay:
         trace = values[i_trace] if i_trace >= 0 else None
         if trace:
             headers.append((c.HEADER_TRACEPARENT, trace))
-        if self.poison and event_id in self.poison:
+        if self.poison and event_id in self.poison:  # (C-level checks: the hot path)
             self._produce(
                 sess,
                 tx_id,
@@ -577,7 +768,7 @@ class Relay:
                 sess,
                 sess.tx_id,
                 sess.tx,
-                RouteError(f"outbox row is not valid UTF-8: {exc}", raw=b""),
+                RouteError(f"outbox row is not valid UTF-8: {exc}", code=DeadLetterCode.NOT_UTF8),
             )
             return
         except RouteError as exc:
@@ -618,6 +809,7 @@ class Relay:
                 tx,
                 RouteError(
                     "non-transactional outbox message (use pg_logical_emit_message(true, ...))",
+                    code=DeadLetterCode.NON_TRANSACTIONAL,
                     raw=bytes(msg.content),
                 ),
             )
@@ -633,16 +825,50 @@ class Relay:
         self._produce(sess, sess.tx_id, record)
 
     # -- Kafka -----------------------------------------------------------------
+    def _poll(self, timeout_s: float) -> None:
+        """Serve the producer's callbacks; a fatal error it raises ends the session
+        with :class:`ProducerFatalError` (the producer is then rebuilt)."""
+        producer = self._producer
+        assert producer is not None
+        try:
+            producer.poll(timeout_s)
+        except KafkaException as exc:
+            self._raise_kafka(exc, "producer poll failed")
+
+    def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
+        """End the session for ``exc``: ProducerFatalError when it is fatal."""
+        err = fatal_error(exc)
+        if err is None:
+            raise KafkaUnavailableError(f"{what}: {exc}") from exc
+        if not err.fatal():  # produce()'s "_FATAL": the error itself comes from the next poll
+            exc = self._underlying_fatal(exc)
+            err = fatal_error(exc) or err
+        self._events.raised(exc)
+        raise ProducerFatalError(f"producer fatal error {err.name()}: {err.str()}") from exc
+
+    def _underlying_fatal(self, exc: KafkaException) -> KafkaException:
+        """The fatal error behind a ``_FATAL`` from produce(), when poll() raises it."""
+        producer = self._producer
+        assert producer is not None
+        try:
+            producer.poll(0)
+        except KafkaException as raised:
+            err = fatal_error(raised)
+            if err is not None and err.fatal():
+                return raised
+        return exc
+
     def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
         """Hand ``record`` to Kafka (or to the dead-letter queue when it is known poison)."""
         event_id = record.event_id.encode()
-        reason = self.poison.get(event_id)
-        if reason is not None:
+        refused = self.poison.recall(event_id) if self.poison else None
+        if refused is not None:
             sess.tracker.add(tx_id)
             self._queue_dlq(
                 sess,
                 tx_id,
-                reason,
+                refused[0],
+                refused[1],
                 record.topic,
                 record.key,
                 record.value,
@@ -671,11 +897,13 @@ class Relay:
         timestamp_ms: int,
     ) -> None:
         """``produce`` of an added record raised: dead-letter a record Kafka refuses
-        for itself (e.g. too large); any other error ends the session."""
+        for itself (e.g. too large); any other error ends the session (a fatal one
+        with :class:`ProducerFatalError`)."""
         err = exc.args[0] if exc.args else None
         if not (isinstance(err, KafkaError) and is_record_error(err)):
-            raise KafkaUnavailableError(f"produce failed: {exc}") from exc
-        self._queue_dlq(sess, tx_id, err.str(), topic, key, value, headers, timestamp_ms)
+            self._raise_kafka(exc, "produce failed")
+        code = record_error_code(err)
+        self._queue_dlq(sess, tx_id, code, err.str(), topic, key, value, headers, timestamp_ms)
 
     def _send(
         self,
@@ -709,7 +937,7 @@ class Relay:
             except BufferError:
                 # Local queue full: Kafka is slow. Serve callbacks and keep the
                 # walsender happy while waiting for room.
-                producer.poll(c.BACKPRESSURE_POLL_S)
+                self._poll(c.BACKPRESSURE_POLL_S)
                 self._set_state(RelayState.BACKPRESSURE)
                 self.liveness.tick()
                 self._send_status(sess)
@@ -734,29 +962,37 @@ class Relay:
                 self.metrics.latency.observe(max(time.time() - ts_ms / 1000.0, 0.0))
             return
         self.metrics.kafka_errors.labels(err.name()).inc()
-        if is_record_error(err) and topic != self.settings.dlq_topic:
-            headers = [(c.HEADER_ID, event_id)]
-            self.poison[event_id] = err.str()
+        if is_record_error(err):
+            code = record_error_code(err)
+            self.poison.remember(event_id, code, err.str())
+            self.metrics.poison_ids.set(len(self.poison))
             self._queue_dlq(
                 sess,
                 tx_id,
+                code,
                 err.str(),
                 topic,
                 msg.key() or b"",
                 msg.value() or b"",
-                headers,
+                [(c.HEADER_ID, event_id)],
                 msg.timestamp()[1],
             )
             return
-        log.error("kafka delivery failed: %s", err)
+        if sess.fatal is None and err.code() not in PURGED:  # once a session: reports come in bulk
+            log.error(
+                "kafka delivery to %s failed: %s",
+                topic,
+                err,
+                extra={"topic": topic, "event_id": event_id.decode(errors="replace")},
+            )
         sess.fatal = err
 
     def _dead_letter_route(self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError) -> None:
-        log.warning("event %s dead-lettered: %s", exc.event_id or "?", exc.reason)
         sess.tracker.add(tx_id)
         self._queue_dlq(
             sess,
             tx_id,
+            exc.code,
             exc.reason,
             "",
             b"",
@@ -769,6 +1005,7 @@ class Relay:
         self,
         sess: Session,
         tx_id: int,
+        code: DeadLetterCode,
         reason: str,
         topic: str,
         key: bytes,
@@ -776,42 +1013,114 @@ class Relay:
         headers: list[tuple[str, bytes]],
         timestamp_ms: int,
     ) -> None:
+        """Queue the dead letter of a record whose add to ``tx_id`` it takes over."""
+        event_id = dict(headers).get(c.HEADER_ID, b"").decode(errors="replace")
+        cut = (
+            reason if len(reason) <= LOG_REASON_MAX_CHARS else reason[:LOG_REASON_MAX_CHARS] + "..."
+        )
+        log.warning(
+            "event %s -> %s (%s): %s",
+            event_id or "?",
+            self.settings.dlq_topic,
+            code.value,
+            cut,
+            extra={"event_id": event_id, "topic": topic, "lsn": lsn_to_str(tx_id)},
+        )
         sess.pending_dlq.append(
-            _PendingDlq(tx_id, reason, topic, key, value, headers, timestamp_ms)
+            _PendingDlq(tx_id, code, reason, topic, key, value, headers, timestamp_ms, event_id)
         )
 
     def _drain_dlq(self, sess: Session) -> None:
-        while sess.pending_dlq:
-            item = sess.pending_dlq.pop(0)
-            ids = dict(item.headers).get(c.HEADER_ID, b"").decode()
-            record = dead_letter(
-                reason=item.reason,
-                event_id=ids,
-                original_topic=item.topic,
-                key=item.key,
-                raw=item.value,
-                headers=item.headers,
-                tx=TxContext("", item.timestamp_ms * 1000),
-                dlq_topic=self.settings.dlq_topic,
-                max_value_bytes=DLQ_MAX_VALUE_BYTES,
-            )
-            self.metrics.dead_lettered.labels(item.reason[:60]).inc()
-            log.warning("event %s -> %s: %s", ids or "?", self.settings.dlq_topic, item.reason)
-            r = record
-            self._send(
-                sess,
-                item.tx_id,
-                r.topic,
-                r.value,
-                r.key,
-                r.headers,
-                r.timestamp_ms,
-                r.event_id.encode(),
-            )
+        """Hand the pending dead letters to Kafka, oldest first.
+
+        One that cannot be handed over stays first in line, unacknowledged (so
+        its transaction stays unconfirmed); the stream is HELD until a retry
+        after a back-off writes one. Kafka refusing it for its size makes it
+        minimal (see :data:`DLQ_MINIMAL_FIELD_BYTES`) and it is tried again at once.
+        """
+        pending = sess.pending_dlq
+        if not pending or time.monotonic() < sess.dlq_retry_at:
+            return
+        producer = self._producer
+        assert producer is not None
+        while pending:
+            item = pending[0]
+            r = self._dlq_record(item)
+            callback = partial(self._on_dlq_delivery, sess, item)
+            headers: Any = r.headers  # (list is invariant; the stubs want str | bytes | None)
+            try:
+                producer.produce(
+                    r.topic, r.value, r.key, -1, callback, None, r.timestamp_ms, headers
+                )
+            except BufferError:
+                self._dlq_failed(sess, item, "the producer's local queue is full")
+                return
+            except KafkaException as exc:
+                if fatal_error(exc) is not None:
+                    self._raise_kafka(exc, "dead-letter produce failed")
+                err = exc.args[0] if exc.args else None
+                if isinstance(err, KafkaError) and is_record_error(err) and not item.minimal:
+                    item.minimal = True
+                    continue
+                self._dlq_failed(sess, item, str(err.str() if isinstance(err, KafkaError) else exc))
+                return
+            pending.popleft()
+
+    def _dlq_record(self, item: _PendingDlq) -> KafkaRecord:
+        return dead_letter(
+            reason=item.reason,
+            event_id=item.event_id,
+            original_topic=item.topic,
+            key=item.key,
+            raw=item.value,
+            headers=item.headers,
+            tx=TxContext("", item.timestamp_ms * 1000),
+            dlq_topic=self.settings.dlq_topic,
+            max_value_bytes=0 if item.minimal else DLQ_MAX_VALUE_BYTES,
+            max_field_bytes=DLQ_MINIMAL_FIELD_BYTES if item.minimal else None,
+        )
+
+    def _dlq_failed(self, sess: Session, item: _PendingDlq, cause: str) -> None:
+        """A dead letter could not be written: hold the stream, retry after a back-off."""
+        now = time.monotonic()
+        delay_s = sess.dlq_backoff.failed(now)
+        sess.dlq_retry_at = now + delay_s
+        sess.held = f"dead letter to {self.settings.dlq_topic} not written: {cause}"
+        self.metrics.dead_letter_retries.inc()
+        log.warning(
+            "event %s: %s; retrying in %.1fs",
+            item.event_id or "?",
+            sess.held,
+            delay_s,
+            extra={"event_id": item.event_id, "topic": self.settings.dlq_topic},
+        )
+
+    def _on_dlq_delivery(
+        self, sess: Session, item: _PendingDlq, err: KafkaError | None, msg: Message
+    ) -> None:
+        """Delivery report of a dead letter: ack its record, or put it back in line."""
+        if err is None:
+            sess.tracker.ack(item.tx_id)
+            self.metrics.dead_lettered.labels(item.code.value).inc()
+            if sess.held is not None:
+                log.info("dead letters are written again", extra={"topic": msg.topic()})
+                sess.held = None
+            sess.dlq_backoff.reset()
+            sess.dlq_retry_at = 0.0
+            return
+        self.metrics.kafka_errors.labels(err.name()).inc()
+        if err.code() in PURGED:  # the producer is being discarded: so is the session
+            return
+        sess.pending_dlq.appendleft(item)
+        if is_record_error(err) and not item.minimal:
+            item.minimal = True
+            return
+        self._dlq_failed(sess, item, f"{err.name()}: {err.str()}")
 
     # -- monitor thread ----------------------------------------------------------
     def _monitor(self) -> None:
-        """Slot lag gauge and optional heartbeat, on a connection of its own."""
+        """Slot lag gauge and optional heartbeat, on a connection of its own; serves
+        the admin client's log lines and errors (queued until served)."""
         s = self.settings
         last_beat = 0.0
         while not self._stop.wait(
@@ -819,6 +1128,7 @@ class Relay:
             if s.heartbeat_interval_s <= 0
             else min(MONITOR_INTERVAL_S, s.heartbeat_interval_s)
         ):
+            self._topics.serve()
             try:
                 with psycopg.connect(
                     s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=5

@@ -11,11 +11,14 @@ Pure. The record is the contract any topic consumer relies on (DESIGN.md):
 
 An event that cannot become a record (a missing field, a payload that is not
 JSON, a topic name Kafka would refuse) raises :class:`RouteError` with the
-reason; the relay dead-letters it, it is never dropped.
+reason and one :class:`DeadLetterCode`; the relay dead-letters it, it is never
+dropped. The code (a fixed set) labels metrics; the reason text, which may
+quote the event's own values, goes only into the dead-letter record and the log.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,12 +44,33 @@ def _valid_topic(topic: str) -> bool:
     return True
 
 
-class RouteError(CdcError):
-    """The event cannot be turned into a Kafka record; ``reason`` says why."""
+class DeadLetterCode(enum.StrEnum):
+    """Why an event went to the dead-letter topic, as a fixed set (a metric label)."""
 
-    def __init__(self, reason: str, *, event_id: str = "", raw: bytes = b"") -> None:
+    MISSING_FIELD = "missing_field"  # a required outbox column or message field is empty
+    NOT_JSON = "not_json"  # the payload (or the logical message) is not JSON / not an object
+    INVALID_TOPIC = "invalid_topic"  # the aggregatetype makes a topic name Kafka refuses
+    NOT_UTF8 = "not_utf8"  # a text value is not valid UTF-8
+    NON_TRANSACTIONAL = "non_transactional"  # an outbox message emitted outside a transaction
+    TOO_LARGE = "too_large"  # Kafka: the record (or its batch) is larger than allowed
+    INVALID_RECORD = "invalid_record"  # Kafka: the record is invalid (format, CRC, timestamp)
+    OTHER = "other"  # anything not listed above
+
+
+class RouteError(CdcError):
+    """The event cannot be turned into a Kafka record; ``reason`` says why, ``code`` sorts it."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        code: DeadLetterCode = DeadLetterCode.OTHER,
+        event_id: str = "",
+        raw: bytes = b"",
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.code = code
         self.event_id = event_id
         self.raw = raw
 
@@ -136,6 +160,7 @@ def route_fields(
         missing = [name for name, v in zip(_REQUIRED, fields, strict=True) if not v]
         raise RouteError(
             f"outbox row lacks {', '.join(missing)}",
+            code=DeadLetterCode.MISSING_FIELD,
             event_id=event_id or "",
             raw=orjson.dumps(dict(zip(ROUTED_COLUMNS, (*fields, traceparent), strict=True))),
         )
@@ -143,7 +168,10 @@ def route_fields(
         value = orjson.dumps(orjson.loads(payload))
     except orjson.JSONDecodeError as exc:
         raise RouteError(
-            f"payload is not JSON: {exc}", event_id=event_id, raw=payload.encode()
+            f"payload is not JSON: {exc}",
+            code=DeadLetterCode.NOT_JSON,
+            event_id=event_id,
+            raw=payload.encode(),
         ) from exc
     return _record(
         event_id, aggregate_type, aggregate_id, event_type, value, traceparent, tx, topic_prefix
@@ -153,6 +181,7 @@ def route_fields(
 def _invalid_topic(aggregate_type: str, topic: str, event_id: str, raw: bytes) -> RouteError:
     return RouteError(
         f"aggregatetype {aggregate_type!r} makes an invalid topic name {topic!r}",
+        code=DeadLetterCode.INVALID_TOPIC,
         event_id=event_id,
         raw=raw,
     )
@@ -163,14 +192,21 @@ def route_message(content: bytes, tx: TxContext, *, topic_prefix: str) -> KafkaR
     try:
         doc = orjson.loads(content)
     except orjson.JSONDecodeError as exc:
-        raise RouteError(f"outbox message is not JSON: {exc}", raw=content) from exc
+        raise RouteError(
+            f"outbox message is not JSON: {exc}", code=DeadLetterCode.NOT_JSON, raw=content
+        ) from exc
     if not isinstance(doc, dict):
-        raise RouteError("outbox message is not a JSON object", raw=content)
+        raise RouteError(
+            "outbox message is not a JSON object", code=DeadLetterCode.NOT_JSON, raw=content
+        )
     event_id = str(doc.get("id") or "")
     missing = [name for name in _REQUIRED if doc.get(name) in (None, "")]
     if missing:
         raise RouteError(
-            f"outbox message lacks {', '.join(missing)}", event_id=event_id, raw=content
+            f"outbox message lacks {', '.join(missing)}",
+            code=DeadLetterCode.MISSING_FIELD,
+            event_id=event_id,
+            raw=content,
         )
     trace = doc.get("tracingspancontext")
     return _record(
@@ -220,27 +256,36 @@ def dead_letter(
     tx: TxContext,
     dlq_topic: str,
     max_value_bytes: int,
+    max_field_bytes: int | None = None,
 ) -> KafkaRecord:
     """The dead-letter record of an event: reason and origin in headers.
 
     The value is the original bytes when they fit under ``max_value_bytes``,
     else a JSON note with the original size and a prefix (the full row is still
     in the outbox table until pruned, found by the ``id`` header).
+
+    ``max_field_bytes`` makes the minimal form, for a dead letter Kafka refused
+    for its own size: the key and every header value cut to that many bytes, the
+    value always the note (which then also gives the original key size).
     """
     if len(raw) <= max_value_bytes:
         value = raw
     else:
-        value = orjson.dumps(
-            {
-                "truncated": True,
-                "original_size": len(raw),
-                "prefix": raw[:1024].decode("utf-8", "replace"),
-            }
-        )
+        note: dict[str, object] = {
+            "truncated": True,
+            "original_size": len(raw),
+            "prefix": raw[:1024].decode("utf-8", "replace"),
+        }
+        if max_field_bytes is not None:
+            note["original_key_size"] = len(key)
+        value = orjson.dumps(note)
     kept = [(k, v) for k, v in headers if k not in (c.HEADER_DLQ_REASON, c.HEADER_DLQ_TOPIC)]
     if not any(k == c.HEADER_ID for k, _ in kept):
         kept.append((c.HEADER_ID, event_id.encode()))
     kept += [(c.HEADER_DLQ_REASON, reason.encode()), (c.HEADER_DLQ_TOPIC, original_topic.encode())]
+    if max_field_bytes is not None:
+        key = key[:max_field_bytes]
+        kept = [(k, v[:max_field_bytes]) for k, v in kept]
     return KafkaRecord(
         topic=dlq_topic,
         key=key,

@@ -7,6 +7,7 @@ externally provided services they fail in CI and skip elsewhere.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -32,6 +33,7 @@ from tests.harness import (
     wait_for_ready,
     wait_until,
 )
+from tests.integration.test_relay_errors import metric, readyz
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -135,16 +137,19 @@ def short_wal_sender_timeout(db_dsn: str) -> Iterator[None]:
 def test_kafka_outage_longer_than_wal_sender_timeout_loses_nothing_and_never_confirms_early(
     cfg: RelayConfig, tmp_path: Path, short_wal_sender_timeout: None, record_property: object
 ) -> None:
+    """While Kafka is away the confirmed LSN never reaches a transaction Kafka
+    has not acknowledged: it stays at or below the commit LSN (``lsn`` header)
+    of the first transaction committed after the kill. (It may pass the WAL
+    position of the kill: an idle relay confirms a keepalive's position, which
+    can lie among the inserts of a transaction whose commit the server has not
+    decoded yet - safe, as the server sends again every transaction whose
+    commit lies at or past the confirmed LSN.)"""
     relay, port = start_relay(cfg, tmp_path)
     try:
         _bulk(cfg.db_dsn, "outage", 2_000)
         wait_until(lambda: _relayed(port) >= 2_000, 60, "first events relayed")
         stack("kill", "kafka")
         try:
-            with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
-                boundary = str_to_lsn(
-                    conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0]
-                )
             samples = []
             deadline = time.monotonic() + 15  # three times wal_sender_timeout
             seq = 2_000
@@ -154,12 +159,19 @@ def test_kafka_outage_longer_than_wal_sender_timeout_loses_nothing_and_never_con
                 samples.append(slot_confirmed_lsn(cfg.db_dsn, cfg.slot))
                 time.sleep(0.5)
             assert relay.alive(), f"relay died during the outage:\n{relay.log_tail()}"
-            assert max(samples) <= boundary, (
-                "confirmed_flush_lsn passed events Kafka never acknowledged"
-            )
         finally:
             stack("up", "kafka")
-        _assert_all_arrived(cfg, "outage", _expected_ids(cfg.db_dsn, "outage"), record_property)
+        expected = _expected_ids(cfg.db_dsn, "outage")
+        _assert_all_arrived(cfg, "outage", expected, record_property)
+        msgs = read_topics(cfg.kafka, [cfg.topic_prefix + "outage"], expect=len(expected))
+        first_commit = min(
+            str_to_lsn(headers_of(m)["lsn"].decode())
+            for m in msgs
+            if json.loads(m.value())["seq"] >= 2_000
+        )
+        assert max(samples) <= first_commit, (
+            "confirmed_flush_lsn passed events Kafka never acknowledged"
+        )
         assert relay.alive()
         log = relay.log_path.read_text()
         assert log.count("relay session ended") <= 3, "reconnect storm during the outage"
@@ -211,3 +223,49 @@ def test_standby_takes_over_when_the_active_relay_is_killed(
         active.close()
         if standby is not None:
             standby.close()
+
+
+def test_a_dead_letter_produce_raising_buffer_error_holds_backs_off_and_retries(
+    cfg: RelayConfig, tmp_path: Path, record_property: object
+) -> None:
+    """Kafka away and the producer's local queue full (5 records): produce()
+    raises BufferError for the dead letter of a malformed event. Before, the
+    relay spun inside the dead letter's produce; now it holds (not reading WAL,
+    /readyz naming the cause), retries after a growing back-off, and writes it
+    when Kafka is back. Nothing is lost, nothing exits."""
+    cfg.extra.update({"KAFKA_CONFIG_QUEUE_BUFFERING_MAX_MESSAGES": "5", "CDC_MAX_IN_FLIGHT": "50"})
+    relay, port = start_relay(cfg, tmp_path)
+    try:
+        _bulk(cfg.db_dsn, "qfull", 5, per_tx=5)
+        wait_until(lambda: _relayed(port) >= 5, 60, "the topic to exist")
+        stack("kill", "kafka")
+        try:
+            _bulk(cfg.db_dsn, "qfull", 5, per_tx=5, start=5)
+            with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
+                conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json')")
+            _bulk(cfg.db_dsn, "qfull", 5, per_tx=5, start=10)
+            cause = f"held: dead letter to {cfg.dlq_topic} not written: the producer's local"
+
+            def held() -> bool:
+                status, body = readyz(port)
+                return status == 503 and body.startswith(cause)
+
+            wait_until(held, 60, "/readyz to name the held dead letter")
+            wait_until(
+                lambda: metric(port, "outbox_relay_dead_letter_retries_total") >= 3,
+                60,
+                "three failed attempts",
+            )
+            assert relay.alive(), relay.log_tail()
+            log = relay.log_path.read_text()
+            delays = [float(d) for d in re.findall(r"local queue is full; retrying in (\S+)s", log)]
+            assert delays[:3] == [0.5, 1.0, 2.0], "the back-off grows"
+        finally:
+            stack("up", "kafka")
+        wait_for_ready(relay, port, timeout_s=120)
+        dead = read_topics(cfg.kafka, [cfg.dlq_topic], expect=1)
+        assert [m.value() for m in dead] == [b"not json"]
+        _assert_all_arrived(cfg, "qfull", _expected_ids(cfg.db_dsn, "qfull"), record_property)
+        assert relay.alive()
+    finally:
+        relay.close()

@@ -7,9 +7,9 @@ import json
 import logging
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 
-from cdc.kafkalog import REPEAT_LOG_S, KafkaClientEvents
+from cdc.kafkalog import REPEAT_LOG_S, KafkaClientEvents, fatal_error
 from cdc.logs import JsonFormatter
 
 
@@ -51,6 +51,47 @@ def test_a_fatal_error_is_kept_reported_once_and_cleared_by_the_owner() -> None:
     assert events.fatal == "producer fenced"
     assert fatals == ["producer fenced"]
     events.clear_fatal()
+    assert events.fatal is None
+
+
+def test_a_fatal_error_raised_by_a_client_call_is_routed_like_an_error_cb_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """confluent-kafka raises a fatal error from poll()/flush() instead of
+    calling error_cb; produce() raises _FATAL (not flagged fatal) afterwards."""
+    counted: list[str] = []
+    fatals: list[str] = []
+    events = KafkaClientEvents("producer", count=counted.append, on_fatal=fatals.append)
+    raised = KafkaException(KafkaError(KafkaError._GAPLESS_GUARANTEE, "gap", fatal=True))
+    with caplog.at_level(logging.ERROR, logger="cdc.kafkalog"):
+        assert events.raised(raised)
+        assert events.raised(KafkaException(KafkaError(KafkaError._FATAL)))
+    assert counted == ["_GAPLESS_GUARANTEE", "_FATAL"]
+    assert events.fatal == "gap"
+    assert fatals == ["gap"]
+    lines = [r for r in caplog.records if r.name == "cdc.kafkalog"]
+    assert len(lines) == 2  # a different code each
+    assert lines[0].fatal is True  # type: ignore[attr-defined]
+    assert lines[0].kafka_error == "_GAPLESS_GUARANTEE"  # type: ignore[attr-defined]
+
+
+def test_a_dead_client_repeating_its_fatal_error_is_logged_once_per_period(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    events = KafkaClientEvents("producer")
+    dead = KafkaException(KafkaError(KafkaError._FATAL))
+    with caplog.at_level(logging.ERROR, logger="cdc.kafkalog"):
+        for _ in range(100):
+            events.raised(dead)
+    assert len([r for r in caplog.records if r.name == "cdc.kafkalog"]) == 1
+
+
+def test_exceptions_without_a_fatal_error_are_left_alone() -> None:
+    events = KafkaClientEvents("producer")
+    assert not events.raised(KafkaException(KafkaError(KafkaError._TRANSPORT)))
+    assert not events.raised(BufferError("Local: Queue full"))
+    assert not events.raised(KafkaException("no KafkaError inside"))
+    assert fatal_error(RuntimeError()) is None
     assert events.fatal is None
 
 

@@ -4,7 +4,12 @@ Examples pin the contract; a hypothesis state machine drives random
 interleavings of open/add/ack/close/observe_wal_end, shaped like a real
 replication stream (one transaction decoded at a time, ids and end LSNs
 increasing, keepalive positions never ahead of an undecoded commit), and checks
-the tracker against a brute-force reference after every step.
+the tracker against a brute-force reference after every step. It also ends
+sessions the way the relay does after a producer fatal error or a reconnect:
+records in flight are purged (never acknowledged), a new tracker starts at the
+confirmed LSN and the server sends every unconfirmed transaction again; across
+sessions, no transaction is ever confirmed before all its records were
+acknowledged in one session (duplicates, never loss).
 """
 
 from __future__ import annotations
@@ -242,6 +247,12 @@ class TrackerMachine(RuleBasedStateMachine):
         self.max_wal_end = 0
         self.expected = 0
         self.previous = 0
+        #: every commit the server has sent, over all sessions: tx_id -> end LSN
+        self.committed: dict[int, int] = {}
+        #: transactions whose records were all acknowledged within one session
+        self.delivered: set[int] = set()
+        #: (tx_id, end LSN) the server sends again after a session restart, in order
+        self.resend: list[tuple[int, int]] = []
 
     @initialize(start=st.integers(min_value=0, max_value=2**40))
     def start(self, start: int) -> None:
@@ -255,7 +266,9 @@ class TrackerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.open_tx() is None)
     @rule(gap=st.integers(min_value=0, max_value=1000))
     def begin(self, gap: int) -> None:
-        tx = ModelTx(self.position + gap)  # the commit record lies at or after the position
+        # After a restart the server sends the unconfirmed ones first; otherwise the
+        # commit lies at or after the position.
+        tx = ModelTx(self.resend[0][0] if self.resend else self.position + gap)
         self.txs.append(tx)
         self.tracker.open(tx.tx_id)
 
@@ -274,28 +287,56 @@ class TrackerMachine(RuleBasedStateMachine):
     def commit(self, record_size: int) -> None:
         tx = self.open_tx()
         assert tx is not None
-        tx.end_lsn = tx.tx_id + record_size
-        self.position = tx.end_lsn
+        if self.resend and self.resend[0][0] == tx.tx_id:
+            tx.end_lsn = self.resend.pop(0)[1]
+        else:
+            tx.end_lsn = tx.tx_id + record_size
+        self.committed[tx.tx_id] = tx.end_lsn
+        self.position = max(self.position, tx.end_lsn)
         self.tracker.close(tx.tx_id, tx.end_lsn)
+        self._note_delivered(tx)
+
+    def _note_delivered(self, tx: ModelTx) -> None:
+        if tx.done:
+            self.delivered.add(tx.tx_id)
+
+    @rule()
+    def session_restarts(self) -> None:
+        """The relay's session ends (producer fatal error, reconnect): the records
+        in flight are purged - never acknowledged - and the new session's tracker
+        starts at the LSN confirmed so far; the server sends again, with the same
+        ids and end LSNs, every transaction it committed past that LSN (and the
+        one it was sending)."""
+        confirmed = self.tracker.confirmable
+        self.resend = sorted(
+            (tx_id, end) for tx_id, end in self.committed.items() if end > confirmed
+        )
+        self.tracker = LsnTracker(confirmed)
+        self.txs = []
+        self.unacked = []
+        self.position = self.max_wal_end = self.expected = self.previous = confirmed
 
     @precondition(lambda self: bool(self.unacked))
     @rule(data=st.data())
     def kafka_acks_any_record(self, data: st.DataObject) -> None:
         index = data.draw(st.integers(min_value=0, max_value=len(self.unacked) - 1))
-        tx = self.unacked.pop(index)
-        tx.acked += 1
-        assert self.tracker.ack(tx.tx_id) == tx.added - tx.acked
+        self.kafka_acks_any_record_at(index)
 
     @rule(data=st.data())
     def server_reports_wal_end(self, data: st.DataObject) -> None:
         tx = self.open_tx()
         # While a transaction is being sent, the server has not passed its commit
-        # record; between transactions it may be anywhere ahead. 0 stands for the
-        # position-less Relation frames.
-        ceiling = tx.tx_id if tx is not None else self.position + 1000
+        # record; between transactions it may be anywhere ahead (but not past one
+        # it is about to send again). 0 stands for the position-less Relation frames.
+        if tx is not None:
+            ceiling = tx.tx_id
+        elif self.resend:
+            ceiling = self.resend[0][0]
+        else:
+            ceiling = self.position + 1000
         near = st.integers(min_value=max(0, ceiling - 2000), max_value=ceiling)
         lsn = data.draw(st.one_of(st.just(0), near))
-        if tx is None:
+        if tx is None and not self.resend:
             self.position = max(self.position, lsn)
         self.max_wal_end = max(self.max_wal_end, lsn)
         self.tracker.observe_wal_end(lsn)
@@ -315,6 +356,7 @@ class TrackerMachine(RuleBasedStateMachine):
         tx = self.unacked.pop(index)
         tx.acked += 1
         assert self.tracker.ack(tx.tx_id) == tx.added - tx.acked
+        self._note_delivered(tx)
 
     def reference(self) -> int:
         """Brute force: the end of the longest DONE prefix, or wal_end once all is DONE."""
@@ -343,6 +385,12 @@ class TrackerMachine(RuleBasedStateMachine):
                 assert self.tracker.confirmable <= tx.tx_id
                 if tx.end_lsn is not None:
                     assert self.tracker.confirmable < tx.end_lsn
+
+    @invariant()
+    def no_transaction_is_confirmed_before_it_was_delivered_in_some_session(self) -> None:
+        for tx_id, end in self.committed.items():
+            if end <= self.tracker.confirmable:
+                assert tx_id in self.delivered, f"transaction {tx_id} confirmed, never delivered"
 
     @invariant()
     def counters_match_the_model(self) -> None:

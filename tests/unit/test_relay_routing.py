@@ -22,7 +22,7 @@ from confluent_kafka import KafkaError, Producer
 from cdc import relay as relay_mod
 from cdc.lsn import LsnTracker
 from cdc.relay import Relay, Session
-from cdc.router import TxContext, route_fields
+from cdc.router import DeadLetterCode, TxContext, route_fields
 from cdc.settings import Settings
 
 OID = 16_400
@@ -87,12 +87,20 @@ class Produced:
     callback: Any
 
 
-class _Msg:
+class DeliveredMsg:
+    """What a delivery callback reads of a record."""
+
     def __init__(self, produced: Produced) -> None:
         self._p = produced
 
     def topic(self) -> str:
         return self._p.topic
+
+    def key(self) -> bytes:
+        return self._p.key
+
+    def value(self) -> bytes:
+        return self._p.value
 
     def timestamp(self) -> tuple[int, int]:
         return (1, self._p.timestamp)
@@ -127,7 +135,7 @@ class RecordingProducer:
     def poll(self, timeout: float = 0) -> int:
         pending, self.pending = self.pending, []
         for produced in pending:
-            produced.callback(None, _Msg(produced))
+            produced.callback(None, DeliveredMsg(produced))
         return len(pending)
 
 
@@ -292,7 +300,9 @@ def test_a_known_poison_event_goes_to_the_dead_letter_queue(relay: Relay) -> Non
     relay._on_change(sess, relation())
     run_tx(relay, sess, [row()], final_lsn=0x5000)  # warms the topic cache
     poison_id = "7c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c"
-    relay.poison[poison_id.encode()] = "Broker: Message size too large"
+    relay.poison.remember(
+        poison_id.encode(), DeadLetterCode.TOO_LARGE, "Broker: Message size too large"
+    )
     run_tx(relay, sess, [row(event_id=poison_id)], final_lsn=0x6000)
 
     assert len(producer_of(relay).produced) == 1
