@@ -7,7 +7,8 @@ Guarantees:
   bounded local queue and the relay stops reading WAL (back-pressure);
 * topics are created explicitly (configured partitions and replication
   factor) before the first record is produced to them, never by broker
-  auto-creation;
+  auto-creation, and :meth:`TopicManager.ensure` returns only once every
+  partition's leader serves it (see "New topics" below);
 * :func:`is_record_error` tells a record Kafka refuses for itself (too large,
   invalid) — dead-lettered — from trouble of the cluster, which is retried;
 * librdkafka's errors and log lines reach the process's logging and metrics
@@ -29,6 +30,18 @@ an isolated commit waits at most 5 ms; ``compression.type=lz4`` is cheap on
 CPU and halves JSON; ``message.max.bytes=1000000`` stays under the broker's
 default ``max.message.bytes`` (1 MiB) so an oversize record is refused locally
 and dead-lettered instead of poisoning an idempotent batch.
+
+New topics: CreateTopics returns when the controller has committed the topic,
+and the broker publishes it in its metadata (leader and epoch included) before
+its replica manager has created the partition's log. A Produce in that window
+gets ``NOT_LEADER_OR_FOLLOWER``. If the idempotent producer already has the
+next batch of that partition in flight, the broker appends that batch (a
+producer it has no state for may start at any sequence) and librdkafka then
+counts the failed first batch as delivered ("implicitly acked by subsequent
+batch success"): the first records of the partition are lost with a success
+report. Waiting for leaders in metadata does not close the window; ListOffsets
+is answered by the same replica manager as Produce, so ``ensure`` waits until
+it succeeds for every partition.
 """
 
 from __future__ import annotations
@@ -38,8 +51,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import OffsetSpec as _OffsetSpec  # type: ignore[attr-defined]
 from confluent_kafka.cimpl import NewTopic
 
 from cdc.errors import KafkaUnavailableError
@@ -76,6 +90,14 @@ RECORD_ERRORS: Mapping[int, DeadLetterCode] = {
 PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 #: How long :func:`discard_producer` serves the purged records' reports.
 DISCARD_DRAIN_S = 5.0
+
+#: How often ``TopicManager.ensure`` asks again whether a topic's leaders serve
+#: it: a new partition is served within tens of milliseconds of its creation
+#: (longer on a loaded broker), and the whole wait is bounded by ``timeout_s``.
+TOPIC_SERVED_POLL_S = 0.05
+#: ListOffsets "latest": a leader answers it only for a partition it serves
+#: (confluent-kafka's stubs leave offset specs untyped).
+_LATEST: Any = _OffsetSpec.latest()  # type: ignore[no-untyped-call]
 
 
 def is_record_error(err: KafkaError) -> bool:
@@ -167,7 +189,9 @@ class TopicManager:
             log.warning("admin client: %s", exc)
 
     def ensure(self, topics: Iterable[str]) -> None:
-        """Make sure every topic exists; raise KafkaUnavailableError when Kafka does not answer."""
+        """Make sure every topic exists and every partition's leader serves it (records
+        produced right after this call cannot race the broker's creation of a partition);
+        raise KafkaUnavailableError when Kafka does not get there within ``timeout_s``."""
         self.serve()
         wanted = [t for t in topics if t not in self.known]
         if not wanted:
@@ -179,7 +203,56 @@ class TopicManager:
         missing = [t for t in wanted if t not in existing]
         if missing:
             self._create(missing)
+        self._await_served(wanted)
         self.known.update(wanted)
+
+    def _await_served(self, topics: list[str]) -> None:
+        """Return once every partition of ``topics`` answers ListOffsets at its leader."""
+        started = time.monotonic()
+        deadline = started + self._timeout_s
+        pending = set(topics)
+        while True:
+            pending = self._unserved(pending, max(deadline - time.monotonic(), 0.001))
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                raise KafkaUnavailableError(
+                    f"topics {', '.join(sorted(pending))}: a partition has no serving"
+                    f" leader after {self._timeout_s:g}s"
+                )
+            time.sleep(TOPIC_SERVED_POLL_S)
+        waited_ms = (time.monotonic() - started) * 1000
+        for topic in topics:
+            log.info(
+                "topic %s served by its leaders (waited %.0f ms)",
+                topic,
+                waited_ms,
+                extra={"topic": topic, "state": "served"},
+            )
+
+    def _unserved(self, topics: set[str], timeout_s: float) -> set[str]:
+        """The topics of ``topics`` with a partition its leader does not serve yet."""
+        try:
+            meta = self._admin.list_topics(timeout=timeout_s).topics
+        except KafkaException as exc:
+            raise KafkaUnavailableError(f"cannot list topics: {exc}") from exc
+        unserved: set[str] = set()
+        specs: dict[TopicPartition, Any] = {}
+        for topic in topics:
+            tmeta = meta.get(topic)
+            if tmeta is None or tmeta.error is not None or not tmeta.partitions:
+                unserved.add(topic)  # not in this broker's metadata yet
+                continue
+            for partition in tmeta.partitions:
+                specs[TopicPartition(topic, partition)] = _LATEST
+        if not specs:
+            return unserved
+        for tp, future in self._admin.list_offsets(specs, request_timeout=timeout_s).items():
+            try:
+                future.result()
+            except KafkaException:  # NOT_LEADER_OR_FOLLOWER while the log is being created
+                unserved.add(tp.topic)
+        return unserved
 
     def _create(self, topics: list[str]) -> None:
         new = [
