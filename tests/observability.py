@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,3 +72,23 @@ def readme_section(heading: str) -> str:
     rest = text[start + len(heading) :]
     end = re.search(r"^#{2,3} ", rest, re.MULTILINE)
     return rest[: end.start()] if end else rest
+
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def promtool() -> str:
+    """promtool's path (compose/prometheus/promtool.sh fetches it when missing);
+    fails under CI, skips elsewhere, when it cannot be had."""
+    proc = subprocess.run(
+        ["bash", str(ROOT / "compose" / "prometheus" / "promtool.sh"), "path"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if proc.returncode != 0:
+        if IN_CI:
+            pytest.fail(f"promtool unavailable in CI: {proc.stderr[-2000:]}", pytrace=False)
+        pytest.skip(f"promtool unavailable: {proc.stderr[-500:]}")
+    return proc.stdout.strip()

@@ -204,7 +204,7 @@ def paced(rate_per_s: float, duration_s: float, pace: Pace) -> Iterator[int]:
             pace.max_behind_s = max(pace.max_behind_s, -delay_s)
         yield i
         pace.events = i + 1
-    pace.elapsed_s = time.monotonic() - start
+        pace.elapsed_s = time.monotonic() - start  # also right for a writer stopped early
 
 
 # -- slots -----------------------------------------------------------------------

@@ -8,8 +8,11 @@ PostgreSQL and Kafka, delivering to the engine stub over HTTP. It commits
 * an event it rejects three times, then accepts on a retry of its parked row,
 * an event Kafka cannot take (an invalid topic name: dead-lettered),
 
-then stops the engine (connections refused), commits more events and scrapes
-both processes' ``/metrics`` while the circuit is open, before the engine comes back.
+then stops the engine (connections refused) for two minutes, commits more
+events and scrapes both processes' ``/metrics`` while the circuit is open; the
+sink's alert gauges are recorded every 15 s (Prometheus' scrape interval)
+through the whole outage, and promtool evaluates the shipped alert rules on
+that recorded series.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -60,7 +64,7 @@ from tests.harness import (
     start_sink,
     wait_until,
 )
-from tests.observability import referenced_metrics
+from tests.observability import promtool, referenced_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -68,6 +72,14 @@ API_KEY = "obs-key"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 #: Gauges the engine outage must drive above zero: the sink's alerts read them.
 MOVES_IN_OUTAGE = ("outbox_sink_circuit_open", "outbox_sink_oldest_unprocessed_age_seconds")
+#: The engine outage the alerts must see: two minutes, sampled like Prometheus
+#: scrapes (compose/prometheus/prometheus.yml: every 15 s).
+OUTAGE_S = 120
+SCRAPE_INTERVAL_S = 15
+#: The sink's alerts, as promtool's ALERTS series shows them while they fire.
+ALERTS_FIRING = (
+    'ALERTS{alertstate="firing",alertname=~"OutboxSinkCircuitOpen|OutboxOldestEventTooOld"}'
+)
 
 
 @dataclass(repr=False)  # its configs hold the test database's DSN (a password)
@@ -85,6 +97,8 @@ class Pipeline:
     outage: list[str]
     outage_trace: EventTrace | None = None
     scrapes: dict[str, str] = field(default_factory=dict)
+    #: gauge name -> its value at each 15 s tick of the outage (the first at its start)
+    recorded: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _user_event(user: str, *, traceparent: str | None = None) -> OutboxEvent:
@@ -221,9 +235,27 @@ def _steady_state(
     return p
 
 
+def _record(sink_port: int, into: dict[str, list[float]], ticks: int) -> None:
+    """The sink's alert gauges every SCRAPE_INTERVAL_S, ``ticks`` times, from now."""
+    started = time.monotonic()
+    for tick in range(ticks):
+        time.sleep(max(0.0, started + tick * SCRAPE_INTERVAL_S - time.monotonic()))
+        samples = _samples(_scrape(sink_port))
+        for name in MOVES_IN_OUTAGE:
+            values = [v for n, _, v in samples.get(name, []) if n == name]
+            into.setdefault(name, []).append(values[0] if values else 0.0)
+
+
 def _outage(p: Pipeline, *, relay_port: int, sink_port: int) -> None:
-    """Engine refuses connections; events pile up; both processes are scraped meanwhile."""
-    p.stub.add_faults({"refuse_connections_s": 120})
+    """Engine refuses connections for two minutes; events pile up; both processes are
+    scraped meanwhile, and the sink's alert gauges recorded through the whole outage."""
+    p.stub.add_faults({"refuse_connections_s": OUTAGE_S + 2 * SCRAPE_INTERVAL_S})
+    recorder = threading.Thread(
+        target=_record,
+        args=(sink_port, p.recorded, OUTAGE_S // SCRAPE_INTERVAL_S + 1),
+        daemon=True,
+    )
+    recorder.start()
     try:
         p.outage = _commit(p.relay_cfg.db_dsn, _user_event(str(uuid.uuid4())))
         wait_until(lambda: _gauge(sink_port, "outbox_sink_circuit_open") == 1, 60, "circuit open")
@@ -239,6 +271,7 @@ def _outage(p: Pipeline, *, relay_port: int, sink_port: int) -> None:
         )
         p.scrapes = {"relay": _scrape(relay_port), "sink": _scrape(sink_port)}
         p.outage_trace = trace_event(p.settings, p.outage[0])
+        recorder.join(OUTAGE_S + 4 * SCRAPE_INTERVAL_S)
     finally:
         p.stub.end_outage()
 
@@ -434,6 +467,68 @@ def test_the_outage_drove_what_the_sink_alerts_read(p: Pipeline) -> None:
         assert value > 0, name
     retried = {labels.get("kind"): v for _, labels, v in families["outbox_sink_retried_total"]}
     assert retried.get("engine", 0) >= 1
+
+
+def test_promtool_fires_the_sink_alerts_on_the_recorded_two_minute_outage(
+    p: Pipeline, tmp_path: Path
+) -> None:
+    """The shipped rules, evaluated by promtool on the series the real sink exported
+    every 15 s while the engine was down for two minutes: the circuit and the
+    oldest-age alerts both fire by the end of the outage (a gauge that dipped to 0
+    at a probe, or an age that restarted, would keep them pending)."""
+    ticks = OUTAGE_S // SCRAPE_INTERVAL_S + 1
+    assert {name: len(values) for name, values in p.recorded.items()} == {
+        name: ticks for name in MOVES_IN_OUTAGE
+    }, "the recorder sampled the whole outage"
+    labels = f'job="outbox-sink",instance="sink:9102",group="{p.sink_cfg.group}"'
+    firing = {
+        name: {
+            "labels": (
+                f'ALERTS{{alertname="{name}",alertstate="firing",'
+                f'group="{p.sink_cfg.group}",severity="critical"}}'
+            ),
+            "value": 1,
+        }
+        for name in ("OutboxOldestEventTooOld", "OutboxSinkCircuitOpen")
+    }
+    spec = {
+        "rule_files": [str(ROOT / "compose" / "prometheus" / "rules" / "outbox.rules.yml")],
+        "evaluation_interval": f"{SCRAPE_INTERVAL_S}s",
+        "tests": [
+            {
+                "name": "recorded engine outage",
+                "interval": f"{SCRAPE_INTERVAL_S}s",
+                "input_series": [
+                    {
+                        "series": f"{name}{{{labels}}}",
+                        "values": " ".join(f"{v:g}" for v in p.recorded[name]),
+                    }
+                    for name in MOVES_IN_OUTAGE
+                ]
+                + [{"series": f"up{{{labels}}}", "values": f"1x{ticks - 1}"}],
+                "promql_expr_test": [
+                    {
+                        "expr": ALERTS_FIRING,
+                        "eval_time": f"{OUTAGE_S}s",
+                        "exp_samples": [
+                            firing["OutboxOldestEventTooOld"],
+                            firing["OutboxSinkCircuitOpen"],
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "recorded.test.yml"
+    path.write_text(json.dumps(spec, indent=2))  # JSON is YAML
+    proc = subprocess.run(
+        [promtool(), "test", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{p.recorded}\n{proc.stdout}{proc.stderr}"
 
 
 def test_consumer_lag_gauge_moves_while_the_engine_is_down(p: Pipeline) -> None:

@@ -7,12 +7,10 @@ the dashboard's PromQL, parsed by promtool).
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.observability import (
@@ -22,11 +20,10 @@ from tests.observability import (
     dashboard_queries,
     metric_names,
     promql_for_promtool,
+    promtool,
     readme_section,
     referenced_metrics,
 )
-
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 #: The issue's list: one alert per way the pipeline hurts its users.
 REQUIRED_ALERTS = {
@@ -110,21 +107,6 @@ def test_readme_metrics_reference_names_only_metrics_the_code_defines() -> None:
             assert f'"{name}"' in source, f"README documents {name}, the code has no such metric"
 
 
-def _promtool() -> str:
-    proc = subprocess.run(
-        ["bash", str(ROOT / "compose" / "prometheus" / "promtool.sh"), "path"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if proc.returncode != 0:
-        if IN_CI:
-            pytest.fail(f"promtool unavailable in CI: {proc.stderr[-2000:]}", pytrace=False)
-        pytest.skip(f"promtool unavailable: {proc.stderr[-500:]}")
-    return proc.stdout.strip()
-
-
 def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     queries = dashboard_queries()
     rules = [
@@ -134,7 +116,7 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
     path = tmp_path / "dashboard.rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     proc = subprocess.run(
-        [_promtool(), "check", "rules", str(path)],
+        [promtool(), "check", "rules", str(path)],
         capture_output=True,
         text=True,
         timeout=120,
