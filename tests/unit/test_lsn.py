@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -25,6 +25,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from cdc.lsn import LsnTracker
@@ -238,9 +239,12 @@ class ModelTx:
 class TrackerMachine(RuleBasedStateMachine):
     """A replication stream as the relay sees it, with Kafka acks in any order."""
 
+    #: the tracker under test (the mutant tests below swap in broken ones)
+    tracker_cls: type[LsnTracker] = LsnTracker
+
     def __init__(self) -> None:
         super().__init__()
-        self.tracker = LsnTracker(0)
+        self.tracker = self.tracker_cls(0)
         self.txs: list[ModelTx] = []
         self.unacked: list[ModelTx] = []  # one entry per record Kafka still owes
         self.position = 0  # the server has sent everything that committed below this
@@ -256,7 +260,7 @@ class TrackerMachine(RuleBasedStateMachine):
 
     @initialize(start=st.integers(min_value=0, max_value=2**40))
     def start(self, start: int) -> None:
-        self.tracker = LsnTracker(start)
+        self.tracker = self.tracker_cls(start)
         self.position = self.max_wal_end = self.expected = self.previous = start
 
     def open_tx(self) -> ModelTx | None:
@@ -311,7 +315,7 @@ class TrackerMachine(RuleBasedStateMachine):
         self.resend = sorted(
             (tx_id, end) for tx_id, end in self.committed.items() if end > confirmed
         )
-        self.tracker = LsnTracker(confirmed)
+        self.tracker = self.tracker_cls(confirmed)
         self.txs = []
         self.unacked = []
         self.position = self.max_wal_end = self.expected = self.previous = confirmed
@@ -400,3 +404,64 @@ class TrackerMachine(RuleBasedStateMachine):
 
 TrackerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 TestLsnTrackerConfirmsOnlyFullyAckedCommitsUnderRandomInterleavings = TrackerMachine.TestCase
+
+
+# --- the bugs the model exists for ----------------------------------------------------------
+# Each mutant is a tracker with one classic CDC confirmation bug; the state
+# machine above must find it (a confirmed LSN past a record Kafka has not
+# acknowledged is an event lost at the next restart).
+
+
+class _ConfirmsTheHighestAckedCommit(LsnTracker):
+    """Confirms a fully acked transaction at once, even behind an earlier unacked one."""
+
+    def ack(self, tx_id: int) -> int:
+        tx = self._txs[tx_id]
+        left = super().ack(tx_id)
+        if left == 0 and tx.end_lsn is not None:
+            self._confirmed = max(self._confirmed, tx.end_lsn)
+        return left
+
+
+class _ConfirmsAtCommit(LsnTracker):
+    """Confirms a transaction when its commit arrives, before Kafka acked its records."""
+
+    def close(self, tx_id: int, end_lsn: int) -> None:
+        super().close(tx_id, end_lsn)
+        self._confirmed = max(self._confirmed, end_lsn)
+
+
+class _ConfirmsKeepalivesWhileInFlight(LsnTracker):
+    """Confirms a keepalive's WAL end while records are still in flight."""
+
+    def observe_wal_end(self, lsn: int) -> None:
+        super().observe_wal_end(lsn)
+        self._confirmed = max(self._confirmed, lsn)
+
+
+def _machine_fails(tracker: type[LsnTracker]) -> None:
+    machine = type(f"Mutant{tracker.__name__}", (TrackerMachine,), {"tracker_cls": tracker})
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=500,
+                stateful_step_count=60,
+                deadline=None,
+                database=None,
+                print_blob=False,
+                report_multiple_bugs=False,
+                derandomize=True,  # the same search every run: the finding is reproducible
+                phases=[Phase.generate],  # detection is the point: no shrinking
+            ),
+        )
+
+
+@pytest.mark.parametrize(
+    "tracker",
+    [_ConfirmsTheHighestAckedCommit, _ConfirmsAtCommit, _ConfirmsKeepalivesWhileInFlight],
+)
+def test_the_model_catches_a_tracker_that_confirms_past_an_unacked_record(
+    tracker: type[LsnTracker],
+) -> None:
+    _machine_fails(tracker)
