@@ -13,6 +13,10 @@ Guarantees:
   rebalance callback returns, and those offsets are committed synchronously
   here - the partitions' next owner starts after what this member settled;
   a lost assignment commits nothing;
+* what the thread hands the loop is bounded: at most ``HANDOFF_MAX_RECORDS``
+  records are on their way (posted, not yet taken by the loop); past that the
+  thread stops fetching until the loop catches up, so a busy loop cannot make
+  records pile up in memory ahead of the core's own bound (``max_buffered``);
 * the loop talks back through :meth:`KafkaWorker.command` (pause, resume,
   commit, close), a queue this thread drains between ``consume`` calls;
 * librdkafka's errors and log lines go through :class:`cdc.kafkalog.KafkaClientEvents`;
@@ -44,6 +48,9 @@ log = logging.getLogger(__name__)
 
 #: Records fetched per consume() call.
 CONSUME_BATCH = 1_000
+#: Records posted to the loop and not yet taken by it, above which the thread
+#: stops fetching: two batches keep the loop fed without a gap.
+HANDOFF_MAX_RECORDS = 2 * CONSUME_BATCH
 #: Longest the consumer waits for a first record: how soon a command is served.
 POLL_S = 0.05
 #: Longest a rebalance callback waits for the loop's answer (a dead loop: give up).
@@ -117,6 +124,11 @@ class KafkaWorker:
         self._thread = threading.Thread(target=self._run, name="kafka-consumer", daemon=True)
         self._consumer: Consumer | None = None
         self._closing = False
+        #: records posted to the loop and not yet taken (HANDOFF_MAX_RECORDS bounds it)
+        self._handoff = 0
+        self._handoff_lock = threading.Lock()
+        self._handoff_room = threading.Event()
+        self._handoff_room.set()
         #: What the group assigned to this member; replaced, never changed in place,
         #: so the lag monitor's thread always reads a whole set.
         self._assignment: frozenset[TP] = frozenset()
@@ -177,9 +189,11 @@ class KafkaWorker:
                 return
             if self._events.fatal is not None:
                 raise KafkaFatalError(f"fatal consumer error: {self._events.fatal}")
+            if not self._handoff_room.wait(POLL_S):
+                continue  # the loop is behind: serve commands, fetch nothing more
             records = self._consume(consumer)
             if records:
-                self._post(self._side.on_records, records)
+                self._hand_over(records)
 
     def _consume(self, consumer: Consumer) -> list[Envelope]:
         """What is there now, without waiting for a whole batch.
@@ -289,6 +303,28 @@ class KafkaWorker:
         self._post(self._side.on_commit, results)
 
     # -- to the loop ----------------------------------------------------------------------
+    @property
+    def handoff(self) -> int:
+        """Records posted to the loop and not yet taken by it."""
+        return self._handoff
+
+    def _hand_over(self, records: list[Envelope]) -> None:
+        with self._handoff_lock:
+            self._handoff += len(records)
+            if self._handoff >= HANDOFF_MAX_RECORDS:
+                self._handoff_room.clear()
+        self._post(self._take, records)
+
+    def _take(self, records: list[Envelope]) -> None:
+        """On the loop: give ``records`` to the loop's side, then make room for more."""
+        try:
+            self._side.on_records(records)
+        finally:
+            with self._handoff_lock:
+                self._handoff -= len(records)
+                if self._handoff < HANDOFF_MAX_RECORDS:
+                    self._handoff_room.set()
+
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
             self._loop.call_soon_threadsafe(fn, *args)
