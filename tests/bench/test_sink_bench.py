@@ -407,6 +407,13 @@ def test_backlog_drain_after_an_engine_outage(
                 f">= {DRAIN_TARGET:.0f}x {_verdict(multiple >= DRAIN_TARGET)}",
             ],
             ["sink CPU % while draining", fmt(cpu_pct["sink"]), ""],
+            ["relay CPU %", fmt(cpu_pct["relay"]), ""],
+            ["stub CPU %", fmt(cpu_pct["stub"]), ""],
+            [
+                "rest of the machine CPU % (PG, Kafka, writer, others)",
+                fmt(cpu_pct["machine"] - cpu_pct["sink"] - cpu_pct["relay"] - cpu_pct["stub"]),
+                "",
+            ],
             ["machine CPU % (2 cores = 200)", fmt(cpu_pct["machine"]), ""],
             ["load average (1 min) at the end", f"{os.getloadavg()[0]:.2f}", ""],
         ],
