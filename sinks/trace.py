@@ -55,17 +55,9 @@ from cdc import constants as c
 from cdc.router import iso_utc_us
 from cdc.settings import Settings
 from sinks.delivery import Envelope
-from sinks.ops import (
-    KAFKA_REQUEST_TIMEOUT_S,
-    OPS_GROUP_PREFIX,
-    SCAN_IDLE_TIMEOUT_S,
-    KafkaOps,
-    KafkaOpsError,
-    OpsError,
-    default_topic_filter,
-    now_ms,
-    select_topics,
-)
+from sinks.errors import KafkaOpsError, OpsError
+from sinks.ops.kafka import KAFKA_REQUEST_TIMEOUT_S, OPS_GROUP_PREFIX, SCAN_IDLE_TIMEOUT_S, KafkaOps
+from sinks.ops.selection import default_topic_filter, now_ms, select_topics
 
 #: Records read per partition at most, from the start offset (``--max-records``).
 DEFAULT_MAX_RECORDS = 20_000

@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cdc.outbox import OutboxEvent, write_event
 from cdc.settings import Settings
 from sinks.engine import EngineClient
-from sinks.ops import group_lag
+from sinks.ops.lag import group_lag
 from sinks.parking import ParkingLot
 from sinks.retrier import Retrier
 from sinks.stub import StubServer
