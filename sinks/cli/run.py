@@ -45,7 +45,7 @@ def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
     HTTPS with ENGINE_STUB_TLS_CERT and ENGINE_STUB_TLS_KEY; client certificates
     signed by ENGINE_STUB_CLIENT_CA required when that is set too.
     """
-    from sinks.stub import StubTLS, run_stub
+    from sinks.stub.server import StubTLS, run_stub
 
     settings = load_settings()
     tls = None

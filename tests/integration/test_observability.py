@@ -38,7 +38,7 @@ from sinks.engine import EngineClient
 from sinks.ops.lag import group_lag
 from sinks.parking import ParkingLot
 from sinks.retrier import Retrier
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 from sinks.trace import (
     EventState,
     EventTrace,

@@ -34,7 +34,7 @@ from cdc.outbox import OutboxEvent, register_user, write_event
 from cdc.settings import Settings
 from cdc.stream import ReplicationStream
 from sinks.parking import ParkingLot, ParkRequest
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 from tests.harness import (
     ROOT,
     RelayConfig,

@@ -13,7 +13,7 @@ from cdc.settings import Settings
 from sinks.engine import EngineClient
 from sinks.parking import ParkingLot, ParkRequest
 from sinks.retrier import Retrier, Scheduler
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 
 pytestmark = pytest.mark.integration
 
