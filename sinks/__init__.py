@@ -10,8 +10,8 @@ Pure core:
 - :mod:`sinks.errors`   - one error root; ``retriable`` / ``spends_attempt`` say
   what a loop does with each outcome;
 - :mod:`sinks.routes`   - the ``type`` header -> the engine call;
-- :mod:`sinks.retry`    - HTTP status -> outcome, backoff schedules;
-- :mod:`sinks.delivery` - offset watermarks and per-key ordering.
+- :mod:`sinks.core.retry`    - HTTP status -> outcome, backoff schedules;
+- :mod:`sinks.core.delivery` - offset watermarks and per-key ordering.
 
 I/O:
 
@@ -22,9 +22,9 @@ I/O:
 - :mod:`sinks.engine`   - the engine's HTTP client, errors mapped at the boundary;
 - :mod:`sinks.stub`     - a real HTTP engine stub with idempotency and fault injection;
 - :mod:`sinks.dispatch` - one delivery (with the user sync a quiz attempt may need);
-- :mod:`sinks.consumer` - the consumer loop; :mod:`sinks.parking`, :mod:`sinks.retrier`
-  - the parking lot and its retries; :mod:`sinks.admin`, :mod:`sinks.service`,
+- :mod:`sinks.consumer` - the consumer loop; :mod:`sinks.parking.lot`, :mod:`sinks.parking.retrier`
+  - the parking lot and its retries; :mod:`sinks.parking.admin`, :mod:`sinks.service`,
   :mod:`sinks.ops` - the process, its HTTP face and the ops commands;
-- :mod:`sinks.guard`    - the HTTP face's request guard: the admin token before the
+- :mod:`sinks.parking.guard`    - the HTTP face's request guard: the admin token before the
   body, bounded headers and bodies (its decisions are pure functions).
 """

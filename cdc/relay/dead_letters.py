@@ -28,7 +28,6 @@ from cdc.producer import (
 )
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import Session, _PendingDlq
-from cdc.replproto import lsn_to_str
 from cdc.router import (
     DeadLetterCode,
     KafkaRecord,
@@ -37,6 +36,7 @@ from cdc.router import (
     dead_letter,
 )
 from cdc.settings import Settings
+from cdc.wal.replproto import lsn_to_str
 
 log = logging.getLogger("cdc.relay")
 

@@ -18,7 +18,6 @@ import orjson
 from confluent_kafka import KafkaException
 
 from cdc import constants as c
-from cdc import pgoutput as pgo
 from cdc.errors import (
     DecodeError,
 )
@@ -27,7 +26,6 @@ from cdc.producer import (
 )
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import PoisonIds, Session
-from cdc.replproto import Keepalive, lsn_to_str, parse_copy_data, xlog_payload
 from cdc.router import (
     ROUTED_COLUMNS,
     DeadLetterCode,
@@ -38,6 +36,8 @@ from cdc.router import (
     route_message,
 )
 from cdc.settings import Settings
+from cdc.wal import pgoutput as pgo
+from cdc.wal.replproto import Keepalive, lsn_to_str, parse_copy_data, xlog_payload
 
 log = logging.getLogger("cdc.relay")
 

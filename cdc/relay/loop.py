@@ -4,7 +4,7 @@ Invariants (DESIGN.md, "Relay invariants"):
 
 1. The slot's confirmed LSN advances only past transactions all of whose
    records Kafka acknowledged (or that were dead-lettered and acknowledged):
-   :class:`cdc.lsn.LsnTracker` decides, this loop only reports its answer.
+   :class:`cdc.wal.lsn.LsnTracker` decides, this loop only reports its answer.
 2. With nothing in flight the keepalive WAL end is confirmed, so an idle
    outbox never pins WAL.
 3. When Kafka is slow or away the in-flight count reaches its bound and the
@@ -47,7 +47,6 @@ from cdc.errors import (
 )
 from cdc.health import HealthServer, Liveness
 from cdc.kafkalog import KafkaClientEvents
-from cdc.lsn import LsnTracker
 from cdc.producer import (
     TopicManager,
     discard_producer,
@@ -59,15 +58,16 @@ from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
 from cdc.relay.state import PoisonIds, RelayState, Session
-from cdc.replproto import lsn_to_str
 from cdc.settings import Settings
-from cdc.stream import (
+from cdc.tracing import relay_tracing
+from cdc.wal.lsn import LsnTracker
+from cdc.wal.replproto import lsn_to_str
+from cdc.wal.stream import (
     ReplicationStream,
     ensure_publication,
     ensure_slot,
     server_is_utf8,
 )
-from cdc.tracing import relay_tracing
 
 log = logging.getLogger("cdc.relay")
 

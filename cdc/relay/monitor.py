@@ -20,7 +20,7 @@ from cdc.producer import (
 )
 from cdc.relay.metrics import RelayMetrics
 from cdc.settings import Settings
-from cdc.stream import (
+from cdc.wal.stream import (
     slot_info,
 )
 

@@ -2,7 +2,7 @@
 
 Guarantees: state stays bounded. :class:`PoisonIds` is an LRU of at most
 :data:`POISON_MAX` ids; a :class:`Session` lives as long as one replication
-connection and holds its LSN bookkeeping (:class:`cdc.lsn.LsnTracker`), its
+connection and holds its LSN bookkeeping (:class:`cdc.wal.lsn.LsnTracker`), its
 relation cache and the dead letters not yet handed to Kafka, oldest first.
 
 States and transitions::
@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError
 
-from cdc import pgoutput as pgo
 from cdc.backoff import Backoff
-from cdc.lsn import LsnTracker
 from cdc.router import (
     DeadLetterCode,
     TxContext,
 )
-from cdc.stream import (
+from cdc.wal import pgoutput as pgo
+from cdc.wal.lsn import LsnTracker
+from cdc.wal.stream import (
     ReplicationStream,
 )
 

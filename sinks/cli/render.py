@@ -1,7 +1,7 @@
 """Rendering of the sink's command answers: lag, replay plans, redeliveries, parking, traces.
 
-Every view of an answer of :mod:`sinks.ops`, :mod:`sinks.parking`,
-:mod:`sinks.retrier` and :mod:`sinks.trace` is here, built from the shared
+Every view of an answer of :mod:`sinks.ops`, :mod:`sinks.parking.lot`,
+:mod:`sinks.parking.retrier` and :mod:`sinks.trace` is here, built from the shared
 formats of :mod:`cdc.cli.render` (ages, sizes, offsets, consoles): tables for
 people; the ``--json`` documents come from each answer's ``as_json``. rich is
 imported inside each function so ``outbox-cdc --help`` stays fast.
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from sinks.ops.offsets import LagRate
     from sinks.ops.plan import ReplayPlan
     from sinks.ops.redeliver import RedeliveryReport
-    from sinks.parking import ParkedEvent
-    from sinks.retrier import RetrySummary
+    from sinks.parking.lot import ParkedEvent
+    from sinks.parking.retrier import RetrySummary
     from sinks.trace import EventTrace
 
 #: Characters of ``last_error`` shown in ``failed list`` (full text with --json).
@@ -207,7 +207,7 @@ def parked_table(rows: Sequence[ParkedEvent]) -> Any:
 
 
 def retry_answer(summary: RetrySummary, *, ok: bool) -> dict[str, object]:
-    from sinks.retrier import retry_message
+    from sinks.parking.retrier import retry_message
 
     return {
         "success": ok,

@@ -30,7 +30,7 @@ from confluent_kafka.admin import AdminClient
 
 from cdc.kafkalog import KafkaClientEvents
 from cdc.settings import Settings
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.errors import (
     GroupActiveError,
     KafkaOpsError,

@@ -1,4 +1,4 @@
-"""Synchronous faces of the parking lot (:mod:`sinks.parking`) for the command line.
+"""Synchronous faces of the parking lot (:mod:`sinks.parking.lot`) for the command line.
 
 Guarantees: each call opens the lot, does one thing with the same rules as the
 admin API (a retry spends no attempt on an engine outage, a rejection does;
@@ -16,8 +16,8 @@ from sinks.engine import EngineClient
 from sinks.errors import (
     OpsUsageError,
 )
-from sinks.parking import ParkedEvent, ParkingLot
-from sinks.retrier import Retrier, RetrySummary
+from sinks.parking.lot import ParkedEvent, ParkingLot
+from sinks.parking.retrier import Retrier, RetrySummary
 
 #: Every AdminClient / metadata / offset request gives up after this: long
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from cdc.settings import Settings
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import (

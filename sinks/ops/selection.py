@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from cdc.constants import HEADER_LSN
-from cdc.replproto import str_to_lsn
 from cdc.settings import Settings
-from sinks.delivery import Envelope
+from cdc.wal.replproto import str_to_lsn
+from sinks.core.delivery import Envelope
 from sinks.errors import (
     OpsUsageError,
 )

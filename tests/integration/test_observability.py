@@ -36,8 +36,8 @@ from cdc.outbox import OutboxEvent, write_event
 from cdc.settings import Settings
 from sinks.engine import EngineClient
 from sinks.ops.lag import group_lag
-from sinks.parking import ParkingLot
-from sinks.retrier import Retrier
+from sinks.parking.lot import ParkingLot
+from sinks.parking.retrier import Retrier
 from sinks.stub.server import StubServer
 from sinks.trace import (
     EventState,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cdc.cli.render import fmt_age, fmt_bytes, fmt_offset
 from cdc.settings import Settings
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.errors import OpsUsageError
 from sinks.ops.offsets import (
     CommitRange,

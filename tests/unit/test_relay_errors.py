@@ -28,7 +28,6 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc.errors import KafkaUnavailableError, ProducerFatalError
 from cdc.kafkalog import KafkaClientEvents
-from cdc.lsn import LsnTracker
 from cdc.producer import TopicManager, discard_producer, make_producer
 from cdc.relay import loop as relay_mod
 from cdc.relay.dead_letters import DLQ_MINIMAL_FIELD_BYTES
@@ -36,6 +35,7 @@ from cdc.relay.loop import REBUILD_MAX_S, REBUILD_MIN_S, Relay
 from cdc.relay.state import DLQ_RETRY_MIN_S, POISON_MAX, PoisonIds, RelayState, Session
 from cdc.router import DeadLetterCode
 from cdc.settings import Settings
+from cdc.wal.lsn import LsnTracker
 from tests.unit.test_relay_routing import (
     DeliveredMsg,
     FakeTopics,
