@@ -56,6 +56,8 @@ DLQ_MAX_VALUE_BYTES = 512 * 1024
 
 
 class DeadLetters:
+    """The relay's part that writes dead letters (a mixin of :class:`~cdc.relay.loop.Relay`)."""
+
     if TYPE_CHECKING:
         settings: Settings
         metrics: RelayMetrics

@@ -25,7 +25,7 @@ from cdc.producer import (
     TopicManager,
 )
 from cdc.relay.metrics import RelayMetrics
-from cdc.relay.state import PoisonIds, Session
+from cdc.relay.state import PoisonIds, RefusedStep, SendStep, Session
 from cdc.router import (
     ROUTED_COLUMNS,
     DeadLetterCode,
@@ -71,6 +71,8 @@ def _decode(value: object) -> str | None:
 
 
 class FastPath:
+    """The relay's part that reads pgoutput changes (a mixin of :class:`~cdc.relay.loop.Relay`)."""
+
     if TYPE_CHECKING:
         settings: Settings
         metrics: RelayMetrics
@@ -82,29 +84,8 @@ class FastPath:
 
         def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None: ...
 
-        def _send(
-            self,
-            sess: Session,
-            tx_id: int,
-            topic: str,
-            value: bytes,
-            key: bytes,
-            headers: list[tuple[str, bytes]],
-            timestamp_ms: int,
-            event_id: bytes,
-        ) -> None: ...
-
-        def _refused(
-            self,
-            sess: Session,
-            tx_id: int,
-            exc: KafkaException,
-            topic: str,
-            key: bytes,
-            value: bytes,
-            headers: list[tuple[str, bytes]],
-            timestamp_ms: int,
-        ) -> None: ...
+        _send: SendStep
+        _refused: RefusedStep
 
         def _dead_letter_route(
             self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError

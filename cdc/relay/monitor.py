@@ -32,6 +32,8 @@ MONITOR_INTERVAL_S = 5.0
 
 
 class SlotMonitor:
+    """The relay's monitor thread (a mixin of :class:`~cdc.relay.loop.Relay`)."""
+
     if TYPE_CHECKING:
         settings: Settings
         metrics: RelayMetrics

@@ -36,9 +36,8 @@ from cdc.producer import (
     record_error_code,
 )
 from cdc.relay.metrics import RelayMetrics
-from cdc.relay.state import PoisonIds, RelayState, Session
+from cdc.relay.state import PoisonIds, QueueStep, RelayState, Session
 from cdc.router import (
-    DeadLetterCode,
     KafkaRecord,
 )
 from cdc.tracing import DeliveryCallback, RelayTracing
@@ -47,6 +46,8 @@ log = logging.getLogger("cdc.relay")
 
 
 class Producing:
+    """The relay's part that owns the producer (a mixin of :class:`~cdc.relay.loop.Relay`)."""
+
     if TYPE_CHECKING:
         metrics: RelayMetrics
         liveness: Liveness
@@ -61,18 +62,7 @@ class Producing:
 
         def _send_status(self, sess: Session) -> None: ...
 
-        def _queue_dlq(
-            self,
-            sess: Session,
-            tx_id: int,
-            code: DeadLetterCode,
-            reason: str,
-            topic: str,
-            key: bytes,
-            value: bytes,
-            headers: list[tuple[str, bytes]],
-            timestamp_ms: int,
-        ) -> None: ...
+        _queue_dlq: QueueStep
 
     def _poll(self, timeout_s: float) -> None:
         """Serve the producer's callbacks; a fatal error it raises ends the session

@@ -17,7 +17,7 @@ import click
 from cdc.cli.app import EXIT_FAILED, load_settings
 from cdc.cli.render import echo_json, out, warn
 from sinks.cli import render
-from sinks.cli.options import topic_selections
+from sinks.cli.options import topic_option, topic_selections
 
 if TYPE_CHECKING:
     from sinks.ops.lag import PipelineLag
@@ -28,13 +28,7 @@ WATCH_INTERVAL_S = 2.0
 
 @click.command()
 @click.option("--group", default=None, help="consumer group  [default: SINK_GROUP_ID]")
-@click.option(
-    "--topic",
-    "topic_specs",
-    multiple=True,
-    metavar="T[:P,..]",
-    help="topic (and partitions) to show; repeatable  [default: the sink's topics]",
-)
+@topic_option("topic (and partitions) to show; repeatable  [default: the sink's topics]")
 @click.option("--watch", is_flag=True, help="refresh every 2 s with rates, until Ctrl-C")
 @click.option("--json", "as_json", is_flag=True, help="JSON on stdout (one line per refresh)")
 def lag(group: str | None, topic_specs: tuple[str, ...], watch: bool, as_json: bool) -> None:

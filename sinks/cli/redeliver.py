@@ -13,7 +13,7 @@ import click
 from cdc.cli.app import fail, load_settings
 from cdc.cli.render import progress_bar
 from sinks.cli import render
-from sinks.cli.options import topic_selections
+from sinks.cli.options import topic_option, topic_selections
 
 if TYPE_CHECKING:
     from sinks.ops.redeliver import RedeliveryReport
@@ -25,13 +25,7 @@ if TYPE_CHECKING:
 )
 @click.option("--key", default=None, help="every event of this key (aggregate id), in order")
 @click.option("--since", default=None, metavar="ISO8601", help="scan from this time (naive = UTC)")
-@click.option(
-    "--topic",
-    "topic_specs",
-    multiple=True,
-    metavar="T[:P,..]",
-    help="topics to scan; repeatable  [default: the sink's topics]",
-)
+@topic_option("topics to scan; repeatable  [default: the sink's topics]")
 @click.option("--json", "as_json", is_flag=True, help="the outcome as JSON on stdout")
 def redeliver(
     event_ids: tuple[Any, ...],

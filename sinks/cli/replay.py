@@ -12,7 +12,7 @@ import click
 
 from cdc.cli.app import fail, load_settings
 from sinks.cli import render
-from sinks.cli.options import topic_selections
+from sinks.cli.options import topic_option, topic_selections
 
 if TYPE_CHECKING:
     from sinks.ops.plan import ReplayPlan
@@ -20,13 +20,7 @@ if TYPE_CHECKING:
 
 @click.command()
 @click.option("--group", required=True, help="the consumer group whose offsets move")
-@click.option(
-    "--topic",
-    "topic_specs",
-    multiple=True,
-    metavar="T[:P,..]",
-    help="topic, optionally with partitions (orders:0,2); repeatable",
-)
+@topic_option("topic, optionally with partitions (orders:0,2); repeatable")
 @click.option("--all-topics", is_flag=True, help="every topic of the sink (CDC_TOPIC_PREFIX)")
 @click.option("--to-earliest", is_flag=True, help="the oldest record still in Kafka")
 @click.option("--to-latest", is_flag=True, help="the end: skip what is not processed yet")
