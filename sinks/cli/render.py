@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from sinks.ops.redeliver import RedeliveryReport
     from sinks.parking.lot import ParkedEvent
     from sinks.parking.retrier import RetrySummary
-    from sinks.trace import EventTrace
+    from sinks.trace.model import EventTrace
 
 #: Characters of ``last_error`` shown in ``failed list`` (full text with --json).
 #: Characters of ``last_error`` shown in ``failed list`` (full text with --json).

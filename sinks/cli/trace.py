@@ -1,6 +1,6 @@
 """``outbox-cdc trace``: where is event X? Its outbox commit, Kafka record, groups, parking lot.
 
-Calls :func:`sinks.trace.trace_event` / :func:`sinks.trace.trace_key`; exit 1
+Calls :func:`sinks.trace.search.trace_event` / :func:`~sinks.trace.search.trace_key`; exit 1
 when nothing is found within the bounds.
 """
 
@@ -51,7 +51,7 @@ def trace(
     which to widen).
     """
     from sinks.ops.selection import parse_datetime_ms
-    from sinks.trace import trace_event, trace_key
+    from sinks.trace.search import trace_event, trace_key
 
     if (event_id is None) == (key is None):
         raise click.UsageError("give an EVENT_ID or --key K")

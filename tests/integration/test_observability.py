@@ -39,16 +39,15 @@ from sinks.ops.lag import group_lag
 from sinks.parking.lot import ParkingLot
 from sinks.parking.retrier import Retrier
 from sinks.stub.server import StubServer
-from sinks.trace import (
+from sinks.trace.model import (
     EventState,
     EventTrace,
     GroupPosition,
     TraceNotFound,
     crc32_partition,
     murmur2_partition,
-    trace_event,
-    trace_key,
 )
+from sinks.trace.search import trace_event, trace_key
 from tests.harness import (
     ROOT,
     Proc,
