@@ -28,10 +28,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 from urllib.parse import parse_qs
 
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Route, Router
+from starlette.types import Receive, Scope, Send
 
 from sinks.stub.engine import StubEngine
 from sinks.stub.faults import (
@@ -66,17 +64,32 @@ class Listener(Protocol):
 ControlHandler = Callable[[Mapping[str, str], bytes], Reply]
 
 
-def _response(reply: Reply) -> Response:
-    response = Response(reply.body, status_code=reply.status, media_type="application/json")
-    response.raw_headers.extend(reply.headers)
-    return response
+async def _send_reply(send: Send, reply: Reply) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": reply.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(reply.body)).encode()),
+                *reply.headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": reply.body})
 
 
-async def _read_body(request: Request) -> bytes | None:
+async def _read_body(receive: Receive) -> bytes | None:
     """The request body, or ``None`` when it exceeds :data:`MAX_BODY_BYTES`."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    size = len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
             return None
@@ -84,8 +97,29 @@ async def _read_body(request: Request) -> bytes | None:
     return b"".join(chunks)
 
 
-def _query(request: Request) -> dict[str, str]:
-    return {k: v[-1] for k, v in parse_qs(request.url.query).items()}
+def _query(scope: Scope) -> dict[str, str]:
+    raw: bytes = scope.get("query_string", b"")
+    return {k: v[-1] for k, v in parse_qs(raw.decode("latin-1")).items()}
+
+
+class _Endpoint:
+    """One route's ASGI endpoint: the body read (413 above the bound), then ``answer``.
+
+    A class, not a function, so Starlette's ``Route`` hands it the raw ASGI call
+    (no request or response objects on the engine's hot path) for every method:
+    the method is checked here, so a wrong one still answers JSON.
+    """
+
+    def __init__(self, answer: Callable[[Scope, bytes], Awaitable[Reply]]) -> None:
+        self._answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await _read_body(receive)
+        if body is None:
+            reply = json_reply(413, {"error": "body_too_large"})
+        else:
+            reply = await self._answer(scope, body)
+        await _send_reply(send, reply)
 
 
 class StubApp:
@@ -95,7 +129,7 @@ class StubApp:
         self.engine = engine
         #: the listener an outage closes (set by the server that serves this app)
         self.listener: Listener | None = None
-        control: dict[tuple[str, str], ControlHandler] = {
+        self._control: dict[tuple[str, str], ControlHandler] = {
             ("GET", "/healthz"): lambda _q, _b: json_reply(200, {"status": "ok"}),
             ("GET", "/_stub/applied"): self._get_applied,
             ("GET", "/_stub/stats"): self._get_stats,
@@ -105,47 +139,35 @@ class StubApp:
             ("POST", "/_stub/faults"): self._post_faults,
             ("DELETE", "/_stub/faults"): self._delete_faults,
         }
-        routes = [Route(path, self._engine_call, methods=["POST"]) for path in sorted(ENGINE_PATHS)]
-        routes += [
-            Route(path, self._control_call(handler), methods=[method])
-            for (method, path), handler in control.items()
-        ]
-        self.asgi = Starlette(
-            routes=routes, exception_handlers={404: self._not_found, 405: self._not_allowed}
-        )
+        engine_call = _Endpoint(self._engine_call)
+        control_call = _Endpoint(self._control_call)
+        routes = [Route(path, engine_call) for path in sorted(ENGINE_PATHS)]
+        routes += [Route(path, control_call) for path in sorted({p for _, p in self._control})]
+        #: the ASGI application uvicorn serves: Starlette's router, no middleware
+        self.asgi = Router(routes=routes, redirect_slashes=False, default=_Endpoint(_not_found))
 
-    async def _engine_call(self, request: Request) -> Response:
-        body = await _read_body(request)
-        if body is None:
-            return _response(json_reply(413, {"error": "body_too_large"}))
+    async def _engine_call(self, scope: Scope, body: bytes) -> Reply:
+        if scope["method"] != "POST":
+            return json_reply(405, {"error": "method_not_allowed"})
         latency_ms = self.engine.faults.latency_ms
         if latency_ms > 0:
             await asyncio.sleep(latency_ms / 1000)
-        return _response(self.engine.handle(request.url.path, dict(request.headers.raw), body))
+        return self.engine.handle(scope["path"], dict(scope["headers"]), body)
 
-    def _control_call(self, handler: ControlHandler) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            body = await _read_body(request)
-            if body is None:
-                return _response(json_reply(413, {"error": "body_too_large"}))
-            try:
-                reply = handler(_query(request), body)
-            except ValueError as exc:
-                return _response(json_reply(400, {"error": str(exc)}))
-            if self.listener is not None:
-                # connections an outage closes are really closed before the caller hears it began
-                await self.listener.closed()
-            return _response(reply)
-
-        return endpoint
-
-    async def _not_found(self, request: Request, _exc: Exception) -> Response:
-        return _response(json_reply(404, {"error": "not_found", "path": request.url.path}))
-
-    async def _not_allowed(self, request: Request, exc: Exception) -> Response:
-        if request.url.path in ENGINE_PATHS:
-            return _response(json_reply(405, {"error": "method_not_allowed"}))
-        return await self._not_found(request, exc)
+    async def _control_call(self, scope: Scope, body: bytes) -> Reply:
+        handler = self._control.get((scope["method"], scope["path"]))
+        if handler is None:
+            return await _not_found(scope, body)
+        try:
+            reply = handler(_query(scope), body)
+        except ValueError as exc:
+            return json_reply(400, {"error": str(exc)})
+        if self.listener is not None:
+            # connections an outage closes are really closed before the caller hears it began
+            await self.listener.closed()
+        else:
+            await asyncio.sleep(0)
+        return reply
 
     def _get_applied(self, query: Mapping[str, str], _body: bytes) -> Reply:
         return json_reply(200, self.engine.applied_view(query))
@@ -184,3 +206,7 @@ class StubApp:
         if outage_s is not None and self.listener is not None:
             self.listener.refuse_for(outage_s)
         return json_reply(200, self.engine.faults.describe())
+
+
+async def _not_found(scope: Scope, _body: bytes) -> Reply:
+    return json_reply(404, {"error": "not_found", "path": scope["path"]})
