@@ -37,11 +37,11 @@ import psycopg
 from psycopg import errors as pgerrors
 from psycopg import sql
 
-from cdc import pgoutput
 from cdc.constants import OUTBOX_MESSAGE_PREFIX
 from cdc.errors import CdcError
 from cdc.outbox import user_registered_event, write_event
 from cdc.settings import Settings
+from cdc.wal import pgoutput
 
 Conn = psycopg.Connection[Any]
 #: progress(done, total)

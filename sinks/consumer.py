@@ -1,7 +1,7 @@
-"""The sink's consumer loop: a thin asyncio shell around :class:`sinks.core.SinkCore`.
+"""The sink's consumer loop: a thin asyncio shell around :class:`sinks.core.machine.SinkCore`.
 
 Every decision - what to send, when to probe, what to park, what to commit,
-what to pause - is the core's (see :mod:`sinks.core` for the invariants and
+what to pause - is the core's (see :mod:`sinks.core.machine` for the invariants and
 the circuit's transitions). This shell only carries the core's actions out
 and reports what came of them:
 
@@ -9,10 +9,10 @@ and reports what came of them:
   records, assignments, revocations and commit results arrive here as calls
   on the event loop, and pause/resume/commit go back as commands - so no
   Kafka call ever blocks deliveries, the admin API or the scheduler;
-* a :class:`~sinks.core.Send` becomes one task that delivers through
+* a :class:`~sinks.core.machine.Send` becomes one task that delivers through
   :func:`sinks.dispatch.deliver` and maps the outcome to a core
-  :class:`~sinks.core.Result` (the error classes say which);
-* a :class:`~sinks.core.Park` becomes one task writing its whole batch in
+  :class:`~sinks.core.machine.Result` (the error classes say which);
+* a :class:`~sinks.core.machine.Park` becomes one task writing its whole batch in
   one round-trip; a parking lot that fails keeps the records unsettled (the
   core parks them again later) and marks the sink unready;
 * ``/readyz`` is ready only while the circuit is CLOSED and the parking lot
@@ -37,8 +37,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from cdc.health import Liveness
 from cdc.kafkalog import KafkaClientEvents
 from cdc.settings import Settings
-from sinks import core
-from sinks.core import (
+from sinks.core import machine as core
+from sinks.core.delivery import Envelope
+from sinks.core.machine import (
     Circuit,
     Commit,
     Park,
@@ -52,14 +53,13 @@ from sinks.core import (
     SinkCore,
     Verdict,
 )
-from sinks.delivery import Envelope
+from sinks.core.retry import Backoff, retry_delay_s
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError, Unroutable
 from sinks.kafka_worker import KafkaWorker
 from sinks.logs import BoundedLabels, RepeatLog
-from sinks.parking import ParkingLot, ParkRequest
-from sinks.retry import Backoff, retry_delay_s
+from sinks.parking.lot import ParkingLot, ParkRequest
 from sinks.routes import Routing
 from sinks.tracing import SinkTracing
 

@@ -3,7 +3,7 @@
 Guarantees:
 
 - :meth:`EngineClient.send` returns only on a 2xx; anything else raises a
-  :class:`~sinks.errors.SinkError` chosen by :func:`sinks.retry.classify`, and
+  :class:`~sinks.errors.SinkError` chosen by :func:`sinks.core.retry.classify`, and
   every transport failure (refused, reset, timeout, protocol error) becomes
   :class:`~sinks.errors.EngineUnavailable` whose reason is
   ``<failure class>: <detail>`` (e.g. ``ConnectError: [Errno 111] Connection
@@ -59,8 +59,8 @@ import httpx
 from cdc.errors import ConfigError
 from cdc.settings import Settings, redact_url
 from sinks import http1
+from sinks.core.retry import classify
 from sinks.errors import EngineMisconfigured, EngineUnavailable, Unroutable
-from sinks.retry import classify
 from sinks.routes import EngineCall, user_sync_call
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,10 @@
-"""Errors of the ``sinks`` package: every engine outcome that is not a 2xx.
+"""Errors of the ``sinks`` package: every engine outcome that is not a 2xx, and the ops root.
 
-Every error raised on purpose derives from :class:`SinkError`. Delivery loops
-test the class attributes instead of listing types:
+Every error raised on purpose derives from :class:`SinksError`, the package's
+root. Its two branches: :class:`SinkError` for delivery (engine outcomes and the
+sink's own failures), and :class:`OpsError` for the group operations of
+:mod:`sinks.ops` (lag, replay, redelivery, parking-lot commands, trace). Delivery
+loops test the class attributes instead of listing types:
 
 - ``retriable``: sending the same record again may succeed;
 - ``spends_attempt``: the failure counts toward the record's ``max_attempts``.
@@ -9,32 +12,77 @@ test the class attributes instead of listing types:
 ``retriable and not spends_attempt`` means engine-wide trouble: pause the
 partitions and probe with backoff; Kafka holds the backlog, nothing is parked::
 
-    SinkError                                       retriable  spends_attempt
-    ├── EngineUnavailable   refused, timeout, 408,      yes         no
-    │   │                   429, 5xx
-    │   └── EngineMisconfigured  TLS failure, 401/403,  yes         no
-    │                       407, 3xx: a setting must change
-    ├── EngineRejected      other 4xx for THIS record   yes         yes  (parked at max)
-    │   └── UserNotFound    quiz attempt 404            yes         yes  (sync user first)
-    │                       {"error":"user_not_found"}
-    └── Unroutable          no route / bad payload /    no          -    (parked now)
-                            no idempotency key
+    SinksError                                          retriable  spends_attempt
+    ├── OpsError            an ops command failed           no          -
+    │   ├── OpsUsageError       a request that makes no sense    no
+    │   ├── GroupActiveError    the group has members            no
+    │   ├── UncommittedShiftError  nothing committed to shift    no
+    │   └── KafkaOpsError       Kafka did not answer             yes
+    └── SinkError           delivery
+        ├── EngineUnavailable   refused, timeout, 408,      yes         no
+        │   │                   429, 5xx
+        │   └── EngineMisconfigured  TLS failure, 401/403,  yes         no
+        │                       407, 3xx: a setting must change
+        ├── EngineRejected      other 4xx for THIS record   yes         yes  (parked at max)
+        │   └── UserNotFound    quiz attempt 404            yes         yes  (sync user first)
+        │                       {"error":"user_not_found"}
+        └── Unroutable          no route / bad payload /    no          -    (parked now)
+                                no idempotency key
 """
 
 from __future__ import annotations
 
 
-class SinkError(Exception):
+class SinksError(Exception):
     """Root of the package's errors; ``reason`` is fit for a log line and the parking lot."""
 
-    #: Sending the same record again may succeed.
+    #: Sending the same record again (or running the command again) may succeed.
     retriable: bool = False
-    #: The failure counts toward the record's max attempts.
-    spends_attempt: bool = True
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class SinkError(SinksError):
+    """Root of the delivery errors: an engine outcome, or a failure of the sink itself."""
+
+    #: The failure counts toward the record's max attempts.
+    spends_attempt: bool = True
+
+
+class OpsError(SinksError):
+    """Root of the ops errors (:mod:`sinks.ops`, :mod:`sinks.trace`): the operator's
+    command failed or was refused; no record's delivery is involved."""
+
+    spends_attempt = False
+
+
+class OpsUsageError(OpsError):
+    """The operator asked for something that does not make sense (bad topic, bad duration)."""
+
+
+class GroupActiveError(OpsError):
+    """The group has active members: its offsets cannot be changed under it."""
+
+    def __init__(self, group: str, *, state: str, members: int) -> None:
+        super().__init__(
+            f"consumer group {group} is active ({state}, {members} member(s)): "
+            "stop every sink of the group, then run the replay again"
+        )
+        self.group = group
+        self.state = state
+        self.members = members
+
+
+class UncommittedShiftError(OpsError):
+    """A shift of partitions the group never committed: there is nothing to shift from."""
+
+
+class KafkaOpsError(OpsError):
+    """Kafka did not answer as needed (unreachable, timed out, refused)."""
+
+    retriable = True
 
 
 class EngineUnavailable(SinkError):  # noqa: N818 - the name is the contract

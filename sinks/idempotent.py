@@ -62,9 +62,9 @@ from psycopg.pq import TransactionStatus
 from cdc.constants import HEADER_DLQ_REASON, HEADER_DLQ_TOPIC, HEADER_ID
 from cdc.kafkalog import KafkaClientEvents
 from cdc.outbox import table_identifier
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
+from sinks.core.retry import retry_delay_s
 from sinks.errors import SinkError
-from sinks.retry import retry_delay_s
 
 log = logging.getLogger(__name__)
 

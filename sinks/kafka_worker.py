@@ -41,7 +41,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from prometheus_client import Gauge
 
 from cdc.kafkalog import KafkaClientEvents
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.errors import SinkError
 
 log = logging.getLogger(__name__)

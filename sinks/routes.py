@@ -37,7 +37,7 @@ from typing import Any
 
 from cdc.errors import ConfigError
 from cdc.settings import Settings
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.errors import Unroutable
 
 USERS_SYNC_PATH = "/api/internal/users/sync"

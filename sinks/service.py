@@ -18,12 +18,12 @@ from prometheus_client import CollectorRegistry
 
 from cdc.health import Liveness
 from cdc.settings import Settings
-from sinks.admin import create_app
 from sinks.consumer import Sink
 from sinks.engine import EngineClient
-from sinks.guard import MAX_HEADER_BYTES
-from sinks.parking import ParkingLot
-from sinks.retrier import Retrier, Scheduler
+from sinks.parking.admin import create_app
+from sinks.parking.guard import MAX_HEADER_BYTES
+from sinks.parking.lot import ParkingLot
+from sinks.parking.retrier import Retrier, Scheduler
 
 log = logging.getLogger(__name__)
 

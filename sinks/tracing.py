@@ -41,7 +41,7 @@ from cdc.tracing import (
     trace_headers,
     tracing_enabled,
 )
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer

@@ -290,7 +290,7 @@ def slot_confirmed_lsn(dsn: str, slot: str) -> int:
     """The slot's ``confirmed_flush_lsn`` as an integer."""
     import psycopg
 
-    from cdc.replproto import str_to_lsn
+    from cdc.wal.replproto import str_to_lsn
 
     with psycopg.connect(dsn) as conn:
         row = conn.execute(

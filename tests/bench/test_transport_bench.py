@@ -28,8 +28,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from sinks.core.retry import classify
 from sinks.engine import API_KEY_HEADER, IDEMPOTENCY_HEADER, EngineClient, EngineTLS
-from sinks.retry import classify
 from sinks.routes import EngineCall, user_sync_call
 from tests.bench.conftest import API_KEY, StubProc, start_stub
 from tests.bench.report import fmt, print_table

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 from tests.harness import Proc, RelayConfig, SinkConfig, drop_slot, start_relay
 
 API_KEY = "test-key"

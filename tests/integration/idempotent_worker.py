@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.idempotent import ConsumerOptions, IdempotentConsumer
 
 

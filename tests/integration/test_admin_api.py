@@ -27,7 +27,7 @@ import psycopg
 import pytest
 
 from cdc.migrate import migrate
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 from tests.conftest import create_database, drop_database
 from tests.harness import Proc, RelayConfig, SinkConfig, start_sink
 

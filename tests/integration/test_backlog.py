@@ -18,9 +18,9 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from cdc.backlog import BacklogGuard, BacklogState
-from cdc.demo import Refused, register_guarded
 from cdc.outbox import Written, register_user
 from cdc.settings import Settings
+from sinks.demo import Refused, register_guarded
 from tests.harness import (
     Proc,
     RelayConfig,

@@ -1,10 +1,10 @@
-"""The parking lot's SQL does exactly what the pure claim rules (sinks.claims) say.
+"""The parking lot's SQL does exactly what the pure claim rules (sinks.parking.claims) say.
 
 A hypothesis state machine parks rows, claims them (scheduled, by id, as
 several retriers), settles attempts with every outcome, changes the routing
 and moves a test clock - each step applied both to PostgreSQL through
-:class:`sinks.parking.ParkingLot` and to rows kept by the pure functions of
-:mod:`sinks.claims`. After every step the two must agree on every row: status,
+:class:`sinks.parking.lot.ParkingLot` and to rows kept by the pure functions of
+:mod:`sinks.parking.claims`. After every step the two must agree on every row: status,
 retry_count, next_retry_at, lease and routing fingerprint; and every claim
 must return the row the rules pick. The rules themselves are model-checked in
 tests/unit/test_claims_model.py.
@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from sinks import claims
-from sinks.claims import AttemptResult, ClaimRow, RowStatus
-from sinks.parking import ParkedEvent, ParkingLot, ParkRequest
+from sinks.parking import claims
+from sinks.parking.claims import AttemptResult, ClaimRow, RowStatus
+from sinks.parking.lot import ParkedEvent, ParkingLot, ParkRequest
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from sinks.routes import (
     route,
     user_sync_call,
 )
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 
 T = TypeVar("T")
 API_KEY = "stub-test-key"

@@ -22,7 +22,7 @@ from sinks import http1
 from sinks.engine import TLS_UNVERIFIED_WARNING, EngineClient, EngineTLS
 from sinks.errors import EngineMisconfigured, EngineUnavailable
 from sinks.routes import user_sync_call
-from sinks.stub import StubServer, StubTLS
+from sinks.stub.server import StubServer, StubTLS
 from tests.pki import Pki, make_pki
 from tests.proxy import ProxyServer
 

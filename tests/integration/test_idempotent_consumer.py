@@ -24,7 +24,7 @@ from confluent_kafka import ConsumerGroupTopicPartitions, Producer, TopicPartiti
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from cdc.outbox import OutboxEvent, write_event
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.idempotent import (
     ConsumerOptions,
     ConsumerUsageError,

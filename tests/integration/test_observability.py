@@ -39,20 +39,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from cdc.outbox import OutboxEvent, write_event
 from cdc.settings import Settings
 from sinks.engine import EngineClient
-from sinks.ops import group_lag
-from sinks.parking import ParkingLot
-from sinks.retrier import Retrier
-from sinks.stub import StubServer
-from sinks.trace import (
+from sinks.ops.lag import group_lag
+from sinks.parking.lot import ParkingLot
+from sinks.parking.retrier import Retrier
+from sinks.stub.server import StubServer
+from sinks.trace.model import (
     EventState,
     EventTrace,
     GroupPosition,
     TraceNotFound,
     crc32_partition,
     murmur2_partition,
-    trace_event,
-    trace_key,
 )
+from sinks.trace.search import trace_event, trace_key
 from tests.harness import (
     ROOT,
     Proc,

@@ -32,9 +32,9 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from cdc.ops import slot_status, unconfirmed_event_count
 from cdc.outbox import OutboxEvent, register_user, write_event
 from cdc.settings import Settings
-from cdc.stream import ReplicationStream
-from sinks.parking import ParkingLot, ParkRequest
-from sinks.stub import StubServer
+from cdc.wal.stream import ReplicationStream
+from sinks.parking.lot import ParkingLot, ParkRequest
+from sinks.stub.server import StubServer
 from tests.harness import (
     ROOT,
     RelayConfig,

@@ -11,9 +11,9 @@ import pytest
 
 from cdc.settings import Settings
 from sinks.engine import EngineClient
-from sinks.parking import ParkingLot, ParkRequest
-from sinks.retrier import Retrier, Scheduler
-from sinks.stub import StubServer
+from sinks.parking.lot import ParkingLot, ParkRequest
+from sinks.parking.retrier import Retrier, Scheduler
+from sinks.stub.server import StubServer
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from cdc.outbox import OutboxEvent, emit_event, register_user, submit_quiz_attempt, write_event
-from cdc.replproto import str_to_lsn
+from cdc.wal.replproto import str_to_lsn
 from tests.harness import (
     Proc,
     RelayConfig,

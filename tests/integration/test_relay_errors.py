@@ -26,8 +26,9 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from cdc.relay import DLQ_MINIMAL_FIELD_BYTES, POISON_MAX
-from cdc.replproto import str_to_lsn
+from cdc.relay.dead_letters import DLQ_MINIMAL_FIELD_BYTES
+from cdc.relay.state import POISON_MAX
+from cdc.wal.replproto import str_to_lsn
 from tests.harness import (
     Proc,
     RelayConfig,

@@ -18,7 +18,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from cdc.replproto import str_to_lsn
+from cdc.wal.replproto import str_to_lsn
 from tests.conftest import IN_CI, Services
 from tests.harness import (
     Proc,

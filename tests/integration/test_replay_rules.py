@@ -35,7 +35,7 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from sinks.consumer import consumer_config
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 from tests.harness import ROOT, RelayConfig, SinkConfig, start_sink, wait_until
 from tests.integration.test_ops import Ops, commit, committed, user_event
 

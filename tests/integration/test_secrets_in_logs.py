@@ -21,7 +21,7 @@ import pytest
 
 from cdc.migrate import migrate
 from cdc.outbox import register_user
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 from tests.conftest import PasswordDb
 from tests.harness import (
     Proc,

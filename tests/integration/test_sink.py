@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from cdc.outbox import OutboxEvent, register_user, write_event
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 from tests.harness import (
     Proc,
     RelayConfig,

@@ -20,8 +20,8 @@ import pytest
 from confluent_kafka import Consumer
 
 from cdc.outbox import OutboxEvent, write_event
-from sinks.parking import ParkingLot, ParkRequest
-from sinks.stub import StubServer
+from sinks.parking.lot import ParkingLot, ParkRequest
+from sinks.stub.server import StubServer
 from tests.harness import Proc, SinkConfig, start_sink, wait_until
 from tests.integration.test_sink import (
     _applied_ids,

@@ -17,7 +17,7 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.stub import StubServer
+from sinks.stub.server import StubServer
 from tests.harness import (
     Proc,
     RelayConfig,

@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry
 from cdc.errors import ConfigError
 from cdc.health import Liveness
 from cdc.settings import Settings
-from sinks.admin import (
+from sinks.engine import EngineClient
+from sinks.parking.admin import (
     MAX_EVENT_ID,
     RequestBodyError,
     RetryRequest,
@@ -33,8 +34,7 @@ from sinks.admin import (
     quote,
     retry_message,
 )
-from sinks.engine import EngineClient
-from sinks.guard import (
+from sinks.parking.guard import (
     MAX_HEADER_BYTES,
     MAX_HEADER_COUNT,
     Access,
@@ -45,8 +45,8 @@ from sinks.guard import (
     headers_too_large,
     token_digest,
 )
-from sinks.parking import ParkingLot
-from sinks.retrier import Retrier
+from sinks.parking.lot import ParkingLot
+from sinks.parking.retrier import Retrier
 
 TOKEN = "s3cret-admin-token"
 DIGEST = token_digest(TOKEN)
@@ -180,7 +180,7 @@ def test_the_token_is_compared_in_constant_time_over_equal_length_digests(
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr("sinks.guard.hmac.compare_digest", spy)
+    monkeypatch.setattr("sinks.parking.guard.hmac.compare_digest", spy)
     for presented in ("", "x", TOKEN[:-1], TOKEN, TOKEN + "x", "y" * 10_000):
         check_access([f"Bearer {presented}".encode()], DIGEST)
     assert calls == [(32, 32)] * 5, "every presented token goes through compare_digest"

@@ -1,4 +1,4 @@
-"""Parking-lot claims (sinks.claims) against a reference model of what retriers did.
+"""Parking-lot claims (sinks.parking.claims) against a reference model of what retriers did.
 
 Several retriers (sink instances) claim rows the way the SQL does - the
 oldest claimable row first, a live lease skipped - attempt them, settle them,
@@ -34,8 +34,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from sinks import claims
-from sinks.claims import AttemptResult, ClaimRow, RowStatus
+from sinks.parking import claims
+from sinks.parking.claims import AttemptResult, ClaimRow, RowStatus
 
 RETRIERS = ("a", "b", "c")
 LEASE_S = 10.0

@@ -48,7 +48,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from sinks.core import (
+from sinks.core.delivery import Envelope, Position
+from sinks.core.machine import (
     DELIVERED,
     Circuit,
     Commit,
@@ -62,8 +63,7 @@ from sinks.core import (
     SinkCore,
     Verdict,
 )
-from sinks.delivery import Envelope, Position
-from sinks.retry import Backoff, Jitter
+from sinks.core.retry import Backoff, Jitter
 
 TOPICS = ("user", "quiz")
 PARTITIONS = (0,)

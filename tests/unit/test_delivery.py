@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sinks.delivery import (
+from sinks.core.delivery import (
     Envelope,
     KeyScheduler,
     OffsetState,

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import pytest
 
 from sinks import http1
+from sinks.core.retry import classify
 from sinks.engine import EngineClient, EngineTimeouts
 from sinks.errors import EngineUnavailable
 from sinks.http1 import (
@@ -39,7 +40,6 @@ from sinks.http1 import (
     ResponseParser,
     WriteTimeout,
 )
-from sinks.retry import classify
 
 T = TypeVar("T")
 BACKENDS = ["httptools", "h11"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.idempotent import (
     RETRY_BACKOFF_CAP_S,
     AttemptBook,

@@ -1,4 +1,4 @@
-"""cdc.lsn.LsnTracker: the relay confirms only what Kafka holds.
+"""cdc.wal.lsn.LsnTracker: the relay confirms only what Kafka holds.
 
 Examples pin the contract; a hypothesis state machine drives random
 interleavings of open/add/ack/close/observe_wal_end, shaped like a real
@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from cdc.lsn import LsnTracker
+from cdc.wal.lsn import LsnTracker
 
 # --- examples ------------------------------------------------------------------
 

@@ -100,7 +100,9 @@ def test_every_metric_the_rules_or_dashboard_use_is_in_the_readme_reference() ->
 
 
 def test_readme_metrics_reference_names_only_metrics_the_code_defines() -> None:
-    source = "".join(p.read_text() for p in [*ROOT.glob("cdc/*.py"), *ROOT.glob("sinks/*.py")])
+    source = "".join(
+        p.read_text() for p in [*(ROOT / "cdc").rglob("*.py"), *(ROOT / "sinks").rglob("*.py")]
+    )
     rows = _table_rows(readme_section("### Metrics reference"))
     for name in rows:
         if name.startswith("outbox_"):

@@ -9,42 +9,46 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cdc.cli_ops import fmt_age, fmt_bytes, fmt_offset
+from cdc.cli.render import fmt_age, fmt_bytes, fmt_offset
 from cdc.settings import Settings
-from sinks.delivery import Envelope
-from sinks.ops import (
+from sinks.core.delivery import Envelope
+from sinks.errors import OpsUsageError
+from sinks.ops.offsets import (
     CommitRange,
     OffsetReset,
-    OpsUsageError,
-    PartitionAction,
     PartitionLag,
-    PartitionPlan,
-    RedeliverySelector,
-    ReplayKind,
-    ReplayPlan,
-    ReplaySpec,
-    TopicSelection,
     clamp_offset,
     commit_range,
     counting_position,
-    default_topic_filter,
-    group_is_active,
-    in_commit_order,
     lag_count,
     lag_rates,
     lag_totals,
-    named_partitions,
     out_of_range_warning,
+    partition_lag,
+    resume_offset,
+    sink_offset_reset,
+)
+from sinks.ops.plan import (
+    PartitionAction,
+    PartitionPlan,
+    ReplayKind,
+    ReplayPlan,
+    ReplaySpec,
+    group_is_active,
+    partition_action,
+    plan_partition,
+    replay_target,
+)
+from sinks.ops.selection import (
+    RedeliverySelector,
+    TopicSelection,
+    default_topic_filter,
+    in_commit_order,
+    named_partitions,
     parse_datetime_ms,
     parse_iso_duration_s,
     parse_topic_spec,
-    partition_action,
-    partition_lag,
-    plan_partition,
-    replay_target,
-    resume_offset,
     select_topics,
-    sink_offset_reset,
 )
 
 EARLIEST = OffsetReset.EARLIEST

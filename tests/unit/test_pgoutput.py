@@ -1,4 +1,4 @@
-"""cdc.pgoutput against real pgoutput v1 bytes captured from PostgreSQL.
+"""cdc.wal.pgoutput against real pgoutput v1 bytes captured from PostgreSQL.
 
 The vectors (``data/pgoutput/vectors.json``, made by ``data/pgoutput/capture.py``)
 carry expectations taken from the server (catalog, RETURNING, clock), not from
@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cdc.errors import DecodeError
-from cdc.pgoutput import (
+from cdc.wal.pgoutput import (
     UNCHANGED_TOAST,
     Begin,
     Commit,

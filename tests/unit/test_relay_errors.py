@@ -26,24 +26,16 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from cdc import relay as relay_mod
 from cdc.errors import KafkaUnavailableError, ProducerFatalError
 from cdc.kafkalog import KafkaClientEvents
-from cdc.lsn import LsnTracker
 from cdc.producer import TopicManager, discard_producer, make_producer
-from cdc.relay import (
-    DLQ_MINIMAL_FIELD_BYTES,
-    DLQ_RETRY_MIN_S,
-    POISON_MAX,
-    REBUILD_MAX_S,
-    REBUILD_MIN_S,
-    PoisonIds,
-    Relay,
-    RelayState,
-    Session,
-)
+from cdc.relay import loop as relay_mod
+from cdc.relay.dead_letters import DLQ_MINIMAL_FIELD_BYTES
+from cdc.relay.loop import REBUILD_MAX_S, REBUILD_MIN_S, Relay
+from cdc.relay.state import DLQ_RETRY_MIN_S, POISON_MAX, PoisonIds, RelayState, Session
 from cdc.router import DeadLetterCode
 from cdc.settings import Settings
+from cdc.wal.lsn import LsnTracker
 from tests.unit.test_relay_routing import (
     DeliveredMsg,
     FakeTopics,

@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, Producer
 
-from cdc import relay as relay_mod
-from cdc.lsn import LsnTracker
-from cdc.relay import Relay, Session
+from cdc.relay import loop as relay_mod
+from cdc.relay.loop import Relay
+from cdc.relay.state import Session
 from cdc.router import DeadLetterCode, TxContext, route_fields
 from cdc.settings import Settings
+from cdc.wal.lsn import LsnTracker
 
 OID = 16_400
 COLUMNS = ("id", "aggregatetype", "aggregateid", "type", "payload", "created_at")

@@ -1,4 +1,4 @@
-"""cdc.replproto: CopyData framing of the replication stream.
+"""cdc.wal.replproto: CopyData framing of the replication stream.
 
 Real frames come from ``data/pgoutput/vectors.json`` (``copy_frames``: what
 ``START_REPLICATION`` sent for the first two captured transactions, then the
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cdc.constants import PG_EPOCH_OFFSET_US
 from cdc.errors import DecodeError
-from cdc.replproto import (
+from cdc.wal.replproto import (
     Keepalive,
     XLogData,
     lsn_to_str,
@@ -227,7 +227,7 @@ def test_lsn_to_str_rejects_values_outside_64_bits(value: int) -> None:
 
 
 def test_xlog_payload_returns_the_pgoutput_bytes_of_xlogdata_only() -> None:
-    from cdc.replproto import xlog_payload
+    from cdc.wal.replproto import xlog_payload
 
     frame = b"w" + struct.pack(">QQq", 5, 6, 7) + b"Bpayload"
     assert xlog_payload(frame) == b"Bpayload"

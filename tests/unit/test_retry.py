@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sinks.errors import EngineMisconfigured, EngineRejected, EngineUnavailable, UserNotFound
-from sinks.retry import (
+from sinks.core.retry import (
     PARKING_RETRY_CAP_S,
     RETRY_AFTER_MAX_S,
     Backoff,
@@ -21,6 +20,7 @@ from sinks.retry import (
     parse_retry_after,
     retry_delay_s,
 )
+from sinks.errors import EngineMisconfigured, EngineRejected, EngineUnavailable, UserNotFound
 
 NOW_S = 1_750_000_000.0
 

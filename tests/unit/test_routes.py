@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cdc.errors import ConfigError
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.errors import Unroutable
 from sinks.routes import (
     QUIZ_ATTEMPTS_SYNC_PATH,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sinks.trace import (
+from sinks.trace.model import (
     EventState,
     FoundRecord,
     GroupPosition,

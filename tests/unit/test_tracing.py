@@ -26,7 +26,7 @@ from cdc.tracing import (
     trace_headers,
     tracing_enabled,
 )
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, Unroutable

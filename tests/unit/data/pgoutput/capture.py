@@ -1,4 +1,4 @@
-"""Capture real pgoutput (protocol v1) bytes as test vectors for ``cdc.pgoutput``.
+"""Capture real pgoutput (protocol v1) bytes as test vectors for ``cdc.wal.pgoutput``.
 
 What it guarantees: ``vectors.json`` next to this file holds bytes produced by a
 real PostgreSQL walsender/decoder, each with expectations derived *independently

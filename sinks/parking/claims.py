@@ -1,6 +1,6 @@
 """Parking-lot claims as a pure state machine: who may retry a row, and what an attempt does.
 
-:mod:`sinks.parking` carries these rules out in SQL (one statement per
+:mod:`sinks.parking.lot` carries these rules out in SQL (one statement per
 transition, the same predicates); ``tests/unit/test_claims_model.py`` checks
 the rules against a reference model and ``tests/integration/test_claims_sql.py``
 checks that the SQL does exactly what these functions do.
@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from sinks.retry import retry_delay_s
+from sinks.core.retry import retry_delay_s
 
 #: How long a claim holds a row. One retry is at most a quiz attempt, a user
 #: sync and the attempt again (3 requests of connect + read timeouts, ~15 s

@@ -55,8 +55,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from sinks.delivery import Envelope, KeyScheduler, OffsetWatermark, Position, TopicPartition
-from sinks.retry import Backoff
+from sinks.core.delivery import Envelope, KeyScheduler, OffsetWatermark, Position, TopicPartition
+from sinks.core.retry import Backoff
 
 #: Longest a commit may stay unconfirmed before it is sent again (a lost callback).
 COMMIT_TIMEOUT_S = 30.0

@@ -12,7 +12,7 @@ Guarantees:
 * a slot held by another walsender raises :class:`SlotInUseError` (the caller
   waits as a hot standby); a lost connection raises :class:`StreamError`.
 
-No protocol parsing happens here (see :mod:`cdc.replproto`, :mod:`cdc.pgoutput`).
+No protocol parsing happens here (see :mod:`cdc.wal.replproto`, :mod:`cdc.wal.pgoutput`).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from psycopg import pq, sql
 
 from cdc.errors import DatabaseSetupError, SlotInUseError, StreamError
 from cdc.migrate import check_wal_level
-from cdc.replproto import lsn_to_str, pg_now_us, standby_status_update, str_to_lsn
+from cdc.wal.replproto import lsn_to_str, pg_now_us, standby_status_update, str_to_lsn
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cdc.stream")
 
 Conn = psycopg.Connection[Any]
 

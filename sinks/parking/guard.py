@@ -42,7 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from cdc.errors import ConfigError
 from sinks.errors import SinkError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.guard")
 
 #: Largest request target plus header section (h11's default buffer, made
 #: explicit): ample for a bearer token and any client's usual headers.

@@ -4,7 +4,7 @@ Guarantees (Sink invariants 6 and 7):
 
 * a retry sends the event exactly as Kafka held it (type, payload, idempotency
   key, trace context), through the same dispatch as the consumer;
-* every row is retried under a lease (:mod:`sinks.claims`), one row at a
+* every row is retried under a lease (:mod:`sinks.parking.claims`), one row at a
   time, so any number of sink instances (and operators) never retry the same
   row at once, and each attempt is counted exactly once;
 * success turns the row DONE; a rejection spends an attempt (``retry_count+1``)
@@ -28,15 +28,15 @@ import uuid
 from dataclasses import dataclass, field
 
 from cdc.settings import Settings
-from sinks.claims import AttemptResult
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError
-from sinks.parking import ParkedEvent, ParkingLot
+from sinks.parking.claims import AttemptResult
+from sinks.parking.lot import ParkedEvent, ParkingLot
 from sinks.routes import Routing
 from sinks.tracing import engine_trace_headers
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.retrier")
 
 #: Parking-lot event type -> the record type to route a row whose headers lack it.
 _DEFAULT_TYPES = {"USER_SYNC": "UserRegistered", "QUIZ_SYNC": "QuizAttemptSubmitted"}

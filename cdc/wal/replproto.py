@@ -8,7 +8,7 @@ Guarantees:
   accepted. The XLogData payload is a zero-copy ``memoryview`` of the input.
 * :func:`standby_status_update` builds the ``'r'`` message the client sends
   back; positions are reported exactly as given (the caller decides what is
-  safe to confirm, see :mod:`cdc.lsn`).
+  safe to confirm, see :mod:`cdc.wal.lsn`).
 * Clock values on the wire are PostgreSQL-epoch (2000-01-01) microseconds; the
   ``send_time_us`` fields are left in that epoch, :func:`pg_now_us` gives the
   current time in it.

@@ -8,7 +8,7 @@ Guarantees:
 * a row is written before the sink counts its record as done, so an offset
   never moves past an event that is neither delivered nor parked;
   :meth:`ParkingLot.park_many` writes a batch in one round-trip;
-* claims are leases (:mod:`sinks.claims`, whose rules the SQL here carries
+* claims are leases (:mod:`sinks.parking.claims`, whose rules the SQL here carries
   out one statement per transition): a row is retried by one retrier at a
   time, at most once per due time, each attempt counted once, and a crashed
   claimer's lease expires;
@@ -33,10 +33,10 @@ import orjson
 import psycopg
 from psycopg.rows import dict_row
 
-from sinks.claims import CLAIM_LEASE_S, AttemptResult, RowStatus
-from sinks.retry import retry_delay_s
+from sinks.core.retry import retry_delay_s
+from sinks.parking.claims import CLAIM_LEASE_S, AttemptResult, RowStatus
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.parking")
 
 
 #: The row statuses (one enum for the rules and the repository).
@@ -105,7 +105,7 @@ class ParkRequest:
     retry_in_s: float
     #: Attempts already spent on it (inline): the row's retry_count starts there.
     attempts: int = 0
-    #: The routing configuration it was parked under (see sinks.claims).
+    #: The routing configuration it was parked under (see sinks.parking.claims).
     routes_fingerprint: str | None = None
 
 
@@ -141,13 +141,13 @@ RETURNING event_id
 
 #: The clock of a statement: the caller's ``now`` (tests) or the database's.
 _NOW = "COALESCE(%(now)s::timestamptz, now())"
-#: sinks.claims.claimable: not DONE, no live lease (a PENDING row without one
+#: sinks.parking.claims.claimable: not DONE, no live lease (a PENDING row without one
 #: was claimed by a version without leases, or its claimer crashed).
 _CLAIMABLE = (
     "status <> 'DONE' AND NOT (status = 'PENDING' AND claimed_until IS NOT NULL"
     f" AND claimed_until > {_NOW})"
 )
-#: Rows not under a live lease (sinks.claims.lease_live, negated).
+#: Rows not under a live lease (sinks.parking.claims.lease_live, negated).
 _UNLEASED = f"NOT (status = 'PENDING' AND claimed_until IS NOT NULL AND claimed_until > {_NOW})"
 _OPEN = (RowStatus.FAILED, RowStatus.PENDING)
 #: Filters of list_rows / accept: statuses, a sync type or a type header, ids.
@@ -374,7 +374,7 @@ class ParkingLot:
         fingerprint: str | None = None,
         now: datetime | None = None,
     ) -> bool:
-        """Record ``by``'s attempt on ``row`` (:func:`sinks.claims.settle`).
+        """Record ``by``'s attempt on ``row`` (:func:`sinks.parking.claims.settle`).
 
         False when ``by`` no longer holds the lease: the attempt is not counted.
         """

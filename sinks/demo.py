@@ -48,7 +48,8 @@ from cdc.outbox import (
 )
 from cdc.producer import TopicManager
 from cdc.settings import Settings
-from sinks.ops import group_lag, lag_totals
+from sinks.ops.lag import group_lag
+from sinks.ops.offsets import lag_totals
 
 #: How long the demo waits for the last event before it gives up.
 DEMO_TIMEOUT_S = 300.0

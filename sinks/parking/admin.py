@@ -3,7 +3,7 @@
 Guarantees:
 
 * every path but :data:`PUBLIC_PATHS` requires ``Authorization: Bearer
-  <ADMIN_API_TOKEN>``, checked by :class:`~sinks.guard.RequestGuard` before the
+  <ADMIN_API_TOKEN>``, checked by :class:`~sinks.parking.guard.RequestGuard` before the
   body is read: 401 (``WWW-Authenticate: Bearer``) whatever the body, 503 when no
   token is configured; bodies are bounded (413) by the same guard;
 * ``POST .../retry`` takes exactly what :class:`RetryRequest`'s schema says:
@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cdc.health import Liveness
 from sinks.errors import SinkError
-from sinks.guard import (
+from sinks.parking.guard import (
     DEFAULT_MAX_BODY_BYTES,
     MAX_HEADER_BYTES,
     MAX_HEADER_COUNT,
@@ -49,10 +49,10 @@ from sinks.guard import (
     checked_body_limit,
     error_response,
 )
-from sinks.parking import ParkedEvent, ParkingLot
-from sinks.retrier import Retrier, retry_message
+from sinks.parking.lot import ParkedEvent, ParkingLot
+from sinks.parking.retrier import Retrier, retry_message
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.admin")
 
 API_TITLE = "outbox-cdc sink"
 API_VERSION = "0.1.0"

@@ -1,0 +1,147 @@
+"""The ``outbox-cdc`` command group, its one error mapping, and the commands of other packages.
+
+Exit codes scripts can trust: 0 success, 1 the operation failed or found a
+problem (e.g. refused), 2 usage or configuration error.
+
+Guarantees:
+
+* Every command is registered through :func:`register`, which puts the one
+  error mapping (:func:`guarded`) around its callback: a :class:`ConfigError`
+  exits 2 with one ``error:`` line; a usage error a package declared exits 2
+  with the command's usage; a :class:`CdcError`, an error a package declared as
+  failed, or a PostgreSQL error exits 1 with one ``error:`` line (a psycopg
+  message never holds the DSN's password).
+* Other packages add commands through the entry-point group
+  :data:`COMMANDS_ENTRY_POINT_GROUP`: each entry point names a :class:`Plugin`.
+  This is how :mod:`sinks` adds its commands while ``cdc`` imports nothing of
+  it, and how a team can ship another sink as its own package.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from cdc.errors import CdcError, ConfigError
+from cdc.logs import setup_logging
+from cdc.settings import Settings
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+#: Where packages declare the commands they add to ``outbox-cdc`` (pyproject.toml).
+COMMANDS_ENTRY_POINT_GROUP = "outbox_cdc.commands"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Plugin:
+    """What a package adds to ``outbox-cdc``: its commands and how its errors exit.
+
+    ``usage_errors`` exit 2 with the command's usage (the operator asked for
+    something that makes no sense); ``failed_errors`` exit 1 with one line.
+    """
+
+    commands: tuple[click.Command, ...]
+    usage_errors: tuple[type[Exception], ...] = ()
+    failed_errors: tuple[type[Exception], ...] = ()
+
+
+@dataclass
+class _ErrorKinds:
+    """The exception types the mapping knows, beyond the kernel's own."""
+
+    usage: tuple[type[Exception], ...] = ()
+    failed: tuple[type[Exception], ...] = ()
+
+
+_KINDS = _ErrorKinds()
+
+
+def load_settings(*required: str) -> Settings:
+    """Settings from the environment, failing with exit 2 when one is missing."""
+    try:
+        return Settings.from_env().require(*required)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+@contextmanager
+def _mapped_errors() -> Iterator[None]:
+    import psycopg
+
+    failed: tuple[type[Exception], ...] = (CdcError, *_KINDS.failed)
+    try:
+        yield
+    except ConfigError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    except _KINDS.usage as exc:
+        raise click.UsageError(str(exc)) from exc
+    except failed as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    except psycopg.Error as exc:  # the message never holds the DSN's password
+        click.echo(f"error: PostgreSQL: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+def guarded(func: F) -> F:
+    """``func`` (a command's callback) with the CLI's one error mapping around it.
+
+    It runs inside the command's own context, so a usage error shows that
+    command's usage line.
+    """
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _mapped_errors():
+            return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _guard_tree(command: click.Command) -> None:
+    if command.callback is not None:
+        command.callback = guarded(command.callback)
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _guard_tree(sub)
+
+
+@click.group()
+@click.version_option(package_name="outbox-cdc")
+def main() -> None:
+    """outbox-cdc: PostgreSQL outbox -> WAL -> Kafka -> engine."""
+    setup_logging()
+
+
+def register(plugin: Plugin) -> None:
+    """Add ``plugin``'s commands to :data:`main`, each behind the one error mapping."""
+    _KINDS.usage += plugin.usage_errors
+    _KINDS.failed += plugin.failed_errors
+    for command in plugin.commands:
+        _guard_tree(command)
+        main.add_command(command)
+
+
+def register_installed() -> None:
+    """Register every :class:`Plugin` that an installed package declares."""
+    for entry in entry_points(group=COMMANDS_ENTRY_POINT_GROUP):
+        plugin = entry.load()
+        if not isinstance(plugin, Plugin):
+            raise TypeError(f"entry point {entry.name} ({entry.value}) is not a cdc.cli.Plugin")
+        register(plugin)
+
+
+def fail(message: str) -> NoReturn:
+    """One ``error:`` line on stderr, exit 1."""
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_FAILED)

@@ -1,0 +1,162 @@
+"""Rendering of the command line: the consoles, JSON, progress bars, the shared formats.
+
+Answers go to stdout: a rich table for people, or with ``--json`` one JSON
+document for scripts. Progress bars, warnings and errors go to stderr, so
+``--json`` output always parses. The formats here (ages, sizes, offsets) are
+the ones every command shows; the views of the kernel's answers (the
+replication slot) are here too. rich is imported inside each function so
+``outbox-cdc --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from cdc.ops import SlotStatus
+
+
+def out() -> Console:
+    """The console of answers (stdout)."""
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+def err() -> Console:
+    """The console of progress and warnings (stderr)."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def echo_json(value: object) -> None:
+    """One JSON document on stdout."""
+    click.echo(json.dumps(value, indent=2, default=str))
+
+
+def warn(lines: Sequence[str]) -> None:
+    """One ``warning:`` line on stderr for each of ``lines``."""
+    for line in lines:
+        click.echo(f"warning: {line}", err=True)
+
+
+def fmt_age(seconds: float | None) -> str:
+    """``None`` -> ``?``; 0.4 -> ``0.4s``; 75 -> ``1m15s``; 7300 -> ``2h01m``; 1d01h."""
+    if seconds is None:
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def fmt_bytes(count: int | None) -> str:
+    """``None`` -> ``?``; 512 -> ``512 B``; 1536 -> ``1.5 KiB``."""
+    if count is None:
+        return "?"
+    size = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_offset(offset: int | None) -> str:
+    """A committed offset, ``-`` for a group that never committed."""
+    return "-" if offset is None else str(offset)
+
+
+def fmt_resume(offset: int | None, *, out_of_range: bool) -> str:
+    """Where the consumer resumes; ``!`` marks a commit out of range, ``error`` no resume."""
+    text = "error" if offset is None else str(offset)
+    return f"{text} !" if out_of_range else text
+
+
+@contextmanager
+def progress_bar(*, enabled: bool = True) -> Iterator[Progress]:
+    """A transient rich progress display on stderr."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err(),
+        transient=True,
+        disable=not enabled,
+    )
+    with bar:
+        yield bar
+
+
+# --- the replication slot ---------------------------------------------------------------------
+
+
+def slot_line(slot: SlotStatus) -> str:
+    """The slot in one line (``lag`` shows it under the consumer group)."""
+    if not slot["exists"]:
+        return f"slot {slot['slot']}: does not exist"
+    state = f"active (PID {slot['active_pid']})" if slot["active"] else "inactive"
+    return (
+        f"slot {slot['slot']}: {state}, WAL lag {fmt_bytes(slot['wal_lag_bytes'])},"
+        f" lag time {fmt_age(slot['lag_time_s'])}, confirmed {slot['confirmed_flush_lsn']}"
+    )
+
+
+def slot_table(status: SlotStatus) -> Any:
+    """``slot status``: every field of the slot, one row each."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"replication slot {status['slot']}", title_justify="left", show_header=False
+    )
+    table.add_column("field")
+    table.add_column("value")
+    shown = {
+        "plugin": status["plugin"],
+        "active": f"yes (PID {status['active_pid']})" if status["active"] else "no",
+        "confirmed flush LSN": status["confirmed_flush_lsn"],
+        "restart LSN": status["restart_lsn"],
+        "current WAL LSN": status["current_wal_lsn"],
+        "WAL lag": fmt_bytes(status["wal_lag_bytes"]),
+        "retained WAL": fmt_bytes(status["retained_wal_bytes"]),
+        "WAL status": status["wal_status"],
+        "lag time": fmt_age(status["lag_time_s"]),
+        "oldest unconfirmed commit": status["oldest_unconfirmed_commit_ts"],
+        "note": status["lag_time_note"],
+    }
+    for name, value in shown.items():
+        table.add_row(name, "-" if value is None else str(value))
+    return table
+
+
+def drop_warning(status: SlotStatus, pending: int | None) -> str:
+    """What ``slot drop`` loses, shown before it asks."""
+    count = "an unknown number of" if pending is None else str(pending)
+    return (
+        f"[bold]slot {status['slot']}[/bold] confirmed {status['confirmed_flush_lsn']};"
+        f" {fmt_bytes(status['wal_lag_bytes'])} of WAL after it hold {count} outbox event(s)."
+        " Dropping the slot loses those not yet produced to Kafka: a new slot starts at the"
+        " current WAL position. Rebuild the engine afterwards with `outbox-cdc resync users`."
+    )

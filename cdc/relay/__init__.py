@@ -1,0 +1,15 @@
+"""The relay: committed outbox inserts from the WAL (pgoutput) into Kafka.
+
+What it is for: the ``outbox-cdc relay`` process. :mod:`.loop` holds the
+:class:`~cdc.relay.loop.Relay` (sessions, back-pressure, standby, shutdown),
+assembled from one mixin per role: :mod:`.fast_path` (pgoutput changes to
+records), :mod:`.producing` (the producer and its delivery reports),
+:mod:`.dead_letters` and :mod:`.monitor` (the slot-lag and heartbeat thread);
+:mod:`.state` and :mod:`.metrics` hold what they share. What it may import: the
+``cdc`` kernel (settings, errors, constants, LSN tracking, the WAL protocol and
+decoder, the router, the producer helpers), never :mod:`sinks` and never the
+command line. Invariants: the slot's confirmed LSN advances only past
+transactions all of whose records Kafka acknowledged (or dead-lettered and
+acknowledged); the stream never stalls on one row and never drops one; no error
+path ends the process.
+"""

@@ -1,0 +1,296 @@
+"""The relay's reading of pgoutput changes: the fast path from Insert bytes to a Kafka record.
+
+Guarantees: the fast path yields the very record :func:`cdc.router.route_fields`
+would, for the common case only (an outbox row of text values, all required
+columns present, a JSON payload, a known topic, a UTF-8 database); any other
+row is decoded fully and routed or dead-lettered with the precise reason.
+Outbox updates, deletes and truncates are counted and logged once a session,
+never published; a non-transactional outbox message is dead-lettered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from confluent_kafka import KafkaException
+
+from cdc import constants as c
+from cdc.errors import (
+    DecodeError,
+)
+from cdc.producer import (
+    TopicManager,
+)
+from cdc.relay.metrics import RelayMetrics
+from cdc.relay.state import PoisonIds, RefusedStep, SendStep, Session
+from cdc.router import (
+    ROUTED_COLUMNS,
+    DeadLetterCode,
+    KafkaRecord,
+    RouteError,
+    TxContext,
+    route_fields,
+    route_message,
+)
+from cdc.settings import Settings
+from cdc.wal import pgoutput as pgo
+from cdc.wal.replproto import Keepalive, lsn_to_str, parse_copy_data, xlog_payload
+
+log = logging.getLogger("cdc.relay")
+
+
+_TAG_INSERT, _TAG_BEGIN, _TAG_COMMIT = ord("I"), ord("B"), ord("C")
+
+
+_TAG_RELATION, _TAG_MESSAGE = ord("R"), ord("M")
+
+
+_IGNORED_CHANGES = {ord("U"): "update", ord("D"): "delete", ord("T"): "truncate"}
+
+
+#: Bound of the aggregatetype -> topic cache of the fast path.
+TOPIC_CACHE_MAX = 10_000
+
+
+_loads, _dumps, _JSONDecodeError = orjson.loads, orjson.dumps, orjson.JSONDecodeError
+
+
+_UNKNOWN: Any = object()
+
+
+def _decode(value: object) -> str | None:
+    """A text value of an Insert tuple as str (None for NULL)."""
+    if value is None:
+        return None
+    if value.__class__ is bytes:
+        return value.decode()
+    raise DecodeError("outbox row has a non-text value: the full row is not in the stream")
+
+
+class FastPath:
+    """The relay's part that reads pgoutput changes (a mixin of :class:`~cdc.relay.loop.Relay`)."""
+
+    if TYPE_CHECKING:
+        settings: Settings
+        metrics: RelayMetrics
+        poison: PoisonIds
+        _topics: TopicManager
+        _topic_of: dict[bytes, str]
+        _utf8: bool
+        _table: tuple[str, ...] | tuple[None, str]
+
+        def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None: ...
+
+        _send: SendStep
+        _refused: RefusedStep
+
+        def _dead_letter_route(
+            self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError
+        ) -> None: ...
+
+    def _handle(self, sess: Session, data: memoryview | bytes) -> None:
+        """One CopyData message of the replication stream."""
+        payload = xlog_payload(data)
+        if payload is None:
+            msg = parse_copy_data(data)
+            if isinstance(msg, Keepalive):
+                sess.tracker.observe_wal_end(msg.wal_end)
+                if msg.reply_requested:
+                    sess.reply_requested = True
+            return
+        self._on_change(sess, payload)
+
+    def _on_change(self, sess: Session, payload: bytes) -> None:
+        """One pgoutput message (the payload of an XLogData message)."""
+        if not payload:
+            raise DecodeError("empty pgoutput message")
+        tag = payload[0]
+        if tag == _TAG_INSERT:
+            self._on_insert(sess, payload)
+        elif tag == _TAG_BEGIN:
+            begin = pgo.decode(payload)
+            assert isinstance(begin, pgo.Begin)
+            sess.tx_id = begin.final_lsn
+            sess.tx = TxContext(lsn_to_str(begin.final_lsn), begin.commit_ts_us)
+            sess.tracker.open(begin.final_lsn)
+        elif tag == _TAG_COMMIT:
+            commit = pgo.decode(payload)
+            assert isinstance(commit, pgo.Commit) and sess.tx_id is not None
+            sess.tracker.close(sess.tx_id, commit.end_lsn)
+            sess.tx_id = sess.tx = None
+        elif tag == _TAG_RELATION:
+            rel = pgo.decode(payload)
+            assert isinstance(rel, pgo.Relation)
+            sess.relations.update(rel)
+            sess.outbox_oids.pop(rel.oid, None)
+        elif tag == _TAG_MESSAGE:
+            self._on_message(sess, pgo.decode(payload))
+        elif tag in _IGNORED_CHANGES:
+            self._on_ignored(sess, _IGNORED_CHANGES[tag])
+
+    def _on_ignored(self, sess: Session, kind: str) -> None:
+        """Outbox updates/deletes/truncates: counted, logged once a session, never published."""
+        self.metrics.ignored.labels(kind).inc()
+        if kind not in sess.ignored_kinds:
+            sess.ignored_kinds.add(kind)
+            log.info(
+                "publication %s sends outbox %ss: counted, not published",
+                self.settings.publication,
+                kind,
+            )
+
+    def _is_outbox(self, rel: pgo.Relation) -> bool:
+        schema, name = self._table
+        return rel.name == name and (schema is None or rel.namespace == schema)
+
+    def _on_insert(self, sess: Session, payload: bytes) -> None:
+        """An Insert: the fast path routes straight from the message bytes.
+
+        It handles the common case - an outbox row of text values, all
+        required columns present, a JSON payload, a known topic, a UTF-8
+        database - and yields the very record :func:`route_fields` would. Any
+        other row goes to :meth:`_on_insert_decoded`, which decodes it fully
+        and dead-letters or raises with the precise reason.
+        """
+        tx, tx_id = sess.tx, sess.tx_id
+        found = pgo.insert_text_values(payload) if tx is not None else None
+        if found is None:
+            self._on_insert_decoded(sess, pgo.decode(payload))
+            return
+        oid, values = found
+        index = sess.outbox_oids.get(oid, _UNKNOWN)
+        if index is _UNKNOWN:
+            index = self._outbox_index(sess, oid)
+        if index is None:
+            return
+        ncols, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace = index
+        if len(values) != ncols or not self._utf8:
+            self._on_insert_decoded(sess, pgo.decode(payload))
+            return
+        event_id = values[i_id]
+        aggtype = values[i_aggtype]
+        topic = self._topic_of.get(aggtype) if aggtype is not None else None
+        key, event_type, doc = values[i_agg], values[i_type], values[i_payload]
+        if topic is None or not (event_id and key and event_type and doc):
+            self._on_insert_decoded(sess, pgo.decode(payload))
+            return
+        try:
+            value = _dumps(_loads(doc))
+        except _JSONDecodeError:
+            self._on_insert_decoded(sess, pgo.decode(payload))
+            return
+        assert tx is not None and tx_id is not None
+        headers = [
+            (c.HEADER_ID, event_id),
+            (c.HEADER_TYPE, event_type),
+            (c.HEADER_AGGREGATE_TYPE, aggtype),
+            tx.lsn_header,
+            tx.ts_header,
+        ]
+        trace = values[i_trace] if i_trace >= 0 else None
+        if trace:
+            headers.append((c.HEADER_TRACEPARENT, trace))
+        if self.poison and event_id in self.poison:  # (C-level checks: the hot path)
+            self._produce(
+                sess,
+                tx_id,
+                KafkaRecord(topic, key, value, headers, tx.timestamp_ms, event_id.decode()),
+            )
+            return
+        sess.tracker.add(tx_id)
+        try:
+            self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
+        except KafkaException as exc:
+            self._refused(sess, tx_id, exc, topic, key, value, headers, tx.timestamp_ms)
+
+    def _on_insert_decoded(self, sess: Session, ins: Any) -> None:
+        """An Insert the fast path did not take: decoded fully, routed or dead-lettered."""
+        assert isinstance(ins, pgo.Insert)
+        if sess.tx is None or sess.tx_id is None:
+            raise DecodeError("pgoutput Insert outside a transaction")
+        oid = ins.relation_oid
+        index = sess.outbox_oids.get(oid, _UNKNOWN)
+        if index is _UNKNOWN:
+            index = self._outbox_index(sess, oid)
+        if index is None:
+            return
+        ncols, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace = index
+        values = ins.new
+        if len(values) != ncols:
+            raise DecodeError(f"row of relation {oid} does not match its Relation message")
+        try:
+            # Insert tuples hold bytes or None (unchanged-TOAST exists only in updates).
+            trace = values[i_trace] if i_trace >= 0 else None
+            record = route_fields(
+                _decode(values[i_id]),
+                _decode(values[i_aggtype]),
+                _decode(values[i_agg]),
+                _decode(values[i_type]),
+                _decode(values[i_payload]),
+                _decode(trace),
+                sess.tx,
+                self.settings.topic_prefix,
+            )
+        except UnicodeDecodeError as exc:
+            self._dead_letter_route(
+                sess,
+                sess.tx_id,
+                sess.tx,
+                RouteError(f"outbox row is not valid UTF-8: {exc}", code=DeadLetterCode.NOT_UTF8),
+            )
+            return
+        except RouteError as exc:
+            self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
+            return
+        self._produce(sess, sess.tx_id, record)
+        aggtype = values[i_aggtype]
+        if isinstance(aggtype, bytes) and record.topic in self._topics.known:
+            if len(self._topic_of) >= TOPIC_CACHE_MAX:
+                self._topic_of.clear()
+            self._topic_of[aggtype] = record.topic
+
+    def _outbox_index(self, sess: Session, oid: int) -> tuple[int, ...] | None:
+        """Column count, then positions of :data:`ROUTED_COLUMNS` in relation ``oid``
+        (-1: absent); None when it is not the outbox. Cached until its next Relation."""
+        rel = sess.relations.get(oid)
+        index: tuple[int, ...] | None = None
+        if self._is_outbox(rel):
+            names = [col.name for col in rel.columns]
+            index = (len(names), *(names.index(n) if n in names else -1 for n in ROUTED_COLUMNS))
+        sess.outbox_oids[oid] = index
+        return index
+
+    def _on_message(self, sess: Session, msg: Any) -> None:
+        assert isinstance(msg, pgo.Message)
+        if msg.prefix != c.OUTBOX_MESSAGE_PREFIX:
+            return
+        if sess.tx is None or sess.tx_id is None:
+            # A non-transactional outbox message: never atomic with business
+            # data, so it is dead-lettered rather than published.
+            tx = TxContext(lsn_to_str(msg.lsn), int(time.time() * 1_000_000))
+            # msg.lsn is the record's end; a following commit may start there,
+            # so the pseudo-transaction's id sits just below it.
+            sess.tracker.open(msg.lsn - 1)
+            self._dead_letter_route(
+                sess,
+                msg.lsn - 1,
+                tx,
+                RouteError(
+                    "non-transactional outbox message (use pg_logical_emit_message(true, ...))",
+                    code=DeadLetterCode.NON_TRANSACTIONAL,
+                    raw=bytes(msg.content),
+                ),
+            )
+            sess.tracker.close(msg.lsn - 1, msg.lsn)
+            return
+        try:
+            record = route_message(
+                bytes(msg.content), sess.tx, topic_prefix=self.settings.topic_prefix
+            )
+        except RouteError as exc:
+            self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
+            return
+        self._produce(sess, sess.tx_id, record)

@@ -1,0 +1,85 @@
+"""The relay's Prometheus metrics, in a registry of its own.
+
+Guarantees: every label set is bounded - topics (the outbox's aggregate
+types), dead-letter codes (:class:`cdc.router.DeadLetterCode`, a fixed set),
+librdkafka error names and the relay's states; never an event's own values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class RelayMetrics:
+    """The relay's Prometheus metrics, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.relayed = Counter(
+            "outbox_relay_events_total",
+            "Events acknowledged by Kafka",
+            ["topic"],
+            registry=registry,
+        )
+        self.dead_lettered = Counter(
+            "outbox_relay_dead_lettered_total",
+            "Events written to the dead-letter topic, by reason code (cdc.router.DeadLetterCode)",
+            ["reason"],
+            registry=registry,
+        )
+        self.dead_letter_retries = Counter(
+            "outbox_relay_dead_letter_retries_total",
+            "Dead letters that could not be written and were scheduled again",
+            registry=registry,
+        )
+        self.producer_rebuilds = Counter(
+            "outbox_relay_producer_rebuilds_total",
+            "Producers purged, closed and rebuilt after a librdkafka fatal error",
+            registry=registry,
+        )
+        self.poison_ids = Gauge(
+            "outbox_relay_poison_ids",
+            "Event ids remembered as refused by Kafka (bounded LRU)",
+            registry=registry,
+        )
+        self.ignored = Counter(
+            "outbox_relay_ignored_changes_total",
+            "Outbox updates/deletes/truncates seen and not published",
+            ["kind"],
+            registry=registry,
+        )
+        self.kafka_errors = Counter(
+            "outbox_relay_kafka_errors_total",
+            "librdkafka errors (producer and admin client) and failed delivery reports, by code",
+            ["code"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "outbox_relay_commit_to_ack_seconds",
+            "Transaction commit to Kafka ack",
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+        self.confirmed_lsn = Gauge(
+            "outbox_relay_confirmed_lsn", "LSN last confirmed to the slot", registry=registry
+        )
+        self.slot_lag = Gauge(
+            "outbox_relay_slot_lag_bytes",
+            "pg_current_wal_lsn() - confirmed_flush_lsn",
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "outbox_relay_in_flight", "Records produced, not yet acknowledged", registry=registry
+        )
+        self.state = Gauge(
+            "outbox_relay_state", "1 for the current state", ["state"], registry=registry
+        )
+        self._relayed_children: dict[str, Any] = {}
+
+    def relayed_in(self, topic: str) -> Any:
+        """The per-topic child of ``relayed`` (cached: ``labels()`` is slow per record)."""
+        child = self._relayed_children.get(topic)
+        if child is None:
+            child = self._relayed_children[topic] = self.relayed.labels(topic)
+        return child

@@ -1,0 +1,110 @@
+"""``outbox-cdc failed``: the parking lot - list, retry, accept as skipped.
+
+Calls the synchronous parking-lot wrappers of :mod:`sinks.ops`; ``retry`` has
+the admin API's rules and counts.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from cdc.cli.app import EXIT_FAILED, fail, load_settings
+from cdc.cli.render import echo_json, out
+from sinks.cli import render
+
+
+@click.group()
+def failed() -> None:
+    """The parking lot: list, retry, accept as skipped."""
+
+
+_STATUSES = ("FAILED", "PENDING", "DONE")
+
+
+@failed.command("list")
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option(
+    "--type",
+    "event_type",
+    help="USER_SYNC, QUIZ_SYNC, UNROUTABLE, or a record type such as UserEmailChanged",
+)
+@click.option(
+    "--status",
+    "statuses",
+    type=click.Choice(_STATUSES),
+    multiple=True,
+    help="repeatable; default FAILED and PENDING",
+)
+@click.option("--json", "as_json", is_flag=True, help="the rows as JSON on stdout")
+def failed_list(
+    limit: int, event_type: str | None, statuses: tuple[str, ...], as_json: bool
+) -> None:
+    """The oldest parked events (by default what the admin API lists: FAILED/PENDING)."""
+    from sinks.ops.parking import parked_events
+
+    rows = parked_events(
+        load_settings("pg_dsn"),
+        limit=limit,
+        statuses=statuses or ("FAILED", "PENDING"),
+        event_type=event_type,
+    )
+    if as_json:
+        echo_json({"count": len(rows), "events": [r.as_json() for r in rows]})
+        return
+    out().print(render.parked_table(rows))
+
+
+@failed.command("accept")
+@click.option("--id", "ids", type=int, multiple=True, help="parked event id; repeatable")
+@click.option("--type", "event_type", help="every open row of this sync type or record type")
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+@click.option("--json", "as_json", is_flag=True, help="the ids marked DONE as JSON on stdout")
+def failed_accept(ids: tuple[int, ...], event_type: str | None, yes: bool, as_json: bool) -> None:
+    """Mark open parked events DONE without sending them ("accept as skipped").
+
+    For events nobody needs delivered, e.g. a type the engine has no use for;
+    the previous error stays in last_error. Rows being retried right now are
+    left alone.
+    """
+    from sinks.ops.parking import accept_parked, count_acceptable
+
+    if not ids and not event_type:
+        raise click.UsageError("give --id N (repeatable) and/or --type T")
+    settings = load_settings("pg_dsn")
+    count = count_acceptable(settings, ids=list(ids) or None, event_type=event_type)
+    if count == 0:
+        fail("no open parked event matches")
+    what = f"{count} open parked event(s)" + (f" of type {event_type}" if event_type else "")
+    if not yes and not click.confirm(f"mark {what} DONE without sending them?", err=True):
+        fail("nothing changed")
+    accepted = accept_parked(settings, ids=list(ids) or None, event_type=event_type)
+    if as_json:
+        echo_json({"accepted_count": len(accepted), "event_ids": accepted})
+    else:
+        out().print(f"marked {len(accepted)} parked event(s) DONE (accepted as skipped)")
+
+
+@failed.command("retry")
+@click.option("--id", "ids", type=int, multiple=True, help="parked event id; repeatable")
+@click.option("--all", "retry_all", is_flag=True, help="every FAILED/PENDING row (up to 100)")
+@click.option("--json", "as_json", is_flag=True, help="the admin API's answer on stdout")
+def failed_retry(ids: tuple[int, ...], retry_all: bool, as_json: bool) -> None:
+    """Retry parked events now; exit 1 if any still fails.
+
+    Same rules and counts as the admin API (processed_count, done_count,
+    failed_count): an engine outage spends no attempt, a rejection does.
+    """
+    from sinks.ops.parking import retry_parked
+
+    if bool(ids) == retry_all:
+        raise click.UsageError("give --id N (repeatable) or --all")
+    summary = retry_parked(load_settings("pg_dsn"), ids=list(ids) or None, retry_all=retry_all)
+    ok = summary.failed_count == 0 and not summary.unknown_ids and not summary.busy_ids
+    if as_json:
+        echo_json(render.retry_answer(summary, ok=ok))
+    else:
+        render.show_retry(summary)
+    if not ok:
+        sys.exit(EXIT_FAILED)

@@ -1,0 +1,86 @@
+"""Commands that run the sink side: ``sink``, ``engine-stub``, ``demo``.
+
+Each parses its options, builds settings and calls one library function
+(:func:`sinks.service.run_sink`, :func:`sinks.stub.run_stub`,
+:func:`sinks.demo.run_demo`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from cdc.cli.app import load_settings
+
+
+@click.command()
+def sink() -> None:
+    """Deliver outbox events from Kafka to the engine (consumer group; runs until SIGTERM)."""
+    import asyncio
+
+    from sinks.service import run_sink
+
+    settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    logging.getLogger("sinks").info(
+        "sink starting with %s", settings.safe_summary(), extra={"state": "starting"}
+    )
+    sys.exit(asyncio.run(run_sink(settings)))
+
+
+@click.command("engine-stub")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to bind")
+@click.option("--port", type=int, default=None, help="port (default ENGINE_STUB_PORT, 8081)")
+@click.option(
+    "--latency-ms",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="fixed latency added to every engine request",
+)
+def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
+    """Run the engine stub: a real HTTP server standing in for the engine.
+
+    HTTPS with ENGINE_STUB_TLS_CERT and ENGINE_STUB_TLS_KEY; client certificates
+    signed by ENGINE_STUB_CLIENT_CA required when that is set too.
+    """
+    from sinks.stub.server import StubTLS, run_stub
+
+    settings = load_settings()
+    tls = None
+    if settings.engine_stub_tls_cert or settings.engine_stub_tls_key:
+        settings.require("engine_stub_tls_cert", "engine_stub_tls_key")
+        tls = StubTLS(
+            certfile=settings.engine_stub_tls_cert,
+            keyfile=settings.engine_stub_tls_key,
+            client_ca=settings.engine_stub_client_ca,
+        )
+    run_stub(
+        host=host,
+        port=port or settings.engine_stub_port,
+        api_key=settings.internal_api_key.get_secret_value(),
+        latency_ms=latency_ms,
+        tls=tls,
+    )
+
+
+@click.command()
+@click.option("--users", type=int, default=500, show_default=True, help="users to register")
+@click.option(
+    "--attempts-per-user", type=int, default=5, show_default=True, help="quiz attempts per user"
+)
+@click.option(
+    "--log-dir",
+    type=click.Path(file_okay=False),
+    default=".dev",
+    show_default=True,
+    help="where the children's logs go",
+)
+def demo(users: int, attempts_per_user: int, log_dir: str) -> None:
+    """Run the whole pipeline on the local stack with a burst of events and a summary."""
+    from pathlib import Path
+
+    from sinks.demo import run_demo
+
+    run_demo(users=users, attempts_per_user=attempts_per_user, log_dir=Path(log_dir))

@@ -1,0 +1,12 @@
+"""The sink's pure core: its decisions, offset bookkeeping and retry policy - no I/O.
+
+What it is for: everything the sink decides. :mod:`.machine` is the one state
+machine (events in, actions out: deliver, pause, park, commit), :mod:`.delivery`
+the offset watermarks and per-key ordering, :mod:`.retry` what an engine
+response means and how long to wait. The shells (:mod:`sinks.consumer`,
+:mod:`sinks.kafka_worker`) only drive them. What it may import: the kernel's
+constants and :mod:`sinks.errors`; nothing that does I/O. Invariants: an
+offset is committed only after every record at or below it is delivered or
+parked; records of one key start in offset order, one at a time; engine-wide
+trouble pauses and spends no attempt.
+"""

@@ -1,0 +1,93 @@
+"""Synchronous faces of the parking lot (:mod:`sinks.parking.lot`) for the command line.
+
+Guarantees: each call opens the lot, does one thing with the same rules as the
+admin API (a retry spends no attempt on an engine outage, a rejection does;
+rows being retried elsewhere are left alone) and closes the lot again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from cdc.settings import Settings
+from sinks.engine import EngineClient
+from sinks.errors import (
+    OpsUsageError,
+)
+from sinks.parking.lot import ParkedEvent, ParkingLot
+from sinks.parking.retrier import Retrier, RetrySummary
+
+#: Every AdminClient / metadata / offset request gives up after this: long
+
+
+_T = TypeVar("_T")
+
+
+def parked_events(
+    settings: Settings,
+    *,
+    limit: int = 100,
+    statuses: Sequence[str] = ("FAILED", "PENDING"),
+    event_type: str | None = None,
+) -> list[ParkedEvent]:
+    """The oldest ``limit`` rows of the parking lot in ``statuses``, of ``event_type`` if given."""
+    return asyncio.run(
+        _with_lot(
+            settings,
+            lambda lot: lot.list_rows(statuses=statuses, event_type=event_type, limit=limit),
+        )
+    )
+
+
+def count_acceptable(
+    settings: Settings, *, ids: Sequence[int] | None, event_type: str | None
+) -> int:
+    """How many open rows :func:`accept_parked` would mark DONE."""
+    return asyncio.run(
+        _with_lot(
+            settings,
+            lambda lot: lot.count_acceptable(ids=list(ids) if ids else None, event_type=event_type),
+        )
+    )
+
+
+def accept_parked(
+    settings: Settings, *, ids: Sequence[int] | None, event_type: str | None
+) -> list[int]:
+    """Mark open rows DONE without sending them ("accept as skipped"); the ids marked."""
+    if not ids and not event_type:
+        raise OpsUsageError("give parked event ids or an event type")
+    return asyncio.run(
+        _with_lot(
+            settings,
+            lambda lot: lot.accept(ids=list(ids) if ids else None, event_type=event_type),
+        )
+    )
+
+
+def parking_counts(settings: Settings) -> dict[str, int]:
+    """Rows of the parking lot per status (FAILED, PENDING, DONE)."""
+    return asyncio.run(_with_lot(settings, lambda lot: lot.counts()))
+
+
+def retry_parked(settings: Settings, *, ids: Sequence[int] | None, retry_all: bool) -> RetrySummary:
+    """Retry chosen rows (or every open row, up to 100) exactly as the admin API does."""
+    if not ids and not retry_all:
+        raise OpsUsageError("give parked event ids or retry_all")
+
+    async def run(lot: ParkingLot) -> RetrySummary:
+        async with EngineClient.from_settings(settings) as engine:
+            retrier = Retrier(lot=lot, engine=engine, settings=settings)
+            return await retrier.retry(list(ids) if ids else None, retry_all=retry_all)
+
+    return asyncio.run(_with_lot(settings, run))
+
+
+async def _with_lot(settings: Settings, use: Callable[[ParkingLot], Awaitable[_T]]) -> _T:
+    lot = ParkingLot(settings.require("pg_dsn").pg_dsn.get_secret_value())
+    try:
+        return await use(lot)
+    finally:
+        await lot.close()

@@ -1,0 +1,244 @@
+"""Fault injection of the engine stub (pure): rules, their JSON form, the replies they force.
+
+Guarantees: an instruction is validated whole before anything changes (an
+unknown key, a status outside 100-599, a malformed header map raise
+``ValueError`` naming the problem); the most specific matching rule answers
+(an event-id rule, then a path rule, then a catch-all; the first added wins a
+tie); a rule used up is removed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
+
+Headers = tuple[tuple[bytes, bytes], ...]
+
+ENGINE_PATHS = frozenset({USERS_SYNC_PATH, QUIZ_ATTEMPTS_SYNC_PATH})
+
+
+FAULT_KEYS = frozenset(
+    {"path", "event_id", "statuses", "status", "times", "headers", "body", "apply"}
+)
+
+
+CONTROL_KEYS = frozenset({"latency_ms", "refuse_connections_s"})
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """An HTTP response: status, JSON body bytes, extra headers."""
+
+    status: int
+    body: bytes
+    headers: Headers = ()
+
+
+def json_reply(status: int, value: object, headers: Headers = ()) -> Reply:
+    """A compact JSON reply."""
+    return Reply(status, json.dumps(value, separators=(",", ":")).encode(), headers)
+
+
+class FaultRule:
+    """One injected failure: which requests it hits and the statuses it answers.
+
+    Matching, most specific first: a rule naming an ``event_id``, then one
+    naming a ``path``, then one naming neither (every engine request). Each
+    matching request consumes one status of ``statuses``; ``forever_status``
+    answers every match once ``statuses`` is used up. With ``apply`` the
+    request is processed normally and only the answer is replaced (the engine
+    applied it, the response was lost).
+    """
+
+    def __init__(
+        self,
+        *,
+        path: str | None = None,
+        event_id: str | None = None,
+        statuses: Iterable[int] = (),
+        forever_status: int | None = None,
+        reply: tuple[object, Headers, bool] = ({"error": "injected_fault"}, (), False),
+    ) -> None:
+        self.path = path
+        self.event_id = event_id
+        self.statuses = deque(statuses)
+        self.forever_status = forever_status
+        self.body, self.headers, self.apply = reply
+
+    @property
+    def rank(self) -> int:
+        """0 for an event-id rule, 1 for a path rule, 2 for a catch-all."""
+        if self.event_id is not None:
+            return 0
+        return 1 if self.path is not None else 2
+
+    @property
+    def exhausted(self) -> bool:
+        """No status left to answer."""
+        return not self.statuses and self.forever_status is None
+
+    def matches(self, path: str, event_id: str) -> bool:
+        """Whether a request to ``path`` with key ``event_id`` hits this rule."""
+        if self.event_id is not None and self.event_id != event_id:
+            return False
+        return self.path is None or self.path == path
+
+    def take(self) -> Reply:
+        """Consume the next status and build its reply."""
+        status = self.statuses.popleft() if self.statuses else self.forever_status
+        assert status is not None  # never taken when exhausted
+        return json_reply(status, self.body, self.headers)
+
+    def describe(self) -> dict[str, object]:
+        """The rule as JSON for ``GET /_stub/faults``."""
+        return {
+            "path": self.path,
+            "event_id": self.event_id,
+            "statuses": list(self.statuses),
+            "forever_status": self.forever_status,
+            "headers": {k.decode(): v.decode() for k, v in self.headers},
+            "body": self.body,
+            "apply": self.apply,
+        }
+
+
+def parse_fault_rule(spec: Mapping[str, Any]) -> FaultRule:
+    """A rule from its JSON form; ``ValueError`` naming the problem.
+
+    ``{"path"|"event_id": ..., "statuses": [503, 503]}`` answers those in turn;
+    ``{"status": 400, "times": n}`` answers n times (``-1``: forever); optional
+    ``"headers": {"Retry-After": "2"}``, ``"body": <json>``, ``"apply": true``.
+    """
+    unknown = set(spec) - FAULT_KEYS
+    if unknown:
+        raise ValueError(f"unknown fault keys: {sorted(unknown)}")
+    path = _optional_str(spec, "path")
+    if path is not None and path not in ENGINE_PATHS:
+        raise ValueError(f"path must be one of {sorted(ENGINE_PATHS)}")
+    statuses, forever = _parse_statuses(spec)
+    reply = (spec.get("body", {"error": "injected_fault"}), _parse_headers(spec), _apply(spec))
+    return FaultRule(
+        path=path,
+        event_id=_optional_str(spec, "event_id"),
+        statuses=statuses,
+        forever_status=forever,
+        reply=reply,
+    )
+
+
+def _optional_str(spec: Mapping[str, Any], key: str) -> str | None:
+    value = spec.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string")
+    return value
+
+
+def _status(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 100 <= value <= 599:
+        raise ValueError(f"status {value!r} is not an HTTP status code")
+    return value
+
+
+def _parse_statuses(spec: Mapping[str, Any]) -> tuple[list[int], int | None]:
+    if "statuses" in spec:
+        if "status" in spec or not isinstance(spec["statuses"], list) or not spec["statuses"]:
+            raise ValueError("statuses must be a non-empty list (and not combined with status)")
+        return [_status(s) for s in spec["statuses"]], None
+    if "status" not in spec:
+        raise ValueError("a fault rule needs statuses or status")
+    status = _status(spec["status"])
+    times = spec.get("times", 1)
+    if not isinstance(times, int) or times < -1 or times == 0:
+        raise ValueError("times must be a positive integer or -1 (forever)")
+    return ([], status) if times == -1 else ([status] * times, None)
+
+
+def _parse_headers(spec: Mapping[str, Any]) -> Headers:
+    headers = spec.get("headers", {})
+    if not isinstance(headers, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+    ):
+        raise ValueError("headers must map strings to strings")
+    return tuple((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())
+
+
+def _apply(spec: Mapping[str, Any]) -> bool:
+    value = spec.get("apply", False)
+    if not isinstance(value, bool):
+        raise ValueError("apply must be true or false")
+    return value
+
+
+class Faults:
+    """The active fault rules and the fixed latency of every engine request."""
+
+    def __init__(self, *, latency_ms: float = 0.0) -> None:
+        self.rules: list[FaultRule] = []
+        self.latency_ms = latency_ms
+
+    def take(self, path: str, event_id: str) -> FaultRule | None:
+        """The most specific rule hitting this request (first added wins a tie), or ``None``."""
+        best: FaultRule | None = None
+        for rule in self.rules:
+            if rule.matches(path, event_id) and (best is None or rule.rank < best.rank):
+                best = rule
+        return best
+
+    def consume(self, rule: FaultRule) -> Reply:
+        """The rule's next reply; a rule used up is removed."""
+        reply = rule.take()
+        if rule.exhausted:
+            self.rules.remove(rule)
+        return reply
+
+    def clear(self) -> None:
+        """No rules, no latency."""
+        self.rules.clear()
+        self.latency_ms = 0.0
+
+    def describe(self) -> dict[str, object]:
+        """The faults as JSON."""
+        return {"latency_ms": self.latency_ms, "rules": [r.describe() for r in self.rules]}
+
+
+def fault_instructions(body: bytes) -> list[dict[str, Any]]:
+    """The body of ``POST /_stub/faults`` as a list of objects with known keys."""
+    try:
+        spec = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"body is not JSON: {exc}") from exc
+    instructions = spec if isinstance(spec, list) else [spec]
+    if not all(isinstance(i, dict) for i in instructions):
+        raise ValueError("a fault instruction is a JSON object (or a list of them)")
+    for instruction in instructions:
+        unknown = set(instruction) - FAULT_KEYS - CONTROL_KEYS
+        if unknown:
+            raise ValueError(f"unknown fault keys: {sorted(unknown)}")
+    return instructions
+
+
+def control_values(instructions: list[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """``latency_ms`` and ``refuse_connections_s`` asked for (the last one wins), validated."""
+    latency_ms: float | None = None
+    outage_s: float | None = None
+    for instruction in instructions:
+        if "latency_ms" in instruction:
+            latency_ms = _non_negative(instruction["latency_ms"])
+        if "refuse_connections_s" in instruction:
+            outage_s = _non_negative(instruction["refuse_connections_s"])
+    return latency_ms, outage_s
+
+
+def rule_part(instruction: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in instruction.items() if k in FAULT_KEYS}
+
+
+def _non_negative(value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative number")
+    return float(value)
