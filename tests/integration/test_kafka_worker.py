@@ -14,7 +14,7 @@ import time
 import pytest
 
 from cdc.kafkalog import KafkaClientEvents
-from sinks.delivery import Envelope
+from sinks.core.delivery import Envelope
 from sinks.kafka_worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS, KafkaWorker
 from tests.harness import create_topics, produce, wait_until
 
