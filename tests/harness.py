@@ -153,7 +153,11 @@ def start_relay(
     port = free_port()
     proc = Proc(["relay"], cfg.env(port), tmp / f"{name}.log").start()
     if wait_ready:
-        wait_for_ready(proc, port)
+        try:
+            wait_for_ready(proc, port)
+        except BaseException:
+            proc.close()  # never leave the process and its log file behind a failed start
+            raise
     return proc, port
 
 
@@ -270,7 +274,11 @@ def start_sink(
     """
     port = free_port()
     proc = Proc(["sink"], cfg.env(port), tmp / f"{name}.log").start()
-    wait_for_ready(proc, port, path="/readyz" if wait_ready else "/healthz")
+    try:
+        wait_for_ready(proc, port, path="/readyz" if wait_ready else "/healthz")
+    except BaseException:
+        proc.close()  # never leave the process and its log file behind a failed start
+        raise
     return proc, port
 
 

@@ -89,7 +89,8 @@ def test_logs_of_a_full_run_and_its_error_paths_hold_no_secret(
         sink_cfg.api_key = WRONG_API_KEY
         with psycopg.connect(password_db.keyvalue_dsn) as conn:
             register_user(conn, email=f"late-{unique}@s.example", display_name="S")
-        refused, refused_port = start_sink(sink_cfg, tmp_path, name="sink-401")
+        # not ready for long: the first delivery meets the 401 (wait for it alive only)
+        refused, refused_port = start_sink(sink_cfg, tmp_path, name="sink-401", wait_ready=False)
         procs.append(refused)
         ready = f"http://127.0.0.1:{refused_port}/readyz"
         wait_until(lambda: httpx.get(ready).status_code == 503, 60, "readyz to report the 401")
