@@ -327,8 +327,8 @@ def _recover(
                 cur.itersize = FETCH_ROWS
                 cur.execute(query, params)
                 for row in cur:
-                    ts_us = int(row[6].timestamp() * 1_000_000)
-                    publisher.send(_record(row, TxContext(lsn, ts_us, origin_header), settings, mark))
+                    tx = TxContext(lsn, int(row[6].timestamp() * 1_000_000), origin_header)
+                    publisher.send(_record(row, tx, settings, mark))
             conn.execute("COMMIT")
         publisher.wait_acked()
     finally:
