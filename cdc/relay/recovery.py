@@ -113,7 +113,7 @@ def open_gap(settings: Settings, found: Inspection) -> gaps.HistoryRow:
     assert verdict.action is Action.GAP and verdict.cause is not None
     with connect(settings) as conn:
         if verdict.gap_id is None:
-            reason = _unrecoverable(conn, settings, found.last)
+            reason = why_unrecoverable(conn, settings, found.last)
             last = found.last
             gaps.record_gap(
                 conn,
@@ -132,7 +132,8 @@ def open_gap(settings: Settings, found: Inspection) -> gaps.HistoryRow:
     return row
 
 
-def _unrecoverable(conn: Conn, settings: Settings, last: LastRecord | None) -> str | None:
+def why_unrecoverable(conn: Conn, settings: Settings, last: LastRecord | None) -> str | None:
+    """Why the table cannot replay a gap after ``last`` (None: it can)."""
     ids_in_table = 0
     if last is not None and last.newest_ids and settings.outbox_keeps_rows:
         row = conn.execute(
