@@ -99,7 +99,7 @@ def slot_recover_cmd(execute: bool, as_json: bool) -> None:
     if not execute:
         with recovery.connect(settings) as conn:
             reason = recovery.why_unrecoverable(conn, settings, found.last)
-        plan = {
+        plan: dict[str, object] = {
             "gap": True,
             "executed": False,
             "cause": verdict.cause.value if verdict.cause else None,
