@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from cdc.backlog import BacklogLimits, BacklogState, SlotMeasures, judge
 from cdc.gaps import HistoryRow
 from cdc.lineage import LastRecord, Origin, origin_value
 from cdc.relay.gap import Action, GapCause, decide, unrecoverable_reason
@@ -231,3 +232,15 @@ def test_origin_round_trips_and_rides_on_every_record_of_the_transaction() -> No
     tx = TxContext("0/10", 1_796_036_361_123_456, ("origin", value.encode()))
     record = route_fields("e1", "user", "k", "T", "{}", None, tx, "p.")
     assert dict(record.headers)["origin"] == value.encode()
+
+
+def test_the_backlog_guard_is_over_while_a_gap_is_unrecovered() -> None:
+    limits = BacklogLimits(
+        max_relay_age_s=60, max_slot_lag_bytes=1 << 30, max_group_age_s=300, retry_after_s=5
+    )
+    missing = SlotMeasures(relay_age_s=None, slot_lag_bytes=None, problems=("no slot",))
+    assert judge(missing, None, limits).state is BacklogState.UNKNOWN
+    gap = SlotMeasures(relay_age_s=None, slot_lag_bytes=None, gap="slot s gap 3 open (slot_lost)")
+    verdict = judge(gap, None, limits)
+    assert verdict.state is BacklogState.OVER
+    assert verdict.exceeded == ("gap: slot s gap 3 open (slot_lost)",)
