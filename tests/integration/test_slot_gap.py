@@ -311,3 +311,34 @@ def test_prune_keeps_unconfirmed_rows_and_rows_inside_the_horizon(
     assert young in left, "inside the horizon"
     assert unpublished[0] in left, "not confirmed by the slot (not in Kafka yet)"
     assert not set(old) & left, "published and older than the horizon: pruned"
+
+
+def test_a_recovery_that_died_half_way_is_done_again_at_the_next_start(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    relay, _ = _run_relay(cfg, tmp_path, "first")
+    published = _write(cfg.db_dsn, 3)
+    read_topics(cfg.kafka, [cfg.topic_prefix + AGG], expect=3, idle_s=0.5)
+    relay.terminate()
+    relay.close()
+    drop_slot(cfg.db_dsn, cfg.slot)
+    stranded = _write(cfg.db_dsn, 5)
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        # What a relay killed during its recovery leaves: the gap open, the new slot made
+        # (after the stranded rows, so it does not hold them), nothing re-published.
+        conn.execute(
+            "INSERT INTO outbox_cdc_slot_history (slot, event, cause, detail, state, window_start)"
+            " VALUES (%s, 'gap', 'slot_missing', 'killed during recovery', 'open',"
+            " now() - interval '1 minute')",
+            (cfg.slot,),
+        )
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (cfg.slot,))
+    relay2, _ = _run_relay(cfg, tmp_path, "second")
+    try:
+        msgs = read_topics(cfg.kafka, [cfg.topic_prefix + AGG], expect=8)
+        assert set(published + stranded) <= _ids(msgs)
+        assert set(stranded) <= _ids(msgs, recovered=True)
+        assert "killed during recovery" in relay2.log_path.read_text()
+    finally:
+        relay2.close()
+    assert _history(cfg)[-1][:3] == ("gap", "slot_missing", "recovered")
