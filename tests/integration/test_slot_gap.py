@@ -172,7 +172,8 @@ def test_first_start_then_a_dropped_slot_is_recovered_with_writers_going_on(
         writer.more(20)
         assert relay.terminate() == 0
         before_drop = writer.more(20)
-        drop_slot(cfg.db_dsn, cfg.slot)
+        dropped = json.loads(_cli(cfg, "slot", "drop", "--yes", "--json").stdout)
+        assert dropped["dropped"] is True and dropped["slot"] == cfg.slot
         writer.more(20)
         relay2, port = _run_relay(cfg, tmp_path, "second")
         try:
