@@ -325,6 +325,16 @@ def test_a_recovery_that_died_half_way_is_done_again_at_the_next_start(
     drop_slot(cfg.db_dsn, cfg.slot)
     stranded = _write(cfg.db_dsn, 5)
     with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        # Two rows that cannot become records: dead-lettered by the recovery, never dropped.
+        poison = [
+            str(row[0])
+            for row in conn.execute(
+                "INSERT INTO outbox (aggregatetype, aggregateid, type, payload) VALUES"
+                " (%s, 'big', 'T', jsonb_build_object('blob', repeat('x', 1100000))),"
+                " (%s, '', 'T', '{}') RETURNING id",
+                (AGG, AGG),
+            ).fetchall()
+        ]
         # What a relay killed during its recovery leaves: the gap open, the new slot made
         # (after the stranded rows, so it does not hold them), nothing re-published.
         conn.execute(
@@ -340,6 +350,11 @@ def test_a_recovery_that_died_half_way_is_done_again_at_the_next_start(
         assert set(published + stranded) <= _ids(msgs)
         assert set(stranded) <= _ids(msgs, recovered=True)
         assert "killed during recovery" in relay2.log_path.read_text()
+        dead = read_topics(cfg.kafka, [cfg.dlq_topic], expect=2)
+        assert set(poison) <= _ids(dead, recovered=True)
+        reasons = {headers_of(m)["dlq.reason"].decode() for m in dead}
+        assert any("lacks aggregateid" in r for r in reasons), reasons
+        assert any("Kafka refused" in r for r in reasons), reasons
     finally:
         relay2.close()
     assert _history(cfg)[-1][:3] == ("gap", "slot_missing", "recovered")
