@@ -142,6 +142,8 @@ def slot_table(status: SlotStatus) -> Any:
         "WAL lag": fmt_bytes(status["wal_lag_bytes"]),
         "retained WAL": fmt_bytes(status["retained_wal_bytes"]),
         "WAL status": status["wal_status"],
+        "safe WAL size": _safe_size(status),
+        "gap": _gap_line(status["gap"]),
         "lag time": fmt_age(status["lag_time_s"]),
         "oldest unconfirmed commit": status["oldest_unconfirmed_commit_ts"],
         "note": status["lag_time_note"],
@@ -149,6 +151,29 @@ def slot_table(status: SlotStatus) -> Any:
     for name, value in shown.items():
         table.add_row(name, "-" if value is None else str(value))
     return table
+
+
+def _safe_size(status: SlotStatus) -> str | None:
+    """WAL left before max_slot_wal_keep_size invalidates the slot (``no limit`` at -1)."""
+    if not status["exists"]:
+        return None
+    size = status["safe_wal_size_bytes"]
+    return "no limit (max_slot_wal_keep_size = -1)" if size is None else fmt_bytes(size)
+
+
+def _gap_line(row: dict[str, object] | None) -> str | None:
+    """The slot's latest history row in one line (``slot status``)."""
+    if row is None:
+        return None
+    if row["event"] == "created":
+        return f"none (slot created {row['detected_at']} at a first start)"
+    head = f"{row['id']} {row['state']}: {row['cause']} (found {row['detected_at']})"
+    window = f" window {row['window_start'] or 'first row'} .. {row['window_end'] or 'now'}"
+    if row["state"] == "recovered":
+        return f"{head};{window}; {row['rows_recovered']} rows in {row['seconds']:.1f}s"
+    if row["state"] == "accepted":
+        return f"{head};{window}; loss accepted by {row['accepted_by']}"
+    return f"{head}: {row['detail']}"
 
 
 def drop_warning(status: SlotStatus, pending: int | None) -> str:
