@@ -42,9 +42,17 @@ def test_malformed_value_names_the_variable() -> None:
 
 def test_kafka_config_prefix_passes_librdkafka_settings_through() -> None:
     s = Settings.from_env(
-        {"KAFKA_CONFIG_SECURITY_PROTOCOL": "SASL_SSL", "KAFKA_CONFIG_LINGER_MS": "10"}
+        {
+            "KAFKA_CONFIG_SECURITY_PROTOCOL": "SASL_SSL",
+            "KAFKA_CONFIG_SASL_MECHANISMS": "PLAIN",  # librdkafka's default GSSAPI is not built in
+            "KAFKA_CONFIG_LINGER_MS": "10",
+        }
     )
-    assert s.kafka_config == {"security.protocol": "SASL_SSL", "linger.ms": "10"}
+    assert s.kafka_config == {
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanisms": "PLAIN",
+        "linger.ms": "10",
+    }
 
 
 def test_missing_required_setting_names_the_variable() -> None:
