@@ -30,13 +30,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from cdc.errors import CdcError, ConfigError
 from cdc.logs import setup_logging
 from cdc.settings import Settings
+
+if TYPE_CHECKING:
+    from cdc.check import Probe
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -52,11 +55,13 @@ class Plugin:
 
     ``usage_errors`` exit 2 with the command's usage (the operator asked for
     something that makes no sense); ``failed_errors`` exit 1 with one line.
+    ``checks`` are the package's probes for ``outbox-cdc check`` (name, probe).
     """
 
     commands: tuple[click.Command, ...]
     usage_errors: tuple[type[Exception], ...] = ()
     failed_errors: tuple[type[Exception], ...] = ()
+    checks: tuple[tuple[str, Probe], ...] = ()
 
 
 @dataclass
@@ -65,6 +70,7 @@ class _ErrorKinds:
 
     usage: tuple[type[Exception], ...] = ()
     failed: tuple[type[Exception], ...] = ()
+    checks: tuple[tuple[str, Probe], ...] = ()
 
 
 _KINDS = _ErrorKinds()
@@ -162,6 +168,7 @@ def register(plugin: Plugin) -> None:
     """Add ``plugin``'s commands to :data:`main`, each behind the one error mapping."""
     _KINDS.usage += plugin.usage_errors
     _KINDS.failed += plugin.failed_errors
+    _KINDS.checks += plugin.checks
     for command in plugin.commands:
         _guard_tree(command)
         main.add_command(command)
@@ -192,6 +199,11 @@ def confirm(question: str, *, yes: bool, refused: str = "nothing changed") -> No
         answered = False
     if not answered:
         fail(refused)
+
+
+def registered_checks() -> tuple[tuple[str, Probe], ...]:
+    """The probes the registered packages add to ``outbox-cdc check``."""
+    return _KINDS.checks
 
 
 def fail(message: str) -> NoReturn:
