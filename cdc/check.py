@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from cdc.settings import Settings
+from cdc.settings import Settings, redact_dsn
 
 #: How long one probe waits for PostgreSQL or Kafka before it reports them unreachable.
 PROBE_TIMEOUT_S = 5.0
@@ -76,7 +76,7 @@ def run_probes(settings: Settings, probes: Sequence[tuple[str, Probe]]) -> list[
     for name, probe in probes:
         try:
             findings.extend(probe(settings))
-        except Exception as exc:  # noqa: BLE001 - a preflight reports, it does not crash
+        except Exception as exc:
             findings.append(fail(name, f"{type(exc).__name__}: {exc}"))
     return findings
 
@@ -86,9 +86,7 @@ def run_probes(settings: Settings, probes: Sequence[tuple[str, Probe]]) -> list[
 
 def postgres(settings: Settings) -> Iterator[Finding]:
     """Reachable, ``wal_level``, the role's privileges, the outbox, publication and slot."""
-    import psycopg
-
-    from cdc.settings import redact_dsn
+    import psycopg  # noqa: PLC0415 - this module is imported with the CLI: keep --help fast
 
     if not settings.pg_dsn.get_secret_value():
         yield fail("postgresql", "CDC_PG_DSN is not set")
@@ -105,7 +103,9 @@ def postgres(settings: Settings) -> Iterator[Finding]:
         return
     with conn:
         version = _one(conn, "SHOW server_version")
-        yield ok("postgresql", f"reachable, PostgreSQL {version}, as {_one(conn, 'SELECT current_user')}")
+        yield ok(
+            "postgresql", f"reachable, PostgreSQL {version}, as {_one(conn, 'SELECT current_user')}"
+        )
         yield from _wal_level(conn)
         yield from _privileges(conn)
         yield from _outbox_and_publication(conn, settings)
@@ -230,19 +230,18 @@ def _slot(conn: Any, settings: Settings) -> Iterator[Finding]:
 
 def kafka(settings: Settings) -> Iterator[Finding]:
     """Brokers reachable; the outbox topics and their partition counts."""
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient
+    from confluent_kafka import KafkaException  # noqa: PLC0415 - see postgres()
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415
 
     if not settings.kafka_bootstrap_servers:
         yield fail("kafka", "KAFKA_BOOTSTRAP_SERVERS is not set")
         return
-    admin = AdminClient(
-        {
-            **settings.kafka_config,
-            "bootstrap.servers": settings.kafka_bootstrap_servers,
-            "logger": _quiet_logger(),
-        }
-    )
+    conf: dict[str, Any] = {
+        **settings.kafka_config,
+        "bootstrap.servers": settings.kafka_bootstrap_servers,
+        "logger": _quiet_logger(),
+    }
+    admin = AdminClient(conf)
     try:
         metadata = admin.list_topics(timeout=PROBE_TIMEOUT_S)
     except KafkaException as exc:

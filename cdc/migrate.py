@@ -192,9 +192,7 @@ class MigrationState:
         }
 
 
-def status(
-    dsn: str, *, directory: Path | None = None, demo: bool = False
-) -> list[MigrationState]:
+def status(dsn: str, *, directory: Path | None = None, demo: bool = False) -> list[MigrationState]:
     """Every known migration, applied or pending, in order; reads only.
 
     Demo files are listed when applied, or with ``demo`` when pending.

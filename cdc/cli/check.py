@@ -35,7 +35,10 @@ def check(as_json: bool) -> None:
     except ConfigError as exc:
         findings = [fail("settings", str(exc))]
     else:
-        findings = [ok("settings", "valid"), *run_probes(settings, (*KERNEL_PROBES, *registered_checks()))]
+        findings = [
+            ok("settings", "valid"),
+            *run_probes(settings, (*KERNEL_PROBES, *registered_checks())),
+        ]
     failing = [f for f in findings if f.status is Status.FAIL]
     if as_json:
         echo_json({"ok": not failing, "findings": [f.as_json() for f in findings]})

@@ -20,7 +20,9 @@ from cdc.cli.render import echo_json, migration_table, out
 
 @click.command()
 @click.option("--demo", is_flag=True, help="also the demo's tables (users, quiz_attempts)")
-@click.option("--status", "show_status", is_flag=True, help="list applied and pending; change nothing")
+@click.option(
+    "--status", "show_status", is_flag=True, help="list applied and pending; change nothing"
+)
 @click.option("--json", "as_json", is_flag=True, help="the answer as JSON on stdout")
 def migrate(demo: bool, show_status: bool, as_json: bool) -> None:
     """Apply pending SQL migrations (sql/NNN_*.sql), once each, in order.

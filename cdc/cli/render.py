@@ -169,9 +169,7 @@ def migration_table(states: Sequence[MigrationState]) -> Any:
     from rich.table import Table
 
     pending = sum(1 for s in states if s.applied_at is None)
-    table = Table(
-        title=f"{len(states) - pending} applied, {pending} pending", title_justify="left"
-    )
+    table = Table(title=f"{len(states) - pending} applied, {pending} pending", title_justify="left")
     for name in ("version", "file", "part", "applied at"):
         table.add_column(name, overflow="fold")
     for s in states:

@@ -68,7 +68,9 @@ def _never_committed(report: PipelineLag, sink_group: str) -> list[str]:
     """A group without a commit on any partition shown: its "lag" measures nothing."""
     if not report.partitions or any(p.committed_offset is not None for p in report.partitions):
         return []
-    hint = "" if report.group == sink_group else f" (the sink's group is SINK_GROUP_ID={sink_group})"
+    hint = (
+        "" if report.group == sink_group else f" (the sink's group is SINK_GROUP_ID={sink_group})"
+    )
     return [
         f"consumer group {report.group} has never committed an offset on these topics:"
         f" no such group, or its sink never ran{hint}"
