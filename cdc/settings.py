@@ -58,6 +58,20 @@ _LOWERCASE_FALLBACK = ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")
 
 #: Numeric settings that may be negative, and what a negative value means.
 NEGATIVE_ALLOWED = frozenset({"topic_replication_factor"})  # -1: the broker's default
+#: Numeric settings that must be above 0 (0 would stall or divide: no partitions, no
+#: request in flight, a zero timeout, a scheduler spinning).
+POSITIVE = frozenset(
+    {
+        "topic_partitions",
+        "relay_max_in_flight",
+        "sink_max_in_flight",
+        "retry_batch_size",
+        "admin_api_max_body_bytes",
+        "engine_connect_timeout_s",
+        "engine_read_timeout_s",
+        "scheduler_interval_s",
+    }
+)
 #: Highest TCP port number.
 MAX_PORT = 65535
 #: URL settings: attribute -> the schemes it takes.
@@ -191,12 +205,14 @@ class Settings(BaseSettings):
     @field_validator("*")
     @classmethod
     def _numbers_in_range(cls, value: Any, info: ValidationInfo) -> Any:
-        """Counts, sizes and durations are never negative; a port is 0..65535."""
+        """Counts, sizes and durations are never negative (some > 0); a port is 1..65535."""
         name = info.field_name or ""
         if isinstance(value, bool) or not isinstance(value, int | float):
             return value
         if name.endswith("_port") and not 1 <= value <= MAX_PORT:
             raise ValueError(f"expected a TCP port, 1..{MAX_PORT}")
+        if value <= 0 and name in POSITIVE:
+            raise ValueError("expected a number > 0")
         if value < 0 and name not in NEGATIVE_ALLOWED:
             raise ValueError("expected a number >= 0")
         return value
