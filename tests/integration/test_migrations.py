@@ -152,3 +152,34 @@ def test_wal_level_other_than_logical_names_setting_and_fix() -> None:
 def test_real_server_runs_logical_wal(pg_server: str) -> None:
     with psycopg.connect(pg_server) as conn:
         check_wal_level(conn)
+
+
+def _cli(dsn: str, *args: str) -> Any:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "migrate", *args],
+        env={**os.environ, "CDC_PG_DSN": dsn},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_migrate_status_and_json_from_the_command_line(empty_db_dsn: str) -> None:
+    before = _cli(empty_db_dsn, "--status", "--json")
+    applied = _cli(empty_db_dsn, "--json")
+    after = _cli(empty_db_dsn, "--status", "--demo", "--json")
+
+    assert before["applied"] == []
+    assert [m["version"] for m in before["pending"]] == applied["applied"]
+    assert applied["demo"] is False
+    assert [m["version"] for m in after["pending"]] == ["002"]
+    assert after["pending"][0]["part"] == "demo"
+    assert all(m["applied_at"] for m in after["applied"])
