@@ -13,6 +13,13 @@ Guarantees:
 * every value is validated by pydantic for its type; a bad or unknown setting
   raises :class:`cdc.errors.ConfigError` naming the variable (and never the
   value of a secret);
+* beyond its type, every value is checked for what the processes need, so a
+  mistake stops the start with one message instead of failing later: numbers
+  are never negative (:data:`NEGATIVE_ALLOWED` excepted) and some never 0
+  (:data:`POSITIVE`), ports are 1..65535, URLs (:data:`URL_SCHEMES`) have a
+  scheme and a host, ``LOG_LEVEL`` / ``LOG_FORMAT`` are known names, and the
+  ``KAFKA_CONFIG_*`` settings pass librdkafka's own validation (a throwaway
+  producer and consumer); their values are never shown (a SASL password);
 * secrets (the DSN, ``INTERNAL_API_KEY``, ``ADMIN_API_TOKEN``, proxy URLs that
   may carry credentials) are :class:`pydantic.SecretStr`: ``repr``, ``str``
   and :meth:`Settings.safe_summary` never show them; code that needs the value
