@@ -361,16 +361,21 @@ class _Silent(logging.Logger):
 def check_kafka_config(config: Mapping[str, str]) -> None:
     """Raise ``ValueError`` naming the ``KAFKA_CONFIG_*`` variable librdkafka refuses.
 
-    Builds a throwaway producer and consumer (neither connects: no bootstrap
-    servers) so librdkafka validates names and values exactly as it will at
-    start. Its message quotes the value, which may be a password: the message
-    is rebuilt from the property's name only.
+    Builds a throwaway producer (with the relay's own defaults under the
+    settings, as the relay will) and consumer; neither connects (no bootstrap
+    servers), so librdkafka validates names and values as it will at start.
+    Its message quotes the value, which may be a password: the message is
+    rebuilt from the property's name only.
     """
     from confluent_kafka import Consumer, KafkaException, Producer  # noqa: PLC0415 - heavy
 
-    for client, extra in ((Producer, {}), (Consumer, {"group.id": "outbox-cdc-config-check"})):
+    from cdc.producer import producer_config  # noqa: PLC0415 - it imports this module
+
+    as_relay: dict[str, Any] = producer_config("", config)  # the relay's defaults under it
+    as_consumer: dict[str, Any] = {**config, "group.id": "outbox-cdc-config-check"}
+    for client, conf in ((Producer, as_relay), (Consumer, as_consumer)):
         try:
-            client({**config, **extra, "logger": _Silent()})
+            client({**conf, "logger": _Silent()})
         except (KafkaException, ValueError, TypeError) as exc:
             raise ValueError(_kafka_config_problem(str(exc), config)) from None
 
