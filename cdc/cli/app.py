@@ -160,8 +160,8 @@ def main() -> None:
 
     with _mapped_errors():  # LOG_LEVEL=LOUD: one line, exit 2, before anything logs
         env = {k: v for k, v in os.environ.items() if k in ("LOG_LEVEL", "LOG_FORMAT")}
-        logging = build(Settings, **env)
-    setup_logging(logging.log_level.value, logging.log_format.value)
+        chosen = build(Settings, **env)
+    setup_logging(chosen.log_level.value, chosen.log_format.value)
 
 
 def register(plugin: Plugin) -> None:
