@@ -5,9 +5,15 @@ Guarantees:
 * files ``NNN_name.sql`` are applied in numeric order, each in its own
   transaction together with its row in ``outbox_cdc_schema_migrations``, so a
   failing file leaves nothing of itself behind;
+* the product schema (``sql/NNN_*.sql``: the outbox, its publication, the
+  parking lot, its leases and functions) is all ``migrate`` creates; the demo's
+  tables (``sql/demo/NNN_*.sql``: ``users``, ``quiz_attempts``) only with
+  ``demo=True``. Both share one numbering and one ledger, so a database
+  migrated before the split (its ``002`` recorded) stays valid as it is;
 * a second run applies nothing (the recorded versions are skipped);
 * an applied file whose text changed since is refused, not silently re-run;
 * two concurrent runs serialise on an advisory lock;
+* :func:`status` reads the ledger and changes nothing (no table is created);
 * a server whose ``wal_level`` is not ``logical`` is refused up front with the fix;
 * the files are found without a checkout: an installed wheel carries them as
   package data (``cdc/sql``), a checkout has them in ``sql/``.
@@ -20,6 +26,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +46,24 @@ _CREATE_HISTORY = (
 )
 
 
+#: Sub-directory of the SQL directory holding the demo domain's migrations.
+DEMO_SUBDIR = "demo"
+
+
+class Part(StrEnum):
+    """Whose schema a migration file belongs to."""
+
+    PRODUCT = "product"
+    DEMO = "demo"
+
+
 @dataclass(frozen=True)
 class Migration:
     """One migration file."""
 
     version: str
     path: Path
+    part: Part = Part.PRODUCT
 
     @property
     def sql(self) -> str:
@@ -69,21 +88,30 @@ def sql_dir() -> Path:
     return PACKAGED_SQL_DIR if PACKAGED_SQL_DIR.is_dir() else CHECKOUT_SQL_DIR
 
 
-def discover(directory: Path | None = None) -> list[Migration]:
-    """The migration files of ``directory`` in application order."""
+def discover(directory: Path | None = None, *, demo: bool = False) -> list[Migration]:
+    """The migration files of ``directory`` (and its ``demo/`` with ``demo``) in order.
+
+    The numbers are unique over both parts, whichever is asked for.
+    """
     directory = directory or sql_dir()
     if not directory.is_dir():
         raise MigrationError(f"migration directory {directory} not found (set CDC_SQL_DIR)")
-    found = []
-    for path in directory.iterdir():
-        match = _FILE_RE.match(path.name)
-        if match:
-            found.append(Migration(version=match.group(1), path=path))
+    found = _files(directory, Part.PRODUCT) + _files(directory / DEMO_SUBDIR, Part.DEMO)
     found.sort(key=lambda m: int(m.version))
     versions = [m.version for m in found]
     if len(set(versions)) != len(versions):
         raise MigrationError(f"duplicate migration numbers in {directory}: {versions}")
-    return found
+    return [m for m in found if demo or m.part is Part.PRODUCT]
+
+
+def _files(directory: Path, part: Part) -> list[Migration]:
+    if not directory.is_dir():
+        return []
+    return [
+        Migration(version=match.group(1), path=path, part=part)
+        for path in directory.iterdir()
+        if (match := _FILE_RE.match(path.name))
+    ]
 
 
 def check_wal_level(conn: psycopg.Connection[Any]) -> None:
@@ -98,9 +126,12 @@ def check_wal_level(conn: psycopg.Connection[Any]) -> None:
         )
 
 
-def migrate(dsn: str, *, directory: Path | None = None) -> list[str]:
-    """Apply every pending migration; return the versions applied by this run."""
-    migrations = discover(directory)
+def migrate(dsn: str, *, directory: Path | None = None, demo: bool = False) -> list[str]:
+    """Apply every pending migration; return the versions applied by this run.
+
+    The product schema only, unless ``demo`` (then the demo's tables too).
+    """
+    migrations = discover(directory, demo=demo)
     applied_now: list[str] = []
     with psycopg.connect(dsn, autocommit=True) as conn:
         check_wal_level(conn)
@@ -140,3 +171,48 @@ def _apply(conn: psycopg.Connection[Any], migration: Migration) -> None:
             )
     except psycopg.Error as exc:
         raise MigrationError(f"migration {migration.path.name} failed: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class MigrationState:
+    """One migration as ``migrate --status`` shows it."""
+
+    version: str
+    name: str
+    part: Part | None  # None: recorded in the ledger, no such file here
+    applied_at: str | None  # ISO-8601; None: pending
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "version": self.version,
+            "name": self.name,
+            "part": self.part.value if self.part else None,
+            "applied": self.applied_at is not None,
+            "applied_at": self.applied_at,
+        }
+
+
+def status(dsn: str, *, directory: Path | None = None, demo: bool = False) -> list[MigrationState]:
+    """Every known migration, applied or pending, in order; reads only.
+
+    Demo files are listed when applied, or with ``demo`` when pending.
+    """
+    files = {m.version: m for m in discover(directory, demo=True)}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (HISTORY_TABLE,)).fetchone()
+        ledger = (
+            conn.execute(
+                "SELECT version, name, applied_at FROM outbox_cdc_schema_migrations"
+            ).fetchall()
+            if row and row[0]
+            else []
+        )
+    applied = {str(v): (str(n), at.isoformat()) for v, n, at in ledger}
+    states = []
+    for version in sorted(files.keys() | applied.keys(), key=int):
+        migration = files.get(version)
+        name, at = applied.get(version, (migration.path.name if migration else version, None))
+        if at is None and migration is not None and migration.part is Part.DEMO and not demo:
+            continue
+        states.append(MigrationState(version, name, migration.part if migration else None, at))
+    return states

@@ -13,6 +13,13 @@ Guarantees:
 * every value is validated by pydantic for its type; a bad or unknown setting
   raises :class:`cdc.errors.ConfigError` naming the variable (and never the
   value of a secret);
+* beyond its type, every value is checked for what the processes need, so a
+  mistake stops the start with one message instead of failing later: numbers
+  are never negative (:data:`NEGATIVE_ALLOWED` excepted) and some never 0
+  (:data:`POSITIVE`), ports are 1..65535, URLs (:data:`URL_SCHEMES`) have a
+  scheme and a host, ``LOG_LEVEL`` / ``LOG_FORMAT`` are known names, and the
+  ``KAFKA_CONFIG_*`` settings pass librdkafka's own validation (a throwaway
+  producer and consumer); their values are never shown (a SASL password);
 * secrets (the DSN, ``INTERNAL_API_KEY``, ``ADMIN_API_TOKEN``, proxy URLs that
   may carry credentials) are :class:`pydantic.SecretStr`: ``repr``, ``str``
   and :meth:`Settings.safe_summary` never show them; code that needs the value
@@ -31,14 +38,17 @@ README's configuration table.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import tomllib
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cdc.errors import ConfigError
@@ -51,6 +61,50 @@ DSN_SECRET_KEYS = frozenset({"password", "sslpassword"})
 REDACTED = "***"
 #: Proxy variables are read in either case, the upper case first (curl's habit).
 _LOWERCASE_FALLBACK = ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")
+
+
+#: Numeric settings that may be negative, and what a negative value means.
+NEGATIVE_ALLOWED = frozenset({"topic_replication_factor"})  # -1: the broker's default
+#: Numeric settings that must be above 0 (0 would stall or divide: no partitions, no
+#: request in flight, a zero timeout, a scheduler spinning).
+POSITIVE = frozenset(
+    {
+        "topic_partitions",
+        "relay_max_in_flight",
+        "sink_max_in_flight",
+        "retry_batch_size",
+        "admin_api_max_body_bytes",
+        "engine_connect_timeout_s",
+        "engine_read_timeout_s",
+        "scheduler_interval_s",
+    }
+)
+#: Highest TCP port number.
+MAX_PORT = 65535
+#: URL settings: attribute -> the schemes it takes.
+URL_SCHEMES = {
+    "engine_base_url": ("http", "https"),
+    "https_proxy": ("http",),
+    "http_proxy": ("http",),
+}
+_PROPERTY_RE = re.compile(r'property:? "?([A-Za-z0-9._-]+)"?')
+
+
+class LogLevel(StrEnum):
+    """``LOG_LEVEL``: Python's level names (any case)."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
+
+
+class LogFormat(StrEnum):
+    """``LOG_FORMAT``: one line of text, or one JSON object, per record."""
+
+    TEXT = "text"
+    JSON = "json"
 
 
 def env(variable: str, default: Any) -> Any:
@@ -157,6 +211,59 @@ class Settings(BaseSettings):
     #: Seconds an over-limit answer tells the client to wait (Retry-After).
     backlog_retry_after_s: int = env("CDC_BACKLOG_RETRY_AFTER_S", 5)
 
+    log_level: LogLevel = env("LOG_LEVEL", LogLevel.INFO)
+    log_format: LogFormat = env("LOG_FORMAT", LogFormat.TEXT)
+
+    @field_validator("log_level", "log_format", mode="before")
+    @classmethod
+    def _case_insensitive(cls, value: Any, info: ValidationInfo) -> Any:
+        """``debug`` is ``DEBUG``; ``JSON`` is ``json``."""
+        if not isinstance(value, str):
+            return value
+        return value.upper() if info.field_name == "log_level" else value.lower()
+
+    @field_validator("*")
+    @classmethod
+    def _numbers_in_range(cls, value: Any, info: ValidationInfo) -> Any:
+        """Counts, sizes and durations are never negative (some > 0); a port is 1..65535."""
+        name = info.field_name or ""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return value
+        if name.endswith("_port") and not 1 <= value <= MAX_PORT:
+            raise ValueError(f"expected a TCP port, 1..{MAX_PORT}")
+        if value <= 0 and name in POSITIVE:
+            raise ValueError("expected a number > 0")
+        if value < 0 and name not in NEGATIVE_ALLOWED:
+            raise ValueError("expected a number >= 0")
+        return value
+
+    @field_validator(*URL_SCHEMES)
+    @classmethod
+    def _url_has_scheme_and_host(cls, value: Any, info: ValidationInfo) -> Any:
+        """``localhost:8081`` is refused: the scheme says plain HTTP or TLS."""
+        text = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
+        if not text:
+            return value
+        schemes = URL_SCHEMES[info.field_name or ""]
+        try:
+            parts = urlsplit(text)
+            ok = parts.scheme in schemes and bool(parts.hostname)
+            parts.port  # noqa: B018 - raises ValueError on a port out of range
+        except ValueError:
+            ok = False
+        if not ok:
+            example = "http://host:port" if schemes == ("http",) else "https://engine.example"
+            raise ValueError(f"expected an {' or '.join(schemes)} URL with a host, e.g. {example}")
+        return value
+
+    @field_validator("kafka_config")
+    @classmethod
+    def _librdkafka_accepts(cls, value: dict[str, str]) -> dict[str, str]:
+        """librdkafka itself checks every ``KAFKA_CONFIG_*`` (names and values)."""
+        if value:
+            check_kafka_config(value)
+        return value
+
     @field_validator("pg_dsn")
     @classmethod
     def _dsn_parses(cls, value: SecretStr) -> SecretStr:
@@ -249,9 +356,57 @@ def _explain(error: Any) -> str:
     name = _BY_VARIABLE.get(key, key)
     variable = ENV.get(name, key)
     where = ".".join(str(part) for part in (variable, *loc[1:]))
+    msg = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    if name == "kafka_config":
+        return msg  # it names the KAFKA_CONFIG_* variable; the values may be secrets
     if name in SECRET_FIELDS:
-        return f"{where}: {error.get('msg', 'invalid')}"
-    return f"{where}={error.get('input')!r}: {error.get('msg', 'invalid')}"
+        return f"{where}: {msg}"
+    return f"{where}={error.get('input')!r}: {msg}"
+
+
+class _Silent(logging.Logger):
+    """A logger that drops everything: librdkafka's start-up notes while checking a config."""
+
+    def __init__(self) -> None:
+        super().__init__("kafka.config-check", logging.CRITICAL + 1)
+
+
+def check_kafka_config(config: Mapping[str, str]) -> None:
+    """Raise ``ValueError`` naming the ``KAFKA_CONFIG_*`` variable librdkafka refuses.
+
+    Builds a throwaway producer (with the relay's own defaults under the
+    settings, as the relay will) and consumer; neither connects (no bootstrap
+    servers), so librdkafka validates names and values as it will at start.
+    Its message quotes the value, which may be a password: the message is
+    rebuilt from the property's name only.
+    """
+    from confluent_kafka import Consumer, KafkaException, Producer  # noqa: PLC0415 - heavy
+
+    from cdc.producer import producer_config  # noqa: PLC0415 - it imports this module
+
+    as_relay: dict[str, Any] = producer_config("", config)  # the relay's defaults under it
+    as_consumer: dict[str, Any] = {**config, "group.id": "outbox-cdc-config-check"}
+    for client, conf in ((Producer, as_relay), (Consumer, as_consumer)):
+        try:
+            client({**conf, "logger": _Silent()})
+        except (KafkaException, ValueError, TypeError) as exc:
+            raise ValueError(_kafka_config_problem(str(exc), config)) from None
+
+
+def _kafka_config_problem(message: str, config: Mapping[str, str]) -> str:
+    """librdkafka's refusal as ``KAFKA_CONFIG_NAME: what`` without any configured value."""
+    match = _PROPERTY_RE.search(message)
+    if match is None:  # e.g. "No provider for SASL mechanism GSSAPI": no property named
+        detail = message.split('str="', 1)[-1].rstrip('"})')
+        for value in sorted(config.values(), key=len, reverse=True):
+            if value:
+                detail = detail.replace(value, REDACTED)
+        return f"{KAFKA_CONFIG_PREFIX}*: librdkafka refuses the configuration: {detail}"
+    prop = match.group(1)
+    variable = KAFKA_CONFIG_PREFIX + prop.upper().replace(".", "_")
+    if prop not in config or "no such configuration property" in message.lower():
+        return f"{variable}: librdkafka has no such setting (see its CONFIGURATION.md)"
+    return f"{variable}: librdkafka refuses this value (value not shown; see its CONFIGURATION.md)"
 
 
 class _MappingSource(PydanticBaseSettingsSource):

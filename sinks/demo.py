@@ -290,7 +290,7 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
     """Run the demo; raise :class:`DemoError` when it cannot finish."""
     settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
     console = Console()
-    applied_versions = migrate(settings.pg_dsn.get_secret_value())
+    applied_versions = migrate(settings.pg_dsn.get_secret_value(), demo=True)
     console.print(
         f"schema: {'applied ' + ', '.join(applied_versions) if applied_versions else 'up to date'}"
     )

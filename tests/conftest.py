@@ -143,9 +143,13 @@ def drop_database(server_dsn: str, db_dsn: str) -> None:
 
 @pytest.fixture(scope="session")
 def db_dsn(pg_server: str) -> Iterator[str]:
-    """A migrated database private to this test session."""
+    """A database private to this test session, migrated with the demo's tables.
+
+    Most tests write events through the demo's domain (``register_user``), so
+    this database has ``users`` and ``quiz_attempts`` too (``migrate --demo``).
+    """
     dsn = create_database(pg_server, "cdc_test")
-    migrate(dsn)
+    migrate(dsn, demo=True)
     yield dsn
     drop_database(pg_server, dsn)
 

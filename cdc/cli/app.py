@@ -1,7 +1,9 @@
 """The ``outbox-cdc`` command group, its one error mapping, and the commands of other packages.
 
 Exit codes scripts can trust: 0 success, 1 the operation failed or found a
-problem (e.g. refused), 2 usage or configuration error.
+problem (e.g. refused), 2 usage or configuration error (a bad or missing
+setting, a port already taken) - always one ``error:`` line naming the
+variable, never its value when it is a secret.
 
 Guarantees:
 
@@ -19,19 +21,25 @@ Guarantees:
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from cdc.errors import CdcError, ConfigError
 from cdc.logs import setup_logging
 from cdc.settings import Settings
+
+if TYPE_CHECKING:
+    from cdc.check import Probe
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -47,11 +55,13 @@ class Plugin:
 
     ``usage_errors`` exit 2 with the command's usage (the operator asked for
     something that makes no sense); ``failed_errors`` exit 1 with one line.
+    ``checks`` are the package's probes for ``outbox-cdc check`` (name, probe).
     """
 
     commands: tuple[click.Command, ...]
     usage_errors: tuple[type[Exception], ...] = ()
     failed_errors: tuple[type[Exception], ...] = ()
+    checks: tuple[tuple[str, Probe], ...] = ()
 
 
 @dataclass
@@ -60,17 +70,43 @@ class _ErrorKinds:
 
     usage: tuple[type[Exception], ...] = ()
     failed: tuple[type[Exception], ...] = ()
+    checks: tuple[tuple[str, Probe], ...] = ()
 
 
 _KINDS = _ErrorKinds()
 
 
 def load_settings(*required: str) -> Settings:
-    """Settings from the environment, failing with exit 2 when one is missing."""
-    try:
+    """Settings from the environment, failing with exit 2 when one is missing or bad.
+
+    One ``error:`` line (not the command's usage: the command line was right,
+    the environment is not).
+    """
+    with _mapped_errors():
         return Settings.from_env().require(*required)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
+    raise AssertionError("unreachable")  # _mapped_errors exits on an error
+
+
+def require_free_port(settings: Settings, attr: str) -> None:
+    """Raise :class:`ConfigError` naming ``attr``'s variable when its port is taken.
+
+    Checked before a server starts so the operator reads which setting to
+    change, not a traceback or a server's own line.
+    """
+    from cdc.settings import ENV
+
+    port = int(getattr(settings, attr))
+    with socket.socket(socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+        try:
+            sock.bind((settings.http_host, port))
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise
+            raise ConfigError(
+                f"{ENV[attr]}={port}: port already in use on {settings.http_host}"
+                f" ({os.strerror(exc.errno)}): stop what listens there or choose another port"
+            ) from None
 
 
 @contextmanager
@@ -120,13 +156,19 @@ def _guard_tree(command: click.Command) -> None:
 @click.version_option(package_name="outbox-cdc")
 def main() -> None:
     """outbox-cdc: PostgreSQL outbox -> WAL -> Kafka -> engine."""
-    setup_logging()
+    from cdc.settings import build
+
+    with _mapped_errors():  # LOG_LEVEL=LOUD: one line, exit 2, before anything logs
+        env = {k: v for k, v in os.environ.items() if k in ("LOG_LEVEL", "LOG_FORMAT")}
+        chosen = build(Settings, **env)
+    setup_logging(chosen.log_level.value, chosen.log_format.value)
 
 
 def register(plugin: Plugin) -> None:
     """Add ``plugin``'s commands to :data:`main`, each behind the one error mapping."""
     _KINDS.usage += plugin.usage_errors
     _KINDS.failed += plugin.failed_errors
+    _KINDS.checks += plugin.checks
     for command in plugin.commands:
         _guard_tree(command)
         main.add_command(command)
@@ -139,6 +181,29 @@ def register_installed() -> None:
         if not isinstance(plugin, Plugin):
             raise TypeError(f"entry point {entry.name} ({entry.value}) is not a cdc.cli.Plugin")
         register(plugin)
+
+
+def confirm(question: str, *, yes: bool, refused: str = "nothing changed") -> None:
+    """Go on when ``yes`` or the operator answers yes; else one ``error:`` line, exit 1.
+
+    Without a terminal to ask on (a script, a pipe) it refuses at once and
+    names ``--yes``, instead of click's bare ``Aborted!``.
+    """
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        fail(f"refusing without --yes on a non-interactive terminal ({refused})")
+    try:
+        answered = click.confirm(question, default=False, err=True)
+    except click.Abort:
+        answered = False
+    if not answered:
+        fail(refused)
+
+
+def registered_checks() -> tuple[tuple[str, Probe], ...]:
+    """The probes the registered packages add to ``outbox-cdc check``."""
+    return _KINDS.checks
 
 
 def fail(message: str) -> NoReturn:

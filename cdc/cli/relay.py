@@ -14,17 +14,43 @@ from collections.abc import Callable
 
 import click
 
-from cdc.cli.app import load_settings
+from cdc.cli.app import load_settings, require_free_port
+from cdc.cli.render import echo_json, migration_table, out
 
 
 @click.command()
-def migrate() -> None:
-    """Apply pending SQL migrations (sql/NNN_*.sql), once each, in order."""
+@click.option("--demo", is_flag=True, help="also the demo's tables (users, quiz_attempts)")
+@click.option(
+    "--status", "show_status", is_flag=True, help="list applied and pending; change nothing"
+)
+@click.option("--json", "as_json", is_flag=True, help="the answer as JSON on stdout")
+def migrate(demo: bool, show_status: bool, as_json: bool) -> None:
+    """Apply pending SQL migrations (sql/NNN_*.sql), once each, in order.
+
+    Only outbox-cdc's own objects: the outbox, its publication, the parking
+    lot and their functions. --demo adds the demo's users and quiz_attempts.
+    """
     from cdc.migrate import migrate as run_migrations
+    from cdc.migrate import status
 
     settings = load_settings("pg_dsn")
-    applied = run_migrations(settings.pg_dsn.get_secret_value())
-    if applied:
+    dsn = settings.pg_dsn.get_secret_value()
+    if show_status:
+        states = status(dsn, demo=demo)
+        if as_json:
+            echo_json(
+                {
+                    "applied": [s.as_json() for s in states if s.applied_at],
+                    "pending": [s.as_json() for s in states if not s.applied_at],
+                }
+            )
+        else:
+            out().print(migration_table(states))
+        return
+    applied = run_migrations(dsn, demo=demo)
+    if as_json:
+        echo_json({"applied": applied, "demo": demo, "up_to_date": not applied})
+    elif applied:
         click.echo(f"applied migrations: {', '.join(applied)}")
     else:
         click.echo("schema is up to date")
@@ -98,6 +124,7 @@ def relay() -> None:
     from cdc.relay.loop import Relay
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    require_free_port(settings, "relay_http_port")
     logging.getLogger("cdc").info(
         "relay starting with %s", settings.safe_summary(), extra={"state": "starting"}
     )

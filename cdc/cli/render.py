@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.progress import Progress
 
+    from cdc.check import Finding
+    from cdc.migrate import MigrationState
     from cdc.ops import SlotStatus
 
 
@@ -185,3 +187,39 @@ def drop_warning(status: SlotStatus, pending: int | None) -> str:
         " Dropping the slot loses those not yet produced to Kafka: a new slot starts at the"
         " current WAL position. Rebuild the engine afterwards with `outbox-cdc resync users`."
     )
+
+
+def migration_table(states: Sequence[MigrationState]) -> Any:
+    """``migrate --status``: one row per migration, applied or pending."""
+    from rich.table import Table
+
+    pending = sum(1 for s in states if s.applied_at is None)
+    table = Table(title=f"{len(states) - pending} applied, {pending} pending", title_justify="left")
+    for name in ("version", "file", "part", "applied at"):
+        table.add_column(name, overflow="fold")
+    for s in states:
+        table.add_row(
+            s.version,
+            s.name,
+            s.part.value if s.part else "(no such file here)",
+            s.applied_at or "pending",
+        )
+    return table
+
+
+def check_table(findings: Sequence[Finding]) -> Any:
+    """``check``: one row per item, its verdict coloured, the detail folded (never cut)."""
+    from rich.table import Table
+
+    colours = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+    failing = sum(1 for f in findings if f.status.value == "fail")
+    table = Table(
+        title=f"outbox-cdc check: {'all ok' if not failing else f'{failing} failing'}",
+        title_justify="left",
+    )
+    table.add_column("item", overflow="fold")
+    table.add_column("status", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for f in findings:
+        table.add_row(f.item, f"[{colours[f.status.value]}]{f.status.value}[/]", f.detail)
+    return table

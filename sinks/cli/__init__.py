@@ -8,12 +8,14 @@ their answers is in :mod:`sinks.cli.render`. What it may import: ``cdc.cli``
 Invariant: the commands reach ``outbox-cdc`` only through :data:`PLUGIN`, the
 ``outbox_cdc.commands`` entry point of pyproject.toml, which also names how
 this package's errors exit (an :class:`~sinks.errors.OpsUsageError` is a usage
-error, exit 2; any other :class:`~sinks.errors.SinksError` exit 1).
+error, exit 2; any other :class:`~sinks.errors.SinksError` exit 1) and which items it
+adds to ``outbox-cdc check`` (:mod:`sinks.check`).
 """
 
 from __future__ import annotations
 
 from cdc.cli.app import Plugin
+from sinks import check
 from sinks.cli import failed, lag, redeliver, replay, run, trace
 from sinks.errors import OpsUsageError, SinksError
 
@@ -30,4 +32,5 @@ PLUGIN = Plugin(
     ),
     usage_errors=(OpsUsageError,),
     failed_errors=(SinksError,),
+    checks=check.PROBES,
 )

@@ -1,7 +1,8 @@
 """``outbox-cdc lag``: consumer lag, oldest event age, slot WAL lag (``--watch``: refreshed).
 
 Calls :func:`sinks.ops.pipeline_lag`; the view is :func:`sinks.cli.render.lag_view`.
-Exit 1 when the report names a problem.
+Exit 1 when the report names a problem, or when the group never committed an
+offset on any partition shown (a typo in --group, or a sink that never ran).
 """
 
 from __future__ import annotations
@@ -51,15 +52,29 @@ def lag(group: str | None, topic_specs: tuple[str, ...], watch: bool, as_json: b
         _watch(lambda: pipeline_lag(settings, group=group, topics=topics), as_json=as_json)
         return
     report = pipeline_lag(settings, group=group, topics=topics)
+    problems = [*report.problems, *_never_committed(report, settings.sink_group_id)]
     if as_json:
-        echo_json(report.as_json())
+        echo_json({**report.as_json(), "problems": problems})
     else:
         out().print(render.lag_view(report, rates=None))
     warn(report.warnings)
-    for problem in report.problems:
+    for problem in problems:
         click.echo(f"error: {problem}", err=True)
-    if report.problems:
+    if problems:
         sys.exit(EXIT_FAILED)
+
+
+def _never_committed(report: PipelineLag, sink_group: str) -> list[str]:
+    """A group without a commit on any partition shown: its "lag" measures nothing."""
+    if not report.partitions or any(p.committed_offset is not None for p in report.partitions):
+        return []
+    hint = (
+        "" if report.group == sink_group else f" (the sink's group is SINK_GROUP_ID={sink_group})"
+    )
+    return [
+        f"consumer group {report.group} has never committed an offset on these topics:"
+        f" no such group, or its sink never ran{hint}"
+    ]
 
 
 def _watch(read: Callable[[], PipelineLag], *, as_json: bool) -> None:

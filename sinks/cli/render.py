@@ -23,11 +23,12 @@ if TYPE_CHECKING:
     from sinks.ops.redeliver import RedeliveryReport
     from sinks.parking.lot import ParkedEvent
     from sinks.parking.retrier import RetrySummary
-    from sinks.trace.model import EventTrace
+    from sinks.trace.model import EventTrace, ParkedRow
 
 #: Characters of ``last_error`` shown in ``failed list`` (full text with --json).
-#: Characters of ``last_error`` shown in ``failed list`` (full text with --json).
 ERROR_EXCERPT_CHARS = 60
+#: Widest the ``lag`` table's topic column insists on (longer names fold onto a second line).
+TOPIC_MIN_WIDTH_MAX = 48
 
 
 def lag_view(
@@ -39,8 +40,11 @@ def lag_view(
 
     totals = report.totals
     table = Table(title=f"consumer group {report.group}", title_justify="left")
+    # The topic names the row (user vs quiz_attempt differ at the end): never cut
+    # it; the narrow number columns wrap instead.
+    longest = max((len(row.topic) for row in report.partitions), default=5)
+    table.add_column("topic", overflow="fold", min_width=min(longest, TOPIC_MIN_WIDTH_MAX))
     for name in (
-        "topic",
         "partition",
         "committed",
         "resumes at",
@@ -48,10 +52,10 @@ def lag_view(
         "lag",
         "oldest unprocessed",
     ):
-        table.add_column(name, justify="left" if name == "topic" else "right")
+        table.add_column(name, justify="right", overflow="fold")
     if rates is not None:
-        table.add_column("in/s", justify="right")
-        table.add_column("done/s", justify="right")
+        table.add_column("in/s", justify="right", overflow="fold")
+        table.add_column("done/s", justify="right", overflow="fold")
     for row in report.partitions:
         cells = [
             row.topic,
@@ -182,10 +186,11 @@ def show_redelivery(report: RedeliveryReport, *, as_json: bool) -> None:
     out().print(table)
 
 
-def parked_table(rows: Sequence[ParkedEvent]) -> Any:
+def parked_table(rows: Sequence[ParkedEvent], *, statuses: Sequence[str]) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"{len(rows)} failed or pending sync event(s)", title_justify="left")
+    kinds = " or ".join(s.lower() for s in statuses)
+    table = Table(title=f"{len(rows)} {kinds} sync event(s)", title_justify="left")
     table.add_column("id", justify="right")
     table.add_column("type", no_wrap=True)
     table.add_column("status")
@@ -257,6 +262,19 @@ def key_table(key: str, traces: Sequence[EventTrace]) -> Any:
     return table
 
 
+def parked_line(parked: ParkedRow) -> str:
+    """A parked row in one line: the next retry and the last error only when there are."""
+    line = (
+        f"#{parked.id} {parked.sync_type} {parked.status}, {parked.retry_count} retries,"
+        f" parked {parked.created_at}, updated {parked.updated_at}"
+    )
+    if parked.next_retry_at:
+        line += f", next retry {parked.next_retry_at}"
+    if parked.last_error:
+        line += f": {parked.last_error}"
+    return line
+
+
 def trace_view(item: EventTrace) -> Any:
     from rich.console import Group
     from rich.table import Table
@@ -283,12 +301,7 @@ def trace_view(item: EventTrace) -> Any:
         facts.add_row("kafka record", f"not found ({item.bounds.scanned} records read)")
     parked = item.parked
     if parked is not None:
-        facts.add_row(
-            "parking lot",
-            f"#{parked.id} {parked.sync_type} {parked.status}, {parked.retry_count} retries,"
-            f" parked {parked.created_at}, updated {parked.updated_at}, next retry"
-            f" {parked.next_retry_at or '-'}: {parked.last_error or ''}",
-        )
+        facts.add_row("parking lot", parked_line(parked))
     groups = Table(title="consumer groups on that partition", title_justify="left")
     for name in ("group", "committed", "position", "records before it"):
         groups.add_column(name, justify="left" if name in ("group", "position") else "right")

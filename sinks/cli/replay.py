@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from cdc.cli.app import fail, load_settings
+from cdc.cli.render import warn
 from sinks.cli import render
 from sinks.cli.options import topic_option, topic_selections
 
@@ -62,7 +63,9 @@ def replay(
     end. Partitions the group never committed are left alone ("not committed
     — untouched") unless named (T:p) or --include-uncommitted; shifting one is
     refused unless --from-earliest-if-uncommitted. Refused (exit 1, the plan
-    still shown) while the group has active members: stop the sink first.
+    still shown) while the group has active members: stop the sink first. A
+    dry run of an active group is shown (exit 0: it changes nothing) with a
+    warning that --execute would be refused.
     """
     from sinks.ops.plan import ReplayKind, ReplaySpec
     from sinks.ops.replay import apply_replay, plan_replay
@@ -86,23 +89,29 @@ def replay(
         topics=topic_selections(topic_specs),
         include_uncommitted=include_uncommitted,
     )
-    refusals = _refusals(plan)
+    refusals = _refusals(plan, execute=execute)
     if refusals:
         render.show_plan(plan, as_json=as_json, executed=False, refused=True)
         fail("; ".join(refusals) + "; nothing changed")
     if execute:
         apply_replay(settings, plan)
     render.show_plan(plan, as_json=as_json, executed=execute)
+    if plan.active:  # a dry run: nothing changes, but say what --execute would meet
+        warn([f"{_active(plan)}; --execute would be refused: stop every sink of the group first"])
 
 
-def _refusals(plan: ReplayPlan) -> list[str]:
+def _active(plan: ReplayPlan) -> str:
+    return (
+        f"consumer group {plan.group} is active ({plan.group_state},"
+        f" {plan.active_members} member(s))"
+    )
+
+
+def _refusals(plan: ReplayPlan, *, execute: bool) -> list[str]:
     """Why the plan must not be applied (each reason its own sentence), or nothing."""
     reasons = []
     if plan.refusal is not None:
         reasons.append(plan.refusal)
-    if plan.active:
-        reasons.append(
-            f"consumer group {plan.group} is active ({plan.group_state}, {plan.active_members}"
-            " member(s)): stop every sink of the group first"
-        )
+    if plan.active and execute:
+        reasons.append(f"{_active(plan)}: stop every sink of the group first")
     return reasons

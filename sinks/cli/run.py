@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from cdc.cli.app import load_settings
+from cdc.cli.app import load_settings, require_free_port
 
 
 @click.command()
@@ -23,6 +23,7 @@ def sink() -> None:
     from sinks.service import run_sink
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    require_free_port(settings, "sink_http_port")
     logging.getLogger("sinks").info(
         "sink starting with %s", settings.safe_summary(), extra={"state": "starting"}
     )
@@ -56,6 +57,8 @@ def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
             keyfile=settings.engine_stub_tls_key,
             client_ca=settings.engine_stub_client_ca,
         )
+    if port is None:
+        require_free_port(settings.model_copy(update={"http_host": host}), "engine_stub_port")
     run_stub(
         host=host,
         port=port or settings.engine_stub_port,

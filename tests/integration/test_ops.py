@@ -337,7 +337,11 @@ def test_replay_is_refused_while_the_group_has_an_active_member(ops: Ops) -> Non
 
         assert done.returncode == 1, done.stderr
         assert f"consumer group {ops.group} is active" in done.stderr
-        assert dry.returncode == 1
+        # a dry run changes nothing: exit 0, the plan, and the warning that --execute is refused
+        assert dry.returncode == 0, dry.stderr
+        assert "dry run, nothing changed" in dry.stdout
+        assert f"consumer group {ops.group} is active" in dry.stderr
+        assert "--execute would be refused" in dry.stderr
         assert committed(ops.kafka, ops.group, ops.user_topic)[0] == 3
     finally:
         member.close()
@@ -676,6 +680,73 @@ def test_failed_retry_counts_processed_done_and_failed_like_the_admin_api(ops: O
             ).fetchall()
         )
     assert status == {ids[0]: "DONE:0", ids[1]: "DONE:0", ids[2]: "FAILED:1"}
+
+
+def _one_parked(ops: Ops) -> int:
+    event_id = str(uuid.uuid4())
+    return _park(ops.db_dsn, ops, [(event_id, "UserRegistered", {"user_id": str(uuid.uuid4())})])[0]
+
+
+def _status_of(ops: Ops, parked_id: int) -> str:
+    with psycopg.connect(ops.db_dsn) as conn:
+        row = conn.execute(
+            "SELECT status FROM failed_sync_events WHERE event_id = %s", (parked_id,)
+        ).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_failed_accept_without_a_terminal_refuses_in_one_line_naming_yes(ops: Ops) -> None:
+    parked = _one_parked(ops)
+
+    done = ops.cli("failed", "accept", "--id", str(parked), stdin="")  # stdin: a pipe
+
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "error: refusing without --yes on a non-interactive terminal (nothing changed)"
+    ]
+    assert "Aborted" not in done.stderr
+    assert _status_of(ops, parked) == "FAILED"
+
+
+def test_failed_list_of_done_rows_is_headed_done(ops: Ops) -> None:
+    parked = _one_parked(ops)
+    accepted = ops.cli("failed", "accept", "--id", str(parked), "--yes")
+    assert accepted.returncode == 0, accepted.stderr
+
+    done = ops.cli("failed", "list", "--status", "DONE", "--limit", "1000")
+
+    assert done.returncode == 0, done.stderr
+    assert "done sync event(s)" in done.stdout
+    assert "failed or pending" not in done.stdout
+
+
+def test_failed_retry_of_an_unknown_id_answers_like_the_admin_api(ops: Ops) -> None:
+    """The admin API answers 200 success, processed 0, naming the id: so does the CLI (exit 0)."""
+    done = ops.cli("failed", "retry", "--id", "999999999", "--json")
+    table = ops.cli("failed", "retry", "--id", "999999999")
+
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["success"] is True
+    assert answer["data"] == {"processed_count": 0, "done_count": 0, "failed_count": 0}
+    assert answer["unknown_ids"] == [999_999_999]
+    assert "unknown or not open: [999999999]" in answer["message"]
+    assert table.returncode == 0, table.stderr
+    assert "unknown or not open: 999999999" in table.stdout
+
+
+def test_lag_of_a_group_that_never_committed_says_so_and_exits_1(ops: Ops) -> None:
+    _spread(ops, now_ms() - 60_000, {0: [0, 1]})
+    group = f"no-such-group-{ops.unique}"
+
+    done = ops.cli("lag", "--group", group, "--topic", ops.user_topic)
+    as_json = ops.cli_json("lag", "--group", group, "--topic", ops.user_topic, expect_rc=1)
+
+    assert done.returncode == 1
+    assert f"error: consumer group {group} has never committed an offset" in done.stderr
+    assert "SINK_GROUP_ID=" in done.stderr
+    assert any("never committed" in p for p in as_json["problems"])  # type: ignore[attr-defined]
 
 
 # --- slot ------------------------------------------------------------------------------------

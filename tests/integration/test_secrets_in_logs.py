@@ -55,7 +55,7 @@ def _applied(stub: StubServer) -> set[str]:
 def test_logs_of_a_full_run_and_its_error_paths_hold_no_secret(
     password_db: PasswordDb, kafka_bootstrap: str, stub: StubServer, tmp_path: Path
 ) -> None:
-    migrate(password_db.keyvalue_dsn)
+    migrate(password_db.keyvalue_dsn, demo=True)
     unique = uuid.uuid4().hex[:10]
     debug = {"LOG_LEVEL": "DEBUG"}
     relay_cfg = RelayConfig(

@@ -129,17 +129,20 @@ def test_installed_wheel_migrates_an_empty_database(
 ) -> None:
     env = _clean_env(CDC_PG_DSN=empty_db_dsn)
     first = _run([installed.cli, "migrate"], env=env, cwd=tmp_path, timeout=120)
-    assert "applied migrations: 001, 002, 003" in first.stdout
-    with psycopg.connect(empty_db_dsn) as conn:
-        tables = {
-            r[0]
-            for r in conn.execute(
-                "SELECT tablename FROM pg_tables WHERE schemaname = 'public'"
-            ).fetchall()
-        }
-    assert {"outbox", "users", "quiz_attempts", "failed_sync_events"} <= tables
+    assert "applied migrations: 001, 003" in first.stdout
+    assert {"outbox", "failed_sync_events"} <= _public_tables(empty_db_dsn)
+    assert not {"users", "quiz_attempts"} & _public_tables(empty_db_dsn)  # the demo's
     again = _run([installed.cli, "migrate"], env=env, cwd=tmp_path, timeout=120)
     assert "schema is up to date" in again.stdout
+    demo = _run([installed.cli, "migrate", "--demo"], env=env, cwd=tmp_path, timeout=120)
+    assert "applied migrations: 002" in demo.stdout
+    assert {"users", "quiz_attempts"} <= _public_tables(empty_db_dsn)
+
+
+def _public_tables(dsn: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+        return {r[0] for r in rows.fetchall()}
 
 
 # --- the whole pipeline from the wheel --------------------------------------------
@@ -227,7 +230,7 @@ def test_installed_wheel_runs_migrate_relay_and_sink_to_a_tls_engine_without_log
         ENGINE_CLIENT_KEY=str(pki.client_key),
         OUTBOX_SCHEDULER_ENABLED="false",
     )
-    _run([installed.cli, "migrate"], env=app, cwd=tmp_path, timeout=120)
+    _run([installed.cli, "migrate", "--demo"], env=app, cwd=tmp_path, timeout=120)
     stub_env = _clean_env(
         **common,
         ENGINE_STUB_PORT=str(stub_port),

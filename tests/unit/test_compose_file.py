@@ -23,6 +23,8 @@ COMPOSE = ROOT / "compose" / "docker-compose.yml"
 APP_SERVICES = ("migrate", "relay", "sink", "engine-stub")
 #: Host ports of `make up` (stack.sh defaults) and of processes run from a checkout.
 LOCAL_PORTS = {25432, 29092, 29093, 9101, 9102, 8081}
+#: First port of Linux's default ephemeral range (net.ipv4.ip_local_port_range).
+EPHEMERAL_FIRST_PORT = 32768
 _DEFAULTED = re.compile(r"^127\.0\.0\.1:\$\{(OUTBOX_COMPOSE_\w+_PORT):-(\d+)\}:(\d+)$")
 
 
@@ -96,6 +98,14 @@ def test_host_ports_are_configurable_and_never_collide_with_the_local_stack() ->
     assert len(set(variables)) == len(variables) == 7  # 5 app services, prometheus, grafana
     assert len(set(hosts)) == len(hosts)
     assert not set(hosts) & LOCAL_PORTS
+    # below the ephemeral range, where a client socket of the host may hold the port
+    assert all(1024 < host < EPHEMERAL_FIRST_PORT for host in hosts), hosts
+
+
+def test_relay_and_sink_restart_unless_stopped() -> None:
+    services = _compose()["services"]
+    for name in ("relay", "sink"):
+        assert services[name].get("restart") == "unless-stopped", name
 
 
 def test_kafka_advertises_the_configured_host_port() -> None:

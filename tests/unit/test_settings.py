@@ -42,9 +42,22 @@ def test_malformed_value_names_the_variable() -> None:
 
 def test_kafka_config_prefix_passes_librdkafka_settings_through() -> None:
     s = Settings.from_env(
-        {"KAFKA_CONFIG_SECURITY_PROTOCOL": "SASL_SSL", "KAFKA_CONFIG_LINGER_MS": "10"}
+        {
+            "KAFKA_CONFIG_SECURITY_PROTOCOL": "SASL_SSL",
+            # librdkafka checks the whole configuration at start: PLAIN needs both
+            "KAFKA_CONFIG_SASL_MECHANISMS": "PLAIN",
+            "KAFKA_CONFIG_SASL_USERNAME": "u",
+            "KAFKA_CONFIG_SASL_PASSWORD": "p",
+            "KAFKA_CONFIG_LINGER_MS": "10",
+        }
     )
-    assert s.kafka_config == {"security.protocol": "SASL_SSL", "linger.ms": "10"}
+    assert s.kafka_config == {
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanisms": "PLAIN",
+        "sasl.username": "u",
+        "sasl.password": "p",
+        "linger.ms": "10",
+    }
 
 
 def test_missing_required_setting_names_the_variable() -> None:
@@ -182,3 +195,89 @@ def test_every_field_but_kafka_config_has_an_environment_variable() -> None:
     assert names == set(ENV)
     assert ENV["pg_dsn"] == "CDC_PG_DSN"
     assert ENV["engine_ca_file"] == "ENGINE_CA_FILE"
+
+
+# --- validated at start: one message naming the variable, never a secret's value -------------
+
+BAD_VALUES = [
+    ({"LOG_LEVEL": "LOUD"}, "LOG_LEVEL"),
+    ({"LOG_FORMAT": "xml"}, "LOG_FORMAT"),
+    ({"CDC_RELAY_HTTP_PORT": "99999"}, "CDC_RELAY_HTTP_PORT"),
+    ({"SINK_HTTP_PORT": "0"}, "SINK_HTTP_PORT"),
+    ({"SINK_INLINE_ATTEMPTS": "-1"}, "SINK_INLINE_ATTEMPTS"),
+    ({"OUTBOX_RETRY_MAX_ATTEMPTS": "-3"}, "OUTBOX_RETRY_MAX_ATTEMPTS"),
+    ({"ENGINE_READ_TIMEOUT_S": "-1"}, "ENGINE_READ_TIMEOUT_S"),
+    ({"ENGINE_READ_TIMEOUT_S": "0"}, "ENGINE_READ_TIMEOUT_S"),
+    ({"CDC_TOPIC_PARTITIONS": "0"}, "CDC_TOPIC_PARTITIONS"),
+    ({"SINK_MAX_IN_FLIGHT": "0"}, "SINK_MAX_IN_FLIGHT"),
+    ({"ENGINE_BASE_URL": "localhost:8081"}, "ENGINE_BASE_URL"),
+    ({"ENGINE_BASE_URL": "ftp://engine"}, "ENGINE_BASE_URL"),
+    ({"KAFKA_CONFIG_SECURITY_PROTOCOL": "SASL_SSLX"}, "KAFKA_CONFIG_SECURITY_PROTOCOL"),
+    ({"KAFKA_CONFIG_NO_SUCH_THING": "s3cret"}, "KAFKA_CONFIG_NO_SUCH_THING"),
+    ({"HTTPS_PROXY": "user:s3cret@proxy:3128"}, "HTTPS_PROXY"),
+]
+
+
+@pytest.mark.parametrize(("env", "variable"), BAD_VALUES, ids=[v for _, v in BAD_VALUES])
+def test_a_bad_value_names_its_variable(env: dict[str, str], variable: str) -> None:
+    with pytest.raises(ConfigError, match=variable) as info:
+        Settings.from_env(env)
+    assert "s3cret" not in str(info.value)
+    assert "SASL_SSLX" not in str(info.value)
+
+
+def test_good_values_pass_and_case_does_not_matter() -> None:
+    s = Settings.from_env(
+        {
+            "LOG_LEVEL": "debug",
+            "LOG_FORMAT": "JSON",
+            "CDC_TOPIC_REPLICATION_FACTOR": "-1",  # the broker's default
+            "ENGINE_BASE_URL": "https://engine.example:8443/base",
+            "HTTPS_PROXY": "http://u:p@proxy:3128",
+            "KAFKA_CONFIG_LINGER_MS": "5",
+        }
+    )
+    assert (s.log_level.value, s.log_format.value) == ("DEBUG", "json")
+    assert s.topic_replication_factor == -1
+
+
+# --- the README's configuration table and the settings class, both ways ----------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Variables the table documents that are read outside :class:`Settings` (and where).
+READ_ELSEWHERE = {
+    "KAFKA_CONFIG_*": "cdc/settings.py",  # the prefix of librdkafka's pass-through
+    "CDC_CONFIG_FILE": "cdc/settings.py",
+    "CDC_SQL_DIR": "cdc/migrate.py",
+    "OTEL_TRACES_EXPORTER": "cdc/tracing.py",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "cdc/tracing.py",
+    "OTEL_*": "cdc/tracing.py",
+}
+
+
+def _configuration_table_variables() -> set[str]:
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    variables: set[str] = set()
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            first_cell = line.split("|")[1]
+            variables |= set(re.findall(r"`([A-Z][A-Z0-9_]*\*?)`", first_cell))
+    return variables
+
+
+def test_every_setting_has_a_row_in_the_readme_configuration_table() -> None:
+    documented = _configuration_table_variables()
+    missing = sorted(set(ENV.values()) - documented)
+    assert not missing, f"settings without a README configuration row: {missing}"
+
+
+def test_every_row_of_the_configuration_table_is_a_setting_or_read_where_it_says() -> None:
+    documented = _configuration_table_variables()
+    unknown = sorted(documented - set(ENV.values()) - set(READ_ELSEWHERE))
+    assert not unknown, f"README documents variables no code reads: {unknown}"
+    for variable, where in READ_ELSEWHERE.items():
+        assert variable in documented, f"{variable} is read by {where} but has no README row"
+        assert variable.rstrip("*") in (ROOT / where).read_text(encoding="utf-8"), variable

@@ -1,0 +1,290 @@
+"""``outbox-cdc check``: the preflight an operator runs before the first start and after a change.
+
+What it is for: one answer to "will the relay and the sink work with these
+settings?", item by item, each ``ok``, ``warn`` or ``fail`` with one line that
+names what to fix (the variable, the SQL, the command).
+
+Guarantees:
+
+* it changes nothing: it reads settings, catalogs and metadata, and sends the
+  engine one request it refuses by design (see :mod:`sinks.check`);
+* a probe that raises becomes a ``fail`` finding of its own (the other items
+  still run); a finding never holds a secret (psycopg's messages never hold
+  the DSN's password, the settings' errors never a secret's value);
+* the kernel's probes (:data:`KERNEL_PROBES`) cover PostgreSQL and Kafka; other
+  packages add theirs through their :class:`cdc.cli.app.Plugin` (``checks``),
+  so ``cdc`` imports nothing of :mod:`sinks`;
+* ``fail`` means the processes will not work as configured (exit 1); ``warn``
+  means they will, with something the operator should know.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from cdc.settings import Settings, redact_dsn
+
+#: How long one probe waits for PostgreSQL or Kafka before it reports them unreachable.
+PROBE_TIMEOUT_S = 5.0
+#: ``wal_status`` values of a slot that still has every WAL segment it needs.
+WAL_KEPT = frozenset({"reserved", "extended"})
+
+
+class Status(StrEnum):
+    """One finding's verdict."""
+
+    OK = "ok"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One checked item: what, the verdict, and one line of detail (the fix when not ok)."""
+
+    item: str
+    status: Status
+    detail: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"item": self.item, "status": self.status.value, "detail": self.detail}
+
+
+#: A probe: findings about one part of the deployment, from the settings.
+Probe = Callable[[Settings], Iterable[Finding]]
+
+
+def ok(item: str, detail: str) -> Finding:
+    return Finding(item, Status.OK, detail)
+
+
+def warn(item: str, detail: str) -> Finding:
+    return Finding(item, Status.WARN, detail)
+
+
+def fail(item: str, detail: str) -> Finding:
+    return Finding(item, Status.FAIL, detail)
+
+
+def run_probes(settings: Settings, probes: Sequence[tuple[str, Probe]]) -> list[Finding]:
+    """Every probe's findings in order; a probe that raises is one ``fail`` finding."""
+    findings: list[Finding] = []
+    for name, probe in probes:
+        try:
+            findings.extend(probe(settings))
+        except Exception as exc:
+            findings.append(fail(name, f"{type(exc).__name__}: {exc}"))
+    return findings
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------
+
+
+def postgres(settings: Settings) -> Iterator[Finding]:
+    """Reachable, ``wal_level``, the role's privileges, the outbox, publication and slot."""
+    import psycopg  # noqa: PLC0415 - this module is imported with the CLI: keep --help fast
+
+    if not settings.pg_dsn.get_secret_value():
+        yield fail("postgresql", "CDC_PG_DSN is not set")
+        return
+    try:
+        conn = psycopg.connect(
+            settings.pg_dsn.get_secret_value(),
+            autocommit=True,
+            connect_timeout=max(1, int(PROBE_TIMEOUT_S)),
+        )
+    except psycopg.Error as exc:
+        where = redact_dsn(settings.pg_dsn.get_secret_value())
+        yield fail("postgresql", f"cannot connect ({where}): {exc}; check CDC_PG_DSN")
+        return
+    with conn:
+        version = _one(conn, "SHOW server_version")
+        yield ok(
+            "postgresql", f"reachable, PostgreSQL {version}, as {_one(conn, 'SELECT current_user')}"
+        )
+        yield from _wal_level(conn)
+        yield from _privileges(conn)
+        yield from _outbox_and_publication(conn, settings)
+        yield from _slot(conn, settings)
+
+
+def _one(conn: Any, query: str, params: tuple[object, ...] = ()) -> Any:
+    row = conn.execute(query, params).fetchone()
+    return None if row is None else row[0]
+
+
+def _wal_level(conn: Any) -> Iterator[Finding]:
+    level = _one(conn, "SHOW wal_level")
+    if level == "logical":
+        yield ok("wal_level", "logical")
+    else:
+        yield fail(
+            "wal_level",
+            f"{level!r}: set wal_level = logical in postgresql.conf and restart PostgreSQL",
+        )
+
+
+def _privileges(conn: Any) -> Iterator[Finding]:
+    superuser, replication = conn.execute(
+        "SELECT rolsuper, rolreplication FROM pg_roles WHERE rolname = current_user"
+    ).fetchone()
+    if superuser or replication:
+        yield ok("replication privilege", "superuser" if superuser else "REPLICATION")
+    else:
+        yield fail(
+            "replication privilege",
+            "the role lacks REPLICATION: ALTER ROLE <role> REPLICATION"
+            " (sql/roles/relay_role.sql has the least-privilege role)",
+        )
+
+
+def _outbox_and_publication(conn: Any, settings: Settings) -> Iterator[Finding]:
+    table = settings.outbox_table
+    if not _one(conn, "SELECT to_regclass(%s) IS NOT NULL", (table,)):
+        yield fail("outbox table", f"{table} does not exist: run `outbox-cdc migrate`")
+        return
+    yield ok("outbox table", table)
+    row = conn.execute(
+        "SELECT pg_get_userbyid(pubowner), pg_get_userbyid(pubowner) = current_user"
+        " OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user)"
+        " FROM pg_publication WHERE pubname = %s",
+        (settings.publication,),
+    ).fetchone()
+    if row is None:
+        yield from _publication_creatable(conn, settings)
+        return
+    owner, usable = row
+    published = _one(
+        conn,
+        "SELECT count(*) FROM pg_publication_tables WHERE pubname = %s"
+        " AND format('%%I.%%I', schemaname, tablename)::regclass = %s::regclass",
+        (settings.publication, table),
+    )
+    if not published:
+        yield fail(
+            "publication",
+            f"{settings.publication} does not publish {table}: ALTER PUBLICATION"
+            f" {settings.publication} ADD TABLE {table} (as its owner {owner})",
+        )
+    elif not usable:
+        yield warn(
+            "publication",
+            f"{settings.publication} is owned by {owner}, not this role: fine for streaming;"
+            " changing it needs its owner",
+        )
+    else:
+        yield ok("publication", f"{settings.publication} publishes {table} (owner {owner})")
+
+
+def _publication_creatable(conn: Any, settings: Settings) -> Iterator[Finding]:
+    can_create = _one(
+        conn,
+        "SELECT has_database_privilege(current_database(), 'CREATE')"
+        " AND pg_has_role((SELECT relowner FROM pg_class WHERE oid = %s::regclass), 'USAGE')",
+        (settings.outbox_table,),
+    )
+    if can_create:
+        yield ok("publication", f"{settings.publication} not yet created; the relay may create it")
+    else:
+        yield fail(
+            "publication",
+            f"{settings.publication} does not exist and this role may not create it:"
+            " run `outbox-cdc migrate` as the outbox table's owner",
+        )
+
+
+def _slot(conn: Any, settings: Settings) -> Iterator[Finding]:
+    row = conn.execute(
+        "SELECT plugin, active, wal_status, database = current_database()"
+        " FROM pg_replication_slots WHERE slot_name = %s",
+        (settings.slot,),
+    ).fetchone()
+    item = f"slot {settings.slot}"
+    if row is None:
+        yield ok(item, "not yet created: the relay creates it at its first start")
+        return
+    plugin, active, wal_status, same_db = row
+    if plugin != "pgoutput" or not same_db:
+        yield fail(
+            item,
+            f"belongs to another plugin ({plugin}) or database: choose another CDC_SLOT",
+        )
+    elif wal_status == "lost":
+        yield fail(
+            item,
+            "wal_status lost: the WAL it needs is gone; `outbox-cdc slot drop`, restart the"
+            " relay, then `outbox-cdc resync users`",
+        )
+    elif wal_status not in WAL_KEPT:
+        yield warn(item, f"wal_status {wal_status}: WAL is about to be removed; start the relay")
+    else:
+        yield ok(item, f"{'active' if active else 'inactive'}, wal_status {wal_status}")
+
+
+# --- Kafka ---------------------------------------------------------------------------------
+
+
+def kafka(settings: Settings) -> Iterator[Finding]:
+    """Brokers reachable; the outbox topics and their partition counts."""
+    from confluent_kafka import KafkaException  # noqa: PLC0415 - see postgres()
+    from confluent_kafka.admin import AdminClient  # noqa: PLC0415
+
+    if not settings.kafka_bootstrap_servers:
+        yield fail("kafka", "KAFKA_BOOTSTRAP_SERVERS is not set")
+        return
+    conf: dict[str, Any] = {
+        **settings.kafka_config,
+        "bootstrap.servers": settings.kafka_bootstrap_servers,
+        "logger": _quiet_logger(),
+    }
+    admin = AdminClient(conf)
+    try:
+        metadata = admin.list_topics(timeout=PROBE_TIMEOUT_S)
+    except KafkaException as exc:
+        error = exc.args[0] if exc.args else exc
+        name = getattr(error, "name", lambda: "error")()
+        yield fail(
+            "kafka",
+            f"unreachable within {PROBE_TIMEOUT_S:g}s ({name}): check"
+            f" KAFKA_BOOTSTRAP_SERVERS={settings.kafka_bootstrap_servers} and KAFKA_CONFIG_*",
+        )
+        return
+    yield ok("kafka", f"reachable, {len(metadata.brokers)} broker(s)")
+    yield from _topics(settings, {t: len(m.partitions) for t, m in metadata.topics.items()})
+
+
+def _topics(settings: Settings, partitions: dict[str, int]) -> Iterator[Finding]:
+    ours = {t: n for t, n in partitions.items() if t.startswith(settings.topic_prefix)}
+    want = settings.topic_partitions
+    if not ours:
+        yield ok("topics", f"none named {settings.topic_prefix}* yet: the relay creates them")
+    for topic, count in sorted(ours.items()):
+        if count == want:
+            yield ok(f"topic {topic}", f"{count} partitions")
+        else:
+            yield warn(
+                f"topic {topic}",
+                f"{count} partitions, CDC_TOPIC_PARTITIONS={want}: keys map to partitions by"
+                " the topic's own count (murmur2 % partitions); align them or set the variable",
+            )
+    dlq = settings.dlq_topic
+    if dlq in partitions:
+        yield ok(f"topic {dlq}", "dead-letter topic exists")
+    else:
+        yield ok(f"topic {dlq}", "dead-letter topic not yet created: the relay creates it")
+
+
+def _quiet_logger() -> logging.Logger:
+    """librdkafka's own lines stay out of the preflight's answer (it reports the failure)."""
+    quiet = logging.getLogger("kafka.check")
+    quiet.propagate = False
+    quiet.addHandler(logging.NullHandler())
+    return quiet
+
+
+#: The kernel's probes, in the order of the answer.
+KERNEL_PROBES: tuple[tuple[str, Probe], ...] = (("postgresql", postgres), ("kafka", kafka))

@@ -1,0 +1,90 @@
+"""The command line's views: what an operator reads in an 80-column terminal."""
+
+from __future__ import annotations
+
+import io
+from datetime import UTC, datetime
+
+from rich.console import Console
+
+from sinks.cli.render import lag_view, parked_line, parked_table
+from sinks.ops.lag import PipelineLag
+from sinks.ops.offsets import PartitionLag
+from sinks.trace.model import ParkedRow
+
+NOW = datetime(2026, 12, 1, 6, 0, tzinfo=UTC)
+
+
+def _render(renderable: object, width: int = 80) -> str:
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, highlight=False, soft_wrap=True).print(renderable)
+    return buffer.getvalue()
+
+
+def _lag_row(topic: str, partition: int) -> PartitionLag:
+    return PartitionLag(
+        topic=topic,
+        partition=partition,
+        committed_offset=123_456,
+        low_offset=0,
+        end_offset=223_456,
+        resume_offset=123_456,
+        lag=100_000,
+        oldest_unprocessed_ts_ms=None,
+        oldest_unprocessed_age_s=4_000.0,
+    )
+
+
+def test_the_lag_table_shows_whole_topic_names_in_80_columns() -> None:
+    """user and quiz_attempt topics differ at the end: a cut name makes the rows look alike."""
+    topics = ["outbox.event.user_0a1b2c3d4e", "outbox.event.quiz_attempt_0a1b2c3d4e"]
+    report = PipelineLag(
+        group="engine-sync-0a1b2c3d4e",
+        at_ms=0,
+        partitions=tuple(_lag_row(t, p) for t in topics for p in range(3)),
+        slot=None,
+        parking=None,
+    )
+
+    text = _render(lag_view(report, rates=None))
+
+    for topic in topics:
+        assert topic in text, text
+    assert "…" not in text
+
+
+def _parked(**changes: object) -> ParkedRow:
+    values: dict[str, object] = {
+        "id": 7,
+        "sync_type": "USER_SYNC",
+        "status": "DONE",
+        "retry_count": 1,
+        "last_error": None,
+        "next_retry_at": None,
+        "created_at": NOW,
+        "updated_at": NOW,
+        "kafka_topic": "t",
+        "kafka_partition": 0,
+        "kafka_offset": 1,
+    }
+    values.update(changes)
+    return ParkedRow(**values)  # type: ignore[arg-type]
+
+
+def test_a_parked_row_without_next_retry_or_error_shows_neither() -> None:
+    line = parked_line(_parked())
+    assert "next retry" not in line
+    assert not line.endswith(":")
+    assert line.startswith("#7 USER_SYNC DONE, 1 retries")
+
+
+def test_a_parked_row_with_next_retry_and_error_shows_both() -> None:
+    line = parked_line(_parked(status="FAILED", next_retry_at=NOW, last_error="HTTP 422"))
+    assert f"next retry {NOW}: HTTP 422" in line
+
+
+def test_the_parking_table_heading_names_the_statuses_listed() -> None:
+    assert "0 done sync event(s)" in _render(parked_table([], statuses=("DONE",)))
+    assert "0 failed or pending sync event(s)" in _render(
+        parked_table([], statuses=("FAILED", "PENDING"))
+    )
