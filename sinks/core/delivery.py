@@ -24,6 +24,7 @@ Neither talks to Kafka or HTTP: the consumer loop drives them.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -61,6 +62,16 @@ class HeaderRead:
     problem: str = ""
 
 
+#: ``message.headers()`` called through the C API, which always checks a call's result.
+#: Written as a plain method call on a hot path, CPython 3.11+ specialises the call
+#: site (PEP 659: ``PRECALL_NO_KW_METHOD_DESCRIPTOR_NOARGS``, ``CALL_METHOD_DESCRIPTOR_NOARGS``
+#: later) and the specialised instruction does *not* check that a C function returning
+#: a value left no exception set: the broken list of a non-UTF-8 header name then comes
+#: back as if it were fine - no SystemError - and the next unpacking of its NULL is a
+#: SIGSEGV. The generic call path (``_Py_CheckFunctionResult``) turns it into SystemError.
+_HEADERS = operator.methodcaller("headers")
+
+
 def read_headers(message: Any) -> HeaderRead:
     """The headers of a confluent-kafka ``Message``, read once and defensively.
 
@@ -68,15 +79,16 @@ def read_headers(message: Any) -> HeaderRead:
     inside ``Message.headers()``; a name that is not valid UTF-8 (any producer
     can write one: the protocol carries bytes) makes it leave a NULL in the
     header tuple and return the list with the ``UnicodeDecodeError`` still set,
-    which Python turns into ``SystemError``. The broken list stays cached in the
-    message: a *second* ``headers()`` call (or its repr, pickle, iteration)
-    dereferences the NULL and kills the process with SIGSEGV. So this is the
-    only place that calls ``headers()``, once per message, catching whatever
-    it raises; the message's headers are never touched again - the envelope
-    carries them.
+    which Python turns into ``SystemError`` - on the generic call path only
+    (see :data:`_HEADERS`: a specialised call site returns the broken list). The
+    broken list stays cached in the message: a *second* ``headers()`` call (or
+    its repr, pickle, iteration) dereferences the NULL and kills the process
+    with SIGSEGV. So this is the only place that calls ``headers()``, once per
+    message, through :data:`_HEADERS`, catching whatever it raises; the
+    message's headers are never touched again - the envelope carries them.
     """
     try:
-        raw = message.headers()
+        raw = _HEADERS(message)  # not message.headers(): see _HEADERS
     except Exception as exc:  # SystemError(UnicodeDecodeError), or whatever a fix raises
         cause = exc.__cause__ or exc.__context__ or exc
         return HeaderRead((), f"{UNREADABLE_HEADERS}: {_describe(cause)}")
