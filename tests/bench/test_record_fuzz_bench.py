@@ -7,9 +7,11 @@ with HOSTILE random records interleaved (:func:`tests.records.random_record`:
 non-UTF-8 header names, duplicates, null values, tombstones, huge header sets,
 missing or malformed ids), written raw. The figure is records settled per
 second (delivered + parked) from the sink's ``/readyz`` to every partition
-committed to its end, and the good events' rate; the fuzz/clean ratio is
-printed beside the load average. Only correctness is asserted (every good
-event applied once, every partition committed to its end, the sink alive).
+committed to its end, the good events' rate over the same span, and the good
+events' steady rate (the stub's first to last ``applied_at``, without the group
+join); the fuzz/clean ratios are printed beside the load average. Only
+correctness is asserted (every good event applied once, every partition
+committed to its end, the sink alive).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Run:
     good: int
     elapsed_s: float
     sink_cpu_pct: float
+    #: good events / s between the stub's first and last applied_at (steady state)
+    steady_good_rate: float
 
     @property
     def rate(self) -> float:
@@ -86,9 +90,18 @@ def _run(name: str, db_dsn: str, kafka: str, stub: StubProc, tmp: Path, *, hosti
         assert sink.alive(), sink.log_tail()
     finally:
         sink.close()
-    applied = Counter(i["event_id"] for i in stub.applied_items()[before:])
+    items = stub.applied_items()[before:]
+    applied = Counter(i["event_id"] for i in items)
     assert set(applied) == written.good_ids and max(applied.values()) == 1
-    return Run(name, sum(written.ends.values()), len(written.good_ids), elapsed_s, cpu_pct)
+    span_s = items[-1]["applied_at"] - items[0]["applied_at"]
+    return Run(
+        name,
+        sum(written.ends.values()),
+        len(written.good_ids),
+        elapsed_s,
+        cpu_pct,
+        (len(items) - 1) / span_s,
+    )
 
 
 @pytest.mark.timeout(900)
@@ -109,6 +122,7 @@ def test_sink_throughput_among_hostile_records_beside_a_clean_run(
             fmt(r.elapsed_s, 1),
             fmt(r.rate),
             fmt(r.good_rate),
+            fmt(r.steady_good_rate),
             fmt(r.sink_cpu_pct),
         ]
         for r in (clean, fuzz)
@@ -121,11 +135,21 @@ def test_sink_throughput_among_hostile_records_beside_a_clean_run(
             "",
             f"{fuzz.rate / clean.rate:.2f}",
             f"{fuzz.good_rate / clean.good_rate:.2f}",
+            f"{fuzz.steady_good_rate / clean.steady_good_rate:.2f}",
             f"load avg {os.getloadavg()[0]:.2f}",
         ]
     )
     print_table(
         f"sink: {GOOD_USERS * 4:,} good events alone, then among {HOSTILE:,} hostile records",
-        ["run", "records", "good", "ready->committed s", "records/s", "good/s", "sink CPU %"],
+        [
+            "run",
+            "records",
+            "good",
+            "ready->committed s",
+            "records/s",
+            "good/s",
+            "good/s first->last applied",
+            "sink CPU %",
+        ],
         rows,
     )
