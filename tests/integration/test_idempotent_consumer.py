@@ -43,6 +43,7 @@ from tests.harness import (
     start_relay,
     wait_until,
 )
+from tests.records import RawProducer, RawRecord
 
 pytestmark = pytest.mark.integration
 
@@ -576,3 +577,33 @@ def test_a_partition_paused_after_a_failure_resumes_after_its_backoff_across_a_r
     assert [p.event_id for p in seen if p.outcome is Outcome.HANDLED] == ids
     assert calls == [ids[0], *ids]
     assert [r[0] for r in _rows(consumer_dsn, "SELECT event_id FROM handled ORDER BY at")] == ids
+
+
+def test_a_record_whose_header_name_is_not_utf8_is_dead_lettered_with_the_reason_not_a_crash(
+    consumer_dsn: str, kafka_bootstrap: str, unique: str
+) -> None:
+    """Issue 22 item 1: such a record used to raise SystemError in poll_once (a crash loop)."""
+    topic = _topic(kafka_bootstrap, f"idem-bytes-{unique}")
+    dlq = _topic(kafka_bootstrap, f"idem-bytes-{unique}.dlq")
+    fine = str(uuid.uuid4())
+    hostile = RawRecord(b"k1", b"\x00raw", ((b"id\xff", b"x"), (b"type", None)))
+    key, value, headers = _relay_record(fine)
+    good = RawRecord(key, value, tuple((n.encode(), v) for n, v in headers))
+    RawProducer(kafka_bootstrap).send(topic, 0, [hostile, hostile, good])
+    with _consumer(
+        consumer_dsn,
+        kafka_bootstrap,
+        topic,
+        f"g-{unique}",
+        _recording_handler,
+        on_failure=FailurePolicy.DEAD_LETTER,
+        dead_letter_topic=dlq,
+    ) as consumer:
+        seen = _drive(consumer, _count(Outcome.HANDLED, 1))
+    assert [p.outcome for p in seen] == [Outcome.DEAD_LETTERED] * 2 + [Outcome.HANDLED]
+    dead = read_topics(kafka_bootstrap, [dlq], expect=2)
+    assert [(m.key(), m.value()) for m in dead] == [(b"k1", b"\x00raw")] * 2, "kept byte for byte"
+    reason = headers_of(dead[0])["dlq.reason"].decode()
+    assert reason == "unreadable_headers: a header name is not UTF-8 (byte 0xff at 2)"
+    assert _rows(consumer_dsn, "SELECT event_id FROM handled") == [(fine,)]
+    assert _committed(kafka_bootstrap, f"g-{unique}", topic) == [3]
