@@ -18,7 +18,10 @@ message's headers: SIGSEGV).
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -34,6 +37,7 @@ from sinks.idempotent import ConsumerOptions, IdempotentConsumer, Outcome
 from sinks.stub.server import StubServer
 from sinks.trace.model import murmur2_partition
 from tests.harness import (
+    ROOT,
     RelayConfig,
     SinkConfig,
     create_topics,
@@ -337,3 +341,48 @@ def _poll_into(
         outcomes[done.outcome] += 1
         seen.add(done.record.position)
     return True
+
+
+_HOT_LOOP = """
+import sys
+from confluent_kafka import Consumer, TopicPartition
+from sinks.core.delivery import read_headers
+bootstrap, topic, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "unused"})
+consumer.assign([TopicPartition(topic, 0, 0)])
+unreadable = seen = 0
+while seen < n:
+    for msg in consumer.consume(500, 5):
+        if msg.error() is None:
+            seen += 1
+            unreadable += bool(read_headers(msg).problem)
+consumer.close()
+print(seen, unreadable)
+"""
+
+
+def test_reading_headers_on_a_hot_call_site_reports_every_non_utf8_name_and_never_crashes(
+    kafka_bootstrap: str, unique: str, tmp_path: Path
+) -> None:
+    """CPython 3.11+ specialises a hot ``msg.headers()`` call site and then skips the
+    check that turns confluent-kafka's broken result into SystemError: the broken
+    list came back and the next unpacking was a SIGSEGV. Run in a child, so a
+    crash is an exit code here, not the end of the test session."""
+    topic = f"fuzz-hot-{unique}"
+    create_topics(kafka_bootstrap, [topic], partitions=1)
+    bad = RawRecord(b"k", b"v", ((b"id\xff", b"x"), (b"", None), (b"\xc3\x28", b"y")))
+    fine = RawRecord(b"k", b"v", ((b"id", b"1"),))
+    RawProducer(kafka_bootstrap).send(topic, 0, [bad, fine] * 200)
+    script = tmp_path / "hot_loop.py"
+    script.write_text(_HOT_LOOP)
+    done = subprocess.run(
+        [sys.executable, "-X", "faulthandler", str(script), kafka_bootstrap, topic, "400"],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-2000:]}"
+    assert done.stdout.split() == ["400", "200"]
