@@ -32,10 +32,12 @@ from typing import Any
 import psycopg
 import pytest
 
+from cdc.migrate import migrate
 from sinks.core.delivery import Envelope
 from sinks.idempotent import ConsumerOptions, IdempotentConsumer, Outcome
 from sinks.stub.server import StubServer
 from sinks.trace.model import murmur2_partition
+from tests.conftest import create_database, drop_database
 from tests.harness import (
     ROOT,
     RelayConfig,
@@ -138,8 +140,20 @@ def sink_events(users: list[str]) -> dict[str, list[RawRecord]]:
 
 
 @pytest.fixture
-def sink_topics(db_dsn: str, kafka_bootstrap: str, unique: str) -> RelayConfig:
-    cfg = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=PARTITIONS)
+def fuzz_db_dsn(pg_server: str) -> Iterator[str]:
+    """A migrated database of its own: the ~1,300 rows this test parks stay out of the
+    session's parking lot, where later tests list and count rows."""
+    dsn = create_database(pg_server, "cdc_fuzz")
+    migrate(dsn)
+    yield dsn
+    drop_database(pg_server, dsn)
+
+
+@pytest.fixture
+def sink_topics(fuzz_db_dsn: str, kafka_bootstrap: str, unique: str) -> RelayConfig:
+    cfg = RelayConfig(
+        db_dsn=fuzz_db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=PARTITIONS
+    )
     create_topics(
         kafka_bootstrap,
         [cfg.topic_prefix + "user", cfg.topic_prefix + "quiz_attempt"],
