@@ -494,15 +494,26 @@ def _parse_dsn(dsn: str) -> dict[str, Any] | None:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with the password of its userinfo replaced by ``***`` (proxy URLs)."""
+    """``url`` with the secret of its userinfo replaced by ``***`` (proxy URLs).
+
+    ``user:password@`` keeps the user and hides the password; a userinfo with no
+    password (``KEY@proxy``: some proxy services take an API key as the user) is
+    hidden whole.
+    """
     if not url:
         return ""
     try:
         parts = urlsplit(url)
-        password = parts.password
+        username, password = parts.username, parts.password
     except ValueError:
         return "<unparseable URL>"
-    if password is None:
+    if "@" not in parts.netloc:
         return url
     host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:{REDACTED}@{host}"))
+    if password is not None:
+        userinfo = f"{username or ''}:{REDACTED}"
+    elif username:
+        userinfo = REDACTED
+    else:
+        return url
+    return urlunsplit(parts._replace(netloc=f"{userinfo}@{host}"))

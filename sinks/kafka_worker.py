@@ -17,6 +17,11 @@ Guarantees:
   records are on their way (posted, not yet taken by the loop); past that the
   thread stops fetching until the loop catches up, so a busy loop cannot make
   records pile up in memory ahead of the core's own bound (``max_buffered``);
+* every record fetched reaches the loop: it becomes an :class:`Envelope`
+  through :meth:`Envelope.from_kafka`, which never raises on a record's bytes
+  (a record whose headers cannot be read carries the reason and is parked);
+  nothing here touches a message's headers (see
+  :func:`sinks.core.delivery.read_headers`: a second read is a SIGSEGV);
 * the loop talks back through :meth:`KafkaWorker.command` (pause, resume,
   commit, close), a queue this thread drains between ``consume`` calls;
 * librdkafka's errors and log lines go through :class:`cdc.kafkalog.KafkaClientEvents`;

@@ -236,8 +236,11 @@ class Routing:
 
         The ``id`` header is the idempotency key: without one (or with one that
         is not printable ASCII, so not an HTTP header value) the record cannot
-        be delivered safely and is parked.
+        be delivered safely and is parked; so is a record whose headers could
+        not be read at all (:attr:`Envelope.unreadable`).
         """
+        if envelope.unreadable:
+            raise Unroutable(f"record {envelope.position}: {envelope.unreadable}")
         event_id = envelope.event_id
         if not event_id:
             raise Unroutable(f"record {envelope.position} has no 'id' header (idempotency key)")

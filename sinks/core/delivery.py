@@ -11,11 +11,20 @@ Guarantees (Sink invariant 1):
   submission order, one at a time; different keys run concurrently, never more
   than ``max_in_flight`` records at once.
 
+- :meth:`Envelope.from_kafka` - every record is data: a consumed record of any
+  bytes (header names that are not UTF-8, null header values, duplicate names,
+  huge header sets, null keys, tombstones) becomes an :class:`Envelope`, never
+  an exception. Headers are read by :func:`read_headers` - the one function the
+  sink and :mod:`sinks.idempotent` both use - exactly once per message; a
+  record whose headers cannot be read carries the reason in
+  :attr:`Envelope.unreadable` (it is parked or dead-lettered, never delivered).
+
 Neither talks to Kafka or HTTP: the consumer loop drives them.
 """
 
 from __future__ import annotations
 
+import operator
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,6 +46,70 @@ TopicPartition = tuple[str, int]
 
 #: confluent-kafka's TIMESTAMP_NOT_AVAILABLE timestamp type.
 _KAFKA_TIMESTAMP_NOT_AVAILABLE = 0
+#: The reason prefix of a record whose headers could not be read (parking lot, dead letters).
+UNREADABLE_HEADERS = "unreadable_headers"
+
+#: Kafka headers in record order: duplicates kept, a null value as None.
+HeaderList = tuple[tuple[str, bytes | None], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderRead:
+    """What :func:`read_headers` found: the headers, or why there are none to show."""
+
+    headers: HeaderList
+    #: ``""`` when the headers were read; else ``unreadable_headers: <why>``.
+    problem: str = ""
+
+
+#: ``message.headers()`` called through the C API, which always checks a call's result.
+#: Written as a plain method call on a hot path, CPython 3.11+ specialises the call
+#: site (PEP 659: ``PRECALL_NO_KW_METHOD_DESCRIPTOR_NOARGS``, ``CALL_METHOD_DESCRIPTOR_NOARGS``
+#: later) and the specialised instruction does *not* check that a C function returning
+#: a value left no exception set: the broken list of a non-UTF-8 header name then comes
+#: back as if it were fine - no SystemError - and the next unpacking of its NULL is a
+#: SIGSEGV. The generic call path (``_Py_CheckFunctionResult``) turns it into SystemError.
+_HEADERS = operator.methodcaller("headers")
+
+
+def read_headers(message: Any) -> HeaderRead:
+    """The headers of a confluent-kafka ``Message``, read once and defensively.
+
+    confluent-kafka (through 2.16 at least) decodes header *names* as UTF-8
+    inside ``Message.headers()``; a name that is not valid UTF-8 (any producer
+    can write one: the protocol carries bytes) makes it leave a NULL in the
+    header tuple and return the list with the ``UnicodeDecodeError`` still set,
+    which Python turns into ``SystemError`` - on the generic call path only
+    (see :data:`_HEADERS`: a specialised call site returns the broken list). The
+    broken list stays cached in the message: a *second* ``headers()`` call (or
+    its repr, pickle, iteration) dereferences the NULL and kills the process
+    with SIGSEGV. So this is the only place that calls ``headers()``, once per
+    message, through :data:`_HEADERS`, catching whatever it raises; the
+    message's headers are never touched again - the envelope carries them.
+    """
+    try:
+        raw = _HEADERS(message)  # not message.headers(): see _HEADERS
+    except Exception as exc:  # SystemError(UnicodeDecodeError), or whatever a fix raises
+        cause = exc.__cause__ or exc.__context__ or exc
+        return HeaderRead((), f"{UNREADABLE_HEADERS}: {_describe(cause)}")
+    if not raw:
+        return HeaderRead(())
+    out: list[tuple[str, bytes | None]] = []
+    for item in raw:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header is a {type(item).__name__}")
+        name, value = item
+        if not isinstance(name, str) or not isinstance(value, bytes | None):
+            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header of unexpected types")
+        out.append((name, value))
+    return HeaderRead(tuple(out))
+
+
+def _describe(exc: BaseException) -> str:
+    """One line about why the headers could not be read (never the bytes themselves)."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a header name is not UTF-8 (byte 0x{exc.object[exc.start]:02x} at {exc.start})"
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,21 +121,33 @@ class Envelope:
     offset: int
     key: bytes | None
     value: bytes | None
+    #: By name, the last of duplicates winning (Kafka's ``lastHeader``); None values as b"".
     headers: dict[str, bytes] = field(default_factory=dict, hash=False)
     timestamp_ms: int | None = None
+    #: Every header in record order, duplicates and null values kept (parking, dead letters).
+    header_list: HeaderList = field(default=(), hash=False, compare=False)
+    #: Why the record cannot be interpreted (``unreadable_headers: ...``); ``""`` when fine.
+    unreadable: str = ""
 
     @classmethod
     def from_kafka(cls, message: Any) -> Envelope:
-        """An envelope from a confluent-kafka ``Message`` (duck-typed; last header wins)."""
+        """An envelope from a confluent-kafka ``Message`` (duck-typed); never raises on bytes.
+
+        Headers come from :func:`read_headers` (the message's ``headers()`` is not
+        to be called again afterwards).
+        """
         ts_type, ts_ms = message.timestamp()
+        read = read_headers(message)
         return cls(
             topic=message.topic(),
             partition=message.partition(),
             offset=message.offset(),
             key=message.key(),
             value=message.value(),
-            headers=headers_dict(message.headers()),
+            headers=headers_dict(read.headers),
             timestamp_ms=None if ts_type == _KAFKA_TIMESTAMP_NOT_AVAILABLE else ts_ms,
+            header_list=read.headers,
+            unreadable=read.problem,
         )
 
     @property

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import ConsumerGroupTopicPartitions, Producer, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from cdc.outbox import OutboxEvent, write_event
@@ -43,6 +43,7 @@ from tests.harness import (
     start_relay,
     wait_until,
 )
+from tests.records import RawProducer, RawRecord
 
 pytestmark = pytest.mark.integration
 
@@ -508,3 +509,101 @@ def test_a_dead_letter_kafka_refuses_spends_no_attempt_and_moves_no_offset(
     assert _rows(consumer_dsn, "SELECT count(*) FROM processed_events") == [(0,)]
     assert _rows(consumer_dsn, "SELECT count(*) FROM handled") == [(0,)]
     assert all(o < 0 for o in _committed(kafka_bootstrap, f"g-{unique}", topic)), "offset kept"
+
+
+#: The pause after the failure in the rebalance test: long enough for a rebalance inside it.
+BACKOFF_S = 10.0
+
+
+class _CountingConsumer(IdempotentConsumer):
+    """Counts the assignments it is given (the rebalance really happened to it)."""
+
+    assignments = 0
+
+    def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        self.assignments += 1
+        super()._on_assign(consumer, partitions)
+
+
+def test_a_partition_paused_after_a_failure_resumes_after_its_backoff_across_a_rebalance(
+    consumer_dsn: str, kafka_bootstrap: str, unique: str
+) -> None:
+    """Issue 22 item 2: a rebalance during the pause used to stall the partition for good."""
+    topic = _topic(kafka_bootstrap, f"idem-rebalance-{unique}")
+    other = _topic(kafka_bootstrap, f"idem-rebalance-other-{unique}")
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    _produce(kafka_bootstrap, topic, [_relay_record(e, n=i) for i, e in enumerate(ids)])
+    calls: list[str] = []
+
+    def fails_once(conn: Conn, record: Envelope) -> None:
+        calls.append(record.event_id)
+        if len(calls) == 1:
+            raise RuntimeError("downstream hiccup")
+        _recording_handler(conn, record)
+
+    group = f"g-{unique}"
+    fast = {"heartbeat.interval.ms": 200, "session.timeout.ms": 6000}
+    with (
+        psycopg.connect(consumer_dsn) as conn,
+        _CountingConsumer(
+            conn,
+            fails_once,
+            kafka_config={"bootstrap.servers": kafka_bootstrap, "group.id": group, **fast},
+            topics=[topic],
+            options=ConsumerOptions(name="billing", retry_backoff_s=BACKOFF_S),
+        ) as consumer,
+    ):
+        seen = _drive(consumer, _count(Outcome.RETRY, 1))
+        failed_at = time.monotonic()
+        assert consumer.held_partitions == {(topic, 0)}
+        before = consumer.assignments
+        newcomer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group, **fast})
+        try:
+            newcomer.subscribe([other])  # joins the group: everyone is revoked and reassigned
+            deadline = time.monotonic() + 60
+            while consumer.assignments == before or not newcomer.assignment():
+                assert time.monotonic() < deadline, "the rebalance did not happen"
+                consumer.poll_once(0.1)
+                newcomer.poll(0.1)
+            assert time.monotonic() - failed_at < BACKOFF_S, "the rebalance came inside the backoff"
+            while sum(p.outcome is Outcome.HANDLED for p in seen) < 3:
+                assert time.monotonic() < deadline, f"stalled: {[p.outcome for p in seen]}"
+                done = consumer.poll_once(0.1)
+                newcomer.poll(0)
+                if done is not None and done.outcome is not Outcome.STALE:
+                    seen.append(done)
+        finally:
+            newcomer.close()
+    assert [p.event_id for p in seen if p.outcome is Outcome.HANDLED] == ids
+    assert calls == [ids[0], *ids]
+    assert [r[0] for r in _rows(consumer_dsn, "SELECT event_id FROM handled ORDER BY at")] == ids
+
+
+def test_a_record_whose_header_name_is_not_utf8_is_dead_lettered_with_the_reason_not_a_crash(
+    consumer_dsn: str, kafka_bootstrap: str, unique: str
+) -> None:
+    """Issue 22 item 1: such a record used to raise SystemError in poll_once (a crash loop)."""
+    topic = _topic(kafka_bootstrap, f"idem-bytes-{unique}")
+    dlq = _topic(kafka_bootstrap, f"idem-bytes-{unique}.dlq")
+    fine = str(uuid.uuid4())
+    hostile = RawRecord(b"k1", b"\x00raw", ((b"id\xff", b"x"), (b"type", None)))
+    key, value, headers = _relay_record(fine)
+    good = RawRecord(key, value, tuple((n.encode(), v) for n, v in headers))
+    RawProducer(kafka_bootstrap).send(topic, 0, [hostile, hostile, good])
+    with _consumer(
+        consumer_dsn,
+        kafka_bootstrap,
+        topic,
+        f"g-{unique}",
+        _recording_handler,
+        on_failure=FailurePolicy.DEAD_LETTER,
+        dead_letter_topic=dlq,
+    ) as consumer:
+        seen = _drive(consumer, _count(Outcome.HANDLED, 1))
+    assert [p.outcome for p in seen] == [Outcome.DEAD_LETTERED] * 2 + [Outcome.HANDLED]
+    dead = read_topics(kafka_bootstrap, [dlq], expect=2)
+    assert [(m.key(), m.value()) for m in dead] == [(b"k1", b"\x00raw")] * 2, "kept byte for byte"
+    reason = headers_of(dead[0])["dlq.reason"].decode()
+    assert reason == "unreadable_headers: a header name is not UTF-8 (byte 0xff at 2)"
+    assert _rows(consumer_dsn, "SELECT event_id FROM handled") == [(fine,)]
+    assert _committed(kafka_bootstrap, f"g-{unique}", topic) == [3]

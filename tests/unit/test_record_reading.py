@@ -1,0 +1,138 @@
+"""Every record is data: :func:`read_headers` / :meth:`Envelope.from_kafka` over any bytes.
+
+confluent-kafka decodes header names as UTF-8 inside ``Message.headers()``; a
+name that is not UTF-8 raises ``SystemError`` (its cause the
+``UnicodeDecodeError``) and leaves a broken list cached in the message that
+crashes the process (SIGSEGV) on the next access. The fake message below does
+what confluent-kafka does for any record of :func:`tests.records.kafka_records`:
+a readable record gives its headers, an unreadable one raises as confluent-kafka
+does - and fails the test if read a second time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sinks.core.delivery import UNREADABLE_HEADERS, Envelope, read_headers
+from sinks.idempotent import BadEvent, event_id_of
+from sinks.routes import Unroutable, route_envelope
+from tests.records import RawRecord, kafka_records
+
+
+class FakeMessage:
+    """A consumed record as confluent-kafka 2.16 hands it over (headers readable once)."""
+
+    def __init__(self, record: RawRecord) -> None:
+        self._record = record
+        self.header_calls = 0
+
+    def headers(self) -> list[tuple[str, bytes | None]] | None:
+        self.header_calls += 1
+        assert self.header_calls == 1, "headers() read twice: SIGSEGV in confluent-kafka"
+        out = []
+        for name, value in self._record.headers:
+            try:
+                out.append((name.split(b"\x00")[0].decode("utf-8"), value))  # a C string
+            except UnicodeDecodeError as exc:
+                raise SystemError(
+                    "<method 'headers'> returned a result with an exception set"
+                ) from exc
+        return out or None
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return 3
+
+    def key(self) -> bytes | None:
+        return self._record.key
+
+    def value(self) -> bytes | None:
+        return self._record.value
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 1_700_000_000_000)
+
+
+def _readable(record: RawRecord) -> bool:
+    try:
+        for name, _ in record.headers:
+            name.split(b"\x00")[0].decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(record=kafka_records())
+def test_any_record_becomes_an_envelope_and_headers_are_read_once(record: RawRecord) -> None:
+    message = FakeMessage(record)
+    env = Envelope.from_kafka(message)
+    assert message.header_calls == 1
+    assert (env.key, env.value) == (record.key, record.value)
+    if _readable(record):
+        assert env.unreadable == ""
+        assert [v for _, v in env.header_list] == [v for _, v in record.headers]
+    else:
+        assert env.unreadable.startswith(f"{UNREADABLE_HEADERS}: a header name is not UTF-8")
+        assert env.header_list == ()
+    # whatever it holds, the record is routed or refused with a reason, never a crash
+    try:
+        route_envelope(env)
+    except Unroutable as exc:
+        assert exc.reason
+    try:
+        event_id_of(env)
+    except BadEvent as exc:
+        assert exc.reason
+
+
+def test_an_unreadable_record_is_refused_by_the_sink_and_the_toolkit_with_the_reason() -> None:
+    record = RawRecord(b"k", b"{}", ((b"id\xff", b"x"), (b"type", b"UserRegistered")))
+    env = Envelope.from_kafka(FakeMessage(record))
+    assert env.unreadable == f"{UNREADABLE_HEADERS}: a header name is not UTF-8 (byte 0xff at 2)"
+    assert (env.event_id, env.event_type, env.headers) == ("", "", {})
+    try:
+        route_envelope(env)
+        raise AssertionError("routed")
+    except Unroutable as exc:
+        assert UNREADABLE_HEADERS in exc.reason
+    try:
+        event_id_of(env)
+        raise AssertionError("accepted")
+    except BadEvent as exc:
+        assert exc.reason.startswith(UNREADABLE_HEADERS)
+
+
+def test_duplicate_names_keep_every_header_in_order_and_the_last_wins_by_name() -> None:
+    env = Envelope.from_kafka(
+        FakeMessage(RawRecord(b"k", None, ((b"id", b"a"), (b"x", None), (b"id", b"b"))))
+    )
+    assert env.header_list == (("id", b"a"), ("x", None), ("id", b"b"))
+    assert (env.event_id, env.headers["x"]) == ("b", b"")
+
+
+class _Odd:
+    def headers(self) -> Any:
+        return [("id", b"1", "extra")]
+
+
+def test_headers_of_an_unexpected_shape_are_unreadable_not_a_crash() -> None:
+    assert read_headers(_Odd()).problem.startswith(UNREADABLE_HEADERS)
+
+
+@given(st.binary(max_size=64))
+def test_an_id_header_of_any_bytes_is_an_id_or_bad_input(raw: bytes) -> None:
+    env = Envelope(topic="t", partition=0, offset=1, key=None, value=None, headers={"id": raw})
+    try:
+        event_id = event_id_of(env)
+    except BadEvent:
+        return
+    assert event_id and event_id.isprintable() and "\x00" not in event_id
