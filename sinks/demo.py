@@ -48,12 +48,15 @@ from typing import Any
 
 import httpx
 import psycopg
+from confluent_kafka.admin import AdminClient
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cdc.backlog import BacklogGuard
 from cdc.errors import CdcError, ConfigError
+from cdc.kafkaclient import first_contact
+from cdc.kafkalog import KafkaClientEvents
 from cdc.migrate import migrate
 from cdc.outbox import (
     QUIZ_AGGREGATE,
@@ -366,6 +369,20 @@ def _summary(
     console.print("  logs: .dev/demo-relay.log .dev/demo-sink.log .dev/demo-engine-stub.log")
 
 
+def require_kafka(settings: Settings) -> None:
+    """Kafka answers, else :class:`cdc.errors.KafkaUnreachableError` within seconds, one
+    line naming ``KAFKA_BOOTSTRAP_SERVERS`` (the topics' own wait would take 30 s)."""
+    events = KafkaClientEvents("demo")
+    config: dict[str, Any] = {
+        k: v
+        for k, v in settings.kafka_config.items()
+        if k.startswith(("security.", "sasl.", "ssl."))
+    }
+    config.update({"bootstrap.servers": settings.kafka_bootstrap_servers, **events.config()})
+    with events.held():  # unreachable: the one error line says it all
+        first_contact(AdminClient(config), settings.kafka_bootstrap_servers)
+
+
 def ensure_demo_topics(settings: Settings) -> None:
     """Create the demo's topics up front so the sink's pattern subscription sees
     them from the start (it rediscovers new topics only every few seconds)."""
@@ -394,6 +411,7 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
     """Run the demo; raise :class:`DemoError` when it cannot finish."""
     settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
     require_free_ports(settings)
+    require_kafka(settings)
     # SIGTERM ends the demo like Ctrl-C does: through the finally blocks that stop the children.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     console = Console()
