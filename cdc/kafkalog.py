@@ -67,7 +67,8 @@ class RateLimitedLog:
     confluent-kafka calls ``log(level, "%s [%s] %s", facility, client, text)``.
     The kind is (level, facility, text with numbers masked); the first line of
     a kind is written, repeats within :data:`REPEAT_LOG_S` are counted and the
-    next line written after the period says how many were held back.
+    next line written after the period says how many were held back. Debug
+    lines (only with librdkafka's ``debug`` setting) are written in full.
     """
 
     def __init__(
@@ -89,6 +90,9 @@ class RateLimitedLog:
         if self.muted or not self.logger.isEnabledFor(level):
             return
         text = msg % args if args else msg
+        if level < logging.INFO:  # librdkafka's debug output (KAFKA_CONFIG_DEBUG): all of it
+            self.logger.log(level, "%s", text)
+            return
         kind = (level, _NUMBERS.sub("#", _SUPPRESSED.sub("", text)))
         with self._lock:
             now = self._clock()
