@@ -42,7 +42,7 @@ OUTAGE_S = 60.0
 #: "A few dozen lines per process" for a minute without Kafka (it was 1,396 and 2,379).
 MAX_LINES_PER_PROCESS = 60
 #: Rounds of the demo's start path on the just-restarted broker.
-START_ROUNDS = 3
+START_ROUNDS = 2
 API_KEY = "first-hour-key"
 
 
