@@ -52,17 +52,12 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 import psycopg
-from confluent_kafka import (
-    Consumer,
-    ConsumerGroupTopicPartitions,
-    KafkaError,
-    KafkaException,
-    TopicPartition,
-)
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin import OffsetSpec as _OffsetSpec  # type: ignore[attr-defined]
 
 from cdc.health import Reply
+from cdc.kafkaclient import CommittedReader
 from cdc.kafkalog import KafkaClientEvents
 from cdc.ops import SlotStatus, read_slot_status
 from cdc.settings import Settings
@@ -297,13 +292,17 @@ class _SlotSide:
 
 
 class _GroupSide:
-    """Group measures with one AdminClient and one assign-only consumer, made on first use."""
+    """Group measures with one AdminClient, one assign-only consumer and a committed-offsets
+    reader (:class:`cdc.kafkaclient.CommittedReader`: never the AdminClient's
+    ``list_consumer_group_offsets``, which crashes librdkafka on a broker that has
+    just started), made on first use."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._lock = threading.Lock()  # one measurement at a time uses the clients
         self._admin: AdminClient | None = None
         self._consumer: Consumer | None = None
+        self._committed: CommittedReader | None = None
         self._events = KafkaClientEvents("backlog")
         # The sink's topics: SINK_TOPICS_PATTERN when set, else CDC_TOPIC_PREFIX.
         pattern = re.compile(settings.sink_topics_pattern.removeprefix("^") or "(?!)")
@@ -314,8 +313,8 @@ class _GroupSide:
             else (lambda name: name.startswith(prefix))
         )
 
-    def _clients(self) -> tuple[AdminClient, Consumer]:
-        if self._admin is None or self._consumer is None:
+    def _clients(self) -> tuple[AdminClient, Consumer, CommittedReader]:
+        if self._admin is None or self._consumer is None or self._committed is None:
             base: dict[str, Any] = {
                 "bootstrap.servers": self._settings.kafka_bootstrap_servers,
                 "client.id": "outbox-cdc-backlog",
@@ -323,6 +322,7 @@ class _GroupSide:
             }
             base.update(self._settings.kafka_config)
             self._admin = AdminClient(base)
+            self._committed = CommittedReader(base)
             self._consumer = Consumer(
                 {
                     **base,
@@ -332,20 +332,21 @@ class _GroupSide:
                     "auto.offset.reset": "earliest",
                 }
             )
-        return self._admin, self._consumer
+        return self._admin, self._consumer, self._committed
 
     def measure(self, group: str) -> GroupMeasures:
         with self._lock:
             try:
                 age_s, problems = self._oldest_age_s(group)
-            except KafkaException as exc:
+            except (KafkaException, TimeoutError) as exc:  # a future's result() times out too
+                reason = str(exc) or f"no answer within {KAFKA_TIMEOUT_S:g}s"
                 return GroupMeasures(
-                    group=group, age_s=None, problems=(f"group {group}: Kafka: {exc}",)
+                    group=group, age_s=None, problems=(f"group {group}: Kafka: {reason}",)
                 )
         return GroupMeasures(group=group, age_s=age_s, problems=problems)
 
     def _oldest_age_s(self, group: str) -> tuple[float | None, tuple[str, ...]]:
-        admin, consumer = self._clients()
+        admin, consumer, committed = self._clients()
         topics = consumer.list_topics(timeout=KAFKA_TIMEOUT_S).topics
         tps = [
             TopicPartition(name, p)
@@ -355,7 +356,7 @@ class _GroupSide:
         ]
         if not tps:
             return 0.0, ()
-        positions = self._unprocessed_positions(admin, group, tps)
+        positions = self._unprocessed_positions(admin, committed, group, tps)
         if not positions:
             return 0.0, ()
         stamps = _first_timestamps(consumer, positions)
@@ -370,21 +371,22 @@ class _GroupSide:
         return (max(ages) if ages else None), problems
 
     def _unprocessed_positions(
-        self, admin: AdminClient, group: str, tps: list[TopicPartition]
+        self,
+        admin: AdminClient,
+        reader: CommittedReader,
+        group: str,
+        tps: list[TopicPartition],
     ) -> dict[tuple[str, int], int]:
         """(topic, partition) -> the group's position, for partitions with records past it."""
-        request = ConsumerGroupTopicPartitions(group, tps)
-        listed = admin.list_consumer_group_offsets([request], request_timeout=KAFKA_TIMEOUT_S)
-        committed = {
-            (tp.topic, tp.partition): tp.offset
-            for tp in listed[group].result(timeout=KAFKA_TIMEOUT_S).topic_partitions
-        }
+        committed = reader.committed(
+            group, [(str(tp.topic), int(tp.partition)) for tp in tps], timeout_s=KAFKA_TIMEOUT_S
+        )
         lows = _offsets(admin, tps, _EARLIEST)
         highs = _offsets(admin, tps, _LATEST)
         out: dict[tuple[str, int], int] = {}
         for key, high in highs.items():
-            done = committed.get(key, -1)
-            position = max(done if done >= 0 else lows[key], lows[key])
+            done = committed.get(key)
+            position = max(done if done is not None else lows[key], lows[key])
             if position < high:
                 out[key] = position
         return out
@@ -393,7 +395,9 @@ class _GroupSide:
         with self._lock:
             if self._consumer is not None:
                 self._consumer.close()
-            self._consumer = self._admin = None
+            if self._committed is not None:
+                self._committed.close()
+            self._consumer = self._admin = self._committed = None
 
 
 def _offsets(

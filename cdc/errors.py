@@ -11,6 +11,7 @@ the class attribute ``retriable`` instead of listing types::
     ├── StreamError            replication connection lost        (retriable)
     │   └── SlotInUseError     another relay streams the slot     (retriable)
     └── KafkaUnavailableError  brokers unreachable / timed out    (retriable)
+        ├── KafkaUnreachableError  a command's first contact failed (retriable)
         └── ProducerFatalError librdkafka fatal error: rebuild it (retriable)
 """
 
@@ -56,3 +57,8 @@ class KafkaUnavailableError(CdcError):
 class ProducerFatalError(KafkaUnavailableError):
     """The producer hit a librdkafka fatal error (e.g. an idempotent producer out of
     sequence): it can never produce again, so the relay purges, closes and rebuilds it."""
+
+
+class KafkaUnreachableError(KafkaUnavailableError):
+    """A command could not reach Kafka at all; the message names the address and
+    ``KAFKA_BOOTSTRAP_SERVERS`` (the CLI exits 1: Kafka may be down, not misconfigured)."""

@@ -22,6 +22,15 @@ configuration. Guarantees:
 * librdkafka's log lines go to the logger ``kafka.<client>`` (confluent-kafka
   maps syslog levels to logging levels), in whichever format (text or JSON)
   the process uses; they are served by the client's ``poll``/``consume``.
+  They are rate-limited like errors (:class:`RateLimitedLog`): a line is
+  written the first time its *kind* appears (facility and text with the
+  numbers masked, so ``Connect to ... failed (after 3ms ...)`` repeated by
+  every broker thread every second is one kind), then at most once every
+  :data:`REPEAT_LOG_S` with the number of lines held back. A broker outage of
+  an hour writes a handful of lines per client, not thousands;
+* every librdkafka client of the project is built with :meth:`config`
+  (relay producer and admin, sink consumer and lag reader, backlog guard, ops
+  commands, trace, redelivery, idempotent toolkit): there is no other path.
 
 The callbacks run on the thread that serves the client (``poll``, ``consume``,
 ``flush``); they only log, count and store, so they are safe on any thread.
@@ -30,17 +39,74 @@ The callbacks run on the thread that serves the client (``poll``, ``consume``,
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
 log = logging.getLogger(__name__)
 
-#: A repeated error is logged again at most this often (with its repeat count).
+#: A repeated error or log line is logged again at most this often (with its repeat count).
 REPEAT_LOG_S = 60.0
+#: Distinct kinds of log line remembered per client (the oldest is forgotten first).
+MAX_LOG_KINDS = 256
+#: Numbers in a librdkafka log line (timings, counts, ports) do not make a new kind.
+_NUMBERS = re.compile(r"\d+")
+#: librdkafka's own repeat note ("..., 12 identical error(s) suppressed") is not a new kind.
+_SUPPRESSED = re.compile(r",? ?\d+ identical error\(s\) suppressed")
+
+
+class RateLimitedLog:
+    """A ``logger`` for confluent-kafka that writes each kind of line at most once per period.
+
+    confluent-kafka calls ``log(level, "%s [%s] %s", facility, client, text)``.
+    The kind is (level, facility, text with numbers masked); the first line of
+    a kind is written, repeats within :data:`REPEAT_LOG_S` are counted and the
+    next line written after the period says how many were held back. Debug
+    lines (only with librdkafka's ``debug`` setting) are written in full.
+    """
+
+    def __init__(
+        self, logger: logging.Logger, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.logger = logger
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._kinds: OrderedDict[tuple[int, str], list[float]] = OrderedDict()  # [last, held]
+        #: While set, nothing is written (see :meth:`KafkaClientEvents.held`).
+        self.muted = False
+
+    @property
+    def name(self) -> str:
+        """The logger's name (``kafka.<client>``)."""
+        return self.logger.name
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        if self.muted or not self.logger.isEnabledFor(level):
+            return
+        text = msg % args if args else msg
+        if level < logging.INFO:  # librdkafka's debug output (KAFKA_CONFIG_DEBUG): all of it
+            self.logger.log(level, "%s", text)
+            return
+        kind = (level, _NUMBERS.sub("#", _SUPPRESSED.sub("", text)))
+        with self._lock:
+            now = self._clock()
+            state = self._kinds.get(kind)
+            if state is not None and now - state[0] < REPEAT_LOG_S:
+                state[1] += 1
+                return
+            held = int(state[1]) if state is not None else 0
+            self._kinds[kind] = [now, 0]
+            self._kinds.move_to_end(kind)
+            while len(self._kinds) > MAX_LOG_KINDS:
+                self._kinds.popitem(last=False)
+        more = f" ({held} more since last logged)" if held else ""
+        self.logger.log(level, "%s%s", text, more)
 
 
 class KafkaClientEvents:
@@ -71,10 +137,21 @@ class KafkaClientEvents:
         self.last_error: tuple[str, str] | None = None
         #: confluent-kafka maps librdkafka's syslog levels to logging levels itself.
         self.logger = logging.getLogger(f"kafka.{client}")
+        self.log_lines = RateLimitedLog(self.logger, clock=clock)
 
     def config(self) -> dict[str, Any]:
-        """The client settings that route errors and logs here."""
-        return {"error_cb": self.on_error, "logger": self.logger}
+        """The client settings that route errors and (rate-limited) log lines here."""
+        return {"error_cb": self.on_error, "logger": self.log_lines}
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Write no error or log line inside (still count): for a command's first contact,
+        whose failure the command reports as its one ``error:`` line."""
+        self.log_lines.muted = True
+        try:
+            yield
+        finally:
+            self.log_lines.muted = False
 
     def on_error(self, err: Any) -> None:
         """librdkafka's ``error_cb``: count, log (rate-limited), remember a fatal one."""
@@ -112,6 +189,8 @@ class KafkaClientEvents:
             else:
                 first_fatal = False
         more = f" ({repeats} more since last logged)" if repeats else ""
+        if self.log_lines.muted and not is_fatal:
+            return
         log.log(
             logging.ERROR if is_fatal else logging.WARNING,
             "kafka %s error %s: %s%s",

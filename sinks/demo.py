@@ -12,14 +12,30 @@ Registration goes through the backlog guard (:mod:`cdc.backlog`), as an
 application's registration endpoint would: while the pipeline is over a limit
 the registration is refused with a Retry-After (an HTTP app answers 429) and
 the demo's client waits that long and tries again; the summary counts refusals.
+
+The children never outlive the demo:
+
+* before anything starts, every port a child needs is checked: one taken by
+  another program stops the demo with one line naming the port and its setting
+  (``CDC_RELAY_HTTP_PORT``, ``SINK_HTTP_PORT``, ``ENGINE_STUB_PORT``; exit 2),
+  instead of talking to whatever listens there;
+* each child runs in its own process group (a terminal's Ctrl-C reaches the
+  demo only, which then stops them in order) and is stopped as a group with
+  SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`, whenever the demo ends: a
+  summary, an error, Ctrl-C, SIGTERM;
+* each child asks the kernel for SIGTERM when the demo dies without cleaning
+  up (SIGKILL, a crash): Linux's parent-death signal, set before the child's
+  program starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,12 +48,15 @@ from typing import Any
 
 import httpx
 import psycopg
+from confluent_kafka.admin import AdminClient
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cdc.backlog import BacklogGuard
-from cdc.errors import CdcError
+from cdc.errors import CdcError, ConfigError
+from cdc.kafkaclient import first_contact
+from cdc.kafkalog import KafkaClientEvents
 from cdc.migrate import migrate
 from cdc.outbox import (
     QUIZ_AGGREGATE,
@@ -57,6 +76,24 @@ DEMO_TIMEOUT_S = 300.0
 LAG_SETTLE_S = 15.0
 #: Progress refresh period.
 POLL_S = 0.25
+#: A child stopped with SIGTERM gets this long before SIGKILL.
+STOP_GRACE_S = 30.0
+#: The ports the children listen on: (settings field, host the child binds).
+_CHILD_PORTS = (
+    ("engine_stub_port", "127.0.0.1"),  # the stub's --host default
+    ("relay_http_port", None),  # None: CDC_HTTP_HOST
+    ("sink_http_port", None),
+)
+#: Run in each child before its program: die with the demo (Linux's parent-death signal;
+#: kept across exec), or right away if the demo is already gone; then exec the program.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit(143)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 class DemoError(CdcError):
@@ -119,8 +156,69 @@ def _wait_http(url: str, child: Child, timeout_s: float = 60.0, *, unless: str =
     raise DemoError(f"{child.name} not ready at {url} after {timeout_s:.0f}s:\n{child.tail()}")
 
 
+def _port_taken(host: str, port: int) -> bool:
+    """True when something already listens on ``host:port`` (a bind fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def require_free_ports(settings: Settings) -> None:
+    """:class:`ConfigError` naming the port and its setting when a child's port is taken."""
+    for field_name, host in _CHILD_PORTS:
+        port = int(getattr(settings, field_name))
+        variable = Settings.model_fields[field_name].alias
+        bind_host = host or settings.http_host
+        if _port_taken(bind_host, port):
+            raise ConfigError(
+                f"{variable}={port}: port {bind_host}:{port} is already in use by another "
+                f"program: stop it or set {variable} to a free port"
+            )
+
+
+def _start_child(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> Child:
+    log = log_dir / f"demo-{name}.log"
+    command = [sys.executable, "-m", "cdc.cli", *args]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            process_group=0,  # its own group: Ctrl-C reaches the demo, which stops it
+        )
+    return Child(name, proc, log)
+
+
+def _signal_group(child: Child, sig: signal.Signals) -> None:
+    if child.proc.returncode is not None:
+        return  # reaped: its pid (and group id) may belong to another process by now
+    with contextlib.suppress(ProcessLookupError):  # exited, not yet reaped
+        os.killpg(child.proc.pid, sig)
+
+
+def stop_children(children: list[Child]) -> None:
+    """SIGTERM each child's group (last started first), SIGKILL what is left after the grace."""
+    for child in reversed(children):
+        _signal_group(child, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in reversed(children):
+        try:
+            child.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(child, signal.SIGKILL)
+            child.proc.wait()
+
+
 @contextmanager
-def _children(settings: Settings, log_dir: Path, env: dict[str, str]) -> Iterator[list[Child]]:
+def running_children(
+    settings: Settings, log_dir: Path, env: dict[str, str]
+) -> Iterator[list[Child]]:
+    """Engine stub, relay and sink started and ready; stopped (as groups) on the way out."""
     log_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
     try:
@@ -129,15 +227,7 @@ def _children(settings: Settings, log_dir: Path, env: dict[str, str]) -> Iterato
             ("relay", ["relay"]),
             ("sink", ["sink"]),
         ):
-            log = log_dir / f"demo-{name}.log"
-            with log.open("wb") as out:
-                proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
-                    [sys.executable, "-m", "cdc.cli", *args],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            children.append(Child(name, proc, log))
+            children.append(_start_child(name, args, log_dir, env))
         stub, relay, sink = children
         _wait_http(f"http://127.0.0.1:{settings.engine_stub_port}/_stub/stats", stub)
         _wait_http(f"http://127.0.0.1:{settings.relay_http_port}/readyz", relay)
@@ -147,14 +237,7 @@ def _children(settings: Settings, log_dir: Path, env: dict[str, str]) -> Iterato
         )
         yield children
     finally:
-        for child in reversed(children):
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        for child in reversed(children):
-            try:
-                child.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
+        stop_children(children)
 
 
 def _register(
@@ -286,27 +369,58 @@ def _summary(
     console.print("  logs: .dev/demo-relay.log .dev/demo-sink.log .dev/demo-engine-stub.log")
 
 
-def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
-    """Run the demo; raise :class:`DemoError` when it cannot finish."""
-    settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
-    console = Console()
-    applied_versions = migrate(settings.pg_dsn.get_secret_value(), demo=True)
-    console.print(
-        f"schema: {'applied ' + ', '.join(applied_versions) if applied_versions else 'up to date'}"
-    )
-    # Create the demo's topics up front so the sink's pattern subscription sees
-    # them from the start (it rediscovers new topics only every few seconds).
+def require_kafka(settings: Settings) -> None:
+    """Kafka answers, else :class:`cdc.errors.KafkaUnreachableError` within seconds, one
+    line naming ``KAFKA_BOOTSTRAP_SERVERS`` (the topics' own wait would take 30 s)."""
+    events = KafkaClientEvents("demo")
+    config: dict[str, Any] = {
+        k: v
+        for k, v in settings.kafka_config.items()
+        if k.startswith(("security.", "sasl.", "ssl."))
+    }
+    config.update({"bootstrap.servers": settings.kafka_bootstrap_servers, **events.config()})
+    with events.held():  # unreachable: the one error line says it all
+        first_contact(AdminClient(config), settings.kafka_bootstrap_servers)
+
+
+def ensure_demo_topics(settings: Settings) -> None:
+    """Create the demo's topics up front so the sink's pattern subscription sees
+    them from the start (it rediscovers new topics only every few seconds)."""
     TopicManager(
         bootstrap=settings.kafka_bootstrap_servers,
         overrides=settings.kafka_config,
         partitions=settings.topic_partitions,
         replication_factor=settings.topic_replication_factor,
     ).ensure([settings.topic_for(USER_AGGREGATE), settings.topic_for(QUIZ_AGGREGATE)])
+
+
+def demo_env(settings: Settings) -> dict[str, str]:
+    """The children's environment: ours, with a demo API key, admin token and engine URL."""
     env = dict(os.environ)
     env.setdefault("INTERNAL_API_KEY", "demo-" + secrets.token_hex(8))
     env.setdefault("ADMIN_API_TOKEN", secrets.token_hex(16))
     env.setdefault("ENGINE_BASE_URL", f"http://127.0.0.1:{settings.engine_stub_port}")
-    with _children(settings, log_dir, env) as children:
+    return env
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(128 + signum)
+
+
+def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
+    """Run the demo; raise :class:`DemoError` when it cannot finish."""
+    settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
+    require_free_ports(settings)
+    require_kafka(settings)
+    # SIGTERM ends the demo like Ctrl-C does: through the finally blocks that stop the children.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    console = Console()
+    applied_versions = migrate(settings.pg_dsn.get_secret_value(), demo=True)
+    console.print(
+        f"schema: {'applied ' + ', '.join(applied_versions) if applied_versions else 'up to date'}"
+    )
+    ensure_demo_topics(settings)
+    with running_children(settings, log_dir, demo_env(settings)) as children:
         console.print("relay, sink and engine stub are up")
         columns = (
             TextColumn("{task.description:<24}"),

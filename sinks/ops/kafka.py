@@ -1,9 +1,16 @@
 """The ops' Kafka client: an AdminClient and a throwaway consumer that never joins a group.
 
-Guarantees: every read is read-only. Committed offsets are read with the
-AdminClient's *listing* call, records with a consumer whose group id is a
-throwaway (``outbox-cdc-ops-<uuid>``) that only ``assign``s partitions - it
-never joins a group and never commits. The only write,
+Guarantees: every read is read-only. Committed offsets are read by
+:class:`cdc.kafkaclient.CommittedReader` (a consumer handle with the group's id
+that never subscribes: never the AdminClient's ``list_consumer_group_offsets``,
+which crashes librdkafka on a broker that has just started), records with a
+consumer whose group id is a throwaway (``outbox-cdc-ops-<uuid>``) that only
+``assign``s partitions - it never joins a group and never commits. The first
+request is the cluster's metadata with a short timeout: Kafka unreachable
+fails within seconds with one line, ``Kafka at <bootstrap> unreachable: ...
+(check KAFKA_BOOTSTRAP_SERVERS)``, as a :class:`~sinks.errors.KafkaOpsError`
+(exit 1). librdkafka's errors and log lines are rate-limited
+(:mod:`cdc.kafkalog`). The only write,
 :meth:`KafkaOps.alter_offsets`, commits exactly the offsets it is given and
 turns Kafka's refusal of a non-empty group into
 :class:`~sinks.errors.GroupActiveError`. Kafka failures surface as
@@ -28,6 +35,8 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
+from cdc.errors import KafkaUnreachableError
+from cdc.kafkaclient import CommittedReader, first_contact
 from cdc.kafkalog import KafkaClientEvents
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
@@ -37,8 +46,6 @@ from sinks.errors import (
     OpsError,
     OpsUsageError,
 )
-
-#: Every AdminClient / metadata / offset request gives up after this: long
 from sinks.ops.selection import TP, TopicSelection, default_topic_filter, select_topics
 
 #: Every AdminClient / metadata / offset request gives up after this: long
@@ -63,11 +70,11 @@ SCAN_BATCH = 500
 OPS_GROUP_PREFIX = "outbox-cdc-ops-"
 
 
-def _client_config(settings: Settings) -> dict[str, Any]:
+def _client_config(settings: Settings, events: KafkaClientEvents) -> dict[str, Any]:
     config: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap_servers,
         "client.id": "outbox-cdc-ops",
-        **KafkaClientEvents("ops").config(),
+        **events.config(),
     }
     config.update(settings.kafka_config)
     return config
@@ -83,7 +90,8 @@ class KafkaOps:
 
     def __init__(self, settings: Settings) -> None:
         settings.require("kafka_bootstrap_servers")
-        base = _client_config(settings)
+        self._events = KafkaClientEvents("ops")
+        base = _client_config(settings, self._events)
         self.settings = settings
         self._timeout_s = KAFKA_REQUEST_TIMEOUT_S
         self.admin = AdminClient(base)
@@ -97,9 +105,20 @@ class KafkaOps:
                 "auto.offset.reset": "earliest",
             }
         )
+        self._committed = CommittedReader(base)
+        with self._events.held():  # unreachable: the one error line says it all
+            try:
+                first_contact(self.consumer, settings.kafka_bootstrap_servers)
+            except KafkaUnreachableError as exc:
+                self.close()
+                raise KafkaOpsError(str(exc)) from exc
 
     def __enter__(self) -> KafkaOps:
         return self
+
+    def close(self) -> None:
+        self._committed.close()
+        self.consumer.close()
 
     def __exit__(
         self,
@@ -107,7 +126,7 @@ class KafkaOps:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.consumer.close()
+        self.close()
 
     def _metadata(self) -> Any:
         try:
@@ -151,18 +170,10 @@ class KafkaOps:
         """The group's committed offsets (``None`` where it never committed)."""
         if not tps:
             return {}
-        request = ConsumerGroupTopicPartitions(group, [TopicPartition(t, p) for t, p in tps])
         try:
-            result = self.admin.list_consumer_group_offsets(
-                [request], request_timeout=self._timeout_s
-            )[group].result(timeout=self._timeout_s)
+            return self._committed.committed(group, tps, timeout_s=self._timeout_s)
         except KafkaException as exc:
             raise KafkaOpsError(f"committed offsets of group {group}: {exc}") from exc
-        out: dict[TP, int | None] = dict.fromkeys(tps)
-        for tp in result.topic_partitions:
-            _check(tp.error, f"committed offset of {tp.topic}[{tp.partition}]")
-            out[(tp.topic, tp.partition)] = None if tp.offset < 0 else int(tp.offset)
-        return out
 
     def offsets_for_time(self, tps: Sequence[TP], ts_ms: int) -> dict[TP, int | None]:
         """The first offset at or after ``ts_ms`` per partition; ``None`` when none is."""

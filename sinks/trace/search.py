@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
-from confluent_kafka import ConsumerGroupTopicPartitions, KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 from psycopg import sql
 from psycopg.rows import dict_row
 
@@ -247,20 +247,9 @@ def _group_views(kafka: KafkaOps, sink_group: str, tp: TP, offset: int) -> tuple
         {g.group_id for g in listed.valid if not g.group_id.startswith(OPS_GROUP_PREFIX)}
         | {sink_group}
     )
-    futures = {
-        name: kafka.admin.list_consumer_group_offsets(
-            [ConsumerGroupTopicPartitions(name, [TopicPartition(tp[0], tp[1])])],
-            request_timeout=KAFKA_REQUEST_TIMEOUT_S,
-        )[name]
-        for name in names
-    }
     views = []
-    for name, future in futures.items():
-        try:
-            result = future.result(timeout=KAFKA_REQUEST_TIMEOUT_S)
-        except KafkaException as exc:
-            raise KafkaOpsError(f"committed offsets of group {name}: {exc}") from exc
-        committed = next((int(p.offset) for p in result.topic_partitions if p.offset >= 0), None)
+    for name in names:  # KafkaOps.committed: never the AdminClient's (it crashes librdkafka)
+        committed = kafka.committed(name, [tp])[tp]
         if committed is None and name != sink_group:
             continue  # not a consumer of this partition
         views.append(group_view(name, committed, offset))

@@ -120,3 +120,45 @@ def test_json_log_lines_carry_the_structured_fields() -> None:
     assert (line["event_id"], line["topic"], line["partition"]) == ("e1", "t", 2)
     assert {"ts", "level", "logger"} <= set(line)
     assert "args" not in line and "levelno" not in line
+
+
+def test_librdkafka_log_lines_are_rate_limited_per_kind_with_a_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broker outage: every broker thread says "Connect ... failed" every second, with
+    changing timings; one line per kind per period, the next one says how many were held."""
+    clock = _Clock()
+    events = KafkaClientEvents("sink", clock=clock)
+    log_lines = events.config()["logger"]
+    with caplog.at_level(logging.DEBUG, logger="kafka.sink"):
+        for i in range(1000):
+            log_lines.log(
+                logging.ERROR,
+                "%s [%s] %s",
+                "FAIL",
+                "rdkafka#consumer-1",
+                f"127.0.0.1:{29000 + i % 3}/1: Connect to ipv4#127.0.0.1:29092 failed: "
+                f"Connection refused (after {i}ms in state CONNECT, {i} identical error(s) "
+                "suppressed)",
+            )
+            log_lines.log(logging.INFO, "%s [%s] %s", "CLOSE", "c", "broker went down")
+            clock.now += 0.5  # 500 s in all
+    lines = [r.getMessage() for r in caplog.records if r.name == "kafka.sink"]
+    fails = [line for line in lines if line.startswith("FAIL")]
+    closes = [line for line in lines if line.startswith("CLOSE")]
+    assert 8 <= len(fails) <= 10  # once, then once per REPEAT_LOG_S of 500 s
+    assert len(closes) == len(fails)
+    assert "more since last logged" in fails[1]
+    assert int(fails[1].rsplit("(", 1)[1].split()[0]) == REPEAT_LOG_S / 0.5 - 1
+
+
+def test_a_held_first_contact_writes_nothing_but_still_counts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    counted: list[str] = []
+    events = KafkaClientEvents("ops", count=counted.append)
+    with caplog.at_level(logging.DEBUG), events.held():
+        events.on_error(KafkaError(KafkaError._TRANSPORT, "refused"))
+        events.config()["logger"].log(logging.ERROR, "%s [%s] %s", "FAIL", "c", "refused")
+    assert counted == ["_TRANSPORT"]
+    assert [r for r in caplog.records if r.name in ("kafka.ops", "cdc.kafkalog")] == []
