@@ -20,7 +20,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -233,17 +232,22 @@ def kafka(settings: Settings) -> Iterator[Finding]:
     from confluent_kafka import KafkaException  # noqa: PLC0415 - see postgres()
     from confluent_kafka.admin import AdminClient  # noqa: PLC0415
 
+    from cdc.kafkalog import KafkaClientEvents  # noqa: PLC0415
+
     if not settings.kafka_bootstrap_servers:
         yield fail("kafka", "KAFKA_BOOTSTRAP_SERVERS is not set")
         return
+    # librdkafka's own lines stay out of the preflight's answer (it reports the failure).
+    events = KafkaClientEvents("check")
     conf: dict[str, Any] = {
         **settings.kafka_config,
         "bootstrap.servers": settings.kafka_bootstrap_servers,
-        "logger": _quiet_logger(),
+        **events.config(),
     }
     admin = AdminClient(conf)
     try:
-        metadata = admin.list_topics(timeout=PROBE_TIMEOUT_S)
+        with events.held():
+            metadata = admin.list_topics(timeout=PROBE_TIMEOUT_S)
     except KafkaException as exc:
         error = exc.args[0] if exc.args else exc
         name = getattr(error, "name", lambda: "error")()
@@ -276,14 +280,6 @@ def _topics(settings: Settings, partitions: dict[str, int]) -> Iterator[Finding]
         yield ok(f"topic {dlq}", "dead-letter topic exists")
     else:
         yield ok(f"topic {dlq}", "dead-letter topic not yet created: the relay creates it")
-
-
-def _quiet_logger() -> logging.Logger:
-    """librdkafka's own lines stay out of the preflight's answer (it reports the failure)."""
-    quiet = logging.getLogger("kafka.check")
-    quiet.propagate = False
-    quiet.addHandler(logging.NullHandler())
-    return quiet
 
 
 #: The kernel's probes, in the order of the answer.
