@@ -25,6 +25,7 @@ import pytest
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from tests.bench.report import GOALS, print_goals
 from tests.harness import Proc, env_without, free_port, wait_until
 from tests.pki import Pki
 
@@ -239,3 +240,9 @@ def walsender_pid(dsn: str, slot: str) -> int | None:
             "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,)
         ).fetchone()
     return None if row is None or row[0] is None else int(row[0])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The performance goals recorded by this session's benches, met or not."""
+    if GOALS:
+        print_goals(GOALS)

@@ -8,7 +8,10 @@ Pure helpers plus ``/proc`` readers; nothing here asserts on a figure:
 * :func:`metric_sum` / :func:`histogram_buckets` parse ``/metrics`` text;
 * :class:`CpuMeter` and :func:`peak_rss_mb` read CPU seconds and peak RSS
   (``VmHWM``) from ``/proc``, so a run can say which process was busy;
-* :func:`print_table` prints a fixed-width table with a title.
+* :func:`print_table` prints a fixed-width table with a title;
+* :func:`record_goal` / :func:`print_goals`: the issue-25 goals beside the
+  figures measured, met or not, with the load average (printed once at the
+  end of ``make bench``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[2]
@@ -188,3 +192,57 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[obje
     for row in cells[1:]:
         print(line(row))
     print(rule, flush=True)
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages, for printing beside a figure."""
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.1f} {five:.1f} {fifteen:.1f}"
+
+
+@dataclass(frozen=True)
+class Goal:
+    """One of the performance goals (issue 25) with the figure a bench measured."""
+
+    name: str
+    value: float
+    target: str
+    met: bool
+    load: str
+    digits: int = 2
+
+
+#: Goals recorded by the benches of this pytest session, printed once at its end
+#: (tests/bench/conftest.py); never asserted on.
+GOALS: list[Goal] = []
+
+
+def record_goal(
+    name: str,
+    value: float,
+    *,
+    at_least: float | None = None,
+    at_most: float | None = None,
+    digits: int = 2,
+) -> None:
+    """Record ``value`` against its goal (``>= at_least`` or ``<= at_most``), with the load now."""
+    if at_least is not None:
+        target, met = f">= {at_least:g}", value >= at_least
+    elif at_most is not None:
+        target, met = f"<= {at_most:g}", value <= at_most
+    else:
+        raise ValueError("a goal needs at_least or at_most")
+    GOALS.append(Goal(name, value, target, met and not math.isnan(value), load_average(), digits))
+
+
+def print_goals(goals: Sequence[Goal]) -> None:
+    """The goals table: each figure, its goal, met / not met, and the load when measured."""
+    print_table(
+        f"performance goals (issue 25); load average now {load_average()}"
+        f" on {os.cpu_count()} cores",
+        ["goal", "measured", "target", "verdict", "load 1/5/15 min"],
+        [
+            [g.name, fmt(g.value, g.digits), g.target, "met" if g.met else "not met", g.load]
+            for g in goals
+        ],
+    )

@@ -56,6 +56,7 @@ from tests.bench.report import (
     peak_rss_mb,
     percentile,
     print_table,
+    record_goal,
     scrape,
 )
 from tests.harness import Proc, RelayConfig, headers_of, http_status, start_relay, wait_until
@@ -70,6 +71,8 @@ LATENCY_RATE_PER_S = 2_000
 LATENCY_DURATION_S = 15.0
 WARMUP_EVENTS = 200
 TARGET_RATIO = 0.7
+#: Issue 25's goals: relay / pg_recvlogical by events per transaction.
+GOAL_RATIO = {1: 1.0, 100: 0.9}
 TARGET_P99_MS = 50.0
 TARGET_RSS_MB = 100.0
 EVENTS_METRIC = "outbox_relay_events_total"
@@ -332,6 +335,8 @@ def test_relay_drains_a_backlog_near_the_pg_recvlogical_ceiling(
         ]
     )
     summary.peak_rss_mb[f"drain, {case}"] = rss_mb
+    record_goal(f"relay / pg_recvlogical, {case}", ratio, at_least=GOAL_RATIO[per_tx])
+    record_goal(f"relay peak RSS MB, drain {case}", rss_mb, at_most=TARGET_RSS_MB, digits=1)
     expected = REPEATS * EVENTS_PER_CASE
     assert in_topic >= expected, f"only {in_topic} of {expected} records in Kafka"
 
@@ -466,3 +471,12 @@ def test_relay_commit_to_ack_latency_at_a_fixed_offered_rate(
         " histogram figures are interpolated inside the relay's buckets)"
     )
     summary.peak_rss_mb[f"latency, {LATENCY_RATE_PER_S:,}/s"] = rss_mb
+    record_goal(
+        f"commit->Kafka consumer p99 ms at {LATENCY_RATE_PER_S:,}/s",
+        p99,
+        at_most=TARGET_P99_MS,
+        digits=1,
+    )
+    record_goal(
+        f"relay peak RSS MB, {LATENCY_RATE_PER_S:,}/s", rss_mb, at_most=TARGET_RSS_MB, digits=1
+    )

@@ -45,7 +45,14 @@ from tests.bench.conftest import (
     start_stub,
     walsender_pid,
 )
-from tests.bench.report import CpuMeter, fmt, peak_rss_mb, percentile, print_table
+from tests.bench.report import (
+    CpuMeter,
+    fmt,
+    peak_rss_mb,
+    percentile,
+    print_table,
+    record_goal,
+)
 from tests.harness import RelayConfig, SinkConfig, start_relay, start_sink, wait_until
 
 pytestmark = [pytest.mark.bench, pytest.mark.integration]
@@ -54,6 +61,8 @@ PARTITIONS = 6
 CONCURRENT = 64
 TARGET_SPEEDUP = 8.0
 TARGET_RATE_0MS = 5_000.0
+#: Issue 25's goal: deliveries per second of sink CPU at 0 ms, concurrent.
+GOAL_PER_CPU_S_0MS = 10_000.0
 E2E_RATE_PER_S = 1_000
 E2E_DURATION_S = 10.0
 E2E_WARMUP = 50
@@ -184,6 +193,13 @@ def test_sink_concurrent_delivery_beats_the_serial_baseline(
         ],
     )
     by = {(o.case.latency_ms, o.case.max_in_flight): o.rate_per_s for o in outcomes}
+    zero = next(o for o in outcomes if o.case == CASES[0])
+    record_goal(
+        "sink deliveries per sink CPU-s, 0 ms concurrent",
+        zero.rate_per_s / (zero.cpu_pct["sink"] / 100.0),
+        at_least=GOAL_PER_CPU_S_0MS,
+        digits=0,
+    )
     speedup_10 = by[(10, CONCURRENT)] / by[(10, 1)]
     speedup_0 = by[(0, CONCURRENT)] / by[(0, 1)]
     print_table(
