@@ -404,6 +404,8 @@ class Sink:
             verdict = self.core.consumed(record, now_ms=now_ms)
             if verdict is not None and verdict.route is Route.IGNORE:
                 self._skipped(record)
+        if self.core.held > MAX_BUFFERED:
+            self._step()  # pause now: batches already posted must not pile up first
         self._wake.set()
 
     def _skipped(self, record: Envelope) -> None:

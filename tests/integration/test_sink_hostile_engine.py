@@ -80,7 +80,15 @@ def _ids(records: list[Record]) -> set[str]:
 
 
 def _metric(port: int, line_start: str) -> float:
-    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text.splitlines():
+    """The sample's value (0 when absent); a busy sink is given a few tries."""
+    for attempt in range(5):
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            break
+        except httpx.HTTPError:
+            if attempt == 4:
+                raise
+    for line in text.splitlines():
         if line.startswith(line_start):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
