@@ -326,13 +326,16 @@ class Faults:
 
     def describe(self) -> dict[str, object]:
         """The faults as JSON."""
-        drip = self.dripping()
-        return {
+        described: dict[str, object] = {
             "latency_ms": self.latency_ms,
             "rules": [r.describe() for r in self.rules],
-            "rate_limit": None if self.limiter is None else self.limiter.describe(),
-            "drip": None if drip is None else drip.describe(),
         }
+        drip = self.dripping()
+        if self.limiter is not None:  # the modes are named only while on
+            described["rate_limit"] = self.limiter.describe()
+        if drip is not None:
+            described["drip"] = drip.describe()
+        return described
 
 
 def fault_instructions(body: bytes) -> list[dict[str, Any]]:
