@@ -76,6 +76,7 @@ from sinks.core.machine import (
     Send,
     SinkCore,
     Verdict,
+    Window,
 )
 from sinks.core.retry import Backoff, Jitter
 
@@ -683,3 +684,23 @@ def test_the_scripts_catch_a_circuit_left_half_open_by_a_parked_probe_every_run(
     )
     with pytest.raises(AssertionError, match="HALF_OPEN with 0 probes in flight"):
         _run_script(mutant(), SCRIPTS["a parked probe closes the circuit"])
+
+
+def test_the_window_halves_on_throttling_grows_back_and_slow_starts_after_an_outage() -> None:
+    window = Window(64)
+    window.cut()
+    assert (window.limit, window.threshold) == (32, 32)
+    for _ in range(32):  # congestion avoidance: one more per window of deliveries
+        window.delivered()
+    assert window.limit == 33
+    window.restart()  # the engine is back from an outage: one request first
+    assert (window.limit, window.threshold) == (1, 33)
+    grown = []
+    for _ in range(6):
+        for _ in range(window.limit):  # one round: as many deliveries as the window
+            window.delivered()
+        grown.append(window.limit)
+    assert grown == [2, 4, 8, 16, 32, 33], "doubling per round up to where it was, then +1"
+    for _ in range(10):
+        window.cut()
+    assert window.limit == 1, "never below one"
