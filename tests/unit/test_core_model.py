@@ -250,6 +250,14 @@ class SinkCoreModel(RuleBasedStateMachine):
         send = self.sends.pop(data.draw(st.integers(0, len(self.sends) - 1)))
         self.answer(send, answer, retry_after)
 
+    @precondition(lambda self: any(s.probe for s in self.sends))
+    @rule(answer=st.sampled_from(["2xx", "4xx", "down", "unroutable", "429", "deadline"]))
+    def answer_the_probe(self, answer: str) -> None:
+        """The probe's answer decides the circuit: reached often, not by luck."""
+        probe = next(s for s in self.sends if s.probe)
+        self.sends.remove(probe)
+        self.answer(probe, answer, None)
+
     def answer(self, send: Send, answer: str, retry_after: float | None = None) -> None:
         closed = self.core.circuit is Circuit.CLOSED
         result = self.engine_answer(send, answer, retry_after)
