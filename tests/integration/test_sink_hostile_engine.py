@@ -124,7 +124,12 @@ def test_a_rate_limited_engine_gets_what_it_admits_nothing_parked_no_attempt_spe
     stub.add_faults({"rate_limit": {"rate_per_s": RATE_PER_S, "burst": RATE_PER_S}})
     sink, port = start_sink(_sink_cfg(topics, stub), tmp_path)
     try:
-        _wait_applied(stub, _ids(backlog), RATE_LIMITED_FOR_S * 3, sink)
+        wait_until(  # the stats, not the whole applied list, while the backlog drains
+            lambda: sink.alive() and stub.stats()["applied"] >= len(backlog),
+            RATE_LIMITED_FOR_S * 4,
+            "the backlog applied",
+            interval_s=1.0,
+        )
         spent = _metric(port, 'outbox_sink_retried_total{kind="record"}')
         throttled = _metric(port, "outbox_sink_throttled_total")
     finally:
@@ -133,7 +138,8 @@ def test_a_rate_limited_engine_gets_what_it_admits_nothing_parked_no_attempt_spe
     assert limited > 0 and throttled > 0, "the engine never had to refuse: no rate limit was hit"
     assert spent == 0, "a 429 spent an attempt"
     assert _parked_count(topics.db_dsn, topic) == 0
-    applied = [i for i in stub.applied()["items"] if i["event_id"] in _ids(backlog)]
+    ids = _ids(backlog)
+    applied = [i for i in stub.applied()["items"] if i["event_id"] in ids]
     assert len(applied) == len(backlog)
     times = sorted(i["applied_at"] for i in applied)
     # The bucket starts full: the first `burst` events are free; the rest come at the rate.
