@@ -168,10 +168,14 @@ class Settings(BaseSettings):
     sink_routes: str = env("SINK_ROUTES", "")
     #: Event types the sink skips on purpose: globs, ``Type`` or ``topic:Type``, comma-separated.
     sink_ignored_types: str = env("SINK_IGNORED_TYPES", "")
+    #: Nothing settled or committed for this long while records wait: /readyz says "stalled".
+    sink_stall_after_s: float = env("SINK_STALL_AFTER_S", 60.0)
     engine_base_url: str = env("ENGINE_BASE_URL", "http://localhost:8081")
     internal_api_key: SecretStr = env("INTERNAL_API_KEY", SecretStr(""))
     engine_connect_timeout_s: float = env("ENGINE_CONNECT_TIMEOUT_S", 2.0)
     engine_read_timeout_s: float = env("ENGINE_READ_TIMEOUT_S", 3.0)
+    #: A whole engine request (a trickling answer) ends after this: engine-wide trouble.
+    engine_request_deadline_s: float = env("ENGINE_REQUEST_DEADLINE_S", 10.0)
     #: PEM bundle of the CAs trusted for the engine's certificate (instead of the system's).
     engine_ca_file: str = env("ENGINE_CA_FILE", "")
     #: PEM client certificate (chain) presented to the engine (mTLS), with its key.

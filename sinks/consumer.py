@@ -15,8 +15,14 @@ and reports what came of them:
 * a :class:`~sinks.core.machine.Park` becomes one task writing its whole batch in
   one round-trip; a parking lot that fails keeps the records unsettled (the
   core parks them again later) and marks the sink unready;
-* ``/readyz`` is ready only while the circuit is CLOSED and the parking lot
-  answers; a state change is logged once, with its reason.
+* ``/readyz`` is ready only while the circuit is CLOSED, the parking lot
+  answers and the sink is not stalled (nothing delivered, parked or committed
+  for ``SINK_STALL_AFTER_S`` while work waits: ``stalled: ...``; a shorter
+  blip never shows); a state change is logged once, with its reason;
+* an engine answer is mapped to a core result by its meaning: a 429 is
+  ``THROTTLED``; a ``Retry-After`` on another engine-wide status, and an
+  expired request deadline, are ``UNAVAILABLE`` marked ``shared`` (never the
+  record's own failure).
 
 SIGTERM (:meth:`Sink.stop`): take and send nothing new, wait up to
 :data:`SHUTDOWN_WAIT_S` for what is in flight, commit, leave the group.
@@ -37,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from cdc.health import Liveness
 from cdc.kafkalog import KafkaClientEvents
 from cdc.settings import Settings
+from sinks import http1
 from sinks.core import machine as core
 from sinks.core.delivery import Envelope
 from sinks.core.machine import (
@@ -82,6 +89,8 @@ MIN_SLEEP_S = 0.001
 #: Distinct event types named in the per-type metrics; the rest count as "other"
 #: (types come from other teams' producers: their number is not ours to bound).
 MAX_TYPE_LABELS = 50
+#: The engine sheds load: slow down, whatever else succeeds (DESIGN "Sink invariants" 2).
+RATE_LIMITED = 429
 #: The parking lot's event_type of a record whose type has no route.
 UNROUTABLE = "UNROUTABLE"
 
@@ -180,6 +189,37 @@ class SinkMetrics:
             "Park batches the parking lot failed to write (retried)",
             registry=registry,
         )
+        self.stalled = Gauge(
+            "outbox_sink_stalled",
+            "1 while nothing was delivered, parked or committed for SINK_STALL_AFTER_S"
+            " with work waiting",
+            registry=registry,
+        )
+        self.stalled_seconds = Gauge(
+            "outbox_sink_stalled_seconds",
+            "Seconds without progress (delivered, parked, committed) while work waits",
+            registry=registry,
+        )
+        self.window = Gauge(
+            "outbox_sink_engine_window",
+            "Adaptive limit of engine requests in flight (AIMD; slow start after an outage)",
+            registry=registry,
+        )
+        self.throttled = Counter(
+            "outbox_sink_throttled_total",
+            "Engine answers that shed load (429, or Retry-After with 503/5xx): nothing spent",
+            registry=registry,
+        )
+        self.pauses = Counter(
+            "outbox_sink_partition_pauses_total",
+            "Pause actions (partitions stop fetching: buffer full, engine down, stopping)",
+            registry=registry,
+        )
+        self.resumes = Counter(
+            "outbox_sink_partition_resumes_total",
+            "Resume actions (partitions fetch again)",
+            registry=registry,
+        )
 
 
 def consumer_config(settings: Settings) -> dict[str, Any]:
@@ -218,6 +258,14 @@ def classifier(routing: Routing) -> Callable[[Envelope], Verdict]:
         return Verdict(Route.DELIVER)
 
     return classify
+
+
+def engine_wide_result(exc: EngineUnavailable) -> Result:
+    """The core's result for engine-wide trouble: throttled, shared, or plain unavailable."""
+    if exc.status == RATE_LIMITED:
+        return Result(ResultKind.THROTTLED, exc.reason, exc.retry_after_s)
+    shared = exc.retry_after_s is not None or isinstance(exc.__cause__, http1.RequestDeadline)
+    return Result(ResultKind.UNAVAILABLE, exc.reason, exc.retry_after_s, shared=shared)
 
 
 def make_core(settings: Settings, routing: Routing) -> SinkCore:
@@ -261,7 +309,7 @@ class Sink:
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._park_error: str | None = None
-        self._reported: tuple[Circuit, str, bool] | None = None
+        self._reported: tuple[Circuit, str, bool, bool] | None = None
         self._parked_log = RepeatLog(log, "parked")
         self._skipped_types: set[str] = set()  # logged once each
         self._type_labels = BoundedLabels(MAX_TYPE_LABELS)
@@ -332,8 +380,10 @@ class Sink:
         elif isinstance(action, Commit):
             worker.commit(action.offsets)
         elif isinstance(action, Pause):
+            self.metrics.pauses.inc()
             worker.pause(action.partitions)
         elif isinstance(action, Resume):
+            self.metrics.resumes.inc()
             worker.resume(action.partitions)
 
     def _spawn(self, coro: Any) -> None:
@@ -354,6 +404,8 @@ class Sink:
             verdict = self.core.consumed(record, now_ms=now_ms)
             if verdict is not None and verdict.route is Route.IGNORE:
                 self._skipped(record)
+        if self.core.held > MAX_BUFFERED:
+            self._step()  # pause now: batches already posted must not pile up first
         self._wake.set()
 
     def _skipped(self, record: Envelope) -> None:
@@ -393,6 +445,9 @@ class Sink:
         result = await self._deliver(record)
         if result.kind is ResultKind.DELIVERED:
             self._delivered(record, time.perf_counter() - started)
+        elif result.kind is ResultKind.THROTTLED:
+            self.metrics.throttled.inc()
+            self.metrics.retried.labels("engine").inc()
         elif result.kind is ResultKind.UNAVAILABLE:
             self.metrics.retried.labels("engine").inc()
         elif result.kind is ResultKind.REJECTED:
@@ -413,7 +468,7 @@ class Sink:
         except Unroutable as exc:
             return Result(ResultKind.UNROUTABLE, exc.reason)
         except EngineUnavailable as exc:
-            return Result(ResultKind.UNAVAILABLE, exc.reason, exc.retry_after_s)
+            return engine_wide_result(exc)
         except SinkError as exc:
             return Result(ResultKind.REJECTED, exc.reason)
         except Exception as exc:  # our own bug: spend nothing, keep the record
@@ -490,6 +545,13 @@ class Sink:
         self.metrics.paused.set(len(self.core.paused))
         self.metrics.circuit.set(0 if self.core.circuit is Circuit.CLOSED else 1)
         self.metrics.oldest_age.set(self.oldest_unprocessed_age_s())
+        self.metrics.window.set(self.core.window.limit)
+        stalled_s = self.core.stalled_s(time.monotonic())
+        self.metrics.stalled_seconds.set(stalled_s)
+        self.metrics.stalled.set(1 if self._stalled(stalled_s) else 0)
+
+    def _stalled(self, stalled_s: float) -> bool:
+        return stalled_s > self.settings.sink_stall_after_s
 
     def oldest_unprocessed_age_s(self) -> float:
         oldest = self.core.oldest_pending_timestamp_ms()
@@ -498,21 +560,35 @@ class Sink:
     def _report(self) -> None:
         """Readiness, and one log line per change of the circuit or the parking lot."""
         circuit, reason = self.core.circuit, self.core.circuit_reason
-        state = (circuit, reason, self._park_error is None)
+        stalled = self._stalled(self.core.stalled_s(time.monotonic()))
+        state = (circuit, reason, self._park_error is None, stalled)
         if state == self._reported:
             return
         previous = self._reported
         self._reported = state
         if circuit is not Circuit.CLOSED:
-            self.liveness.set(f"engine unavailable ({circuit.value}): {reason}", ready=False)
+            status = f"engine unavailable ({circuit.value}): {reason}"
         elif self._park_error is not None:
-            self.liveness.set(self._park_error, ready=False)
+            status = self._park_error
         else:
-            self.liveness.set("running", ready=True)
+            status = ""
+        if stalled:
+            status = self._stall_status(status)
+        self.liveness.set(status or "running", ready=not status)
         self._log_change(previous, state)
 
+    def _stall_status(self, cause: str) -> str:
+        after_s = self.settings.sink_stall_after_s
+        status = (
+            f"stalled: nothing delivered, parked or committed for over {after_s:g} s"
+            f" while work waits ({self.core.held} records held)"
+        )
+        return f"{status}; {cause}" if cause else status
+
     def _log_change(
-        self, previous: tuple[Circuit, str, bool] | None, state: tuple[Circuit, str, bool]
+        self,
+        previous: tuple[Circuit, str, bool, bool] | None,
+        state: tuple[Circuit, str, bool, bool],
     ) -> None:
         """One line per change of the engine's state (OPEN and HALF_OPEN are one: down)."""
         if previous is None:
@@ -527,3 +603,13 @@ class Sink:
             log.warning("engine still unavailable, now: %s", state[1], extra=extra)
         elif was_down and not down:
             log.info("engine is back (was: %s); resuming", previous[1], extra=extra)
+        if state[3] and not previous[3]:
+            log.warning(
+                "sink stalled: nothing delivered, parked or committed for over %g s while"
+                " %d records wait",
+                self.settings.sink_stall_after_s,
+                self.core.held,
+                extra={"state": "stalled"},
+            )
+        elif previous[3] and not state[3]:
+            log.info("sink progresses again (was stalled)", extra={"state": "running"})

@@ -29,7 +29,9 @@ Guarantees:
   requests to the proxy. Credentials in the proxy URL go in
   ``Proxy-Authorization`` and are never logged.
 - At most ``max_in_flight`` requests run at once (more wait their turn, which
-  is never reported as engine trouble), over at most ``max_in_flight``
+  is never reported as engine trouble), each bounded by a deadline
+  (``ENGINE_REQUEST_DEADLINE_S``: a trickling answer raises
+  :class:`~sinks.errors.EngineUnavailable` ``RequestDeadline: ...``), over at most ``max_in_flight``
   keep-alive connections, reused last-in first-out and closed after
   :data:`KEEPALIVE_EXPIRY_S` idle.
 - The transport is :class:`sinks.http1.ConnectionPool`, chosen by measurement
@@ -92,10 +94,15 @@ TLS_UNVERIFIED_WARNING = (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineTimeouts:
-    """Per-request limits (DESIGN: 2 s connect, 3 s read); writing shares the read limit."""
+    """Per-request limits (DESIGN: 2 s connect, 3 s read); writing shares the read limit.
+
+    ``deadline_s`` bounds a whole request (connect, write, every read): an
+    engine trickling its answer a few bytes at a time never trips ``read_s``.
+    """
 
     connect_s: float = 2.0
     read_s: float = 3.0
+    deadline_s: float = 10.0
 
     def as_httpx(self) -> httpx.Timeout:
         # pool=None: the pool holds max_in_flight connections, so waiting for one
@@ -239,6 +246,7 @@ class EngineClient:
             self._headers[API_KEY_HEADER] = api_key
         timeouts = timeouts or EngineTimeouts()
         self._timeout = timeouts.as_httpx()
+        self._deadline_s = timeouts.deadline_s
         self._slots = asyncio.Semaphore(max_in_flight)
         self._tls = tls or EngineTLS()
         self._ssl_context: ssl.SSLContext | None = None  # built once, shared by the pools
@@ -320,6 +328,7 @@ class EngineClient:
             timeouts=EngineTimeouts(
                 connect_s=settings.engine_connect_timeout_s,
                 read_s=settings.engine_read_timeout_s,
+                deadline_s=settings.engine_request_deadline_s,
             ),
             max_in_flight=settings.sink_max_in_flight,
             transport=transport,
@@ -377,27 +386,47 @@ class EngineClient:
         extra_block: bytes,
         extra: Mapping[str, str] | None,
     ) -> tuple[int, bytes, Mapping[str, str]]:
-        """Status, body and headers of the engine's answer; a transport error else."""
+        """Status, body and headers of the engine's answer; a transport error else.
+
+        The whole exchange is bounded by the request deadline (not the wait for a slot).
+        """
         async with self._slots:
-            if self._pool is not None:
-                # event_id is printable ASCII (checked by send): no CR/LF can reach the head
-                key_line = b"%s: %s\r\n" % (IDEMPOTENCY_HEADER.encode(), event_id.encode("ascii"))
-                answer = await self._pool.request(
-                    "POST",
-                    self._target_prefix + path,
-                    header_block=self._header_block + key_line + extra_block,
-                    body=content,
-                )
-                return answer.status, answer.body, answer.headers
-            pool = min(self._pools, key=_busy)
-            pool.in_flight += 1
             try:
-                response = await pool.client.post(
-                    path, content=content, headers={**(extra or {}), IDEMPOTENCY_HEADER: event_id}
-                )
-            finally:
-                pool.in_flight -= 1
-            return response.status_code, response.content, response.headers
+                async with asyncio.timeout(self._deadline_s):
+                    return await self._exchange(path, content, event_id, extra_block, extra)
+            except TimeoutError:
+                raise http1.RequestDeadline(
+                    f"no complete answer within {self._deadline_s:g} s"
+                ) from None
+
+    async def _exchange(
+        self,
+        path: str,
+        content: bytes,
+        event_id: str,
+        extra_block: bytes,
+        extra: Mapping[str, str] | None,
+    ) -> tuple[int, bytes, Mapping[str, str]]:
+        """One request on either transport, unbounded: :meth:`_post` bounds it."""
+        if self._pool is not None:
+            # event_id is printable ASCII (checked by send): no CR/LF can reach the head
+            key_line = b"%s: %s\r\n" % (IDEMPOTENCY_HEADER.encode(), event_id.encode("ascii"))
+            answer = await self._pool.request(
+                "POST",
+                self._target_prefix + path,
+                header_block=self._header_block + key_line + extra_block,
+                body=content,
+            )
+            return answer.status, answer.body, answer.headers
+        pool = min(self._pools, key=_busy)
+        pool.in_flight += 1
+        try:
+            response = await pool.client.post(
+                path, content=content, headers={**(extra or {}), IDEMPOTENCY_HEADER: event_id}
+            )
+        finally:
+            pool.in_flight -= 1
+        return response.status_code, response.content, response.headers
 
     async def sync_user(self, user_id: str, *, event_id: str) -> None:
         """Make ``user_id`` known to the engine (``users/sync``) under idempotency key ``event_id``.

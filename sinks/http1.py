@@ -50,7 +50,11 @@ Guarantees of :class:`ConnectionPool`:
 - Timeouts (:class:`PoolTimeouts`): ``connect_s`` for the TCP (and TLS)
   connect, ``read_s`` for the longest silence while awaiting the response (a
   slow but steady response is not cut), ``write_s`` while the socket buffer
-  is full.
+  is full. The caller bounds a whole request (:class:`RequestDeadline`): a
+  response trickling a few bytes at a time never trips ``read_s``.
+- A complete response that arrives while the request body is still being
+  written (the server answered early, e.g. 413, and stopped reading) is
+  returned, and the connection closed: the rest of the body is never sent.
 - Every failure is a :class:`TransportError` whose class says what happened
   (:class:`ConnectError`, :class:`ConnectTimeout`, :class:`ReadTimeout`,
   :class:`WriteTimeout`, :class:`ReadError`, :class:`RemoteProtocolError`)
@@ -153,6 +157,10 @@ class ReadTimeout(TransportError):  # noqa: N818 - httpx's names, kept in reason
 
 class WriteTimeout(TransportError):  # noqa: N818 - httpx's names, kept in reasons
     """The request could not be written within the write timeout."""
+
+
+class RequestDeadline(TransportError):  # noqa: N818 - named like the timeouts above
+    """No complete response within the request's overall deadline (a trickling answer)."""
 
 
 class ReadError(TransportError):
@@ -637,7 +645,11 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             transport.write(request)
             if self._drain_waiter is not None:
-                await self._drain(self._drain_waiter, timeouts.write_s)
+                early = await self._drain(self._drain_waiter, waiter, timeouts.write_s)
+                if early is not None:  # answered before the body was written: never reusable
+                    self.abort()
+                    self.requests += 1
+                    return early
             self._last_read = self._loop.time()
             self._read_timer = self._loop.call_later(
                 timeouts.read_s, self._read_timeout, timeouts.read_s
@@ -653,12 +665,26 @@ class _Connection(asyncio.BufferedProtocol):
         self.requests += 1
         return response
 
-    async def _drain(self, waiter: asyncio.Future[None], timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(waiter, timeout_s)
-        except TimeoutError:
-            self.abort()
-            raise WriteTimeout(f"request not written within {timeout_s:g} s") from None
+    async def _drain(
+        self, drained: asyncio.Future[None], response: asyncio.Future[Response], timeout_s: float
+    ) -> Response | None:
+        """Wait until the request is written; a complete early response instead ends it."""
+        done, _ = await asyncio.wait(
+            (drained, response), timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if response in done and response.exception() is None:
+            if drained.done():
+                drained.exception()  # retrieved: the early answer is what counts
+            return response.result()
+        if drained in done:
+            if response.done():
+                response.exception()  # retrieved: the write's failure is reported
+            drained.result()  # the connection was lost while writing: raises its ReadError
+            return None
+        if response in done:
+            response.result()  # raises the response's failure
+        self.abort()
+        raise WriteTimeout(f"request not written within {timeout_s:g} s")
 
     def close(self) -> None:
         """Close after pending writes (idempotent)."""

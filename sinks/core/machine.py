@@ -20,14 +20,29 @@ the model test):
    place at the head of its key's lane (:class:`KeyScheduler`).
 3. **Engine-wide trouble spends nothing**: a :class:`Result` of kind
    ``UNAVAILABLE`` with no success elsewhere since the record was sent opens
-   the circuit; the record goes back to the head of its lane.
+   the circuit; the record goes back to the head of its lane. A ``THROTTLED``
+   result (429, or 503 with ``Retry-After``) and an ``UNAVAILABLE`` one marked
+   ``shared`` (the request deadline expired) are engine-wide *whatever else
+   succeeds*: they never spend an attempt.
 4. **Only a record the healthy engine rejects spends attempts**: after
    ``inline_attempts`` it is parked; a record that cannot be routed, or
    that the routing marks as bad input, is parked at once and never sent.
 5. **No record is sent after it was parked**, and nothing is sent while the
    circuit is OPEN; while HALF_OPEN exactly one probe is in flight.
 6. **Bounded state**: nothing is kept for a partition no longer assigned,
-   except records whose I/O is still out (orphans), until it returns.
+   except records whose I/O is still out (orphans), until it returns; and
+   every record held, whatever its phase (queued, sending, waiting to retry,
+   waiting for or failing to park), counts toward ``max_buffered``: above it
+   every partition pauses, so at most one fetch batch more is ever held.
+7. **The sink slows to what the engine admits** (:class:`Window`): sends stop
+   until a throttled answer's ``Retry-After`` has passed; the in-flight limit
+   is halved on a throttled or shared-deadline answer (once per round of
+   sends), grows by one per window of deliveries (congestion avoidance), and
+   restarts at one after an outage, doubling per window up to the level
+   before (slow start) - floor 1, ceiling ``max_in_flight``.
+8. **A stall is visible**: :meth:`SinkCore.stalled_s` is how long nothing
+   progressed (a record settled, a commit confirmed) while work waits (records
+   held, or a settled offset not yet confirmed by the broker).
 
 Circuit transitions (the only ones)::
 
@@ -42,7 +57,8 @@ is an answer of a healthy engine. Records that never need the engine (bad
 input, ignored types) are settled without ever becoming a probe.
 
 Partitions are paused while the circuit is not CLOSED and records wait (Kafka
-holds the backlog), while more than ``max_buffered`` records are held, and
+holds the backlog), while more than ``max_buffered`` records are held (in any
+phase), and
 once stopping; with the circuit open and nothing queued they are resumed, so
 a record can arrive to serve as the next probe (no deadlock). A newly assigned
 partition always gets an explicit Pause or Resume: the client may remember a
@@ -62,6 +78,8 @@ from sinks.core.retry import Backoff
 COMMIT_TIMEOUT_S = 30.0
 #: Records one :class:`Park` action carries at most: one round-trip for many rows.
 PARK_BATCH_MAX = 500
+#: A throttled answer without Retry-After holds new sends this long (the engine gave no hint).
+THROTTLE_HOLD_S = 1.0
 #: First wait after the parking lot failed; doubles up to :data:`PARK_RETRY_MAX_S`.
 PARK_RETRY_S = 0.5
 PARK_RETRY_MAX_S = 30.0
@@ -97,16 +115,23 @@ class ResultKind(Enum):
     DELIVERED = "delivered"  # 2xx
     REJECTED = "rejected"  # the healthy engine refused this record: spends an attempt
     UNAVAILABLE = "unavailable"  # engine-wide trouble: spends nothing
+    THROTTLED = "throttled"  # the engine sheds load (429, 503 + Retry-After): spends nothing
     UNROUTABLE = "unroutable"  # found unfit for sending only when sent: parked
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A Send's result; ``retry_after_s`` is the engine's Retry-After, if any."""
+    """A Send's result; ``retry_after_s`` is the engine's Retry-After, if any.
+
+    ``shared``: an UNAVAILABLE that is engine-wide even while other records
+    succeed (the request deadline expired: the engine is slow for everyone),
+    so it never counts as the record's own failure.
+    """
 
     kind: ResultKind
     reason: str = ""
     retry_after_s: float | None = None
+    shared: bool = False
 
 
 DELIVERED = Result(ResultKind.DELIVERED)
@@ -182,6 +207,7 @@ class _Flight:
     due: float = 0.0
     attempts: int = 0
     successes_at_send: int = 0
+    sent_seq: int = 0  # the Send's number (one cut of the window per round of sends)
     probe: bool = False
     reason: str = ""
     park_failures: int = 0
@@ -198,6 +224,44 @@ class _Partition:
     committed: int | None = None  # the broker confirmed this commit
     committing: int | None = None  # a Commit of this offset is out
     commit_sent_at: float = 0.0
+
+
+class Window:
+    """The adaptive in-flight limit (AIMD with slow start, as TCP's congestion window).
+
+    Transitions: ``delivered()`` -> below ``threshold`` +1 per delivery
+    (doubling per round: slow start), from it +1 per ``limit`` deliveries
+    (congestion avoidance); ``cut()`` -> halved (floor 1), threshold = the new
+    limit; ``restart()`` (the engine came back) -> 1, threshold = the limit
+    before (or the ceiling when it had fallen to 1). Never above ``ceiling``.
+    """
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling = ceiling
+        self.limit = ceiling
+        self.threshold = ceiling
+        self._acked = 0
+
+    def delivered(self) -> None:
+        if self.limit >= self.ceiling:
+            return
+        if self.limit < self.threshold:
+            self.limit += 1
+            return
+        self._acked += 1
+        if self._acked >= self.limit:
+            self._acked = 0
+            self.limit += 1
+
+    def cut(self) -> None:
+        self.limit = max(1, self.limit // 2)
+        self.threshold = self.limit
+        self._acked = 0
+
+    def restart(self) -> None:
+        self.threshold = self.limit if self.limit > 1 else self.ceiling
+        self.limit = 1
+        self._acked = 0
 
 
 class SinkCore:
@@ -230,6 +294,14 @@ class SinkCore:
         self._paused: set[TopicPartition] = set()
         self._unsynced: set[TopicPartition] = set()  # assigned since the last Pause/Resume
         self._successes = 0
+        self.window = Window(max_in_flight)
+        self._sending = 0  # Sends out (phase SENDING)
+        self._send_seq = 0  # Sends ever made
+        self._cut_seq = 0  # a throttled Send numbered below this was already answered by a cut
+        self._hold_until = 0.0  # no new Send before this (Retry-After of a throttled answer)
+        self._progress = 0  # records settled + commits confirmed, ever
+        self._progress_seen = -1
+        self._progress_at: float | None = None
         self._last_commit_at: float | None = None
         self._stopping = False
         self.circuit = Circuit.CLOSED
@@ -308,21 +380,28 @@ class SinkCore:
             raise ValueError(f"record {record.position} has no Send out")
         probe = flight.probe
         flight.probe = False
+        self._sending -= 1
         kind = outcome.kind
-        if probe and kind is not ResultKind.UNAVAILABLE:
+        if probe and kind not in _ENGINE_WIDE:
             self._probe_settled(kind, now=now)
         if kind is ResultKind.DELIVERED:
             self._successes += 1
+            self.window.delivered()
             self._settle(flight)
         elif kind is ResultKind.UNROUTABLE:
             self._to_park(flight, outcome.reason)
         elif kind is ResultKind.REJECTED:
             self._rejected(flight, outcome.reason, now=now)
-        elif self.circuit is Circuit.CLOSED and self._successes > flight.successes_at_send:
-            # Others succeed meanwhile: this record's own trouble.
-            self._rejected(flight, f"failed while others succeeded: {outcome.reason}", now=now)
-        else:
+        elif self.circuit is not Circuit.CLOSED or probe:
             self._engine_down(flight, outcome, now=now, probe=probe)
+        elif kind is ResultKind.THROTTLED:
+            self._slow_down(flight, now + (outcome.retry_after_s or THROTTLE_HOLD_S))
+        elif self._successes <= flight.successes_at_send:
+            self._engine_down(flight, outcome, now=now, probe=probe)
+        elif outcome.shared:  # the engine is slow for everyone: fewer at once, not this one's
+            self._slow_down(flight, now + (outcome.retry_after_s or 0.0))
+        else:  # others succeed meanwhile: this record's own trouble
+            self._rejected(flight, f"failed while others succeeded: {outcome.reason}", now=now)
 
     def parked(self, record: Envelope) -> None:
         """The parking lot holds ``record``'s row: it is done."""
@@ -351,6 +430,7 @@ class SinkCore:
             part.committing = None
         if ok and (part.committed is None or offset > part.committed):
             part.committed = offset
+            self._progress += 1
 
     def stop(self) -> None:
         """Shutting down: take and send nothing new; what is out may still finish."""
@@ -360,6 +440,9 @@ class SinkCore:
     def actions(self, *, now: float) -> list[Action]:
         """Every action due at ``now``, in the order to carry them out."""
         out: list[Action] = []
+        if self._progress != self._progress_seen or not self._work_waiting():
+            self._progress_seen = self._progress
+            self._progress_at = now
         if not self._stopping:
             self._start_sends(out, now)
             self._start_parks(out, now)
@@ -379,7 +462,11 @@ class SinkCore:
             times += [f.due for f in waits if f.phase is Phase.PARK_WAIT]
             retries = [f.due for f in waits if f.phase is Phase.RETRY_WAIT]
             if self.circuit is Circuit.CLOSED:
-                times += retries
+                hold = self._hold_until  # a throttled engine's Retry-After delays every Send
+                if self._room() > 0:  # else a Send's answer makes room: an event, not a timer
+                    times += [max(due, hold) for due in retries]
+                    if hold and self._scheduler.can_start():
+                        times.append(hold)
             elif self.circuit is Circuit.OPEN:
                 # The probe goes when it is due *and* a record can go: the first
                 # retry to come due, or now if a lane can start a record.
@@ -432,6 +519,28 @@ class SinkCore:
     def stopping(self) -> bool:
         return self._stopping
 
+    def stalled_s(self, now: float) -> float:
+        """Seconds without progress (a record settled, a commit confirmed) while work waits.
+
+        0 while nothing waits. As of the last :meth:`actions` call and ``now``.
+        """
+        if self._progress_at is None or not self._work_waiting():
+            return 0.0
+        return max(0.0, now - self._progress_at)
+
+    def throttled_until(self) -> float:
+        """No new Send before this monotonic time (0: none held)."""
+        return self._hold_until
+
+    def _work_waiting(self) -> bool:
+        if self._flights or self._scheduler.queued:
+            return True
+        return any(
+            p.watermark.committable is not None
+            and (p.committed is None or p.watermark.committable > p.committed)
+            for p in self._parts.values()
+        )
+
     def held_positions(self) -> set[Position]:
         """Every position the core holds (queued or taken out) - the bounded-state check."""
         return self._scheduler.queued_positions() | set(self._flights)
@@ -473,10 +582,15 @@ class SinkCore:
     # -- sends ----------------------------------------------------------------------
     def _start_sends(self, out: list[Action], now: float) -> None:
         if self.circuit is Circuit.CLOSED:
-            for flight in self._due(Phase.RETRY_WAIT, now):
+            if now < self._hold_until:
+                return  # the engine asked us to wait (Retry-After)
+            self._hold_until = 0.0
+            for flight in self._due(Phase.RETRY_WAIT, now)[: self._room()]:
                 out.append(self._send(flight, probe=False))
-            for record in self._scheduler.ready():
-                out.append(self._send(self._take(record), probe=False))
+            room = self._room()
+            if room > 0:
+                for record in self._scheduler.ready(limit=room):
+                    out.append(self._send(self._take(record), probe=False))
         elif self.circuit is Circuit.OPEN and now >= self._next_probe_at:
             retries = self._due(Phase.RETRY_WAIT, now)
             if retries:
@@ -488,6 +602,10 @@ class SinkCore:
                 self.circuit = Circuit.HALF_OPEN
                 out.append(self._send(probe, probe=True))
 
+    def _room(self) -> int:
+        """Sends the window admits now."""
+        return max(0, self.window.limit - self._sending)
+
     def _take(self, record: Envelope) -> _Flight:
         part = self._parts[record.topic_partition]
         flight = _Flight(record, part.generation, laned=True, phase=Phase.SENDING)
@@ -498,6 +616,9 @@ class SinkCore:
         flight.phase = Phase.SENDING
         flight.probe = probe
         flight.successes_at_send = self._successes
+        flight.sent_seq = self._send_seq
+        self._send_seq += 1
+        self._sending += 1
         return Send(flight.record, probe=probe)
 
     def _rejected(self, flight: _Flight, reason: str, *, now: float) -> None:
@@ -523,6 +644,19 @@ class SinkCore:
             delay_s = self._backoff.next_delay_s(outcome.retry_after_s)
             self._open_circuit(outcome.reason, now=now, delay_s=delay_s)
 
+    def _slow_down(self, flight: _Flight, hold_until: float) -> None:
+        """The engine admits less than we send: unspent back to its lane, fewer at once.
+
+        The window is cut once per round: answers to Sends made before the last
+        cut are the same congestion, already answered.
+        """
+        del self._flights[flight.record.position]
+        self._scheduler.release(flight.record)  # an orphan is forgotten by the release
+        if flight.sent_seq >= self._cut_seq:
+            self.window.cut()
+            self._cut_seq = self._send_seq
+        self._hold_until = max(self._hold_until, hold_until)
+
     def _probe_settled(self, kind: ResultKind, *, now: float) -> None:
         """The probe ended without engine-wide trouble.
 
@@ -544,6 +678,7 @@ class SinkCore:
         self.circuit = Circuit.CLOSED
         self.circuit_reason = ""
         self._backoff.reset()
+        self.window.restart()  # slow start: an engine back from an outage is not stampeded
 
     # -- parks ----------------------------------------------------------------------
     def _to_park(self, flight: _Flight, reason: str) -> None:
@@ -573,6 +708,7 @@ class SinkCore:
         del self._flights[flight.record.position]
         if flight.laned:
             self._scheduler.finish(flight.record)
+        self._progress += 1
         self._done(flight.record, flight.generation)
 
     def _done(self, record: Envelope, generation: int) -> None:
@@ -617,7 +753,7 @@ class SinkCore:
 
     # -- pausing and committing ----------------------------------------------------------
     def _pause_or_resume(self, out: list[Action]) -> None:
-        buffered = self._scheduler.queued + len(self._park_queue)
+        buffered = self.held  # every phase counts: parking that fails holds records too
         want = (
             self._stopping
             or (self.circuit is not Circuit.CLOSED and self._scheduler.queued > 0)
@@ -657,5 +793,7 @@ class SinkCore:
 
 #: Phases whose I/O is out: the record stays (as an orphan) until it returns.
 _IO_OUT = frozenset({Phase.SENDING, Phase.PARKING})
+#: Results that are engine-wide trouble: a probe answered so settles nothing.
+_ENGINE_WIDE = frozenset({ResultKind.UNAVAILABLE, ResultKind.THROTTLED})
 #: Phases that end on a timer.
 _TIMED = frozenset({Phase.RETRY_WAIT, Phase.PARK_WAIT})

@@ -17,7 +17,9 @@ Control API (JSON; never behind the API key)::
     GET    /_stub/requests                requests received per Idempotency-Key (any answer)
     POST   /_stub/reset                   forget applied events, keys, users, counters
     GET    /_stub/faults                  active faults
-    POST   /_stub/faults                  add a fault instruction (object or list of objects)
+    POST   /_stub/faults                  add a fault instruction (object or list of objects):
+                                          rules, latency_ms, refuse_connections_s,
+                                          rate_limit (429 + Retry-After), drip
     DELETE /_stub/faults                  clear rules and latency
 """
 
@@ -35,11 +37,14 @@ from sinks.stub.engine import StubEngine
 from sinks.stub.faults import (
     ENGINE_PATHS,
     FAULT_KEYS,
+    Drip,
     Reply,
     control_values,
     fault_instructions,
     json_reply,
+    parse_drip,
     parse_fault_rule,
+    parse_rate_limit,
     rule_part,
 )
 
@@ -64,7 +69,7 @@ class Listener(Protocol):
 ControlHandler = Callable[[Mapping[str, str], bytes], Reply]
 
 
-async def _send_reply(send: Send, reply: Reply) -> None:
+async def _send_reply(send: Send, reply: Reply, drip: Drip | None = None) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -76,7 +81,16 @@ async def _send_reply(send: Send, reply: Reply) -> None:
             ],
         }
     )
-    await send({"type": "http.response.body", "body": reply.body})
+    if drip is None:
+        await send({"type": "http.response.body", "body": reply.body})
+        return
+    body, step = reply.body, drip.bytes_per_write
+    for start in range(0, len(body), step):
+        await asyncio.sleep(drip.interval_s)
+        more = start + step < len(body)
+        await send(
+            {"type": "http.response.body", "body": body[start : start + step], "more_body": more}
+        )
 
 
 async def _read_body(receive: Receive) -> bytes | None:
@@ -110,8 +124,13 @@ class _Endpoint:
     the method is checked here, so a wrong one still answers JSON.
     """
 
-    def __init__(self, answer: Callable[[Scope, bytes], Awaitable[Reply]]) -> None:
+    def __init__(
+        self,
+        answer: Callable[[Scope, bytes], Awaitable[Reply]],
+        drip: Callable[[], Drip | None] = lambda: None,
+    ) -> None:
         self._answer = answer
+        self._drip = drip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _read_body(receive)
@@ -119,7 +138,7 @@ class _Endpoint:
             reply = json_reply(413, {"error": "body_too_large"})
         else:
             reply = await self._answer(scope, body)
-        await _send_reply(send, reply)
+        await _send_reply(send, reply, self._drip())
 
 
 class StubApp:
@@ -139,7 +158,7 @@ class StubApp:
             ("POST", "/_stub/faults"): self._post_faults,
             ("DELETE", "/_stub/faults"): self._delete_faults,
         }
-        engine_call = _Endpoint(self._engine_call)
+        engine_call = _Endpoint(self._engine_call, engine.faults.dripping)
         control_call = _Endpoint(self._control_call)
         routes = [Route(path, engine_call) for path in sorted(ENGINE_PATHS)]
         routes += [Route(path, control_call) for path in sorted({p for _, p in self._control})]
@@ -198,8 +217,15 @@ class StubApp:
         instructions = fault_instructions(body)
         rules = [parse_fault_rule(rule_part(i)) for i in instructions if set(i) & FAULT_KEYS]
         latency_ms, outage_s = control_values(instructions)
+        modes = [i for i in instructions if "rate_limit" in i or "drip" in i]
+        limiters = [parse_rate_limit(i["rate_limit"]) for i in modes if "rate_limit" in i]
+        drips = [parse_drip(i["drip"]) for i in modes if "drip" in i]
         if outage_s is not None and self.listener is None:
             raise ValueError("this stub has no listener to close")
+        if limiters:
+            self.engine.faults.limiter = limiters[-1]
+        if drips:
+            self.engine.faults.drip = drips[-1]
         self.engine.faults.rules.extend(rules)
         if latency_ms is not None:
             self.engine.faults.latency_ms = latency_ms

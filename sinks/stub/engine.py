@@ -10,6 +10,8 @@ Guarantees, as the real engine's contract (DESIGN "Engine API"):
   ``404 {"error":"user_not_found"}`` and is not applied (its key stays free).
 - With an API key configured, a request without the right ``x-api-key`` gets
   401 before anything else. A request without ``Idempotency-Key`` gets 400.
+- With a rate limit set (``faults.limiter``, a token bucket), a request over
+  it gets 429 + ``Retry-After`` and is neither applied nor matched to rules.
 - Everything applied is recorded in order, per path, with event id, body, time
   and the request's W3C trace headers (``trace``: ``traceparent``/``tracestate``).
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
-from sinks.stub.faults import Faults, Reply, json_reply
+from sinks.stub.faults import Faults, Reply, json_reply, throttled_reply
 
 
 @dataclass(slots=True)
@@ -72,6 +74,11 @@ class StubEngine:
             return json_reply(401, {"error": "unauthorized"})
         event_id = headers.get(b"idempotency-key", b"").decode("latin-1")
         self._by_key[event_id] += 1
+        limiter = self.faults.limiter
+        if limiter is not None:
+            wait_s = limiter.take()
+            if wait_s is not None:
+                return throttled_reply(wait_s)
         rule = self.faults.take(path, event_id)
         trace = _trace_of(headers)
         if rule is None:

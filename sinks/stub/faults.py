@@ -5,13 +5,26 @@ unknown key, a status outside 100-599, a malformed header map raise
 ``ValueError`` naming the problem); the most specific matching rule answers
 (an event-id rule, then a path rule, then a catch-all; the first added wins a
 tie); a rule used up is removed.
+
+Two modes shape every engine request rather than chosen ones:
+
+- ``rate_limit`` (:class:`TokenBucket`): ``{"rate_per_s": r, "burst": b}``
+  admits ``r`` requests a second with bursts of ``b``; a request finding the
+  bucket empty is answered ``429`` with ``Retry-After`` = the seconds until
+  the next token (decimal, e.g. ``0.004``; ``"retry_after_s": n`` fixes it)
+  and is not applied. ``null`` switches it off.
+- ``drip`` (:class:`Drip`): ``{"bytes": n, "interval_s": t, "for_s": d}``:
+  for ``d`` seconds every answer's body is sent ``n`` bytes every ``t``
+  seconds (the request is applied first), as an engine trickling its answers.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +40,106 @@ FAULT_KEYS = frozenset(
 )
 
 
-CONTROL_KEYS = frozenset({"latency_ms", "refuse_connections_s"})
+CONTROL_KEYS = frozenset({"latency_ms", "refuse_connections_s", "rate_limit", "drip"})
+
+
+class TokenBucket:
+    """Admits ``rate_per_s`` requests a second, ``burst`` at once; pure but for the clock."""
+
+    def __init__(
+        self,
+        *,
+        rate_per_s: float,
+        burst: float,
+        retry_after_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._tokens = burst
+        self._at = clock()
+        self.limited = 0  # requests answered 429
+
+    def take(self) -> float | None:
+        """``None``: admitted (one token spent); else the seconds until a token is due."""
+        now = self._clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate_per_s)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return None
+        self.limited += 1
+        if self.retry_after_s is not None:
+            return self.retry_after_s
+        return (1.0 - self._tokens) / self.rate_per_s
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "rate_per_s": self.rate_per_s,
+            "burst": self.burst,
+            "retry_after_s": self.retry_after_s,
+            "limited": self.limited,
+        }
+
+
+def throttled_reply(wait_s: float) -> Reply:
+    """429 with the wait as Retry-After (milliseconds rounded up, at least 1 ms)."""
+    value = f"{max(math.ceil(wait_s * 1000), 1) / 1000:.3f}".rstrip("0").rstrip(".")
+    return json_reply(429, {"error": "rate_limited"}, ((b"retry-after", value.encode()),))
+
+
+@dataclass(frozen=True, slots=True)
+class Drip:
+    """Answers trickle: ``bytes_per_write`` body bytes every ``interval_s``, until ``until``."""
+
+    bytes_per_write: int
+    interval_s: float
+    until: float
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "bytes": self.bytes_per_write,
+            "interval_s": self.interval_s,
+            "remaining_s": max(0.0, self.until - time.monotonic()),
+        }
+
+
+def parse_rate_limit(value: object) -> TokenBucket | None:
+    """``{"rate_per_s": r, "burst": b[, "retry_after_s": s]}`` or ``None``; ValueError else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not set(value) <= {"rate_per_s", "burst", "retry_after_s"}:
+        raise ValueError('rate_limit is {"rate_per_s": r, "burst": b[, "retry_after_s": s]}')
+    rate = _positive(value.get("rate_per_s"))
+    burst = _positive(value.get("burst", rate))
+    fixed = value.get("retry_after_s")
+    return TokenBucket(
+        rate_per_s=rate,
+        burst=max(burst, 1.0),
+        retry_after_s=None if fixed is None else _non_negative(fixed),
+    )
+
+
+def parse_drip(value: object) -> Drip | None:
+    """``{"bytes": n, "interval_s": t, "for_s": d}`` or ``None``; ValueError else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"bytes", "interval_s", "for_s"}:
+        raise ValueError('drip is {"bytes": n, "interval_s": t, "for_s": d}')
+    size = value["bytes"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError("drip bytes must be a positive integer")
+    interval_s = _non_negative(value["interval_s"])
+    return Drip(size, interval_s, time.monotonic() + _non_negative(value["for_s"]))
+
+
+def _positive(value: object) -> float:
+    number = _non_negative(value)
+    if number <= 0:
+        raise ValueError(f"{value!r} is not a positive number")
+    return number
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +292,15 @@ class Faults:
     def __init__(self, *, latency_ms: float = 0.0) -> None:
         self.rules: list[FaultRule] = []
         self.latency_ms = latency_ms
+        self.limiter: TokenBucket | None = None
+        self.drip: Drip | None = None
+
+    def dripping(self) -> Drip | None:
+        """The drip mode, while it lasts."""
+        drip = self.drip
+        if drip is not None and time.monotonic() >= drip.until:
+            self.drip = drip = None
+        return drip
 
     def take(self, path: str, event_id: str) -> FaultRule | None:
         """The most specific rule hitting this request (first added wins a tie), or ``None``."""
@@ -197,13 +318,24 @@ class Faults:
         return reply
 
     def clear(self) -> None:
-        """No rules, no latency."""
+        """No rules, no latency, no rate limit, no drip."""
         self.rules.clear()
         self.latency_ms = 0.0
+        self.limiter = None
+        self.drip = None
 
     def describe(self) -> dict[str, object]:
         """The faults as JSON."""
-        return {"latency_ms": self.latency_ms, "rules": [r.describe() for r in self.rules]}
+        described: dict[str, object] = {
+            "latency_ms": self.latency_ms,
+            "rules": [r.describe() for r in self.rules],
+        }
+        drip = self.dripping()
+        if self.limiter is not None:  # the modes are named only while on
+            described["rate_limit"] = self.limiter.describe()
+        if drip is not None:
+            described["drip"] = drip.describe()
+        return described
 
 
 def fault_instructions(body: bytes) -> list[dict[str, Any]]:

@@ -6,8 +6,11 @@ offsets, which partitions are assigned and paused, an engine that is up or
 down, and the Sends, Parks and Commits the core has put out and not yet seen
 answered. Hypothesis drives records in, answers the core's actions in any
 order (2xx, a 4xx for one record, a 5xx for one record, engine-wide trouble,
-an unroutable surprise, parking-lot and commit failures), moves time, assigns,
-revokes and loses partitions, and checks after every step:
+a 429 with or without Retry-After beside 2xx answers, an expired request
+deadline, an unroutable surprise, parking-lot and commit failures), feeds
+hostile records (headers the routing cannot read: parked with a reason),
+moves time, assigns, revokes and loses partitions, and checks after every
+step:
 
 * no commit (in flight or on revoke) passes a record that is neither delivered
   nor parked;
@@ -18,7 +21,14 @@ revokes and loses partitions, and checks after every step:
 * nothing but a probe is sent unless the circuit is CLOSED; HALF_OPEN means
   exactly one probe in flight; OPEN or CLOSED means none;
 * bounded state: the core holds only records of assigned partitions, plus
-  orphans whose Send or Park is still out;
+  orphans whose Send or Park is still out; and never more than
+  ``max_buffered`` plus one fetch batch, whatever phase its records are in
+  (parking that fails included);
+* engine-wide trouble spends nothing: a parked record's attempts never exceed
+  the answers that blamed it (4xx, or a 5xx of its own); a 429 or an expired
+  deadline never counts;
+* the sink honours Retry-After (no Send but a probe before a throttled
+  answer's hold has passed) and its adaptive window (no Send beyond it);
 * and, at the end, liveness: once the engine is up and time passes, every
   record of every assigned partition is delivered or parked and the broker's
   committed offset reaches the end of the log.
@@ -27,6 +37,9 @@ Mutants at the bottom re-create the bugs this machine exists for (a circuit
 left HALF_OPEN by a probe the engine rejected; an orphan's re-consumed copy
 queued behind later records of its key; a re-assigned partition left paused by
 the client, found by the compound-fault test) and show the model catches each.
+The hard interleavings are also scripted (``SCRIPTS``) and run against the
+production class on every run, so such a bug is caught every run, not only
+when the random search happens to reach it.
 """
 
 from __future__ import annotations
@@ -51,6 +64,7 @@ from hypothesis.stateful import (
 from sinks.core.delivery import Envelope, Position
 from sinks.core.machine import (
     DELIVERED,
+    THROTTLE_HOLD_S,
     Circuit,
     Commit,
     Park,
@@ -62,6 +76,7 @@ from sinks.core.machine import (
     Send,
     SinkCore,
     Verdict,
+    Window,
 )
 from sinks.core.retry import Backoff, Jitter
 
@@ -71,6 +86,9 @@ TPS = tuple((t, p) for t in TOPICS for p in PARTITIONS)
 KEYS = (b"a", b"b")
 MAX_IN_FLIGHT = 3
 INLINE_ATTEMPTS = 2
+MAX_BUFFERED = 6
+#: The most records one ``consume`` step fetches: the overshoot a pause allows.
+FETCH_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -81,10 +99,15 @@ class Kind:
 
 
 GOOD, POISON, BAD, IGNORED = Kind("good"), Kind("poison"), Kind("bad"), Kind("ignored")
+#: A record other producers wrote: headers the routing cannot read at all.
+HOSTILE = Kind("hostile")
 
 
 def _classify(record: Envelope) -> Verdict:
-    kind = record.headers["kind"].decode()
+    try:
+        kind = record.headers["kind"].decode()
+    except (KeyError, UnicodeDecodeError) as exc:
+        return Verdict(Route.PARK, f"uninterpretable record: {type(exc).__name__}")
     if kind == "bad":
         return Verdict(Route.PARK, "no route for event type 'Bad'")
     if kind == "ignored":
@@ -95,13 +118,20 @@ def _classify(record: Envelope) -> Verdict:
 def make_core(cls: type[SinkCore] = SinkCore) -> SinkCore:
     return cls(
         max_in_flight=MAX_IN_FLIGHT,
-        max_buffered=6,
+        max_buffered=MAX_BUFFERED,
         inline_attempts=INLINE_ATTEMPTS,
         inline_backoff_s=0.2,
         backoff=Backoff(base_s=0.5, cap_s=4.0, jitter=Jitter.NONE),
         commit_interval_s=1.0,
         classify=_classify,
     )
+
+
+#: Answers that are engine-wide whatever else succeeds: a 429, an expired request deadline.
+SHARED_TROUBLE = {
+    "429": (ResultKind.THROTTLED, "HTTP 429"),
+    "deadline": (ResultKind.UNAVAILABLE, "RequestDeadline: nothing complete within 5 s"),
+}
 
 
 class SinkCoreModel(RuleBasedStateMachine):
@@ -125,22 +155,27 @@ class SinkCoreModel(RuleBasedStateMachine):
         self.done: set[Position] = set()  # delivered or parked, ever
         self.parked_live: set[Position] = set()  # parked, not consumed again since
         self.delivered: list[Position] = []
+        self.blamed: dict[Position, int] = {}  # answers that blamed the record itself
+        self.hold_until = 0.0  # no Send but a probe before this (a 429's Retry-After)
 
     # -- the world ------------------------------------------------------------------
     @rule(
         tp=st.sampled_from(TPS),
         key=st.sampled_from(KEYS),
-        kind=st.sampled_from([GOOD, GOOD, GOOD, GOOD, POISON, BAD, IGNORED]),
+        kind=st.sampled_from([GOOD, GOOD, GOOD, GOOD, POISON, BAD, IGNORED, HOSTILE]),
     )
     def produce(self, tp: tuple[str, int], key: bytes, kind: Kind) -> None:
         offset = len(self.log[tp])
+        headers = {"kind": kind.name.encode(), "id": f"{tp}-{offset}".encode()}
+        if kind is HOSTILE:
+            headers = {"\ufffd": b"\xff\xfe", "id": b"\x00"}
         record = Envelope(
             topic=tp[0],
             partition=tp[1],
             offset=offset,
             key=key,
             value=b"{}",
-            headers={"kind": kind.name.encode(), "id": f"{tp}-{offset}".encode()},
+            headers=headers,
             timestamp_ms=int(self.now * 1000),
         )
         self.log[tp].append(record)
@@ -206,20 +241,43 @@ class SinkCoreModel(RuleBasedStateMachine):
     @precondition(lambda self: self.sends)
     @rule(
         data=st.data(),
-        answer=st.sampled_from(["2xx", "2xx", "2xx", "4xx", "5xx-one", "down", "unroutable"]),
+        answer=st.sampled_from(
+            ["2xx", "2xx", "2xx", "4xx", "5xx-one", "down", "unroutable", "429", "deadline"]
+        ),
+        retry_after=st.sampled_from([None, 0.0, 0.5, 3.0]),
     )
-    def answer_send(self, data: st.DataObject, answer: str) -> None:
+    def answer_send(self, data: st.DataObject, answer: str, retry_after: float | None) -> None:
         send = self.sends.pop(data.draw(st.integers(0, len(self.sends) - 1)))
-        self.core.sent(send.record, self.engine_answer(send, answer), now=self.now)
+        self.answer(send, answer, retry_after)
+
+    @precondition(lambda self: any(s.probe for s in self.sends))
+    @rule(answer=st.sampled_from(["2xx", "4xx", "down", "unroutable", "429", "deadline"]))
+    def answer_the_probe(self, answer: str) -> None:
+        """The probe's answer decides the circuit: reached often, not by luck."""
+        probe = next(s for s in self.sends if s.probe)
+        self.sends.remove(probe)
+        self.answer(probe, answer, None)
+
+    def answer(self, send: Send, answer: str, retry_after: float | None = None) -> None:
+        closed = self.core.circuit is Circuit.CLOSED
+        result = self.engine_answer(send, answer, retry_after)
+        if result.kind is ResultKind.THROTTLED and closed and not send.probe:
+            self.hold_until = max(self.hold_until, self.now + (retry_after or THROTTLE_HOLD_S))
+        self.core.sent(send.record, result, now=self.now)
         self.step()
 
-    def engine_answer(self, send: Send, answer: str) -> Result:
+    def engine_answer(self, send: Send, answer: str, retry_after: float | None = None) -> Result:
         position = send.record.position
+        shared = SHARED_TROUBLE.get(answer)
+        if shared is not None:  # the engine sheds load, or trickles: it blames nobody
+            return Result(shared[0], shared[1], retry_after, shared=True)
         if not self.engine_up or answer == "down":
             return Result(ResultKind.UNAVAILABLE, "HTTP 503")
         if self.kinds[position] is POISON or answer == "4xx":
+            self.blamed[position] = self.blamed.get(position, 0) + 1
             return Result(ResultKind.REJECTED, "HTTP 400")
         if answer == "5xx-one":
+            self.blamed[position] = self.blamed.get(position, 0) + 1
             return Result(ResultKind.UNAVAILABLE, "HTTP 500 for this record")
         if answer == "unroutable":
             return Result(ResultKind.UNROUTABLE, "payload unfit")
@@ -259,6 +317,12 @@ class SinkCoreModel(RuleBasedStateMachine):
                 self.check_send(action, circuit_before)
                 self.sends.append(action)
             elif isinstance(action, Park):
+                for item in action.items:
+                    blamed = self.blamed.get(item.record.position, 0)
+                    assert item.attempts <= blamed, (
+                        f"{item.record.position} parked after {item.attempts} attempts,"
+                        f" only {blamed} answers blamed it"
+                    )
                 self.parks.append(action)
             elif isinstance(action, Commit):
                 for topic, partition, offset in action.offsets:
@@ -281,6 +345,8 @@ class SinkCoreModel(RuleBasedStateMachine):
             assert circuit_before is Circuit.OPEN, "a probe only leaves an OPEN circuit"
         else:
             assert circuit_before is Circuit.CLOSED, f"sent while {circuit_before}"
+            assert self.now >= self.hold_until, f"sent at {self.now}, held until {self.hold_until}"
+            assert len(self.sends) < self.core.window.limit, "sent beyond the adaptive window"
         tp = record.topic_partition
         for earlier in self.log[tp][: record.offset]:
             if earlier.key == record.key and self.kinds[earlier.position] in (GOOD, POISON):
@@ -309,6 +375,19 @@ class SinkCoreModel(RuleBasedStateMachine):
     @invariant()
     def in_flight_is_bounded(self) -> None:
         assert len(self.sends) <= MAX_IN_FLIGHT
+        assert 1 <= self.core.window.limit <= MAX_IN_FLIGHT
+
+    @invariant()
+    def memory_is_bounded_in_every_phase(self) -> None:
+        held = self.core.held
+        assert held <= MAX_BUFFERED + FETCH_BATCH, f"{held} records held"
+
+    @invariant()
+    def a_stall_needs_waiting_work(self) -> None:
+        if not self.core.held and all(
+            self.core.committed(*tp) == self.core.committable(*tp) for tp in self.position
+        ):
+            assert self.core.stalled_s(self.now) == 0.0
 
     @invariant()
     def state_is_bounded_to_assigned_partitions(self) -> None:
@@ -353,8 +432,7 @@ class SinkCoreModel(RuleBasedStateMachine):
         )
 
     def answer_send_ok(self, send: Send) -> None:
-        self.core.sent(send.record, self.engine_answer(send, "2xx"), now=self.now)
-        self.step()
+        self.answer(send, "2xx")
 
     def settled(self) -> bool:
         return (
@@ -484,3 +562,153 @@ def test_the_model_delivers_every_good_record_of_a_quiet_run() -> None:
 
 def test_the_model_catches_a_reassigned_partition_left_paused_by_the_client() -> None:
     _model_fails(_mutant_model(lambda: make_core(cls=_ForgetsPausesOnRevoke)), "not live")
+
+
+# -- scripted interleavings: the hard ones, on every run, against the production class ----
+
+#: One step of a script: a model method and its arguments. ``answer`` takes the
+#: index of the Send to answer (in the order they went out) instead of a Send.
+Step = tuple[str, dict[str, Any]]
+A, U, Q = KEYS[0], TPS[0], TPS[1]
+
+SCRIPTS: dict[str, list[Step]] = {
+    "a rejected probe closes the circuit": [
+        ("assign", {"tp": U}),
+        ("produce", {"tp": U, "key": A, "kind": GOOD}),
+        ("consume", {"tp": U, "n": 1}),
+        ("answer", {"index": 0, "answer": "down"}),
+        ("time_passes", {"dt": 5.0}),
+        ("answer", {"index": 0, "answer": "4xx"}),
+    ],
+    "a parked probe closes the circuit": [
+        ("assign", {"tp": U}),
+        ("produce", {"tp": U, "key": A, "kind": POISON}),
+        ("produce", {"tp": U, "key": KEYS[1], "kind": GOOD}),
+        ("consume", {"tp": U, "n": 2}),
+        ("answer", {"index": 0, "answer": "4xx"}),  # attempt 1: waits to be sent again
+        ("answer", {"index": 0, "answer": "down"}),  # the other: OPEN
+        ("time_passes", {"dt": 5.0}),  # the waiting poison record is the probe
+        ("answer", {"index": 0, "answer": "4xx"}),  # attempt 2: parked - and CLOSED
+    ],
+    "a 429 beside 2xx spends nothing and holds every Send for its Retry-After": [
+        ("assign", {"tp": U}),
+        ("assign", {"tp": Q}),
+        ("produce", {"tp": U, "key": A, "kind": GOOD}),
+        ("produce", {"tp": U, "key": KEYS[1], "kind": POISON}),
+        ("produce", {"tp": Q, "key": A, "kind": GOOD}),
+        ("produce", {"tp": Q, "key": KEYS[1], "kind": GOOD}),
+        ("consume", {"tp": U, "n": 2}),
+        ("consume", {"tp": Q, "n": 2}),
+        ("answer", {"index": 0, "answer": "2xx"}),
+        ("answer", {"index": 0, "answer": "429", "retry_after": 3.0}),
+        ("answer", {"index": 0, "answer": "429", "retry_after": None}),
+        ("time_passes", {"dt": 1.0}),
+        ("time_passes", {"dt": 5.0}),
+        ("answer", {"index": 0, "answer": "429", "retry_after": 0.5}),
+    ],
+    "an expired deadline beside 2xx spends nothing": [
+        ("assign", {"tp": U}),
+        ("produce", {"tp": U, "key": A, "kind": POISON}),
+        ("produce", {"tp": U, "key": KEYS[1], "kind": GOOD}),
+        ("consume", {"tp": U, "n": 2}),
+        ("answer", {"index": 1, "answer": "2xx"}),
+        ("answer", {"index": 0, "answer": "deadline"}),
+        ("answer", {"index": 0, "answer": "deadline"}),
+    ],
+    "the parking lot down under a flood of hostile records: bounded, paused": [
+        ("assign", {"tp": U}),
+        ("assign", {"tp": Q}),
+        *[("produce", {"tp": tp, "key": A, "kind": HOSTILE}) for tp in (U, Q) for _ in range(8)],
+        *[
+            step
+            for _ in range(4)
+            for step in (
+                ("consume", {"tp": U, "n": FETCH_BATCH}),
+                ("consume", {"tp": Q, "n": FETCH_BATCH}),
+                ("fail_parks", {}),
+                ("time_passes", {"dt": 1.0}),
+            )
+        ],
+        ("expect_paused", {}),
+    ],
+}
+
+
+class ScriptedModel(SinkCoreModel):
+    """The model driven by a script instead of Hypothesis; invariants after every step."""
+
+    def answer(
+        self,
+        send: Send | None = None,
+        answer: str = "2xx",
+        retry_after: float | None = None,
+        *,
+        index: int = 0,
+    ) -> None:
+        if send is None:
+            send = self.sends.pop(index)
+        super().answer(send, answer, retry_after)
+
+    def fail_parks(self) -> None:
+        while self.parks:
+            for item in self.parks.pop(0).items:
+                self.core.park_failed(item.record, now=self.now)
+            self.step()
+
+    def expect_paused(self) -> None:
+        assert self.core.held > MAX_BUFFERED, "the flood did not fill the buffer"
+        assert self.paused == set(self.position), "held records over the bound, not paused"
+
+    def check_all(self) -> None:
+        self.circuit_matches_the_probes_out()
+        self.in_flight_is_bounded()
+        self.memory_is_bounded_in_every_phase()
+        self.state_is_bounded_to_assigned_partitions()
+        self.a_stall_needs_waiting_work()
+
+
+def _run_script(machine: ScriptedModel, script: list[Step]) -> None:
+    machine.check_all()
+    for name, kwargs in script:
+        getattr(machine, name)(**kwargs)
+        machine.check_all()
+    machine.teardown()
+    assert machine.core.stalled_s(machine.now) == 0.0, "a settled sink reports a stall"
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_a_scripted_hard_interleaving_keeps_every_invariant(name: str) -> None:
+    machine = ScriptedModel()
+    _run_script(machine, SCRIPTS[name])
+    parked_good = [p for p in machine.parked_live if machine.kinds[p] is GOOD]
+    assert parked_good == [], f"good records parked: {parked_good}"
+
+
+def test_the_scripts_catch_a_circuit_left_half_open_by_a_parked_probe_every_run() -> None:
+    mutant = type(
+        "Mutant",
+        (ScriptedModel,),
+        {"make": staticmethod(lambda: make_core(cls=_ProbeClosesOnlyWhenDelivered))},
+    )
+    with pytest.raises(AssertionError, match="HALF_OPEN with 0 probes in flight"):
+        _run_script(mutant(), SCRIPTS["a parked probe closes the circuit"])
+
+
+def test_the_window_halves_on_throttling_grows_back_and_slow_starts_after_an_outage() -> None:
+    window = Window(64)
+    window.cut()
+    assert (window.limit, window.threshold) == (32, 32)
+    for _ in range(32):  # congestion avoidance: one more per window of deliveries
+        window.delivered()
+    assert window.limit == 33
+    window.restart()  # the engine is back from an outage: one request first
+    assert (window.limit, window.threshold) == (1, 33)
+    grown = []
+    for _ in range(6):
+        for _ in range(window.limit):  # one round: as many deliveries as the window
+            window.delivered()
+        grown.append(window.limit)
+    assert grown == [2, 4, 8, 16, 32, 33], "doubling per round up to where it was, then +1"
+    for _ in range(10):
+        window.cut()
+    assert window.limit == 1, "never below one"

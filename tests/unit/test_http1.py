@@ -1015,3 +1015,86 @@ def test_absolute_form_request_for_a_forwarding_proxy() -> None:
         "POST", "/x", authority="engine:80", absolute_prefix="http://engine:80"
     )
     assert data.startswith(b"POST http://engine:80/x HTTP/1.1\r\nhost: engine:80\r\n")
+
+
+async def _answer_early_and_stop_reading(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, close: bool
+) -> None:
+    """Read the head only, answer 413 at once, then read nothing more (optionally close)."""
+    await reader.readuntil(b"\r\n\r\n")
+    body = b'{"error":"body_too_large"}'
+    writer.write(
+        b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    if close:
+        writer.close()
+    else:
+        await asyncio.sleep(30)  # holds the connection open, reading nothing
+
+
+@pytest.mark.parametrize("close", [False, True], ids=["keeps-open", "closes"])
+def test_a_complete_early_response_to_a_blocked_write_is_returned_and_the_connection_closed(
+    close: bool,
+) -> None:
+    """The server answers 413 before the body is written and stops reading: not an outage."""
+
+    async def go() -> None:
+        tasks: list[asyncio.Task[None]] = []
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            tasks.append(task)
+            with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+                await _answer_early_and_stop_reading(reader, writer, close=close)
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = ConnectionPool(
+            http1.parse_origin(f"http://127.0.0.1:{port}"),
+            timeouts=PoolTimeouts(connect_s=2.0, read_s=5.0, write_s=5.0),
+        )
+        try:
+            response = await pool.request("POST", "/x", body=b"x" * (64 << 20))
+            assert response.status == 413
+            assert classify(response.status, response.body, response.headers).kind.value == (
+                "rejected"
+            )
+            assert pool.open_connections == 0, "a half-written connection is never reused"
+        finally:
+            await pool.aclose()
+            for task in tasks:
+                task.cancel()
+            server.close()
+            await server.wait_closed()
+
+    run(go())
+
+
+def test_a_trickling_answer_hits_the_request_deadline_as_engine_wide_trouble() -> None:
+    """4 bytes every 0.1 s never trip the 2 s read timeout; the 0.5 s deadline ends it."""
+
+    async def drip(request: Received, writer: asyncio.StreamWriter) -> bool:
+        answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+        for i in range(0, len(answer), 4):
+            writer.write(answer[i : i + 4])
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        return True
+
+    async def go() -> None:
+        async with Server(drip) as server:
+            client = EngineClient(
+                base_url=f"http://127.0.0.1:{server.origin.port}",
+                timeouts=EngineTimeouts(connect_s=1.0, read_s=2.0, deadline_s=0.5),
+                max_in_flight=2,
+            )
+            try:
+                with pytest.raises(EngineUnavailable, match="RequestDeadline: no complete answer"):
+                    await client.sync_user("u1", event_id="e1")
+            finally:
+                await client.aclose()
+
+    run(go())
