@@ -29,7 +29,9 @@ from confluent_kafka import KafkaError, KafkaException
 
 from cdc.backoff import Backoff
 from cdc.router import (
+    BrokenOutbox,
     DeadLetterCode,
+    OutboxLayout,
     TxContext,
 )
 from cdc.wal import pgoutput as pgo
@@ -134,9 +136,9 @@ class Session:
     )
     last_confirmed: int = 0
     ignored_kinds: set[str] = field(default_factory=set)
-    #: relation oid -> positions of the routed columns, None if not the outbox
-    #: (cleared when a Relation message arrives)
-    outbox_oids: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+    #: relation oid -> positions of the routed columns (found by name), or why the
+    #: outbox relation is unusable, None if not the outbox (cleared by a Relation)
+    outbox_oids: dict[int, OutboxLayout | BrokenOutbox | None] = field(default_factory=dict)
     #: acknowledged records per topic since the last status (metrics are
     #: updated in bulk: a Prometheus inc per record was a tenth of the CPU)
     acked: dict[str, int] = field(default_factory=dict)
