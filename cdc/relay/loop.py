@@ -295,7 +295,7 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
         with psycopg.connect(
             s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
         ) as conn:
-            ensure_publication(conn, s.publication, self._table[1])
+            self._table = ensure_publication(conn, s.publication, s.outbox_table)
             info = ensure_slot(conn, s.slot)
             self._utf8 = server_is_utf8(conn)
         self._topics.ensure([s.dlq_topic])
