@@ -10,6 +10,7 @@ States and transitions::
     STARTING --slot held elsewhere--> STANDBY --slot free--> STREAMING
     STREAMING <--in-flight at bound / below--> BACKPRESSURE
     STREAMING | BACKPRESSURE --a dead letter fails--> HELD --a dead letter written--> STREAMING
+    STREAMING | BACKPRESSURE | HELD --no ack for CDC_RELAY_STALL_AFTER_S--> STALLED --an ack--> back
     STARTING | STREAMING | BACKPRESSURE | HELD --stream or Kafka error--> RECONNECTING --> STARTING
     STANDBY | STREAMING | BACKPRESSURE | HELD --producer fatal error--> REBUILDING --> STARTING
     any --SIGTERM--> STOPPING --> STOPPED
@@ -57,6 +58,7 @@ class RelayState(enum.Enum):
     STREAMING = "streaming"  # reading WAL and producing
     BACKPRESSURE = "backpressure"  # in-flight at its bound: not reading WAL
     HELD = "held"  # a dead letter could not be written: not reading WAL, retrying it
+    STALLED = "stalled"  # work waits and nothing was acknowledged for CDC_RELAY_STALL_AFTER_S
     RECONNECTING = "reconnecting"  # after an error, waiting before a new session
     REBUILDING = "rebuilding"  # producer fatal error: purged, closed; a new one after a back-off
     STOPPING = "stopping"  # SIGTERM received: flushing and confirming

@@ -12,7 +12,12 @@ Guarantees:
   at the slot's confirmed position, hands out raw CopyData payloads without
   blocking longer than asked, and sends standby status updates;
 * a slot held by another walsender raises :class:`SlotInUseError` (the caller
-  waits as a hot standby); a lost connection raises :class:`StreamError`.
+  waits as a hot standby); a lost connection raises :class:`StreamError`;
+* every connection gets :data:`CONNECTION_DEFAULTS` (connect timeout, TCP
+  keepalives, ``tcp_user_timeout``) unless its DSN sets them
+  (:func:`with_connection_defaults`), and :class:`ReplicationStream` knows how
+  long the server has been silent (:meth:`ReplicationStream.silent_s`), so the
+  caller can give up on a half-open connection.
 
 No protocol parsing happens here (see :mod:`cdc.wal.replproto`, :mod:`cdc.wal.pgoutput`).
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import select
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +35,7 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc.errors import DatabaseSetupError, SlotInUseError, StreamError
 from cdc.migrate import check_wal_level
@@ -38,6 +45,27 @@ from cdc.wal.replproto import lsn_to_str, pg_now_us, standby_status_update, str_
 log = logging.getLogger("cdc.stream")
 
 Conn = psycopg.Connection[Any]
+
+
+#: libpq settings of every relay connection unless its DSN sets them: a connect
+#: that hangs fails after 10 s; an idle path is probed after 10 s, every 5 s, and
+#: given up after 3 lost probes; unacknowledged sent data fails it after 30 s.
+CONNECTION_DEFAULTS = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+
+
+def with_connection_defaults(dsn: str) -> str:
+    """``dsn`` with :data:`CONNECTION_DEFAULTS` merged in (what it sets wins)."""
+    params = conninfo_to_dict(dsn)
+    for name, value in CONNECTION_DEFAULTS.items():
+        params.setdefault(name, value)
+    return make_conninfo("", **params)
 
 
 @dataclass(frozen=True)
@@ -244,10 +272,15 @@ class ReplicationStream:
         self.slot = slot
         self.publication = publication
         try:
-            self._conn: Conn = psycopg.connect(dsn, replication="database", autocommit=True)
+            self._conn: Conn = psycopg.connect(
+                with_connection_defaults(dsn), replication="database", autocommit=True
+            )
         except psycopg.OperationalError as exc:
             raise StreamError(f"replication connection failed: {exc}") from exc
         self._pg = self._conn.pgconn
+        #: monotonic time of the last message from the server (or of the last
+        #: moment the caller was not listening, see :meth:`heard`)
+        self.last_heard = time.monotonic()
         #: ``() -> (size, payload)`` of a CopyData message already received: size 0
         #: when none is buffered, negative when the stream ended (then :meth:`read`
         #: raises). The relay's hot path; a bound C call, no Python frame.
@@ -272,6 +305,7 @@ class ReplicationStream:
                 raise SlotInUseError(message)
             raise StreamError(f"START_REPLICATION failed: {message}")
         self._pg.nonblocking = 1
+        self.last_heard = time.monotonic()
         log.info("slot %s streaming from %s", self.slot, lsn_to_str(start_lsn))
 
     def read(self, timeout_s: float) -> memoryview | bytes | None:
@@ -287,7 +321,17 @@ class ReplicationStream:
                 return None
         if nbytes < 0:
             self._raise_end()
+        self.last_heard = time.monotonic()
         return data
+
+    def heard(self) -> None:
+        """Count now as heard: the caller read messages (via :attr:`get_nowait`) or
+        was not listening (back-pressure), which is no silence of the server."""
+        self.last_heard = time.monotonic()
+
+    def silent_s(self, now: float) -> float:
+        """Seconds since the server's last message (see :meth:`heard`)."""
+        return now - self.last_heard
 
     def _consume(self) -> None:
         try:
