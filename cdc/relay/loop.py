@@ -66,6 +66,7 @@ from cdc.wal.lsn import LsnTracker
 from cdc.wal.replproto import lsn_to_str
 from cdc.wal.stream import (
     ReplicationStream,
+    end_walsender,
     ensure_publication,
     ensure_slot,
     server_is_utf8,
@@ -357,7 +358,7 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
             self._set_state(*((RelayState.STALLED, stalled) if stalled else (state, reason)))
             silent_s = sess.stream.silent_s(now)
             if silent_s > self.settings.replication_silence_s:
-                self.metrics.replication_silences.inc()
+                self._end_silent(sess, silent_s)
                 raise StreamError(
                     f"replication connection silent for {silent_s:.0f}s (no message,"
                     " keepalives included, though the relay asked for one):"
@@ -371,6 +372,20 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
             ):
                 self._send_status(sess, ask_reply=silent_s >= REPLY_REQUEST_AFTER_S)
                 next_status = now + c.STATUS_INTERVAL_S
+
+    def _end_silent(self, sess: Session, silent_s: float) -> None:
+        """Count and log a silent replication connection; end its walsender (which a
+        half-open path keeps holding the slot), so the next session can start."""
+        self.metrics.replication_silences.inc()
+        pid = sess.stream.backend_pid
+        ended = end_walsender(self.settings.pg_dsn.get_secret_value(), self.settings.slot, pid)
+        log.warning(
+            "replication connection silent for %.0fs (CDC_REPLICATION_SILENCE_S=%.0f):"
+            " closing it%s",
+            silent_s,
+            self.settings.replication_silence_s,
+            f"; its walsender {pid} ended" if ended else "",
+        )
 
     def _stalled(self, sess: Session, stall: StallWatch, now: float) -> str | None:
         """Why the session is stalled (work waits, nothing acknowledged), or None."""

@@ -265,6 +265,27 @@ def ensure_slot(conn: Conn, slot: str) -> SlotInfo:
     return info
 
 
+def end_walsender(dsn: str, slot: str, pid: int) -> bool:
+    """End the walsender ``pid`` if it still holds ``slot``; whether one was ended.
+
+    For a replication connection the relay gave up as silent: behind a half-open
+    path (and with ``wal_sender_timeout`` off) the server keeps that walsender,
+    and so the slot, until it hears of the end; a new session would find the
+    slot busy. Only our own abandoned walsender is ended (slot and pid must match).
+    """
+    try:
+        with psycopg.connect(with_connection_defaults(dsn), autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
+                " WHERE slot_name = %s AND active_pid = %s",
+                (slot, pid),
+            ).fetchone()
+    except psycopg.Error as exc:
+        log.warning("could not end the silent walsender %d of slot %s: %s", pid, slot, exc)
+        return False
+    return bool(row and row[0])
+
+
 class ReplicationStream:
     """One streaming session of a slot. Not thread-safe; close() when done."""
 
