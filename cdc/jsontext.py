@@ -68,6 +68,7 @@ def object_members(text: str) -> dict[str, tuple[Any, str]]:
     end = len(text)
     i = _WS.match(text, 0).end()  # type: ignore[union-attr]
     if i >= end or text[i] != "{":
+        _finish(text, _value(text, i)[1], {})  # raises "not JSON: ..." unless one value
         raise ValueError("not a JSON object")
     members: dict[str, tuple[Any, str]] = {}
     i = _WS.match(text, i + 1).end()  # type: ignore[union-attr]

@@ -18,6 +18,7 @@ class StallWatch:
         self.after_s = after_s
         self._since = now
         self._mark: tuple[int, int, int] = (0, 0, 0)
+        self._waiting = False
 
     def observe(
         self, now: float, *, in_flight: int, pending: int, acked: int, confirmable: int
@@ -25,9 +26,13 @@ class StallWatch:
         """The stall's reason, or None; ``acked`` is any count that grows with acks."""
         mark = (in_flight, acked, confirmable)
         waiting = in_flight > 0 or pending > 0
-        if not waiting or mark[1:] != self._mark[1:] or in_flight < self._mark[0]:
+        if (
+            not (waiting and self._waiting)  # the wait starts now at the earliest
+            or mark[1:] != self._mark[1:]
+            or in_flight < self._mark[0]
+        ):
             self._since = now
-        self._mark = mark
+        self._mark, self._waiting = mark, waiting
         idle_s = now - self._since
         if waiting and idle_s >= self.after_s:
             return (
