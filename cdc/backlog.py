@@ -63,6 +63,7 @@ from cdc.health import Reply
 from cdc.kafkalog import KafkaClientEvents
 from cdc.ops import read_slot_status
 from cdc.settings import Settings
+from cdc.wal.stream import with_connection_defaults
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ class _SlotSide:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = psycopg.connect(
-                    self._settings.pg_dsn.get_secret_value(),
+                    with_connection_defaults(self._settings.pg_dsn.get_secret_value()),
                     autocommit=True,
                     connect_timeout=PG_CONNECT_TIMEOUT_S,
                 )

@@ -269,12 +269,7 @@ class FastPath:
                 self.settings.topic_prefix,
             )
         except UnicodeDecodeError as exc:
-            self._dead_letter_route(
-                sess,
-                sess.tx_id,
-                sess.tx,
-                RouteError(f"outbox row is not valid UTF-8: {exc}", code=DeadLetterCode.NOT_UTF8),
-            )
+            self._dead_letter_route(sess, sess.tx_id, sess.tx, self._not_utf8(index, values, exc))
             return
         except RouteError as exc:
             self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
@@ -285,6 +280,30 @@ class FastPath:
             if len(self._topic_of) >= TOPIC_CACHE_MAX:
                 self._topic_of.clear()
             self._topic_of[aggtype] = record.topic
+
+    def _not_utf8(
+        self, index: OutboxLayout | BrokenOutbox, values: pgo.TupleData, exc: UnicodeDecodeError
+    ) -> RouteError:
+        """The dead-letter reason of a row that is not UTF-8, with the id, the key's raw
+        bytes and the topic as far as they can be read."""
+        at = index._asdict() if isinstance(index, OutboxLayout) else index.positions
+
+        def raw(name: str) -> bytes:
+            i = at.get(name)
+            value = values[i] if isinstance(i, int) else None
+            return value if isinstance(value, bytes) else b""
+
+        try:
+            topic = event_identity(raw("aggregatetype").decode(), "", self.settings.topic_prefix)[1]
+        except UnicodeDecodeError:
+            topic = ""
+        return RouteError(
+            f"outbox row is not valid UTF-8: {exc}",
+            code=DeadLetterCode.NOT_UTF8,
+            event_id=raw("id").decode(errors="replace"),
+            key=raw("aggregateid"),
+            topic=topic,
+        )
 
     def _outbox_index(self, sess: Session, oid: int) -> OutboxLayout | BrokenOutbox | None:
         """Where the routed columns sit in relation ``oid``, found by name; None when

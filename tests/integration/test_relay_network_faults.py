@@ -31,7 +31,7 @@ from tests.harness import (
     start_relay,
     wait_until,
 )
-from tests.integration.test_relay_errors import metric, readyz
+from tests.integration.test_relay_errors import ReadyzSampler, metric, readyz
 from tests.tcpfault import TcpFaultProxy
 
 pytestmark = pytest.mark.integration
@@ -100,12 +100,19 @@ def test_a_silent_replication_connection_is_reopened_and_nothing_is_lost(
                 relayed = "outbox_relay_events_total"
                 labels = f'topic="{cfg.topic_prefix}silent"'
                 wait_until(lambda: metric(port, relayed, labels) >= 20, 60, "events relayed")
-                proxy.silence()  # every open connection: half-open from now on
-                wait_until(
-                    lambda: metric(port, "outbox_relay_replication_silences_total") >= 1,
-                    90,
-                    "the relay to notice the silence",
-                )
+                with ReadyzSampler(port) as sampler:
+                    proxy.silence()  # every open connection: half-open from now on
+                    wait_until(
+                        lambda: metric(port, "outbox_relay_replication_silences_total") >= 1,
+                        90,
+                        "the relay to notice the silence",
+                    )
+                    wait_until(lambda: readyz(port)[0] == 200, 90, "ready again")
+                causes = [body for status, body in sampler.seen if status == 503]
+                assert any(
+                    body.startswith("reconnecting: replication connection silent for")
+                    for body in causes
+                ), sampler.seen
                 after = metric(port, relayed, labels)
                 wait_until(
                     lambda: metric(port, relayed, labels) >= after + 20,

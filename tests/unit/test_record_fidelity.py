@@ -113,3 +113,28 @@ def _new_relay() -> Relay:
         relay_mod.TopicManager = original  # type: ignore[misc]
     r._producer = RecordingProducer()  # type: ignore[assignment]
     return r
+
+
+def test_dead_letters_carry_the_rows_id_key_and_topic() -> None:
+    """Issue 24 item 5: routing errors keep the identity the row holds."""
+    relay = _new_relay()
+    relay._utf8 = False
+    sess = new_session()
+    relay._on_change(sess, _relation(JSONB))
+    bad_key = row(aggregateid=b"k\xff")
+    not_object = row(event_id="10000000-0000-4000-8000-000000000000", payload=b"[1]")
+    run_tx(relay, sess, [bad_key, not_object], final_lsn=0xA000)
+    first, second = sess.pending_dlq
+    assert (first.key, first.topic, first.event_id) == (
+        b"k\xff",
+        "outbox.event.user",
+        "0b9f6f2e-5d1c-4f7e-9a53-0e6f3c1d2a10",
+    )
+    assert (second.key, second.topic, second.event_id) == (
+        b"u-1",
+        "outbox.event.user",
+        "10000000-0000-4000-8000-000000000000",
+    )
+    relay._drain_dlq(sess)
+    dlq = producer_of(relay).produced[-1]
+    assert dlq.key == b"u-1" and dict(dlq.headers)["dlq.original.topic"] == b"outbox.event.user"
