@@ -336,6 +336,7 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
     def _stream_loop(self, sess: Session) -> None:
         next_status = 0.0
         stall = StallWatch(self.settings.relay_stall_after_s, time.monotonic())
+        heard_at = time.monotonic()  # the server's last message (or: we were not listening)
         while not self._stop.is_set():
             self.liveness.tick()
             self._poll(0)
@@ -345,18 +346,20 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
             if sess.held is not None:
                 state, reason = RelayState.HELD, sess.held
                 self._poll(c.BACKPRESSURE_POLL_S)
-                sess.stream.heard()  # not listening: the server's silence is ours
+                heard = True  # not listening: the server's silence is ours
             elif sess.tracker.in_flight >= self.settings.relay_max_in_flight:
                 state, reason = RelayState.BACKPRESSURE, ""
                 self._poll(c.BACKPRESSURE_POLL_S)
-                sess.stream.heard()
+                heard = True
             else:
                 state, reason = RelayState.STREAMING, ""
-                self._read_batch(sess)
+                heard = self._read_batch(sess)
             now = time.monotonic()
+            if heard:
+                heard_at = now
             stalled = self._stalled(sess, stall, now)
             self._set_state(*((RelayState.STALLED, stalled) if stalled else (state, reason)))
-            silent_s = sess.stream.silent_s(now)
+            silent_s = now - heard_at
             if silent_s > self.settings.replication_silence_s:
                 self._end_silent(sess, silent_s)
                 raise StreamError(
@@ -399,11 +402,7 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
         self.metrics.stalled.set(1 if reason else 0)
         return reason
 
-    def _read_batch(self, sess: Session) -> None:
-        if self._read_some(sess):
-            sess.stream.heard()
-
-    def _read_some(self, sess: Session) -> bool:
+    def _read_batch(self, sess: Session) -> bool:
         """Up to :data:`READ_BATCH` messages; whether any arrived."""
         stream, tracker = sess.stream, sess.tracker
         get_nowait = stream.get_nowait

@@ -15,9 +15,8 @@ Guarantees:
   waits as a hot standby); a lost connection raises :class:`StreamError`;
 * every connection gets :data:`CONNECTION_DEFAULTS` (connect timeout, TCP
   keepalives, ``tcp_user_timeout``) unless its DSN sets them
-  (:func:`with_connection_defaults`), and :class:`ReplicationStream` knows how
-  long the server has been silent (:meth:`ReplicationStream.silent_s`), so the
-  caller can give up on a half-open connection.
+  (:func:`with_connection_defaults`); :func:`end_walsender` ends the walsender
+  of a replication connection the caller gave up as silent (half-open).
 
 No protocol parsing happens here (see :mod:`cdc.wal.replproto`, :mod:`cdc.wal.pgoutput`).
 """
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import select
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -299,9 +297,6 @@ class ReplicationStream:
         except psycopg.OperationalError as exc:
             raise StreamError(f"replication connection failed: {exc}") from exc
         self._pg = self._conn.pgconn
-        #: monotonic time of the last message from the server (or of the last
-        #: moment the caller was not listening, see :meth:`heard`)
-        self.last_heard = time.monotonic()
         #: ``() -> (size, payload)`` of a CopyData message already received: size 0
         #: when none is buffered, negative when the stream ended (then :meth:`read`
         #: raises). The relay's hot path; a bound C call, no Python frame.
@@ -326,7 +321,6 @@ class ReplicationStream:
                 raise SlotInUseError(message)
             raise StreamError(f"START_REPLICATION failed: {message}")
         self._pg.nonblocking = 1
-        self.last_heard = time.monotonic()
         log.info("slot %s streaming from %s", self.slot, lsn_to_str(start_lsn))
 
     def read(self, timeout_s: float) -> memoryview | bytes | None:
@@ -342,17 +336,7 @@ class ReplicationStream:
                 return None
         if nbytes < 0:
             self._raise_end()
-        self.last_heard = time.monotonic()
         return data
-
-    def heard(self) -> None:
-        """Count now as heard: the caller read messages (via :attr:`get_nowait`) or
-        was not listening (back-pressure), which is no silence of the server."""
-        self.last_heard = time.monotonic()
-
-    def silent_s(self, now: float) -> float:
-        """Seconds since the server's last message (see :meth:`heard`)."""
-        return now - self.last_heard
 
     def _consume(self) -> None:
         try:
