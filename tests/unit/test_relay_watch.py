@@ -88,3 +88,57 @@ def test_members_keep_their_exact_text() -> None:
     members = object_members(text)
     assert members["payload"][1] == '{"x": 1.50e400, "y": "\\u00e9"}'
     assert members["id"] == ("7", "7")
+
+
+def test_a_silent_stream_ends_the_session_counted_with_its_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No message while listening for CDC_REPLICATION_SILENCE_S: StreamError (the
+    session loop then reconnects, /readyz saying ``reconnecting: <this reason>``),
+    the silence counted, the abandoned walsender ended; status updates asked for a reply."""
+    from cdc.errors import StreamError
+    from cdc.relay import loop as relay_mod
+    from cdc.relay.loop import Relay
+    from cdc.settings import Settings
+    from cdc.wal.lsn import LsnTracker
+    from tests.unit.test_relay_routing import FakeTopics, RecordingProducer
+
+    class Silent:
+        backend_pid = 4242
+
+        def __init__(self) -> None:
+            self.replies: list[bool] = []
+
+        def send_status(self, lsn: int, *, reply_requested: bool = False) -> None:
+            self.replies.append(reply_requested)
+
+        def get_nowait(self) -> tuple[int, None]:
+            return 0, None
+
+        def read(self, timeout_s: float) -> None:
+            return None
+
+    ended: list[int] = []
+    monkeypatch.setattr(relay_mod, "TopicManager", lambda **_: FakeTopics())
+    monkeypatch.setattr(
+        relay_mod, "end_walsender", lambda dsn, slot, pid: ended.append(pid) or True
+    )
+    monkeypatch.setattr(relay_mod, "REPLY_REQUEST_AFTER_S", 0.1)
+    relay = Relay(
+        Settings(
+            pg_dsn="postgresql://x",
+            kafka_bootstrap_servers="127.0.0.1:9",
+            replication_silence_s=1.5,
+        ),
+        serve_http=False,
+    )
+    relay._producer = RecordingProducer()  # type: ignore[assignment]
+    stream = Silent()
+    from cdc.relay.state import Session
+
+    sess = Session(stream=stream, tracker=LsnTracker(0))  # type: ignore[arg-type]
+    with pytest.raises(StreamError, match="replication connection silent for"):
+        relay._stream_loop(sess)
+    assert ended == [4242]
+    assert relay.registry.get_sample_value("outbox_relay_replication_silences_total") == 1
+    assert True in stream.replies, "a quiet stream asks the server for a reply"
