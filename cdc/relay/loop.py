@@ -358,7 +358,9 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
             if heard:
                 heard_at = now
             stalled = self._stalled(sess, stall, now)
-            self._set_state(*((RelayState.STALLED, stalled) if stalled else (state, reason)))
+            if stalled and state is not RelayState.HELD:  # (HELD already names its cause)
+                state, reason = RelayState.STALLED, stalled
+            self._set_state(state, reason)
             silent_s = now - heard_at
             if silent_s > self.settings.replication_silence_s:
                 self._end_silent(sess, silent_s)

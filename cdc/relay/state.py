@@ -10,7 +10,8 @@ States and transitions::
     STARTING --slot held elsewhere--> STANDBY --slot free--> STREAMING
     STREAMING <--in-flight at bound / below--> BACKPRESSURE
     STREAMING | BACKPRESSURE --a dead letter fails--> HELD --a dead letter written--> STREAMING
-    STREAMING | BACKPRESSURE | HELD --no ack for CDC_RELAY_STALL_AFTER_S--> STALLED --an ack--> back
+    STREAMING | BACKPRESSURE --no ack for CDC_RELAY_STALL_AFTER_S--> STALLED --an ack--> back
+    (HELD stays HELD, its cause named; outbox_relay_stalled is 1 in both)
     STARTING | STREAMING | BACKPRESSURE | HELD --stream or Kafka error--> RECONNECTING --> STARTING
     STANDBY | STREAMING | BACKPRESSURE | HELD --producer fatal error--> REBUILDING --> STARTING
     any --SIGTERM--> STOPPING --> STOPPED
