@@ -212,7 +212,7 @@ class FastPath:
             return
         # One JSON object, checked, never re-encoded: jsonb text is valid JSON by
         # construction (an object starts with "{"); other types are parsed once.
-        if value[0] != 0x7B if jsonb else _not_object(value):
+        if (value[0] != 0x7B) if jsonb else _not_object(value):
             self._on_insert_decoded(sess, pgo.decode(payload))
             return
         assert tx is not None and tx_id is not None
