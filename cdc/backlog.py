@@ -61,6 +61,7 @@ from cdc.kafkaclient import CommittedReader
 from cdc.kafkalog import KafkaClientEvents
 from cdc.ops import SlotStatus, read_slot_status
 from cdc.settings import Settings
+from cdc.wal.stream import with_connection_defaults
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ class _SlotSide:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = psycopg.connect(
-                    self._settings.pg_dsn.get_secret_value(),
+                    with_connection_defaults(self._settings.pg_dsn.get_secret_value()),
                     autocommit=True,
                     connect_timeout=PG_CONNECT_TIMEOUT_S,
                 )

@@ -10,6 +10,13 @@ Guarantees:
   the insert still reaches the WAL (and so the relay) but the table stays empty;
 * :func:`emit_event` is the table-less variant: a transactional
   ``pg_logical_emit_message(true, 'outbox', <json>)`` carrying the same fields;
+  the message goes through ``::jsonb::text``, so its ``payload`` member is
+  PostgreSQL's ``jsonb`` text of the payload, the very bytes a row written by
+  :func:`write_event` publishes;
+* both serialise with :func:`payload_json` and refuse the same events before
+  anything is written (:class:`OutboxPayloadError`): a payload that is not a
+  mapping, NaN/Infinity, text that cannot be UTF-8 (lone surrogates) in the
+  payload or any field; PostgreSQL's ``jsonb`` refuses ``\u0000`` in both;
 * :func:`register_user` and :func:`submit_quiz_attempt` are the demo domain's
   operations, each one transaction holding the business row and its event.
 """
@@ -43,6 +50,10 @@ class OutboxUsageError(CdcError):
     """The outbox was written outside a transaction that would carry it."""
 
 
+class OutboxPayloadError(OutboxUsageError, ValueError):
+    """The event cannot be written as is: its payload or a field is not valid for the outbox."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class OutboxEvent:
     """One event as the application states it."""
@@ -56,19 +67,58 @@ class OutboxEvent:
     traceparent: str | None = None
 
     def message_json(self) -> str:
-        """The JSON body of the table-less (logical message) form."""
-        return json.dumps(
-            {
-                "id": str(self.event_id),
-                "aggregatetype": self.aggregate_type,
-                "aggregateid": self.aggregate_id,
-                "type": self.event_type,
-                "payload": self.payload,
-                "tracingspancontext": self.traceparent,
-            },
-            separators=(",", ":"),
-            default=str,
+        """The JSON body of the table-less (logical message) form (refusals as
+        :func:`payload_json`)."""
+        fields = {
+            "id": str(self.event_id),
+            "aggregatetype": self.aggregate_type,
+            "aggregateid": self.aggregate_id,
+            "type": self.event_type,
+            "tracingspancontext": self.traceparent,
+        }
+        payload = payload_json(self)  # (checks the fields too)
+        head = _json_text(fields, self)[:-1]  # (ends "}")
+        return f'{head},"payload":{payload}}}'
+
+
+def payload_json(event: OutboxEvent) -> str:
+    """The event's payload as JSON text: the one serialisation of both write forms.
+
+    Refuses (:class:`OutboxPayloadError`, nothing written) a payload that is not a
+    mapping, NaN or Infinity, and text that cannot be UTF-8 in the payload or in
+    any of the event's fields. Values JSON lacks (datetime, UUID, Decimal) are
+    written as their ``str``.
+    """
+    if not isinstance(event.payload, Mapping):
+        raise OutboxPayloadError(
+            f"event {event.event_id}: the payload must be a mapping (a JSON object),"
+            f" not {type(event.payload).__name__}"
         )
+    for name in ("aggregate_type", "aggregate_id", "event_type", "traceparent"):
+        value = getattr(event, name)
+        if value is not None:
+            _utf8(event, name, value)
+    return _json_text(event.payload, event)
+
+
+def _json_text(obj: object, event: OutboxEvent) -> str:
+    try:
+        text = json.dumps(
+            obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=str
+        )
+    except ValueError as exc:  # NaN/Infinity; a circular reference
+        raise OutboxPayloadError(f"event {event.event_id}: the payload is not JSON: {exc}") from exc
+    _utf8(event, "payload", text)
+    return text
+
+
+def _utf8(event: OutboxEvent, what: str, text: str) -> None:
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise OutboxPayloadError(
+            f"event {event.event_id}: {what} is not valid UTF-8 text ({exc.reason} at {exc.start})"
+        ) from None
 
 
 def _require_transaction(conn: Conn) -> None:
@@ -87,6 +137,7 @@ def write_event(
 ) -> uuid.UUID:
     """Insert ``event`` into the outbox inside the caller's transaction."""
     _require_transaction(conn)
+    text = payload_json(event)
     ident = table_identifier(table)
     conn.execute(
         sql.SQL(
@@ -98,7 +149,7 @@ def write_event(
             event.aggregate_type,
             event.aggregate_id,
             event.event_type,
-            Jsonb(event.payload, dumps=_dumps),
+            Jsonb(event.payload, dumps=lambda _: text),
             event.traceparent,
         ),
     )
@@ -113,17 +164,18 @@ def table_identifier(table: str) -> sql.Identifier:
 
 
 def emit_event(conn: Conn, event: OutboxEvent) -> uuid.UUID:
-    """Emit ``event`` as a transactional logical message (no table involved)."""
+    """Emit ``event`` as a transactional logical message (no table involved).
+
+    The message is sent through ``::jsonb::text``: its ``payload`` member is the
+    payload's ``jsonb`` text, as :func:`write_event`'s row would publish it.
+    """
     _require_transaction(conn)
+    message = event.message_json()
     conn.execute(
-        "SELECT pg_logical_emit_message(true, %s, %s)",
-        (OUTBOX_MESSAGE_PREFIX, event.message_json()),
+        "SELECT pg_logical_emit_message(true, %s, %s::jsonb::text)",
+        (OUTBOX_MESSAGE_PREFIX, message),
     )
     return event.event_id
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"), default=str)
 
 
 @dataclass(frozen=True)

@@ -4,17 +4,21 @@ Pure. The record is the contract any topic consumer relies on (DESIGN.md):
 
 * topic  = ``topic_prefix + aggregatetype``
 * key    = ``aggregateid`` (UTF-8), so one aggregate's events share a partition
-* value  = the payload JSON, compact UTF-8
+* value  = the payload's JSON text exactly as PostgreSQL hands it over (for a
+  ``jsonb`` column ``SELECT payload::text``; for a logical message the exact
+  text of its ``payload`` member), checked to be one JSON object, never
+  re-encoded: no number, string or space of it is changed
 * headers ``id`` (event uuid = idempotency key), ``type``, ``aggregatetype``,
   ``lsn`` (commit LSN), ``commit_ts`` (ISO-8601 UTC), ``origin`` (the relay's
   session: system identifier / timeline / slot), ``traceparent`` when present
 * timestamp = the transaction's commit time in milliseconds
 
-An event that cannot become a record (a missing field, a payload that is not
-JSON, a topic name Kafka would refuse) raises :class:`RouteError` with the
-reason and one :class:`DeadLetterCode`; the relay dead-letters it, it is never
-dropped. The code (a fixed set) labels metrics; the reason text, which may
-quote the event's own values, goes only into the dead-letter record and the log.
+An event that cannot become a record (a missing field, a payload that is not a
+JSON object, a topic name Kafka would refuse) raises :class:`RouteError` with
+the reason, one :class:`DeadLetterCode` and the event's id, key and topic as far
+as they can be read; the relay dead-letters it, it is never dropped. The code
+(a fixed set) labels metrics; the reason text, which may quote the event's own
+values, goes only into the dead-letter record and the log.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import enum
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 import orjson
 
 from cdc import constants as c
 from cdc.errors import CdcError
+from cdc.jsontext import object_error, object_members
 
 _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _REQUIRED = ("id", "aggregatetype", "aggregateid", "type", "payload")
@@ -68,12 +74,18 @@ class RouteError(CdcError):
         code: DeadLetterCode = DeadLetterCode.OTHER,
         event_id: str = "",
         raw: bytes = b"",
+        key: bytes = b"",
+        topic: str = "",
     ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.code = code
         self.event_id = event_id
         self.raw = raw
+        #: the event's key and topic when they can be read (else empty): the
+        #: dead letter carries them, so triage and redelivery find the event
+        self.key = key
+        self.topic = topic
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs 2x on the hot path
@@ -137,6 +149,77 @@ def iso_utc_us(ts_us: int) -> str:
 ROUTED_COLUMNS = ("id", "aggregatetype", "aggregateid", "type", "payload", "tracingspancontext")
 
 
+#: Type oids whose text form each routed column may have (built-in types; a
+#: user type - a domain, an enum - has an oid from 16384 on and is accepted: the
+#: relay checks its base type in the catalog at start).
+_TEXT_OIDS = frozenset({25, 1043, 1042, 19})  # text, varchar, bpchar, name
+JSONB_OID = 3802
+_USABLE_TYPES: dict[str, frozenset[int]] = {
+    "id": _TEXT_OIDS | {2950},  # uuid
+    "aggregatetype": _TEXT_OIDS,
+    "aggregateid": _TEXT_OIDS | {2950, 20, 21, 23},  # uuid, int8, int2, int4
+    "type": _TEXT_OIDS,
+    "payload": _TEXT_OIDS | {JSONB_OID, 114},  # jsonb, json
+    "tracingspancontext": _TEXT_OIDS,
+}
+_FIRST_USER_OID = 16384
+
+
+class OutboxLayout(NamedTuple):
+    """Where the routed columns sit in an outbox relation's rows (all present, usable)."""
+
+    ncols: int
+    id: int
+    aggregatetype: int
+    aggregateid: int
+    type: int
+    payload: int
+    trace: int | None  # the optional tracingspancontext; None when the table has none
+    #: the payload column is ``jsonb``: its text (jsonb_out) is valid JSON by
+    #: construction, so "one JSON object" is its first byte being ``{``
+    payload_jsonb: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BrokenOutbox:
+    """An outbox relation lacking a required column or holding one of an unusable type.
+
+    Its rows are dead-lettered (``missing_field``) with ``problem`` as reason,
+    never routed: no other column can stand in for the missing one.
+    """
+
+    problem: str
+    #: positions of the routed columns the relation does have (to name the row)
+    positions: dict[str, int]
+
+
+def outbox_layout(table: str, columns: list[tuple[str, int]]) -> OutboxLayout | BrokenOutbox:
+    """The layout of an outbox relation from its ``(column name, type oid)`` list."""
+    positions = {name: i for i, (name, _) in enumerate(columns)}
+    problems: list[str] = []
+    for name in ROUTED_COLUMNS:
+        at = positions.get(name)
+        if at is None:
+            if name != "tracingspancontext":
+                problems.append(f"has no column {name} (renamed or dropped?)")
+            continue
+        oid = columns[at][1]
+        if oid < _FIRST_USER_OID and oid not in _USABLE_TYPES[name]:
+            problems.append(f"column {name} has type oid {oid}, not a text/uuid/json type")
+    if problems:
+        return BrokenOutbox(f"outbox table {table} {'; '.join(problems)}", positions)
+    return OutboxLayout(
+        ncols=len(columns),
+        id=positions["id"],
+        aggregatetype=positions["aggregatetype"],
+        aggregateid=positions["aggregateid"],
+        type=positions["type"],
+        payload=positions["payload"],
+        trace=positions.get("tracingspancontext"),
+        payload_jsonb=columns[positions["payload"]][1] == JSONB_OID,
+    )
+
+
 def route_row(row: dict[str, str | None], tx: TxContext, *, topic_prefix: str) -> KafkaRecord:
     """Route an outbox table row (column name -> text value)."""
     get = row.get
@@ -152,6 +235,17 @@ def route_row(row: dict[str, str | None], tx: TxContext, *, topic_prefix: str) -
     )
 
 
+def event_identity(
+    aggregate_type: str | None, aggregate_id: str | None, prefix: str
+) -> tuple[bytes, str]:
+    """The key and (valid) topic of an event, as far as they can be read."""
+    key = aggregate_id.encode() if aggregate_id else b""
+    topic = prefix + aggregate_type if aggregate_type else ""
+    if topic and topic not in _VALID_TOPICS and not _valid_topic(topic):
+        topic = ""
+    return key, topic
+
+
 def route_fields(
     event_id: str | None,
     aggregate_type: str | None,
@@ -162,68 +256,106 @@ def route_fields(
     tx: TxContext,
     topic_prefix: str,
 ) -> KafkaRecord:
-    """Route the outbox columns of :data:`ROUTED_COLUMNS` (text values, None for NULL)."""
+    """Route the outbox columns of :data:`ROUTED_COLUMNS` (text values, None for NULL).
+
+    The value is ``payload`` itself (its UTF-8 bytes), once checked to be one
+    JSON object: never parsed into floats and written back.
+    """
     if not (event_id and aggregate_type and aggregate_id and event_type and payload):
         fields = (event_id, aggregate_type, aggregate_id, event_type, payload)
         missing = [name for name, v in zip(_REQUIRED, fields, strict=True) if not v]
+        key, topic = event_identity(aggregate_type, aggregate_id, topic_prefix)
         raise RouteError(
             f"outbox row lacks {', '.join(missing)}",
             code=DeadLetterCode.MISSING_FIELD,
             event_id=event_id or "",
             raw=orjson.dumps(dict(zip(ROUTED_COLUMNS, (*fields, traceparent), strict=True))),
+            key=key,
+            topic=topic,
         )
-    try:
-        value = orjson.dumps(orjson.loads(payload))
-    except orjson.JSONDecodeError as exc:
+    value = payload.encode()
+    problem = object_error(value)
+    if problem is not None:
+        key, topic = event_identity(aggregate_type, aggregate_id, topic_prefix)
         raise RouteError(
-            f"payload is not JSON: {exc}",
+            f"payload is {problem}",
             code=DeadLetterCode.NOT_JSON,
             event_id=event_id,
-            raw=payload.encode(),
-        ) from exc
+            raw=value,
+            key=key,
+            topic=topic,
+        )
     return _record(
         event_id, aggregate_type, aggregate_id, event_type, value, traceparent, tx, topic_prefix
     )
 
 
-def _invalid_topic(aggregate_type: str, topic: str, event_id: str, raw: bytes) -> RouteError:
+def _invalid_topic(
+    aggregate_type: str, topic: str, event_id: str, raw: bytes, key: bytes
+) -> RouteError:
     return RouteError(
         f"aggregatetype {aggregate_type!r} makes an invalid topic name {topic!r}",
         code=DeadLetterCode.INVALID_TOPIC,
         event_id=event_id,
         raw=raw,
+        key=key,
     )
 
 
+def _member_text(member: tuple[object, str] | None) -> str | None:
+    """A message member as text: a JSON string's value, any other value's exact JSON text."""
+    if member is None or member[0] is None:
+        return None
+    value, text = member
+    return value if isinstance(value, str) else text
+
+
 def route_message(content: bytes, tx: TxContext, *, topic_prefix: str) -> KafkaRecord:
-    """Route a ``pg_logical_emit_message(true, 'outbox', json)`` event."""
+    """Route a ``pg_logical_emit_message(true, 'outbox', json)`` event.
+
+    The value is the exact text of the message's ``payload`` member, which
+    must be a JSON object.
+    """
     try:
-        doc = orjson.loads(content)
-    except orjson.JSONDecodeError as exc:
+        members = object_members(content.decode())
+    except UnicodeDecodeError as exc:
         raise RouteError(
-            f"outbox message is not JSON: {exc}", code=DeadLetterCode.NOT_JSON, raw=content
+            f"outbox message is not valid UTF-8: {exc}", code=DeadLetterCode.NOT_UTF8, raw=content
         ) from exc
-    if not isinstance(doc, dict):
+    except ValueError as exc:
         raise RouteError(
-            "outbox message is not a JSON object", code=DeadLetterCode.NOT_JSON, raw=content
-        )
-    event_id = str(doc.get("id") or "")
-    missing = [name for name in _REQUIRED if doc.get(name) in (None, "")]
+            f"outbox message is {exc}", code=DeadLetterCode.NOT_JSON, raw=content
+        ) from exc
+    fields = [_member_text(members.get(name)) for name in _REQUIRED]
+    event_id, aggregate_type, aggregate_id, event_type, _ = fields
+    key, topic = event_identity(aggregate_type, aggregate_id, topic_prefix)
+    missing = [name for name, v in zip(_REQUIRED, fields, strict=True) if not v]
     if missing:
         raise RouteError(
             f"outbox message lacks {', '.join(missing)}",
             code=DeadLetterCode.MISSING_FIELD,
+            event_id=event_id or "",
+            raw=content,
+            key=key,
+            topic=topic,
+        )
+    assert event_id and aggregate_type and aggregate_id and event_type
+    if not isinstance(members["payload"][0], dict):
+        raise RouteError(
+            "outbox message's payload is not a JSON object",
+            code=DeadLetterCode.NOT_JSON,
             event_id=event_id,
             raw=content,
+            key=key,
+            topic=topic,
         )
-    trace = doc.get("tracingspancontext")
     return _record(
         event_id=event_id,
-        aggregate_type=str(doc["aggregatetype"]),
-        aggregate_id=str(doc["aggregateid"]),
-        event_type=str(doc["type"]),
-        value=orjson.dumps(doc["payload"]),
-        traceparent=str(trace) if trace else None,
+        aggregate_type=aggregate_type,
+        aggregate_id=aggregate_id,
+        event_type=event_type,
+        value=members["payload"][1].encode(),
+        traceparent=_member_text(members.get("tracingspancontext")),
         tx=tx,
         topic_prefix=topic_prefix,
     )
@@ -241,7 +373,7 @@ def _record(
 ) -> KafkaRecord:
     topic = topic_prefix + aggregate_type
     if topic not in _VALID_TOPICS and not _valid_topic(topic):
-        raise _invalid_topic(aggregate_type, topic, event_id, value)
+        raise _invalid_topic(aggregate_type, topic, event_id, value, aggregate_id.encode())
     headers = [
         (c.HEADER_ID, event_id.encode()),
         (c.HEADER_TYPE, event_type.encode()),

@@ -151,6 +151,12 @@ class Settings(BaseSettings):
     #: Records handed to Kafka but not yet acknowledged before the relay stops
     #: reading WAL (back-pressure); bounds memory while Kafka is slow or away.
     relay_max_in_flight: int = env("CDC_MAX_IN_FLIGHT", 50_000)
+    #: No message from the server (keepalives included) for this long while the
+    #: relay reads: the replication connection is taken as dead and reopened.
+    replication_silence_s: float = env("CDC_REPLICATION_SILENCE_S", 35.0)
+    #: Records in flight (or dead letters pending) and none acknowledged for this
+    #: long: the relay reports itself stalled (/readyz 503, outbox_relay_stalled).
+    relay_stall_after_s: float = env("CDC_RELAY_STALL_AFTER_S", 60.0)
     #: Address the /metrics, /healthz, /readyz (and admin) servers bind.
     http_host: str = env("CDC_HTTP_HOST", "127.0.0.1")
     kafka_bootstrap_servers: str = env("KAFKA_BOOTSTRAP_SERVERS", "")

@@ -6,7 +6,9 @@ cannot be written (``produce`` raising ``BufferError`` or ``KafkaException``, a
 failed delivery report, e.g. the topic deleted while auto-creation is off)
 stays first in line, unacknowledged: the stream is HELD (no WAL read, the
 server still answered), retried after a back-off, and ``/readyz`` names the
-cause until one is written. A dead letter Kafka refuses for its own size is
+cause until one is written. A dead letter carries the event's id, key and
+original topic whenever the row or message holds them (a routing error
+included). A dead letter Kafka refuses for its own size is
 written again in a minimal form (key and headers cut, the value a note). The
 reason's full text goes to the ``dlq.reason`` header; the log line cuts it.
 """
@@ -72,8 +74,8 @@ class DeadLetters:
             tx_id,
             exc.code,
             exc.reason,
-            "",
-            b"",
+            exc.topic,
+            exc.key,
             exc.raw,
             [(c.HEADER_ID, exc.event_id.encode())],
             tx.timestamp_ms,

@@ -2,8 +2,13 @@
 
 Guarantees: the fast path yields the very record :func:`cdc.router.route_fields`
 would, for the common case only (an outbox row of text values, all required
-columns present, a JSON payload, a known topic, a UTF-8 database); any other
-row is decoded fully and routed or dead-lettered with the precise reason.
+columns present, a JSON object payload, a known topic, a UTF-8 database); any
+other row is decoded fully and routed or dead-lettered with the precise reason.
+The payload's bytes are published as PostgreSQL sent them (never re-encoded).
+Columns are found by name after every Relation message: an outbox relation
+lacking a required column (renamed, dropped) or holding one of an unusable type
+is reported once per Relation and its rows are dead-lettered (``missing_field``)
+with that reason; no other column ever stands in for a missing one.
 Outbox updates, deletes and truncates are counted and logged once a session,
 never published; a non-transactional outbox message is dead-lettered.
 """
@@ -27,11 +32,14 @@ from cdc.producer import (
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import PoisonIds, RefusedStep, SendStep, Session
 from cdc.router import (
-    ROUTED_COLUMNS,
+    BrokenOutbox,
     DeadLetterCode,
     KafkaRecord,
+    OutboxLayout,
     RouteError,
     TxContext,
+    event_identity,
+    outbox_layout,
     route_fields,
     route_message,
 )
@@ -55,10 +63,18 @@ _IGNORED_CHANGES = {ord("U"): "update", ord("D"): "delete", ord("T"): "truncate"
 TOPIC_CACHE_MAX = 10_000
 
 
-_loads, _dumps, _JSONDecodeError = orjson.loads, orjson.dumps, orjson.JSONDecodeError
+_loads, _JSONDecodeError = orjson.loads, orjson.JSONDecodeError
 
 
 _UNKNOWN: Any = object()
+
+
+def _not_object(doc: bytes) -> bool:
+    """Whether orjson does not read ``doc`` as a JSON object (the exact check follows)."""
+    try:
+        return _loads(doc).__class__ is not dict
+    except _JSONDecodeError:
+        return True
 
 
 def _decode(value: object) -> str | None:
@@ -68,6 +84,20 @@ def _decode(value: object) -> str | None:
     if value.__class__ is bytes:
         return value.decode()
     raise DecodeError("outbox row has a non-text value: the full row is not in the stream")
+
+
+def _broken_row(broken: BrokenOutbox, values: pgo.TupleData, prefix: str) -> RouteError:
+    """The dead-letter reason of a row of a broken outbox relation, naming the row."""
+    row = {name: _decode(values[at]) for name, at in broken.positions.items()}
+    key, topic = event_identity(row.get("aggregatetype"), row.get("aggregateid"), prefix)
+    return RouteError(
+        broken.problem,
+        code=DeadLetterCode.MISSING_FIELD,
+        event_id=row.get("id") or "",
+        raw=orjson.dumps(row),
+        key=key,
+        topic=topic,
+    )
 
 
 class FastPath:
@@ -126,6 +156,8 @@ class FastPath:
             assert isinstance(rel, pgo.Relation)
             sess.relations.update(rel)
             sess.outbox_oids.pop(rel.oid, None)
+            if self._is_outbox(rel):
+                self._outbox_index(sess, rel.oid)  # checked at once: reported, not only used
         elif tag == _TAG_MESSAGE:
             self._on_message(sess, pgo.decode(payload))
         elif tag in _IGNORED_CHANGES:
@@ -160,26 +192,27 @@ class FastPath:
         if found is None:
             self._on_insert_decoded(sess, pgo.decode(payload))
             return
-        oid, values = found
+        oid, found_values = found
+        values: list[Any] = found_values  # (bytes | None: checked below, C-level)
         index = sess.outbox_oids.get(oid, _UNKNOWN)
         if index is _UNKNOWN:
             index = self._outbox_index(sess, oid)
         if index is None:
             return
-        ncols, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace = index
-        if len(values) != ncols or not self._utf8:
+        if index.__class__ is not OutboxLayout or len(values) != index[0] or not self._utf8:
             self._on_insert_decoded(sess, pgo.decode(payload))
             return
+        _, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace, jsonb = index
         event_id = values[i_id]
         aggtype = values[i_aggtype]
         topic = self._topic_of.get(aggtype) if aggtype is not None else None
-        key, event_type, doc = values[i_agg], values[i_type], values[i_payload]
-        if topic is None or not (event_id and key and event_type and doc):
+        key, event_type, value = values[i_agg], values[i_type], values[i_payload]
+        if topic is None or not (event_id and key and event_type and value):
             self._on_insert_decoded(sess, pgo.decode(payload))
             return
-        try:
-            value = _dumps(_loads(doc))
-        except _JSONDecodeError:
+        # One JSON object, checked, never re-encoded: jsonb text is valid JSON by
+        # construction (an object starts with "{"); other types are parsed once.
+        if (value[0] != 0x7B) if jsonb else _not_object(value):
             self._on_insert_decoded(sess, pgo.decode(payload))
             return
         assert tx is not None and tx_id is not None
@@ -189,7 +222,7 @@ class FastPath:
             (c.HEADER_AGGREGATE_TYPE, aggtype),
             *tx.headers,
         ]
-        trace = values[i_trace] if i_trace >= 0 else None
+        trace = values[i_trace] if i_trace is not None else None
         if trace:
             headers.append((c.HEADER_TRACEPARENT, trace))
         if self.poison and event_id in self.poison:  # (C-level checks: the hot path)
@@ -216,49 +249,74 @@ class FastPath:
             index = self._outbox_index(sess, oid)
         if index is None:
             return
-        ncols, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace = index
         values = ins.new
-        if len(values) != ncols:
+        if len(values) != len(sess.relations.get(oid).columns):
             raise DecodeError(f"row of relation {oid} does not match its Relation message")
         try:
+            if isinstance(index, BrokenOutbox):
+                raise _broken_row(index, values, self.settings.topic_prefix)
+            assert isinstance(index, OutboxLayout)
             # Insert tuples hold bytes or None (unchanged-TOAST exists only in updates).
-            trace = values[i_trace] if i_trace >= 0 else None
             record = route_fields(
-                _decode(values[i_id]),
-                _decode(values[i_aggtype]),
-                _decode(values[i_agg]),
-                _decode(values[i_type]),
-                _decode(values[i_payload]),
-                _decode(trace),
+                _decode(values[index.id]),
+                _decode(values[index.aggregatetype]),
+                _decode(values[index.aggregateid]),
+                _decode(values[index.type]),
+                _decode(values[index.payload]),
+                _decode(values[index.trace]) if index.trace is not None else None,
                 sess.tx,
                 self.settings.topic_prefix,
             )
         except UnicodeDecodeError as exc:
-            self._dead_letter_route(
-                sess,
-                sess.tx_id,
-                sess.tx,
-                RouteError(f"outbox row is not valid UTF-8: {exc}", code=DeadLetterCode.NOT_UTF8),
-            )
+            self._dead_letter_route(sess, sess.tx_id, sess.tx, self._not_utf8(index, values, exc))
             return
         except RouteError as exc:
             self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
             return
         self._produce(sess, sess.tx_id, record)
-        aggtype = values[i_aggtype]
+        aggtype = values[index.aggregatetype]
         if isinstance(aggtype, bytes) and record.topic in self._topics.known:
             if len(self._topic_of) >= TOPIC_CACHE_MAX:
                 self._topic_of.clear()
             self._topic_of[aggtype] = record.topic
 
-    def _outbox_index(self, sess: Session, oid: int) -> tuple[int, ...] | None:
-        """Column count, then positions of :data:`ROUTED_COLUMNS` in relation ``oid``
-        (-1: absent); None when it is not the outbox. Cached until its next Relation."""
+    def _not_utf8(
+        self, index: OutboxLayout | BrokenOutbox, values: pgo.TupleData, exc: UnicodeDecodeError
+    ) -> RouteError:
+        """The dead-letter reason of a row that is not UTF-8, with the id, the key's raw
+        bytes and the topic as far as they can be read."""
+        at = index._asdict() if isinstance(index, OutboxLayout) else index.positions
+
+        def raw(name: str) -> bytes:
+            i = at.get(name)
+            value = values[i] if isinstance(i, int) else None
+            return value if isinstance(value, bytes) else b""
+
+        try:
+            topic = event_identity(raw("aggregatetype").decode(), "", self.settings.topic_prefix)[1]
+        except UnicodeDecodeError:
+            topic = ""
+        return RouteError(
+            f"outbox row is not valid UTF-8: {exc}",
+            code=DeadLetterCode.NOT_UTF8,
+            event_id=raw("id").decode(errors="replace"),
+            key=raw("aggregateid"),
+            topic=topic,
+        )
+
+    def _outbox_index(self, sess: Session, oid: int) -> OutboxLayout | BrokenOutbox | None:
+        """Where the routed columns sit in relation ``oid``, found by name; None when
+        it is not the outbox. Cached until its next Relation message; a broken
+        outbox relation (a required column missing or unusable) is logged then."""
         rel = sess.relations.get(oid)
-        index: tuple[int, ...] | None = None
+        index: OutboxLayout | BrokenOutbox | None = None
         if self._is_outbox(rel):
-            names = [col.name for col in rel.columns]
-            index = (len(names), *(names.index(n) if n in names else -1 for n in ROUTED_COLUMNS))
+            index = outbox_layout(
+                f"{rel.namespace or 'pg_catalog'}.{rel.name}",
+                [(col.name, col.type_oid) for col in rel.columns],
+            )
+            if isinstance(index, BrokenOutbox):
+                log.error("%s: its rows are dead-lettered (missing_field)", index.problem)
         sess.outbox_oids[oid] = index
         return index
 
@@ -273,6 +331,12 @@ class FastPath:
             # msg.lsn is the record's end; a following commit may start there,
             # so the pseudo-transaction's id sits just below it.
             sess.tracker.open(msg.lsn - 1)
+            content = bytes(msg.content)
+            try:  # the event's identity, as far as it can be read
+                record = route_message(content, tx, topic_prefix=self.settings.topic_prefix)
+                event_id, key, topic = record.event_id, record.key, record.topic
+            except RouteError as exc:
+                event_id, key, topic = exc.event_id, exc.key, exc.topic
             self._dead_letter_route(
                 sess,
                 msg.lsn - 1,
@@ -280,7 +344,10 @@ class FastPath:
                 RouteError(
                     "non-transactional outbox message (use pg_logical_emit_message(true, ...))",
                     code=DeadLetterCode.NON_TRANSACTIONAL,
-                    raw=bytes(msg.content),
+                    raw=content,
+                    event_id=event_id,
+                    key=key,
+                    topic=topic,
                 ),
             )
             sess.tracker.close(msg.lsn - 1, msg.lsn)

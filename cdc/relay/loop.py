@@ -44,6 +44,7 @@ from cdc.errors import (
     KafkaUnavailableError,
     ProducerFatalError,
     SlotInUseError,
+    StreamError,
 )
 from cdc.health import HealthServer, Liveness
 from cdc.kafkalog import KafkaClientEvents
@@ -59,6 +60,7 @@ from cdc.relay.guard import GAP_RECHECK_S, SlotGapError, SlotGuard
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
+from cdc.relay.stall import StallWatch
 from cdc.relay.state import PoisonIds, RelayState, Session
 from cdc.settings import Settings
 from cdc.tracing import relay_tracing
@@ -67,9 +69,11 @@ from cdc.wal.replproto import lsn_to_str
 from cdc.wal.stream import (
     ReplicationStream,
     check_replication_privilege,
+    end_walsender,
     ensure_publication,
     ensure_slot,
     server_is_utf8,
+    with_connection_defaults,
 )
 
 log = logging.getLogger("cdc.relay")
@@ -86,6 +90,14 @@ READ_WAIT_S = 0.1
 #: The same while records are in flight: their delivery reports are served
 #: between waits, so an ack (and the confirmation behind it) is not held back.
 ACK_WAIT_S = 0.005
+
+
+#: Quiet this long, the relay's status update asks the server for a reply, so a
+#: live server is never silent for CDC_REPLICATION_SILENCE_S (its own keepalives
+#: come only after wal_sender_timeout/2 without a reply from the relay, and the
+#: relay's status updates reset that clock: without asking, an idle live server
+#: could be silent indefinitely).
+REPLY_REQUEST_AFTER_S = 5.0
 
 
 #: Confirm progress at most this often (fewer duplicates after a crash).
@@ -189,6 +201,8 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
             f"{state.value}: {reason}" if reason else state.value,
             ready=state in (RelayState.STREAMING, RelayState.BACKPRESSURE),
         )
+        if state is not RelayState.STALLED:
+            self.metrics.stalled.set(0)
 
     def _count_kafka_error(self, code: str) -> None:
         self.metrics.kafka_errors.labels(code).inc()
@@ -302,14 +316,14 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
     def _session(self) -> None:
         s = self.settings
         with psycopg.connect(
-            s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
+            with_connection_defaults(s.pg_dsn.get_secret_value()), autocommit=True
         ) as conn:
-            ensure_publication(conn, s.publication, self._table[1])
+            self._table = ensure_publication(conn, s.publication, s.outbox_table)
             check_wal_level(conn)  # (set-up errors first: the gap check needs both)
             check_replication_privilege(conn)
         origin = self._guard_slot()  # first start, a gap, or a slot that holds everything
         with psycopg.connect(
-            s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
+            with_connection_defaults(s.pg_dsn.get_secret_value()), autocommit=True
         ) as conn:
             info = ensure_slot(conn, s.slot, create=False)
             self._utf8 = server_is_utf8(conn)
@@ -337,6 +351,8 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
 
     def _stream_loop(self, sess: Session) -> None:
         next_status = 0.0
+        stall = StallWatch(self.settings.relay_stall_after_s, time.monotonic())
+        heard_at = time.monotonic()  # the server's last message (or: we were not listening)
         while not self._stop.is_set():
             self.liveness.tick()
             self._poll(0)
@@ -344,25 +360,68 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
             if sess.fatal is not None:
                 raise KafkaUnavailableError(f"producer error: {sess.fatal}")
             if sess.held is not None:
-                self._set_state(RelayState.HELD, sess.held)
+                state, reason = RelayState.HELD, sess.held
                 self._poll(c.BACKPRESSURE_POLL_S)
+                heard = True  # not listening: the server's silence is ours
             elif sess.tracker.in_flight >= self.settings.relay_max_in_flight:
-                self._set_state(RelayState.BACKPRESSURE)
+                state, reason = RelayState.BACKPRESSURE, ""
                 self._poll(c.BACKPRESSURE_POLL_S)
+                heard = True
             else:
-                self._set_state(RelayState.STREAMING)
-                self._read_batch(sess)
+                state, reason = RelayState.STREAMING, ""
+                heard = self._read_batch(sess)
             now = time.monotonic()
+            if heard:
+                heard_at = now
+            stalled = self._stalled(sess, stall, now)
+            if stalled and state is not RelayState.HELD:  # (HELD already names its cause)
+                state, reason = RelayState.STALLED, stalled
+            self._set_state(state, reason)
+            silent_s = now - heard_at
+            if silent_s > self.settings.replication_silence_s:
+                self._end_silent(sess, silent_s)
+                raise StreamError(
+                    f"replication connection silent for {silent_s:.0f}s (no message,"
+                    " keepalives included, though the relay asked for one):"
+                    " reopening it (CDC_REPLICATION_SILENCE_S)"
+                )
             advanced = sess.tracker.confirmable != sess.last_confirmed
             if (
                 now >= next_status
                 or sess.reply_requested
                 or (advanced and now >= next_status - c.STATUS_INTERVAL_S + STATUS_MIN_INTERVAL_S)
             ):
-                self._send_status(sess)
+                self._send_status(sess, ask_reply=silent_s >= REPLY_REQUEST_AFTER_S)
                 next_status = now + c.STATUS_INTERVAL_S
 
-    def _read_batch(self, sess: Session) -> None:
+    def _end_silent(self, sess: Session, silent_s: float) -> None:
+        """Count and log a silent replication connection; end its walsender (which a
+        half-open path keeps holding the slot), so the next session can start."""
+        self.metrics.replication_silences.inc()
+        pid = sess.stream.backend_pid
+        ended = end_walsender(self.settings.pg_dsn.get_secret_value(), self.settings.slot, pid)
+        log.warning(
+            "replication connection silent for %.0fs (CDC_REPLICATION_SILENCE_S=%.0f):"
+            " closing it%s",
+            silent_s,
+            self.settings.replication_silence_s,
+            f"; its walsender {pid} ended" if ended else "",
+        )
+
+    def _stalled(self, sess: Session, stall: StallWatch, now: float) -> str | None:
+        """Why the session is stalled (work waits, nothing acknowledged), or None."""
+        reason = stall.observe(
+            now,
+            in_flight=sess.tracker.in_flight,
+            pending=len(sess.pending_dlq),
+            acked=sum(sess.acked.values()),
+            confirmable=sess.tracker.confirmable,
+        )
+        self.metrics.stalled.set(1 if reason else 0)
+        return reason
+
+    def _read_batch(self, sess: Session) -> bool:
+        """Up to :data:`READ_BATCH` messages; whether any arrived."""
         stream, tracker = sess.stream, sess.tracker
         get_nowait = stream.get_nowait
         on_change, handle = self._on_change, self._handle
@@ -374,21 +433,22 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
             if nbytes <= 0:  # nothing buffered (wait for it), or the stream ended (raises)
                 data = stream.read(wait_s)
                 if data is None:
-                    return
+                    return wait_s == 0.0
             wait_s = 0.0
             if data[0] == 0x77 and len(data) > _XLOG_PAYLOAD_AT:  # XLogData: the hot path
                 on_change(sess, bytes(data[_XLOG_PAYLOAD_AT:]))
             else:
                 handle(sess, data)
             if sess.reply_requested or tracker.in_flight >= limit:
-                return
+                return True
+        return True
 
-    def _send_status(self, sess: Session) -> None:
+    def _send_status(self, sess: Session, *, ask_reply: bool = False) -> None:
         for topic, count in sess.acked.items():
             self.metrics.relayed_in(topic).inc(count)
         sess.acked.clear()
         lsn = sess.tracker.confirmable
-        sess.stream.send_status(lsn)
+        sess.stream.send_status(lsn, reply_requested=ask_reply)
         sess.reply_requested = False
         if lsn != sess.last_confirmed:
             log.debug("slot %s confirmed %s", self.settings.slot, lsn_to_str(lsn))

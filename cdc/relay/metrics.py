@@ -72,6 +72,16 @@ class RelayMetrics:
         self.in_flight = Gauge(
             "outbox_relay_in_flight", "Records produced, not yet acknowledged", registry=registry
         )
+        self.stalled = Gauge(
+            "outbox_relay_stalled",
+            "1 while records wait and none was acknowledged for CDC_RELAY_STALL_AFTER_S",
+            registry=registry,
+        )
+        self.replication_silences = Counter(
+            "outbox_relay_replication_silences_total",
+            "Replication connections reopened after CDC_REPLICATION_SILENCE_S without a message",
+            registry=registry,
+        )
         self.state = Gauge(
             "outbox_relay_state", "1 for the current state", ["state"], registry=registry
         )

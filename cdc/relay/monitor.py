@@ -27,6 +27,7 @@ from cdc.settings import Settings
 from cdc.wal.slots import read_slot
 from cdc.wal.stream import (
     slot_info,
+    with_connection_defaults,
 )
 
 log = logging.getLogger("cdc.relay")
@@ -58,7 +59,9 @@ class SlotMonitor:
             self._topics.serve()
             try:
                 with psycopg.connect(
-                    s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=5
+                    with_connection_defaults(s.pg_dsn.get_secret_value()),
+                    autocommit=True,
+                    connect_timeout=5,
                 ) as conn:
                     info = slot_info(conn, s.slot)
                     if info is not None and info.lag_bytes is not None:

@@ -10,6 +10,8 @@ States and transitions::
     STARTING --slot held elsewhere--> STANDBY --slot free--> STREAMING
     STREAMING <--in-flight at bound / below--> BACKPRESSURE
     STREAMING | BACKPRESSURE --a dead letter fails--> HELD --a dead letter written--> STREAMING
+    STREAMING | BACKPRESSURE --no ack for CDC_RELAY_STALL_AFTER_S--> STALLED --an ack--> back
+    (HELD stays HELD, its cause named; outbox_relay_stalled is 1 in both)
     STARTING | STREAMING | BACKPRESSURE | HELD --stream or Kafka error--> RECONNECTING --> STARTING
     STANDBY | STREAMING | BACKPRESSURE | HELD --producer fatal error--> REBUILDING --> STARTING
     STARTING --slot lost/dropped/failed over--> GAP --recovered or loss accepted--> STARTING
@@ -30,7 +32,9 @@ from confluent_kafka import KafkaError, KafkaException
 
 from cdc.backoff import Backoff
 from cdc.router import (
+    BrokenOutbox,
     DeadLetterCode,
+    OutboxLayout,
     TxContext,
 )
 from cdc.wal import pgoutput as pgo
@@ -57,6 +61,7 @@ class RelayState(enum.Enum):
     BACKPRESSURE = "backpressure"  # in-flight at its bound: not reading WAL
     HELD = "held"  # a dead letter could not be written: not reading WAL, retrying it
     GAP = "gap"  # slot lost/dropped/failed over: recovering, or waiting for an operator
+    STALLED = "stalled"  # work waits and nothing was acknowledged for CDC_RELAY_STALL_AFTER_S
     RECONNECTING = "reconnecting"  # after an error, waiting before a new session
     REBUILDING = "rebuilding"  # producer fatal error: purged, closed; a new one after a back-off
     STOPPING = "stopping"  # SIGTERM received: flushing and confirming
@@ -136,9 +141,9 @@ class Session:
     )
     last_confirmed: int = 0
     ignored_kinds: set[str] = field(default_factory=set)
-    #: relation oid -> positions of the routed columns, None if not the outbox
-    #: (cleared when a Relation message arrives)
-    outbox_oids: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+    #: relation oid -> positions of the routed columns (found by name), or why the
+    #: outbox relation is unusable, None if not the outbox (cleared by a Relation)
+    outbox_oids: dict[int, OutboxLayout | BrokenOutbox | None] = field(default_factory=dict)
     #: the ``origin`` header of this session's records (cdc.lineage), built once
     origin: tuple[str, bytes] | None = None
     #: acknowledged records per topic since the last status (metrics are

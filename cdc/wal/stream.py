@@ -5,12 +5,18 @@ Guarantees:
 * :func:`ensure_slot` / :func:`ensure_publication` leave the database ready for
   the relay or raise :class:`DatabaseSetupError` naming the fix (``wal_level``,
   the REPLICATION privilege, a slot created with another plugin, a publication
-  this role may not create);
+  this role may not create, an outbox table that does not exist or lacks a
+  routed column, an existing publication that does not publish every insert of
+  the schema-qualified outbox table with every routed column);
 * :class:`ReplicationStream` starts ``pgoutput`` (proto 1, ``messages 'true'``)
   at the slot's confirmed position, hands out raw CopyData payloads without
   blocking longer than asked, and sends standby status updates;
 * a slot held by another walsender raises :class:`SlotInUseError` (the caller
-  waits as a hot standby); a lost connection raises :class:`StreamError`.
+  waits as a hot standby); a lost connection raises :class:`StreamError`;
+* every connection gets :data:`CONNECTION_DEFAULTS` (connect timeout, TCP
+  keepalives, ``tcp_user_timeout``) unless its DSN sets them
+  (:func:`with_connection_defaults`); :func:`end_walsender` ends the walsender
+  of a replication connection the caller gave up as silent (half-open).
 
 No protocol parsing happens here (see :mod:`cdc.wal.replproto`, :mod:`cdc.wal.pgoutput`).
 """
@@ -27,14 +33,37 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg import pq, sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc.errors import DatabaseSetupError, SlotInUseError, StreamError
 from cdc.migrate import check_wal_level
+from cdc.router import ROUTED_COLUMNS, BrokenOutbox, outbox_layout
 from cdc.wal.replproto import lsn_to_str, pg_now_us, standby_status_update, str_to_lsn
 
 log = logging.getLogger("cdc.stream")
 
 Conn = psycopg.Connection[Any]
+
+
+#: libpq settings of every relay connection unless its DSN sets them: a connect
+#: that hangs fails after 10 s; an idle path is probed after 10 s, every 5 s, and
+#: given up after 3 lost probes; unacknowledged sent data fails it after 30 s.
+CONNECTION_DEFAULTS = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+
+
+def with_connection_defaults(dsn: str) -> str:
+    """``dsn`` with :data:`CONNECTION_DEFAULTS` merged in (what it sets wins)."""
+    params = conninfo_to_dict(dsn)
+    for name, value in CONNECTION_DEFAULTS.items():
+        params.setdefault(name, value)
+    return make_conninfo("", **params)
 
 
 @dataclass(frozen=True)
@@ -83,29 +112,124 @@ def check_replication_privilege(conn: Conn) -> None:
         )
 
 
-def ensure_publication(conn: Conn, publication: str, table: str) -> None:
-    """Create ``publication`` for inserts into ``table`` when it is missing."""
+def ensure_publication(conn: Conn, publication: str, table: str) -> tuple[str, str]:
+    """Make ``publication`` publish inserts of the outbox ``table``; return it as (schema, name).
+
+    ``table`` (``CDC_OUTBOX_TABLE``, ``name`` or ``schema.name``) is resolved in
+    the catalog - a bare name by the role's ``search_path`` - and every lookup
+    after that uses the qualified name. The table must have the routed
+    columns with usable types. A missing publication is created for exactly
+    that table; an existing one must publish its inserts, all of its rows (no
+    row filter) and every routed column (no column list leaving one out):
+    otherwise :class:`DatabaseSetupError` names the publication, the table and
+    the fix, because the relay would silently publish nothing.
+    """
+    schema, name = resolve_table(conn, table)
+    qualified = f"{schema}.{name}"
+    check_outbox_columns(conn, schema, name)
     exists = conn.execute(
         "SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)
     ).fetchone()
     if exists:
-        return
+        check_publication_covers(conn, publication, schema, name)
+        return schema, name
     try:
         conn.execute(
             sql.SQL("CREATE PUBLICATION {} FOR TABLE {} WITH (publish = 'insert')").format(
-                sql.Identifier(publication), sql.Identifier(table)
+                sql.Identifier(publication), sql.Identifier(schema, name)
             )
         )
-        log.info("publication %s created for table %s", publication, table)
+        log.info("publication %s created for table %s", publication, qualified)
     except pgerrors.InsufficientPrivilege as exc:
         raise DatabaseSetupError(
             f"publication {publication} is missing and this role may not create it: "
             "run `outbox-cdc migrate` as the owner of the outbox table"
         ) from exc
-    except pgerrors.UndefinedTable as exc:
+    return schema, name
+
+
+def resolve_table(conn: Conn, table: str) -> tuple[str, str]:
+    """``table`` (``name`` or ``schema.name``) as the catalog's (schema, name)."""
+    ident = sql.Identifier(*table.split(".", 1)).as_string(conn)
+    row = conn.execute(
+        "SELECT n.nspname, c.relname FROM pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass(%s)",
+        (ident,),
+    ).fetchone()
+    if row is None:
         raise DatabaseSetupError(
-            f"table {table} does not exist: run `outbox-cdc migrate` first"
-        ) from exc
+            f"outbox table {table} does not exist: run `outbox-cdc migrate` first"
+            " or set CDC_OUTBOX_TABLE (schema.name)"
+        )
+    return str(row[0]), str(row[1])
+
+
+def check_outbox_columns(conn: Conn, schema: str, name: str) -> None:
+    """The outbox table has every required column with a usable type (domains by base type)."""
+    rows = conn.execute(
+        "SELECT a.attname, COALESCE(NULLIF(t.typbasetype, 0), a.atttypid)::int"
+        " FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid"
+        " WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped"
+        " ORDER BY a.attnum",
+        (sql.Identifier(schema, name).as_string(conn),),
+    ).fetchall()
+    layout = outbox_layout(f"{schema}.{name}", [(str(n), int(oid)) for n, oid in rows])
+    if isinstance(layout, BrokenOutbox):
+        raise DatabaseSetupError(f"{layout.problem}: fix the table or CDC_OUTBOX_TABLE")
+
+
+def check_publication_covers(conn: Conn, publication: str, schema: str, name: str) -> None:
+    """``publication`` publishes every insert of schema.name with every routed column."""
+    pg15 = conn.info.server_version >= 150000
+    extra = "pt.rowfilter, pt.attnames" if pg15 else "NULL::text, NULL::name[]"
+    row = conn.execute(
+        f"SELECT p.pubinsert, pt.tablename IS NOT NULL, {extra} FROM pg_publication p"  # noqa: S608
+        " LEFT JOIN pg_publication_tables pt ON pt.pubname = p.pubname"
+        " AND pt.schemaname = %s AND pt.tablename = %s WHERE p.pubname = %s",
+        (schema, name, publication),
+    ).fetchone()
+    assert row is not None
+    pubinsert, covered, rowfilter, attnames = row
+    qualified = f"{schema}.{name}"
+    fix = f"ALTER PUBLICATION {publication} SET TABLE {qualified} (or set CDC_PUBLICATION)"
+    if not covered:
+        tables = [
+            str(r[0])
+            for r in conn.execute(
+                "SELECT schemaname || '.' || tablename FROM pg_publication_tables"
+                " WHERE pubname = %s ORDER BY 1 LIMIT 5",
+                (publication,),
+            )
+        ]
+        raise DatabaseSetupError(
+            f"publication {publication} does not publish the outbox table {qualified}"
+            f" (it publishes: {', '.join(tables) or 'no table'}): {fix}"
+        )
+    if not pubinsert:
+        raise DatabaseSetupError(
+            f"publication {publication} does not publish inserts of {qualified}:"
+            f" ALTER PUBLICATION {publication} SET (publish = 'insert')"
+        )
+    if rowfilter is not None:
+        raise DatabaseSetupError(
+            f"publication {publication} publishes {qualified} with a row filter"
+            f" (WHERE {rowfilter}), whose rows would never reach Kafka: {fix}"
+        )
+    left_out = [c for c in ROUTED_COLUMNS if attnames is not None and c not in attnames]
+    if left_out and _has_columns(conn, schema, name, left_out):
+        raise DatabaseSetupError(
+            f"publication {publication} publishes {qualified} with a column list leaving out"
+            f" {', '.join(left_out)}: {fix}"
+        )
+
+
+def _has_columns(conn: Conn, schema: str, name: str, columns: list[str]) -> bool:
+    row = conn.execute(
+        "SELECT count(*) FROM pg_attribute WHERE attrelid = %s::regclass"
+        " AND attname = ANY(%s) AND NOT attisdropped",
+        (sql.Identifier(schema, name).as_string(conn), columns),
+    ).fetchone()
+    return bool(row and row[0])
 
 
 def server_is_utf8(conn: Conn) -> bool:
@@ -146,6 +270,27 @@ def ensure_slot(conn: Conn, slot: str, *, create: bool = True) -> SlotInfo:
     return info
 
 
+def end_walsender(dsn: str, slot: str, pid: int) -> bool:
+    """End the walsender ``pid`` if it still holds ``slot``; whether one was ended.
+
+    For a replication connection the relay gave up as silent: behind a half-open
+    path (and with ``wal_sender_timeout`` off) the server keeps that walsender,
+    and so the slot, until it hears of the end; a new session would find the
+    slot busy. Only our own abandoned walsender is ended (slot and pid must match).
+    """
+    try:
+        with psycopg.connect(with_connection_defaults(dsn), autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
+                " WHERE slot_name = %s AND active_pid = %s",
+                (slot, pid),
+            ).fetchone()
+    except psycopg.Error as exc:
+        log.warning("could not end the silent walsender %d of slot %s: %s", pid, slot, exc)
+        return False
+    return bool(row and row[0])
+
+
 class ReplicationStream:
     """One streaming session of a slot. Not thread-safe; close() when done."""
 
@@ -153,7 +298,9 @@ class ReplicationStream:
         self.slot = slot
         self.publication = publication
         try:
-            self._conn: Conn = psycopg.connect(dsn, replication="database", autocommit=True)
+            self._conn: Conn = psycopg.connect(
+                with_connection_defaults(dsn), replication="database", autocommit=True
+            )
         except psycopg.OperationalError as exc:
             raise StreamError(f"replication connection failed: {exc}") from exc
         self._pg = self._conn.pgconn

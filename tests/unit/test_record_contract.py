@@ -41,18 +41,22 @@ def test_header_values_are_plain_utf8_in_the_documented_formats() -> None:
 
 
 def test_value_key_timestamp_and_topic_are_as_documented() -> None:
-    stored = '{"b": [1, 2], "a": 1.50, "é": "\\u00e9"}'
+    stored = '{"b": [1, 2], "a": 1.50, "é": "\\u00e9", "n": 18446744073709551616}'
     record = route_fields("e1", "order", "clé ", "T", stored, None, TX, "outbox.event.")
     assert record.topic == "outbox.event.order"
     assert record.key == "clé ".encode(), "the key as stored: no trimming, no quoting"
-    assert record.value == '{"b":[1,2],"a":1.5,"é":"é"}'.encode()
+    assert record.value == stored.encode(), "the stored text, byte for byte (## Value)"
     assert record.timestamp_ms == TX.commit_ts_us // 1000, "commit time in ms"
+    value = _section("Value")
+    assert "byte for byte" in value and "`18446744073709551616`" in value
+    assert "table.expand.json.payload=false" in value
 
 
 def test_the_table_less_form_carries_the_payload_member_as_value() -> None:
-    doc = '{"id":"e2","aggregatetype":"user","aggregateid":"k","type":"T","payload":{"x": 1}}'
+    doc = '{"id":"e2","aggregatetype":"user","aggregateid":"k","type":"T","payload":{"x": 1.50}}'
     record = route_message(doc.encode(), TX, topic_prefix="outbox.event.")
-    assert (record.topic, record.key, record.value) == ("outbox.event.user", b"k", b'{"x":1}')
+    assert (record.topic, record.key, record.value) == ("outbox.event.user", b"k", b'{"x": 1.50}')
+    assert "exact text of the message's `payload`" in _section("Value")
 
 
 def test_the_dead_letter_headers_are_the_ones_the_page_names() -> None:
@@ -73,10 +77,18 @@ def test_the_dead_letter_headers_are_the_ones_the_page_names() -> None:
     assert record.timestamp_ms == TX.timestamp_ms
 
 
-def test_the_documented_big_integer_deviation_still_holds() -> None:
-    """Known deviation (the page says so): remove that paragraph when this fails."""
-    record = route_fields(
-        "e4", "t", "k", "T", '{"n": 123456789012345678901234567890}', None, TX, "p."
-    )
-    assert record.value == b'{"n":1.2345678901234568e+29}'
-    assert "1.2345678901234568e+29" in _section("Known deviations")
+def test_no_number_is_changed_and_the_page_says_so() -> None:
+    """The deviation the page used to list is gone: numbers pass as stored."""
+    for number in ("123456789012345678901234567890", "1.5e400", "0.10000000000000000000001"):
+        stored = f'{{"n": {number}}}'
+        record = route_fields("e4", "t", "k", "T", stored, None, TX, "p.")
+        assert record.value == stored.encode()
+    assert "None for the payload" in _section("Known deviations")
+
+
+def test_the_debezium_settings_on_the_page_are_the_pass_through_ones() -> None:
+    section = _section("Side by side with Debezium's outbox event router")
+    block = section[section.index("```properties") :]
+    block = block[: block.index("```\n", 5)]
+    assert "value.converter=org.apache.kafka.connect.storage.StringConverter" in block
+    assert "expand.json.payload=true" not in block
