@@ -57,6 +57,7 @@ from cdc.relay.fast_path import FastPath
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
+from cdc.relay.standby_safe import StandbySafe
 from cdc.relay.state import PoisonIds, RelayState, Session
 from cdc.settings import Settings
 from cdc.tracing import relay_tracing
@@ -123,7 +124,7 @@ SHUTDOWN_FLUSH_S = 15.0
 _XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
 
 
-class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
+class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor):
     def __init__(
         self,
         settings: Settings,
@@ -161,6 +162,7 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
         self._utf8 = False
         #: OpenTelemetry produce spans; None (the default) costs one test per record
         self._tracing = relay_tracing()
+        self._init_standby_safe()  # CDC_STANDBY_SAFE: records wait for the standby
 
     def stop(self) -> None:
         """Ask the relay to stop (signal-safe)."""
@@ -325,6 +327,7 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor):
             self.liveness.tick()
             self._poll(0)
             self._drain_dlq(sess)
+            self._release_held(sess)  # standby-safe mode: what the standby has flushed
             if sess.fatal is not None:
                 raise KafkaUnavailableError(f"producer error: {sess.fatal}")
             if sess.held is not None:
