@@ -24,9 +24,12 @@ Guarantees:
   partition the group never committed counts from its first record, as the sink
   (``auto.offset.reset=earliest``) would resume there;
 * the verdict (:func:`judge`, pure): ``OVER`` when any measure that was taken
-  exceeds its limit (a limit <= 0 is off); ``UNKNOWN`` when none is over but a
-  measure could not be taken; ``OK`` otherwise. ``UNKNOWN`` does not throttle:
-  the measures that were taken decide (fail open);
+  exceeds its limit (a limit <= 0 is off), or while the slot has an unrecovered
+  gap (an open row of the slot history, :mod:`cdc.gaps`, or ``wal_status`` lost):
+  events committed in the gap are not in Kafka and no slot measure sees them;
+  ``UNKNOWN`` when none is over but a measure could not be taken; ``OK``
+  otherwise. ``UNKNOWN`` does not throttle: the measures that were taken
+  decide (fail open);
 * a measurement is reused for ``backlog_cache_ttl_s``. When it is stale one
   caller measures again while concurrent callers get the previous answer, so a
   burst of requests costs one measurement per TTL (per group); only the very
@@ -61,7 +64,7 @@ from confluent_kafka.admin import OffsetSpec as _OffsetSpec  # type: ignore[attr
 
 from cdc.health import Reply
 from cdc.kafkalog import KafkaClientEvents
-from cdc.ops import read_slot_status
+from cdc.ops import SlotStatus, read_slot_status
 from cdc.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -116,6 +119,8 @@ class SlotMeasures:
     relay_age_s: float | None
     slot_lag_bytes: int | None
     problems: tuple[str, ...] = ()
+    #: an unrecovered slot gap (lost slot, open gap in the history): always over
+    gap: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,7 +176,7 @@ def judge(slot: SlotMeasures, group: GroupMeasures | None, limits: BacklogLimits
         f"{name} {value:g} > {limit:g}"
         for name, value, limit in checks
         if limit > 0 and value is not None and value > limit
-    )
+    ) + ((f"gap: {slot.gap}",) if slot.gap else ())
     unknown = any(value is None and limit > 0 for _, value, limit in checks)
     if exceeded:
         state = BacklogState.OVER
@@ -235,6 +240,16 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _gap_of(status: SlotStatus) -> str | None:
+    """An unrecovered gap of the slot: an open history row, or the slot lost."""
+    row = status["gap"]
+    if row is not None and row.get("state") == "open":
+        return f"slot {status['slot']} gap {row.get('id')} open ({row.get('cause')})"
+    if status["wal_status"] == "lost":
+        return f"slot {status['slot']} lost (wal_status lost: its WAL was removed)"
+    return None
+
+
 class _SlotSide:
     """Slot measures on one long-lived autocommit connection (reopened after a failure)."""
 
@@ -259,17 +274,20 @@ class _SlotSide:
                 slot_lag_bytes=None,
                 problems=(f"slot {slot}: PostgreSQL: {_first_line(exc)}",),
             )
+        gap = _gap_of(status)
         if not status["exists"]:
             return SlotMeasures(
                 relay_age_s=None,
                 slot_lag_bytes=None,
                 problems=(f"slot {slot} does not exist (no relay has started on it)",),
+                gap=gap,
             )
         problems = () if status["lag_time_s"] is not None else (status["lag_time_note"],)
         return SlotMeasures(
             relay_age_s=status["lag_time_s"],
             slot_lag_bytes=status["wal_lag_bytes"],
             problems=problems,
+            gap=gap,
         )
 
     def close(self) -> None:

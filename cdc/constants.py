@@ -22,6 +22,11 @@ HEADER_AGGREGATE_TYPE = "aggregatetype"
 HEADER_LSN = "lsn"
 HEADER_COMMIT_TS = "commit_ts"
 HEADER_TRACEPARENT = "traceparent"
+#: ``<system_identifier>/<timeline>/<slot>`` of the session that published the
+#: record: the relay's memory of where it streamed from (cdc.lineage).
+HEADER_ORIGIN = "origin"
+#: On records re-published from the outbox table after a slot gap: the gap's id.
+HEADER_RECOVERED = "recovered"
 #: Dead-letter headers: why Kafka refused the record and where it came from.
 HEADER_DLQ_REASON = "dlq.reason"
 HEADER_DLQ_TOPIC = "dlq.original.topic"

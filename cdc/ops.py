@@ -37,8 +37,9 @@ import psycopg
 from psycopg import errors as pgerrors
 from psycopg import sql
 
+from cdc import gaps
 from cdc.constants import OUTBOX_MESSAGE_PREFIX
-from cdc.errors import CdcError
+from cdc.errors import CdcError, DatabaseSetupError
 from cdc.outbox import user_registered_event, write_event
 from cdc.settings import Settings
 from cdc.wal import pgoutput
@@ -90,6 +91,11 @@ class SlotStatus(TypedDict):
     retained_wal_bytes: int | None
     #: pg_replication_slots.wal_status: reserved / extended / unreserved / lost.
     wal_status: str | None
+    #: WAL that may still be written before the slot is invalidated (None: no limit).
+    safe_wal_size_bytes: int | None
+    #: The slot's latest history row (cdc.gaps: a gap open, recovered or accepted;
+    #: the slot created at a first start), None when there is none.
+    gap: dict[str, object] | None
     #: Age of the oldest unconfirmed transaction with an event; 0 when none.
     lag_time_s: float | None
     oldest_unconfirmed_commit_ts: str | None
@@ -101,7 +107,7 @@ SELECT s.slot_name, s.plugin, s.database, s.active, s.active_pid,
        s.confirmed_flush_lsn::text, s.restart_lsn::text, pg_current_wal_lsn()::text,
        pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
        pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
-       s.wal_status
+       s.wal_status, s.safe_wal_size
 FROM (SELECT 1) AS one
 LEFT JOIN pg_replication_slots AS s ON s.slot_name = %s
 """
@@ -145,9 +151,19 @@ def read_slot_status(conn: Conn, settings: Settings) -> SlotStatus:
     row = conn.execute(_STATUS_SQL, (settings.slot,)).fetchone()
     assert row is not None
     status = _status_from_row(settings.slot, row)
-    if status["exists"]:
+    status["gap"] = _latest_history(conn, settings.slot)
+    if status["exists"] and status["wal_status"] != "lost":
         _fill_lag_time(conn, settings, status)
     return status
+
+
+def _latest_history(conn: Conn, slot: str) -> dict[str, object] | None:
+    """The slot's latest history row as JSON (None without one, or before migration 006)."""
+    try:
+        row = gaps.latest(conn, slot)
+    except DatabaseSetupError:
+        return None
+    return row.as_json() if row is not None else None
 
 
 def _status_from_row(slot: str, row: tuple[Any, ...]) -> SlotStatus:
@@ -165,6 +181,8 @@ def _status_from_row(slot: str, row: tuple[Any, ...]) -> SlotStatus:
         wal_lag_bytes=row[8],
         retained_wal_bytes=row[9],
         wal_status=row[10],
+        safe_wal_size_bytes=row[11],
+        gap=None,
         lag_time_s=None,
         oldest_unconfirmed_commit_ts=None,
         lag_time_note="slot does not exist" if not exists else "",

@@ -202,22 +202,56 @@ def submit_quiz_attempt(
     return Written(attempt_id, event_id)
 
 
-def prune_outbox(
-    conn: Conn, *, older_than_s: float, table: str = "outbox", batch_size: int = 10_000
-) -> int:
-    """Delete outbox rows older than ``older_than_s``; return how many.
+@dataclass(frozen=True)
+class Retention:
+    """What :func:`prune_outbox` must keep (see :mod:`cdc.retention`, which builds it).
 
-    Safe at any time: the relay reads inserts from the WAL, never the table.
-    Deletes in batches so no single transaction holds many row locks.
+    * rows younger than ``horizon_s`` (what a gap recovery may need to re-read);
+    * with ``slot``: rows whose inserting transaction is not older than the slot's
+      ``catalog_xmin`` - those may have committed after its confirmed position,
+      i.e. not be in Kafka yet (a slot without ``catalog_xmin`` keeps every row);
+    * with ``keep_since``: rows created at or after it (an open gap's window, or
+      the last record found in Kafka minus the gap margin).
     """
+
+    horizon_s: float = 0.0
+    slot: str | None = None
+    keep_since: datetime | None = None
+
+
+def prune_outbox(
+    conn: Conn,
+    *,
+    older_than_s: float,
+    table: str = "outbox",
+    batch_size: int = 10_000,
+    keep: Retention | None = None,
+) -> int:
+    """Delete outbox rows older than ``older_than_s`` that ``keep`` does not keep; how many.
+
+    The relay reads inserts from the WAL, but a slot gap is recovered from the
+    table: ``keep`` (``outbox-cdc prune`` always passes one) keeps what a
+    recovery may need. Deletes in batches so no transaction holds many row locks.
+    """
+    keep = keep or Retention()
     total = 0
     stmt = sql.SQL(
         "DELETE FROM {t} WHERE id IN (SELECT id FROM {t}"
-        " WHERE created_at < now() - make_interval(secs => %s) LIMIT %s)"
+        " WHERE created_at < now() - make_interval(secs => %(age)s)"
+        " AND (%(since)s::timestamptz IS NULL OR created_at < %(since)s::timestamptz)"
+        " AND (%(slot)s::text IS NULL OR age(xmin) > (SELECT age(catalog_xmin)"
+        " FROM pg_replication_slots WHERE slot_name = %(slot)s::text))"
+        " LIMIT %(limit)s)"
     ).format(t=table_identifier(table))
+    params = {
+        "age": max(older_than_s, keep.horizon_s),
+        "since": keep.keep_since,
+        "slot": keep.slot,
+        "limit": batch_size,
+    }
     while True:
         with conn.transaction():
-            deleted = conn.execute(stmt, (older_than_s, batch_size)).rowcount
+            deleted = conn.execute(stmt, params).rowcount
         total += max(deleted, 0)
         if deleted < batch_size:
             return total

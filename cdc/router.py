@@ -6,7 +6,8 @@ Pure. The record is the contract any topic consumer relies on (DESIGN.md):
 * key    = ``aggregateid`` (UTF-8), so one aggregate's events share a partition
 * value  = the payload JSON, compact UTF-8
 * headers ``id`` (event uuid = idempotency key), ``type``, ``aggregatetype``,
-  ``lsn`` (commit LSN), ``commit_ts`` (ISO-8601 UTC), ``traceparent`` when present
+  ``lsn`` (commit LSN), ``commit_ts`` (ISO-8601 UTC), ``origin`` (the relay's
+  session: system identifier / timeline / slot), ``traceparent`` when present
 * timestamp = the transaction's commit time in milliseconds
 
 An event that cannot become a record (a missing field, a payload that is not
@@ -95,13 +96,20 @@ class TxContext:
 
     __slots__ = ("commit_lsn", "commit_ts_us", "headers", "lsn_header", "timestamp_ms", "ts_header")
 
-    def __init__(self, commit_lsn: str, commit_ts_us: int) -> None:
+    def __init__(
+        self, commit_lsn: str, commit_ts_us: int, origin: tuple[str, bytes] | None = None
+    ) -> None:
+        """``origin``: the session's prebuilt ``origin`` header (cdc.lineage), or None."""
         self.commit_lsn = commit_lsn
         self.commit_ts_us = commit_ts_us
         self.timestamp_ms = commit_ts_us // 1000
         self.lsn_header = (c.HEADER_LSN, commit_lsn.encode())
         self.ts_header = (c.HEADER_COMMIT_TS, self.commit_ts_iso.encode())
-        self.headers: tuple[tuple[str, bytes], ...] = (self.lsn_header, self.ts_header)
+        self.headers: tuple[tuple[str, bytes], ...] = (
+            (self.lsn_header, self.ts_header)
+            if origin is None
+            else (self.lsn_header, self.ts_header, origin)
+        )
 
     @property
     def commit_ts_iso(self) -> str:

@@ -35,7 +35,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -81,6 +81,19 @@ class Settings(BaseSettings):
     #: 0 disables; else a pg_logical_emit_message heartbeat this often.
     heartbeat_interval_s: float = env("CDC_HEARTBEAT_INTERVAL_S", 0.0)
     relay_http_port: int = env("CDC_RELAY_HTTP_PORT", 9101)
+    # Slot gaps (cdc.relay.gap): a lost, dropped or failed-over slot.
+    #: auto: recover a gap from the outbox table at once; manual: wait for `slot recover`.
+    gap_recovery: Literal["auto", "manual"] = env("CDC_GAP_RECOVERY", "auto")
+    #: Recovery re-reads rows created this long before the last record in Kafka
+    #: (created_at is the transaction's start: covers transactions open this long).
+    gap_margin_s: float = env("CDC_GAP_MARGIN_S", 300.0)
+    #: `prune` never deletes rows younger than this: the window a recovery can reach.
+    recovery_horizon_s: float = env("CDC_RECOVERY_HORIZON_S", 86_400.0)
+    #: false: events are not kept in the table (delete_after=True writes, emit_event),
+    #: so a gap cannot be recovered and waits for `slot accept-gap`.
+    outbox_keeps_rows: bool = env("CDC_OUTBOX_KEEPS_ROWS", True)
+    #: Records read from the end of each outbox partition to find the last one published.
+    gap_tail_records: int = env("CDC_GAP_TAIL_RECORDS", 20)
     #: Records handed to Kafka but not yet acknowledged before the relay stops
     #: reading WAL (back-pressure); bounds memory while Kafka is slow or away.
     relay_max_in_flight: int = env("CDC_MAX_IN_FLIGHT", 50_000)

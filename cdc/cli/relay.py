@@ -39,16 +39,43 @@ def migrate() -> None:
     show_default=True,
     help="delete outbox rows older than this many seconds",
 )
-def prune(older_than_s: float) -> None:
-    """Delete old outbox rows (safe: the relay reads the WAL, not the table)."""
+@click.option("--json", "as_json", is_flag=True, help="the result as JSON on stdout")
+def prune(older_than_s: float, as_json: bool) -> None:
+    """Delete old outbox rows, keeping what a slot-gap recovery may need.
+
+    Never deletes a row younger than CDC_RECOVERY_HORIZON_S, a row the slot may
+    not have confirmed (not yet in Kafka), nor a row inside an open gap's
+    window; refused when the slot is missing or lost and nothing says what was
+    published (see the README, "When the slot is lost").
+    """
     import psycopg
 
+    from cdc.cli import render
     from cdc.outbox import prune_outbox
+    from cdc.retention import retention_for
 
     settings = load_settings("pg_dsn")
     with psycopg.connect(settings.pg_dsn.get_secret_value(), autocommit=True) as conn:
-        deleted = prune_outbox(conn, older_than_s=older_than_s, table=settings.outbox_table)
-    click.echo(f"deleted {deleted} outbox rows older than {older_than_s:g}s")
+        keep = retention_for(conn, settings)
+        deleted = prune_outbox(
+            conn, older_than_s=older_than_s, table=settings.outbox_table, keep=keep
+        )
+    if as_json:
+        render.echo_json(
+            {
+                "deleted": deleted,
+                "older_than_s": older_than_s,
+                "horizon_s": keep.horizon_s,
+                "kept_unconfirmed_of_slot": keep.slot,
+                "kept_since": keep.keep_since.isoformat() if keep.keep_since else None,
+            }
+        )
+        return
+    kept = f"; kept rows since {keep.keep_since.isoformat()}" if keep.keep_since else ""
+    click.echo(
+        f"deleted {deleted} outbox rows older than {max(older_than_s, keep.horizon_s):g}s"
+        f" (horizon {keep.horizon_s:g}s{kept})"
+    )
 
 
 def _on_signals(stop: Callable[[], None]) -> None:

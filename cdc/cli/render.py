@@ -142,6 +142,10 @@ def slot_table(status: SlotStatus) -> Any:
         "WAL lag": fmt_bytes(status["wal_lag_bytes"]),
         "retained WAL": fmt_bytes(status["retained_wal_bytes"]),
         "WAL status": status["wal_status"],
+        "safe WAL size": fmt_bytes(status["safe_wal_size_bytes"])
+        if status["safe_wal_size_bytes"] is not None
+        else "no limit",
+        "gap": _gap_line(status["gap"]),
         "lag time": fmt_age(status["lag_time_s"]),
         "oldest unconfirmed commit": status["oldest_unconfirmed_commit_ts"],
         "note": status["lag_time_note"],
@@ -149,6 +153,21 @@ def slot_table(status: SlotStatus) -> Any:
     for name, value in shown.items():
         table.add_row(name, "-" if value is None else str(value))
     return table
+
+
+def _gap_line(row: dict[str, object] | None) -> str | None:
+    """The slot's latest history row in one line (``slot status``)."""
+    if row is None:
+        return None
+    if row["event"] == "created":
+        return f"none (slot created {row['detected_at']} at a first start)"
+    head = f"{row['id']} {row['state']}: {row['cause']} (found {row['detected_at']})"
+    window = f" window {row['window_start'] or 'first row'} .. {row['window_end'] or 'now'}"
+    if row["state"] == "recovered":
+        return f"{head};{window}; {row['rows_recovered']} rows in {row['seconds']:.1f}s"
+    if row["state"] == "accepted":
+        return f"{head};{window}; loss accepted by {row['accepted_by']}"
+    return f"{head}: {row['detail']}"
 
 
 def drop_warning(status: SlotStatus, pending: int | None) -> str:

@@ -1,4 +1,4 @@
-"""``outbox-cdc slot``: the replication slot's status, and dropping it.
+"""``outbox-cdc slot``: the replication slot's status, dropping it, closing a gap.
 
 Calls :mod:`cdc.ops`; the views are in :mod:`cdc.cli.render`. ``drop`` is
 refused while a relay streams the slot, and asks before losing events.
@@ -6,15 +6,20 @@ refused while a relay streams the slot, and asks before losing events.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from cdc.cli import render
 from cdc.cli.app import fail, load_settings
 
+if TYPE_CHECKING:
+    from cdc.gaps import Recovered
+
 
 @click.group()
 def slot() -> None:
-    """The replication slot: status and drop."""
+    """The replication slot: status, drop, and closing a gap (recover, accept-gap)."""
 
 
 @slot.command("status")
@@ -40,7 +45,8 @@ def slot_status_cmd(as_json: bool) -> None:
 
 @slot.command("drop")
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
-def slot_drop_cmd(yes: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="what was dropped as JSON on stdout")
+def slot_drop_cmd(yes: bool, as_json: bool) -> None:
     """Drop the slot; refused while a relay streams it.
 
     Events committed after the slot's confirmed LSN that are not in Kafka yet
@@ -61,6 +67,124 @@ def slot_drop_cmd(yes: bool) -> None:
     if not yes and not click.confirm(f"drop slot {settings.slot}?", default=False, err=True):
         fail("not dropped")
     dropped = slot_drop(settings)
+    if as_json:
+        render.echo_json({"dropped": True, **dropped})
+        return
     click.echo(
         f"slot {dropped['slot']} dropped (it had confirmed {dropped['confirmed_flush_lsn']})"
     )
+
+
+@slot.command("recover")
+@click.option("--execute", is_flag=True, help="do it (without: a dry run that changes nothing)")
+@click.option("--json", "as_json", is_flag=True, help="the result as JSON on stdout")
+def slot_recover_cmd(execute: bool, as_json: bool) -> None:
+    """Close a slot gap from the outbox table (a dry run unless --execute).
+
+    The dry run shows the gap's cause, its window and how many outbox rows it
+    would re-publish. --execute creates the slot with an exported snapshot,
+    re-publishes the window's rows (header `recovered`), waits for every Kafka
+    ack and records the recovery; the relay then streams from the new slot.
+    """
+    from cdc.relay import recovery
+    from cdc.relay.gap import Action
+
+    settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    found = recovery.inspect(settings)
+    verdict = found.verdict
+    if verdict.action is not Action.GAP:
+        doc: dict[str, object] = {"gap": False, "verdict": verdict.action.value}
+        _answer(as_json, doc, f"no gap: {verdict.reason}")
+        return
+    if not execute:
+        with recovery.connect(settings) as conn:
+            reason = recovery.why_unrecoverable(conn, settings, found.last)
+        plan: dict[str, object] = {
+            "gap": True,
+            "executed": False,
+            "cause": verdict.cause.value if verdict.cause else None,
+            "detail": verdict.detail,
+            "window_start": verdict.window_start.isoformat() if verdict.window_start else None,
+            "rows": recovery.count_window(settings, verdict.window_start),
+            "unrecoverable": reason,
+        }
+        _answer(as_json, plan, _plan_text(plan))
+        return
+    gap = recovery.open_gap(settings, found)
+    done = recovery.recover(settings, gap)
+    result = {"gap": True, "executed": True, "gap_id": gap.id, **_recovered_json(done)}
+    _answer(
+        as_json,
+        result,
+        f"gap {gap.id} recovered: {done.rows} rows re-published in {done.seconds:.1f}s;"
+        f" slot {settings.slot} streams from {done.consistent_lsn}",
+    )
+
+
+@slot.command("accept-gap")
+@click.option("--by", "by", required=True, help="who accepts the loss (recorded)")
+@click.option("--yes", is_flag=True, help="do not ask for confirmation")
+@click.option("--json", "as_json", is_flag=True, help="the result as JSON on stdout")
+def slot_accept_gap_cmd(by: str, yes: bool, as_json: bool) -> None:
+    """Accept the loss of a gap's events: create the slot, record who accepted which window.
+
+    The only way out of a gap the table cannot replay (rows deleted after
+    insert, logical messages). Events committed in the window and not in Kafka
+    are lost for good.
+    """
+    from cdc.relay import recovery
+    from cdc.relay.gap import Action
+
+    settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    if not by.strip():
+        fail("--by must name who accepts the loss")
+    found = recovery.inspect(settings)
+    if found.verdict.action is not Action.GAP:
+        fail(f"slot {settings.slot} has no gap ({found.verdict.reason})")
+    gap = recovery.open_gap(settings, found)
+    since = gap.window_start.isoformat() if gap.window_start else "the first outbox row"
+    render.err().print(
+        f"gap {gap.id} of slot {settings.slot}: {gap.cause}: {gap.detail}. Events committed since"
+        f" {since} that are not in Kafka will never be published."
+    )
+    if not yes and not click.confirm(f"accept the loss as {by}?", default=False, err=True):
+        fail("not accepted")
+    origin = recovery.accept_loss(settings, gap, by=by)
+    result: dict[str, object] = {
+        "gap_id": gap.id,
+        "accepted_by": by,
+        "window_start": gap.window_start.isoformat() if gap.window_start else None,
+        "origin": origin,
+    }
+    _answer(as_json, result, f"gap {gap.id} accepted by {by}; slot {settings.slot} created")
+
+
+def _answer(as_json: bool, doc: dict[str, object], text: str) -> None:
+    if as_json:
+        render.echo_json(doc)
+    else:
+        click.echo(text)
+
+
+def _plan_text(plan: dict[str, object]) -> str:
+    since = plan["window_start"] or "the first outbox row"
+    lines = [
+        f"gap: {plan['cause']}: {plan['detail']}",
+        f"dry run: would re-publish {plan['rows']} outbox rows created since {since}",
+    ]
+    if plan["unrecoverable"]:
+        lines.append(f"cannot recover: {plan['unrecoverable']} (`outbox-cdc slot accept-gap`)")
+    else:
+        lines.append("run with --execute to do it")
+    return "\n".join(lines)
+
+
+def _recovered_json(done: Recovered) -> dict[str, object]:
+    return {
+        "rows": done.rows,
+        "window_start": done.window_start.isoformat() if done.window_start else None,
+        "window_end": done.window_end.isoformat(),
+        "seconds": round(done.seconds, 3),
+        "origin": done.origin,
+        "consistent_lsn": done.consistent_lsn,
+    }

@@ -114,7 +114,7 @@ class FastPath:
             begin = pgo.decode(payload)
             assert isinstance(begin, pgo.Begin)
             sess.tx_id = begin.final_lsn
-            sess.tx = TxContext(lsn_to_str(begin.final_lsn), begin.commit_ts_us)
+            sess.tx = TxContext(lsn_to_str(begin.final_lsn), begin.commit_ts_us, sess.origin)
             sess.tracker.open(begin.final_lsn)
         elif tag == _TAG_COMMIT:
             commit = pgo.decode(payload)
@@ -187,8 +187,7 @@ class FastPath:
             (c.HEADER_ID, event_id),
             (c.HEADER_TYPE, event_type),
             (c.HEADER_AGGREGATE_TYPE, aggtype),
-            tx.lsn_header,
-            tx.ts_header,
+            *tx.headers,
         ]
         trace = values[i_trace] if i_trace >= 0 else None
         if trace:

@@ -54,6 +54,7 @@ from cdc.producer import (
 )
 from cdc.relay.dead_letters import DeadLetters
 from cdc.relay.fast_path import FastPath
+from cdc.relay.guard import GAP_RECHECK_S, SlotGapError, SlotGuard
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
@@ -124,7 +125,7 @@ SHUTDOWN_FLUSH_S = 15.0
 _XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
 
 
-class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor):
+class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuard):
     def __init__(
         self,
         settings: Settings,
@@ -162,6 +163,8 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor):
         self._utf8 = False
         #: OpenTelemetry produce spans; None (the default) costs one test per record
         self._tracing = relay_tracing()
+        #: slot gaps already logged and counted (each is reported once)
+        self._gaps_reported: set[int] = set()
         self._init_standby_safe()  # CDC_STANDBY_SAFE: records wait for the standby
 
     def stop(self) -> None:
@@ -237,9 +240,13 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor):
     def _run_sessions(self) -> None:
         reconnect = Backoff(min_s=RECONNECT_MIN_S, max_s=RECONNECT_MAX_S, calm_s=RECONNECT_MAX_S)
         while not self._stop.is_set():
-            self._set_state(RelayState.STARTING)
+            if self._state is not RelayState.GAP:  # (a gap is re-checked quietly)
+                self._set_state(RelayState.STARTING)
             try:
                 self._session()
+            except SlotGapError as exc:
+                self._set_state(RelayState.GAP, str(exc))
+                self._wait(GAP_RECHECK_S)
             except SlotInUseError as exc:
                 self._standby(str(exc))
             except ProducerFatalError as exc:
@@ -298,7 +305,11 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor):
             s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
         ) as conn:
             ensure_publication(conn, s.publication, self._table[1])
-            info = ensure_slot(conn, s.slot)
+        origin = self._guard_slot()  # first start, a gap, or a slot that holds everything
+        with psycopg.connect(
+            s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
+        ) as conn:
+            info = ensure_slot(conn, s.slot, create=False)
             self._utf8 = server_is_utf8(conn)
         self._topics.ensure([s.dlq_topic])
         stream = ReplicationStream(
@@ -314,6 +325,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor):
                 stream=stream,
                 tracker=LsnTracker(info.confirmed_flush_lsn),
                 last_confirmed=info.confirmed_flush_lsn,
+                origin=origin,
             )
             self._stream_loop(sess)
             if self._stop.is_set():

@@ -75,6 +75,38 @@ class RelayMetrics:
         self.state = Gauge(
             "outbox_relay_state", "1 for the current state", ["state"], registry=registry
         )
+        self.gaps = Counter(
+            "outbox_relay_gaps_total",
+            "Slot gaps found (a lost, dropped or failed-over slot), by cause (GapCause)",
+            ["cause"],
+            registry=registry,
+        )
+        self.recovered = Counter(
+            "outbox_relay_recovered_events_total",
+            "Outbox rows re-published from the table to close a slot gap",
+            registry=registry,
+        )
+        self.last_recovery_window = Gauge(
+            "outbox_relay_last_recovery_window_seconds",
+            "Width of the last recovered gap's window (its start to its end)",
+            registry=registry,
+        )
+        self.last_recovery_duration = Gauge(
+            "outbox_relay_last_recovery_duration_seconds",
+            "How long the last gap recovery took",
+            registry=registry,
+        )
+        self.slot_wal_status = Gauge(
+            "outbox_relay_slot_wal_status",
+            "1 for the slot's pg_replication_slots.wal_status (reserved/extended/unreserved/lost)",
+            ["status"],
+            registry=registry,
+        )
+        self.slot_safe_wal_size = Gauge(
+            "outbox_relay_slot_safe_wal_size_bytes",
+            "WAL that may still be written before the slot is invalidated (-1: no limit)",
+            registry=registry,
+        )
         self._relayed_children: dict[str, Any] = {}
 
     def relayed_in(self, topic: str) -> Any:

@@ -12,6 +12,7 @@ States and transitions::
     STREAMING | BACKPRESSURE --a dead letter fails--> HELD --a dead letter written--> STREAMING
     STARTING | STREAMING | BACKPRESSURE | HELD --stream or Kafka error--> RECONNECTING --> STARTING
     STANDBY | STREAMING | BACKPRESSURE | HELD --producer fatal error--> REBUILDING --> STARTING
+    STARTING --slot lost/dropped/failed over--> GAP --recovered or loss accepted--> STARTING
     any --SIGTERM--> STOPPING --> STOPPED
 
 Ready (``/readyz`` 200) in STREAMING and BACKPRESSURE only; otherwise the body
@@ -55,6 +56,7 @@ class RelayState(enum.Enum):
     STREAMING = "streaming"  # reading WAL and producing
     BACKPRESSURE = "backpressure"  # in-flight at its bound: not reading WAL
     HELD = "held"  # a dead letter could not be written: not reading WAL, retrying it
+    GAP = "gap"  # slot lost/dropped/failed over: recovering, or waiting for an operator
     RECONNECTING = "reconnecting"  # after an error, waiting before a new session
     REBUILDING = "rebuilding"  # producer fatal error: purged, closed; a new one after a back-off
     STOPPING = "stopping"  # SIGTERM received: flushing and confirming
@@ -137,6 +139,8 @@ class Session:
     #: relation oid -> positions of the routed columns, None if not the outbox
     #: (cleared when a Relation message arrives)
     outbox_oids: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+    #: the ``origin`` header of this session's records (cdc.lineage), built once
+    origin: tuple[str, bytes] | None = None
     #: acknowledged records per topic since the last status (metrics are
     #: updated in bulk: a Prometheus inc per record was a tenth of the CPU)
     acked: dict[str, int] = field(default_factory=dict)

@@ -115,11 +115,18 @@ def server_is_utf8(conn: Conn) -> bool:
     return row is not None and str(row[0]).upper() in ("UTF8", "UTF-8")
 
 
-def ensure_slot(conn: Conn, slot: str) -> SlotInfo:
-    """Create the logical slot (``pgoutput``) when missing; refuse another plugin."""
+def ensure_slot(conn: Conn, slot: str, *, create: bool = True) -> SlotInfo:
+    """Create the logical slot (``pgoutput``) when missing; refuse another plugin.
+
+    ``create=False`` (the relay after its gap check, :mod:`cdc.relay.gap`): a
+    missing slot raises :class:`StreamError` instead - it disappeared since the
+    check, and the next session's check decides what that means.
+    """
     check_wal_level(conn)
     check_replication_privilege(conn)
     info = slot_info(conn, slot)
+    if info is None and not create:
+        raise StreamError(f"slot {slot} disappeared after the gap check")
     if info is None:
         try:
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))

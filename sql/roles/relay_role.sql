@@ -1,7 +1,8 @@
 -- Least-privilege login for the relay (run by an administrator, not by
 -- `outbox-cdc migrate`): it may open a replication connection, read the
 -- outbox (the publication needs SELECT for the initial table sync check),
--- and emit heartbeat messages. It owns nothing and writes no table.
+-- emit heartbeat messages, and keep its slot history (outbox_cdc_slot_history:
+-- gaps it found and recovered). It owns nothing and writes no other table.
 --
 --   psql "$ADMIN_DSN" -v relay_password="'...'" -f sql/roles/relay_role.sql
 --
@@ -18,3 +19,5 @@ ALTER ROLE outbox_relay WITH LOGIN REPLICATION PASSWORD :relay_password;
 GRANT CONNECT ON DATABASE :"DBNAME" TO outbox_relay;
 GRANT USAGE ON SCHEMA public TO outbox_relay;
 GRANT SELECT ON outbox TO outbox_relay;
+GRANT SELECT, INSERT, UPDATE ON outbox_cdc_slot_history TO outbox_relay;
+GRANT USAGE ON SEQUENCE outbox_cdc_slot_history_id_seq TO outbox_relay;
