@@ -233,6 +233,7 @@ def test_an_invalidated_slot_loses_no_event_while_writers_go_on(
     gap = set(writer.ids[down_from:down_to])
     assert gap <= recovered, f"{len(gap - recovered)} events of the gap not marked recovered"
     assert pair.primary.wal_status(cfg.slot) in {"reserved", "extended"}
+    assert "slot gap" in relay2.log_path.read_text(), "the lost slot was not reported as a gap"
     print(f"slot lost after {rounds} WAL rounds; {len(gap)} events in the gap, all recovered")
 
 
@@ -270,6 +271,7 @@ def test_a_failover_with_the_relay_behind_loses_no_event_the_new_primary_has(
     behind = set(writer.ids[behind_from:behind_to])
     assert behind <= on_new_primary  # the standby had caught up: none of them was lost
     assert behind <= recovered, f"{len(behind - recovered)} events behind not marked recovered"
+    assert "slot gap" in relay.log_path.read_text(), "the failover was not reported as a gap"
 
 
 def _held(port: int) -> float:
