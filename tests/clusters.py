@@ -292,13 +292,16 @@ class ClusterPair:
     primary: PgNode
     standby: PgNode
 
+    #: False: the standby streams straight from the primary (no pausable link; benchmarks)
+    proxied_link: bool = True
+
     @classmethod
-    def create(cls, root: Path) -> ClusterPair:
+    def create(cls, root: Path, *, proxied_link: bool = True) -> ClusterPair:
         a, b = PgNode("a", root), PgNode("b", root)
         a.initdb()
         a.start()
         link = TcpProxy(a.port)
-        pair = cls(root, [a, b], link, a, b)
+        pair = cls(root, [a, b], link, a, b, proxied_link)
         pair._attach_standby()
         return pair
 
@@ -317,7 +320,8 @@ class ClusterPair:
         self.wal_link.cut()
         self.wal_link.resume()
         self.wal_link.retarget(self.primary.port)
-        self.standby.clone_from(self.primary, self.wal_link.port)
+        link = self.wal_link.port if self.proxied_link else self.primary.port
+        self.standby.clone_from(self.primary, link)
         self.standby.start()
         wait_until(self.standby_streaming, 60, "standby streaming", interval_s=0.2)
 
