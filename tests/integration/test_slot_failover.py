@@ -16,9 +16,10 @@ the shared Kafka and real relay processes on the multi-host DSN
   Kafka (edge: slot lifetime; combined with a paused process and live writers);
 * standby-safe mode - the standby's WAL link held back, events committed that
   it never receives, a relay without the mode publishes them, one with the mode
-  holds them; after the failover (and a new standby) nothing the safe relay
-  published is missing from the new primary, and everything on it is published
-  (edge: slot lifetime; combined with a half-open replication link).
+  holds them (``/readyz`` 503 naming the standby once it waited too long); after
+  the failover (and a new standby) nothing the safe relay published is missing
+  from the new primary, and everything on it is published (edge: slot lifetime;
+  combined with a half-open replication link).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from tests.harness import (
     wait_for_ready,
     wait_until,
 )
+from tests.integration.test_relay_errors import readyz
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -287,7 +289,13 @@ def test_with_standby_safe_mode_no_event_in_kafka_is_missing_after_a_failover(
     procs: list[Proc],
 ) -> None:
     aggregate = "safe"
-    safe = _cfg(pair_db, kafka_bootstrap, uuid.uuid4().hex[:10], CDC_STANDBY_SAFE=STANDBY_SLOT)
+    safe = _cfg(
+        pair_db,
+        kafka_bootstrap,
+        uuid.uuid4().hex[:10],
+        CDC_STANDBY_SAFE=STANDBY_SLOT,
+        CDC_STANDBY_SAFE_MAX_WAIT_S="1",
+    )
     plain = _cfg(pair_db, kafka_bootstrap, uuid.uuid4().hex[:10])
     safe_relay, safe_port = _start(safe, tmp_path, procs, "relay-safe")
     plain_relay, plain_port = _start(plain, tmp_path, procs, "relay-plain")
@@ -314,6 +322,10 @@ def test_with_standby_safe_mode_no_event_in_kafka_is_missing_after_a_failover(
         lambda: _relayed(plain_port, aggregate, plain) >= 2 * PHASE_EVENTS, 120, "plain relay"
     )
     wait_until(lambda: _held(safe_port) > 0, 60, "the safe relay holding transactions")
+    _, body = wait_until(
+        lambda: (answer := readyz(safe_port))[0] == 503 and answer, 60, "/readyz names the standby"
+    )
+    assert body.startswith("held: waiting") and repr(STANDBY_SLOT) in body, body
     assert _relayed(safe_port, aggregate, safe) == PHASE_EVENTS
     pair.fail_over()  # what the standby never received is gone
     plain_relay.close()
