@@ -21,6 +21,9 @@ Guarantees, with ``CDC_STANDBY_SAFE`` naming a physical standby (its
   failover slot and the standby's slot is in ``synchronized_standby_slots`` the
   server guards and held transactions are released at their commit; otherwise
   the relay's own gate guards (never less safe than asked);
+* a gap recovery (:mod:`cdc.relay.recovery`) publishes rows of its snapshot only
+  after the standby flushed the snapshot's consistent point
+  (:func:`wait_standby_flushed`);
 * off (the default) costs nothing: the hot path is untouched.
 """
 
@@ -37,6 +40,7 @@ from confluent_kafka import KafkaException
 from prometheus_client import CollectorRegistry, Gauge
 from psycopg import sql
 
+from cdc.errors import CdcError
 from cdc.relay.standby_gate import (
     FAILOVER_SLOTS_MIN_VERSION,
     SafeMode,
@@ -306,9 +310,43 @@ class StandbySafe:
         return True
 
 
+class StandbyBehindError(CdcError):
+    """The standby did not flush what was about to be published in time; try again later."""
+
+    retriable = True
+
+
+def wait_standby_flushed(settings: Settings, lsn: int) -> None:
+    """Block until the standby-safe standby has flushed ``lsn`` (a gap recovery waits so
+    for its snapshot's consistent point before publishing rows of it); raise
+    :class:`StandbyBehindError` after ``CDC_STANDBY_SAFE_MAX_WAIT_S``."""
+    deadline = time.monotonic() + settings.standby_safe_max_wait_s
+    with psycopg.connect(
+        settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=5
+    ) as conn:
+        while True:
+            row = conn.execute(FLUSHED_SQL, {"name": settings.standby_safe}).fetchone()
+            flushed = str_to_lsn(row[0]) if row and row[0] else None
+            if flushed is not None and flushed >= lsn:
+                return
+            if time.monotonic() > deadline:
+                where = "unknown" if flushed is None else lsn_to_str(flushed)
+                raise StandbyBehindError(
+                    f"standby {settings.standby_safe!r} has not flushed {lsn_to_str(lsn)} "
+                    f"(its flushed LSN: {where}) within {settings.standby_safe_max_wait_s:.0f}s"
+                )
+            time.sleep(settings.standby_safe_poll_s)
+
+
 def alter_failover_command(slot: str) -> sql.Composed:
     """The replication command that makes ``slot`` a failover slot (PostgreSQL 17+)."""
     return sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER true)").format(sql.Identifier(slot))
 
 
-__all__ = ["FAILOVER_SLOTS_MIN_VERSION", "StandbySafe", "alter_failover_command"]
+__all__ = [
+    "FAILOVER_SLOTS_MIN_VERSION",
+    "StandbyBehindError",
+    "StandbySafe",
+    "alter_failover_command",
+    "wait_standby_flushed",
+]
