@@ -398,7 +398,10 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
     def _shutdown(self, sess: Session) -> None:
         self._set_state(RelayState.STOPPING)
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
-        while time.monotonic() < deadline and (sess.tracker.in_flight or sess.pending_dlq):
+        # (records held for the standby were never sent: nothing to wait for)
+        while time.monotonic() < deadline and (
+            sess.tracker.in_flight > self._held_records(sess) or sess.pending_dlq
+        ):
             self._poll(0.05)
             self._drain_dlq(sess)
         self._send_status(sess)

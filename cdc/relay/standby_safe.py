@@ -197,6 +197,11 @@ class StandbySafe:
         safe.metrics.held_transactions.set(gate.transactions if safe.sess is sess else 0)
         safe.metrics.held_records.set(gate.records if safe.sess is sess else 0)
 
+    def _held_records(self, sess: Session) -> int:
+        """Records of ``sess`` held for the standby (never sent; counted in flight)."""
+        safe = self._safe
+        return safe.gate.records if safe is not None and safe.sess is sess else 0
+
     def _publish_held(self, safe: _Safe, sess: Session, tx_id: int, record: HeldRecord) -> None:
         topic, value, key, headers, timestamp_ms, event_id = record
         try:

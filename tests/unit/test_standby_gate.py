@@ -259,3 +259,16 @@ def test_with_the_mode_off_the_send_step_is_the_producers_own() -> None:
     assert r._safe is None
     assert "_send" not in vars(r)
     r._release_held(Session(stream=FakeStream(), tracker=LsnTracker(0)))  # type: ignore[arg-type]
+
+
+def test_shutdown_does_not_wait_for_records_held_for_the_standby(
+    relay: Relay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sess = _session(relay)
+    _tx(relay, sess, 1_000, 2)
+    assert relay._held_records(sess) == 2 == sess.tracker.in_flight
+    polls: list[float] = []
+    monkeypatch.setattr(relay, "_poll", polls.append)
+    relay._shutdown(sess)
+    assert polls == []  # no turn of the flush wait
+    assert sess.tracker.confirmable == 0  # held, never sent: read again after a restart
