@@ -4,7 +4,8 @@ What it is for: the ``outbox-cdc relay`` process. :mod:`.loop` holds the
 :class:`~cdc.relay.loop.Relay` (sessions, back-pressure, standby, shutdown),
 assembled from one mixin per role: :mod:`.fast_path` (pgoutput changes to
 records), :mod:`.producing` (the producer and its delivery reports),
-:mod:`.dead_letters` and :mod:`.monitor` (the slot-lag and heartbeat thread);
+:mod:`.dead_letters`, :mod:`.monitor` (the slot-lag and heartbeat thread) and
+:mod:`.standby_safe` (standby-safe mode; its decisions in :mod:`.standby_gate`);
 :mod:`.state` and :mod:`.metrics` hold what they share. What it may import: the
 ``cdc`` kernel (settings, errors, constants, LSN tracking, the WAL protocol and
 decoder, the router, the producer helpers), never :mod:`sinks` and never the
