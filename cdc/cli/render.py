@@ -142,9 +142,7 @@ def slot_table(status: SlotStatus) -> Any:
         "WAL lag": fmt_bytes(status["wal_lag_bytes"]),
         "retained WAL": fmt_bytes(status["retained_wal_bytes"]),
         "WAL status": status["wal_status"],
-        "safe WAL size": fmt_bytes(status["safe_wal_size_bytes"])
-        if status["safe_wal_size_bytes"] is not None
-        else "no limit",
+        "safe WAL size": _safe_size(status),
         "gap": _gap_line(status["gap"]),
         "lag time": fmt_age(status["lag_time_s"]),
         "oldest unconfirmed commit": status["oldest_unconfirmed_commit_ts"],
@@ -153,6 +151,14 @@ def slot_table(status: SlotStatus) -> Any:
     for name, value in shown.items():
         table.add_row(name, "-" if value is None else str(value))
     return table
+
+
+def _safe_size(status: SlotStatus) -> str | None:
+    """WAL left before max_slot_wal_keep_size invalidates the slot (``no limit`` at -1)."""
+    if not status["exists"]:
+        return None
+    size = status["safe_wal_size_bytes"]
+    return "no limit (max_slot_wal_keep_size = -1)" if size is None else fmt_bytes(size)
 
 
 def _gap_line(row: dict[str, object] | None) -> str | None:

@@ -47,6 +47,7 @@ from cdc.errors import (
 )
 from cdc.health import HealthServer, Liveness
 from cdc.kafkalog import KafkaClientEvents
+from cdc.migrate import check_wal_level
 from cdc.producer import (
     TopicManager,
     discard_producer,
@@ -66,6 +67,7 @@ from cdc.wal.lsn import LsnTracker
 from cdc.wal.replproto import lsn_to_str
 from cdc.wal.stream import (
     ReplicationStream,
+    check_replication_privilege,
     ensure_publication,
     ensure_slot,
     server_is_utf8,
@@ -305,6 +307,8 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10
         ) as conn:
             ensure_publication(conn, s.publication, self._table[1])
+            check_wal_level(conn)  # (set-up errors first: the gap check needs both)
+            check_replication_privilege(conn)
         origin = self._guard_slot()  # first start, a gap, or a slot that holds everything
         with psycopg.connect(
             s.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10

@@ -1,4 +1,7 @@
-"""The relay's monitor thread: the slot-lag gauge, the optional heartbeat, the admin client's logs.
+"""The relay's monitor thread: the slot gauges, the optional heartbeat, the admin client's logs.
+
+The slot gauges: lag bytes, ``wal_status`` and ``safe_wal_size`` (how close
+``max_slot_wal_keep_size`` is to invalidating the slot).
 
 Guarantees: it works on a PostgreSQL connection of its own, never the
 replication connection, so it never delays the stream; a failure is logged at
@@ -18,8 +21,10 @@ from cdc import constants as c
 from cdc.producer import (
     TopicManager,
 )
+from cdc.relay.guard import observe_slot
 from cdc.relay.metrics import RelayMetrics
 from cdc.settings import Settings
+from cdc.wal.slots import read_slot
 from cdc.wal.stream import (
     slot_info,
 )
@@ -58,6 +63,7 @@ class SlotMonitor:
                     info = slot_info(conn, s.slot)
                     if info is not None and info.lag_bytes is not None:
                         self.metrics.slot_lag.set(info.lag_bytes)
+                    observe_slot(self.metrics, read_slot(conn, s.slot))
                     if (
                         s.heartbeat_interval_s > 0
                         and time.monotonic() - last_beat >= s.heartbeat_interval_s

@@ -39,7 +39,7 @@ from cdc import gaps
 from cdc.errors import CdcError, KafkaUnavailableError, SlotInUseError
 from cdc.lineage import LastRecord, last_published, origin_value
 from cdc.outbox import table_identifier
-from cdc.producer import TopicManager, make_producer
+from cdc.producer import TopicManager, is_record_error, make_producer
 from cdc.relay.gap import Action, Verdict, decide, unrecoverable_reason
 from cdc.relay.standby_safe import wait_standby_flushed
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
@@ -196,17 +196,59 @@ def _clear_slot(settings: Settings) -> None:
 
 
 class _Acks:
-    """Delivery reports of the recovery's records: acknowledged count, first error."""
+    """Delivery reports of the recovery's records: acknowledged count, records Kafka
+    refused for themselves (to dead-letter), the first other error."""
 
     def __init__(self) -> None:
         self.acked = 0
+        self.refused: list[tuple[KafkaError, Message]] = []
         self.error: KafkaError | None = None
 
-    def __call__(self, err: KafkaError | None, _msg: Message) -> None:
-        if err is not None:
-            self.error = self.error or err
-        else:
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
+        if err is None:
             self.acked += 1
+        elif is_record_error(err):
+            self.refused.append((err, msg))
+        else:
+            self.error = self.error or err
+
+
+#: A dead letter Kafka refused for its size is sent again with every field cut to this.
+DLQ_MINIMAL_FIELD_BYTES = 1024
+
+
+def _refused_record(msg: Message) -> KafkaRecord:
+    """A delivered-and-refused message back as the record it was."""
+    raw_headers: Any = msg.headers() or []
+    headers = [(str(k), v if isinstance(v, bytes) else b"") for k, v in raw_headers]
+    return KafkaRecord(
+        str(msg.topic()),
+        msg.key() or b"",
+        msg.value() or b"",
+        headers,
+        int(msg.timestamp()[1]),
+        dict(headers).get(c.HEADER_ID, b"").decode(errors="replace"),
+    )
+
+
+def _dead_letter_of(err: KafkaError, record: KafkaRecord, settings: Settings) -> KafkaRecord:
+    """The dead letter of a recovered record Kafka refused (as the streaming path writes
+    it); the minimal form when the refused record is itself a dead letter."""
+    minimal = record.topic == settings.dlq_topic
+    if minimal and b'"original_key_size"' in record.value:  # already the minimal form
+        raise KafkaUnavailableError(f"recovery: Kafka refused a dead letter: {err.str()}")
+    return dead_letter(
+        reason=f"Kafka refused the record: {err.str()}",
+        event_id=record.event_id,
+        original_topic=record.topic,
+        key=record.key,
+        raw=record.value,
+        headers=record.headers,
+        tx=TxContext("", record.timestamp_ms * 1000),
+        dlq_topic=settings.dlq_topic,
+        max_value_bytes=0 if minimal else DLQ_MAX_VALUE_BYTES,
+        max_field_bytes=DLQ_MINIMAL_FIELD_BYTES if minimal else None,
+    )
 
 
 @dataclass
@@ -234,11 +276,17 @@ class _Publisher:
             except BufferError:
                 self.producer.poll(0.1)
             except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if isinstance(err, KafkaError) and is_record_error(err):
+                    record = _dead_letter_of(err, record, self.settings)
+                    continue
                 raise KafkaUnavailableError(f"recovery produce failed: {exc}") from exc
         self.sent += 1
         self.producer.poll(0)
 
     def wait_acked(self) -> None:
+        """Until Kafka acknowledged every record; refused ones are dead-lettered (and
+        acknowledged) first; any other error raises (the gap stays open)."""
         deadline = time.monotonic() + ACK_TIMEOUT_S
         while self.acks.acked < self.sent and self.acks.error is None:
             if time.monotonic() > deadline:
@@ -246,8 +294,15 @@ class _Publisher:
                     f"recovery: {self.sent - self.acks.acked} records not acknowledged"
                 )
             self.producer.flush(1.0)
+            self._dead_letter_refused()
         if self.acks.error is not None:
-            raise KafkaUnavailableError(f"recovery: Kafka refused a record: {self.acks.error}")
+            raise KafkaUnavailableError(f"recovery: Kafka error: {self.acks.error}")
+
+    def _dead_letter_refused(self) -> None:
+        refused, self.acks.refused = self.acks.refused, []
+        for err, msg in refused:
+            self.sent -= 1  # the refused record is replaced by its dead letter
+            self.send(_dead_letter_of(err, _refused_record(msg), self.settings))
 
 
 def topic_manager(settings: Settings) -> TopicManager:

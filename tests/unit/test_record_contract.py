@@ -8,7 +8,7 @@ from pathlib import Path
 from cdc.router import TxContext, dead_letter, route_fields, route_message
 
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "record-contract.md"
-TX = TxContext("16/B374D848", 1_796_036_361_123_456)
+TX = TxContext("16/B374D848", 1_796_036_361_123_456, ("origin", b"7301/1/outbox_slot"))
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
