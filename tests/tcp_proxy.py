@@ -36,6 +36,8 @@ class TcpProxy:
         self._flowing.set()
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        #: held while a pump moves one chunk (pause() waits for it)
+        self._moving = threading.Lock()
         self._conns: list[tuple[socket.socket, socket.socket]] = []
         self._threads: list[threading.Thread] = []
         self._acceptor = threading.Thread(target=self._accept, name="tcp-proxy", daemon=True)
@@ -53,8 +55,11 @@ class TcpProxy:
         self.close()
 
     def pause(self) -> None:
-        """Stop moving bytes on every connection, present and future."""
+        """Stop moving bytes on every connection, present and future. On return no pump
+        is moving a chunk: bytes sent to the proxy from now on stay queued."""
         self._flowing.clear()
+        with self._moving:
+            pass
 
     def resume(self) -> None:
         self._flowing.set()
@@ -115,12 +120,14 @@ class TcpProxy:
                 ready, _, _ = select.select([src], [], [], TICK_S)
                 if not ready:
                     continue
-                if not self._flowing.is_set():  # paused while waiting: leave it queued
-                    continue
-                data = src.recv(CHUNK_BYTES)
+                with self._moving:
+                    if not self._flowing.is_set():  # paused while waiting: leave it queued
+                        continue
+                    data = src.recv(CHUNK_BYTES)
+                    if data:
+                        dst.sendall(data)
                 if not data:
                     break
-                dst.sendall(data)
         except (OSError, ValueError):
             pass
         finally:
