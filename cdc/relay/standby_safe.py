@@ -39,6 +39,7 @@ import psycopg
 from confluent_kafka import KafkaException
 from prometheus_client import CollectorRegistry, Gauge
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from cdc.errors import CdcError
 from cdc.relay.standby_gate import (
@@ -59,13 +60,26 @@ HeldRecord = tuple[str, bytes, bytes, Headers, int, bytes]
 
 #: The standby's flushed position: from the walsender of that application_name, or the
 #: physical slot of that name (restart_lsn of a physical slot is what the standby flushed).
+#: The third column says whether the reading belongs to the relay's session: its walsender
+#: (``pid``) streams on this very server. LSNs of another server (a promoted standby, while
+#: the session still holds the old primary's transactions) are never compared with its commits.
 FLUSHED_SQL = (
     "SELECT greatest("
     " (SELECT max(flush_lsn) FROM pg_stat_replication WHERE application_name = %(name)s),"
     " (SELECT restart_lsn FROM pg_replication_slots"
     "  WHERE slot_name = %(name)s AND slot_type = 'physical'))::text,"
-    " pg_current_wal_lsn()::text"
+    " pg_current_wal_lsn()::text,"
+    " EXISTS (SELECT 1 FROM pg_stat_replication WHERE pid = %(pid)s)"
 )
+
+#: The same, for a gap recovery: on the server that holds its new slot (active: the snapshot).
+FLUSHED_SQL_SLOT = FLUSHED_SQL.replace(
+    "pg_stat_replication WHERE pid = %(pid)s",
+    "pg_replication_slots WHERE slot_name = %(slot)s AND active",
+)
+
+#: The server a session streams from: host, hostaddr, port, its walsender's pid.
+Target = tuple[str, str, int, int]
 
 #: While nothing is held, the position is still read this often (for the lag gauge).
 IDLE_POLL_S = 1.0
@@ -116,8 +130,12 @@ class _Safe:
     publish: SendStep
     #: the session the gate holds records for (a new session clears it)
     sess: Session | None = None
-    #: the standby's flushed LSN as last read, None when unknown
-    flushed: int | None = None
+    #: the server the standby's flushed LSN was read on, and that LSN (None: unknown),
+    #: replaced as one tuple so the loop never pairs one server's LSN with another server
+    reading: tuple[Target | None, int | None] = (None, None)
+    #: the session's server (set by the loop for the poller)
+    target: Target | None = None
+    target_sess: Session | None = None
     mode: SafeMode = SafeMode.RELAY
     thread: threading.Thread | None = None
     wake: threading.Event = field(default_factory=threading.Event)
@@ -184,12 +202,17 @@ class StandbySafe:
             )
             safe.thread.start()
         gate = safe.gate
+        if safe.target_sess is not sess:  # the poller reads the standby on this server now
+            safe.target = (*sess.stream.server, sess.stream.backend_pid)
+            safe.target_sess = sess
+            safe.wake.set()
         if safe.sess is sess and gate.transactions:
             end_lsn_of = sess.tracker.end_lsn
+            on, flushed = safe.reading
             if safe.mode is SafeMode.SERVER:
                 released = gate.release_all_committed(end_lsn_of)
             else:
-                released = gate.release(safe.flushed, end_lsn_of)
+                released = gate.release(flushed if on == safe.target else None, end_lsn_of)
             for tx in released:
                 for record in tx.records:
                     self._publish_held(safe, sess, tx.tx_id, record)
@@ -214,7 +237,8 @@ class StandbySafe:
         oldest = safe.gate.oldest_held_at_s() if safe.sess is sess else None
         waited_s = 0.0 if oldest is None else time.monotonic() - oldest
         if waited_s > self.settings.standby_safe_max_wait_s and safe.mode is SafeMode.RELAY:
-            where = "unknown" if safe.flushed is None else lsn_to_str(safe.flushed)
+            on, flushed = safe.reading
+            where = "unknown" if flushed is None or on != safe.target else lsn_to_str(flushed)
             reason = (
                 f"waiting {waited_s:.0f}s for standby {safe.standby!r} to flush "
                 f"{safe.gate.transactions} held transactions (its flushed LSN: {where})"
@@ -232,37 +256,50 @@ class StandbySafe:
     # -- the poller thread -------------------------------------------------------------
 
     def _poll_standby(self) -> None:
-        """Read the standby's flushed LSN on a connection of its own, until stopped."""
+        """Read the standby's flushed LSN on a connection of its own, to the server the
+        session streams from (never another one of a multi-host DSN), until stopped."""
         safe = self._safe
         assert safe is not None
         last_error = ""
         while not self._stop.is_set():
+            target = safe.target
+            if target is None:
+                safe.wake.wait(IDLE_POLL_S)
+                safe.wake.clear()
+                continue
+            host, hostaddr, port, _ = target
+            dsn = make_conninfo(
+                self.settings.pg_dsn.get_secret_value(),
+                host=host,
+                hostaddr=hostaddr,
+                port=port,
+                target_session_attrs="any",
+            )
             try:
-                with psycopg.connect(
-                    self.settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=5
-                ) as conn:
+                with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
                     last_error = ""
-                    self._poll_on(safe, conn)
+                    self._poll_on(safe, conn, target)
             except psycopg.Error as exc:
-                safe.flushed = None  # unknown: nothing is released
+                safe.reading = (None, None)  # unknown: nothing is released
                 safe.metrics.lag.set(-1)
                 if str(exc) != last_error:
                     log.warning("standby-safe: reading standby %s: %s", safe.standby, exc)
                     last_error = str(exc)
                 self._stop.wait(RECONNECT_S)
 
-    def _poll_on(self, safe: _Safe, conn: psycopg.Connection[Any]) -> None:
+    def _poll_on(self, safe: _Safe, conn: psycopg.Connection[Any], target: Target) -> None:
         next_guard_check = 0.0
-        while not self._stop.is_set():
+        while not self._stop.is_set() and safe.target == target:
             now = time.monotonic()
             if now >= next_guard_check:
                 self._choose_mode(safe, conn)
                 next_guard_check = now + SERVER_GUARD_RECHECK_S
-            row = conn.execute(FLUSHED_SQL, {"name": safe.standby}).fetchone()
+            row = conn.execute(FLUSHED_SQL, {"name": safe.standby, "pid": target[3]}).fetchone()
             assert row is not None
-            safe.flushed = str_to_lsn(row[0]) if row[0] else None
+            flushed = str_to_lsn(row[0]) if row[0] and row[2] else None
+            safe.reading = (target, flushed)
             current = str_to_lsn(row[1])
-            safe.metrics.lag.set(-1 if safe.flushed is None else max(current - safe.flushed, 0))
+            safe.metrics.lag.set(-1 if flushed is None else max(current - flushed, 0))
             if safe.gate.records:
                 self._stop.wait(self.settings.standby_safe_poll_s)
             else:
@@ -330,8 +367,10 @@ def wait_standby_flushed(settings: Settings, lsn: int) -> None:
         settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=5
     ) as conn:
         while True:
-            row = conn.execute(FLUSHED_SQL, {"name": settings.standby_safe}).fetchone()
-            flushed = str_to_lsn(row[0]) if row and row[0] else None
+            row = conn.execute(
+                FLUSHED_SQL_SLOT, {"name": settings.standby_safe, "slot": settings.slot}
+            ).fetchone()
+            flushed = str_to_lsn(row[0]) if row and row[0] and row[2] else None
             if flushed is not None and flushed >= lsn:
                 return
             if time.monotonic() > deadline:

@@ -178,10 +178,25 @@ def _tx(relay: Relay, sess: Session, final_lsn: int, n: int) -> None:
     relay._on_change(sess, commit(final_lsn))
 
 
-def _session(relay: Relay) -> Session:
-    sess = Session(stream=FakeStream(), tracker=LsnTracker(0))  # type: ignore[arg-type]
+class ServerStream(FakeStream):
+    """A stream on one server of a multi-host DSN, read by a walsender of ``backend_pid``."""
+
+    def __init__(self, port: int = 5432, backend_pid: int = 4242) -> None:
+        self.server = ("127.0.0.1", "127.0.0.1", port)
+        self.backend_pid = backend_pid
+
+
+def _session(relay: Relay, stream: ServerStream | None = None) -> Session:
+    sess = Session(stream=stream or ServerStream(), tracker=LsnTracker(0))  # type: ignore[arg-type]
     relay._on_change(sess, relation())
     return sess
+
+
+def _flushed(relay: Relay, lsn: int | None, *, port: int = 5432, pid: int = 4242) -> None:
+    """What the poller would set: the standby's flushed LSN read on that server."""
+    safe = relay._safe
+    assert safe is not None
+    safe.reading = (("127.0.0.1", "127.0.0.1", port, pid), lsn)
 
 
 def test_with_the_mode_on_records_wait_for_the_standby_and_count_in_flight(relay: Relay) -> None:
@@ -199,7 +214,7 @@ def test_with_the_mode_on_records_wait_for_the_standby_and_count_in_flight(relay
     assert sess.tracker.in_flight == 4  # held records count against CDC_MAX_IN_FLIGHT
     assert sess.tracker.confirmable == 0
 
-    safe.flushed = 1_000 + 40  # commit end of the first transaction (commit() adds 40)
+    _flushed(relay, 1_000 + 40)  # commit end of the first transaction (commit() adds 40)
     relay._release_held(sess)
     assert [p.headers[0][1] for p in producer.produced] == [
         b"00001000-0000-4000-8000-000000000000",
@@ -208,7 +223,7 @@ def test_with_the_mode_on_records_wait_for_the_standby_and_count_in_flight(relay
     producer.poll()
     assert sess.tracker.confirmable == 1_040
 
-    safe.flushed = 10_000  # past everything, but the third transaction is still open
+    _flushed(relay, 10_000)  # past everything, but the third transaction is still open
     relay._release_held(sess)
     assert len(producer.produced) == 3
     relay._on_change(sess, commit(3_000))
@@ -235,7 +250,7 @@ def test_a_standby_that_does_not_catch_up_holds_the_relay_until_it_does(
     assert sess.held is not None and "'sb'" in sess.held and "unknown" in sess.held
     relay._set_state(RelayState.HELD, sess.held)
     assert not relay.liveness.ready and "waiting" in relay.liveness.state
-    safe.flushed = 5_000
+    _flushed(relay, 5_000)
     relay._release_held(sess)
     assert sess.held is None
     assert relay.registry.get_sample_value("outbox_relay_standby_held_records") == 0
@@ -272,3 +287,21 @@ def test_shutdown_does_not_wait_for_records_held_for_the_standby(
     relay._shutdown(sess)
     assert polls == []  # no turn of the flush wait
     assert sess.tracker.confirmable == 0  # held, never sent: read again after a restart
+
+
+def test_a_reading_of_another_server_releases_nothing(relay: Relay) -> None:
+    """After a failover the poller may read the promoted standby's positions (a new
+    timeline, higher LSNs) while the session still holds the old primary's commits."""
+    producer = relay._producer
+    assert isinstance(producer, RecordingProducer)
+    sess = _session(relay, ServerStream(port=5432, backend_pid=4242))
+    _tx(relay, sess, 1_000, 1)
+    relay._release_held(sess)
+    _flushed(relay, 1 << 40, port=5433, pid=4242)  # another server
+    relay._release_held(sess)
+    _flushed(relay, 1 << 40, port=5432, pid=777)  # the same port, not our walsender
+    relay._release_held(sess)
+    assert producer.produced == []
+    _flushed(relay, 1 << 40)
+    relay._release_held(sess)
+    assert len(producer.produced) == 1
