@@ -72,10 +72,9 @@ FLUSHED_SQL = (
     " EXISTS (SELECT 1 FROM pg_stat_replication WHERE pid = %(pid)s)"
 )
 
-#: The same, for a gap recovery: on the server that holds its new slot (active: the snapshot).
+#: The same, for a gap recovery: on the server that holds the slot it just made.
 FLUSHED_SQL_SLOT = FLUSHED_SQL.replace(
-    "pg_stat_replication WHERE pid = %(pid)s",
-    "pg_replication_slots WHERE slot_name = %(slot)s AND active",
+    "pg_stat_replication WHERE pid = %(pid)s", "pg_replication_slots WHERE slot_name = %(slot)s"
 )
 
 #: The server a session streams from: host, hostaddr, port, its walsender's pid.
