@@ -62,7 +62,7 @@ class SlotGuard:
         """Check the slot; create it (first start) or close a gap; the session's
         ``origin`` header. Raises :class:`SlotGapError` while a gap stays open."""
         s = self.settings
-        found = recovery.inspect(s)
+        found = recovery.inspect(s, slot_survives_failover=self._slot_survives_failover())
         self._observe_slot(found.slot)
         verdict = found.verdict
         origin = origin_value(found.server, s.slot)
@@ -76,6 +76,12 @@ class SlotGuard:
         elif verdict.action is Action.GAP:
             origin = self._close_gap(recovery.open_gap(s, found))
         return (c.HEADER_ORIGIN, origin.encode())
+
+    def _slot_survives_failover(self) -> bool:
+        """True when the slot is a failover slot (PostgreSQL 17+, synchronised to the
+        standby): an existing slot under a new timeline is then trusted. Off here; the
+        standby-safe mode decides it."""
+        return False
 
     def _close_gap(self, gap: gaps.HistoryRow) -> str:
         s = self.settings
