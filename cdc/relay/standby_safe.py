@@ -219,6 +219,14 @@ class StandbySafe:
         safe.metrics.held_transactions.set(gate.transactions if safe.sess is sess else 0)
         safe.metrics.held_records.set(gate.records if safe.sess is sess else 0)
 
+    def _slot_survives_failover(self) -> bool:
+        """The slot guard's question (:mod:`cdc.relay.guard`): True only while the server
+        guards (PostgreSQL 17+: the slot is a failover slot, the standby listed in
+        ``synchronized_standby_slots``), so the slot found on a promoted standby is trusted.
+        Until the poller has seen that, False: a gap is recovered (duplicates, no loss)."""
+        safe = self._safe
+        return safe is not None and safe.mode is SafeMode.SERVER
+
     def _held_records(self, sess: Session) -> int:
         """Records of ``sess`` held for the standby (never sent; counted in flight)."""
         safe = self._safe

@@ -305,3 +305,18 @@ def test_a_reading_of_another_server_releases_nothing(relay: Relay) -> None:
     _flushed(relay, 1 << 40)
     relay._release_held(sess)
     assert len(producer.produced) == 1
+
+
+def test_the_slot_guard_trusts_a_slot_after_promotion_only_while_the_server_guards(
+    relay: Relay,
+) -> None:
+    safe = relay._safe
+    assert safe is not None
+    assert relay._slot_survives_failover() is False  # the relay's own gate: recover a gap
+    safe.mode = SafeMode.SERVER
+    assert relay._slot_survives_failover() is True
+    off = Relay(
+        Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9"),
+        serve_http=False,
+    )
+    assert off._slot_survives_failover() is False
