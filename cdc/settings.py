@@ -159,6 +159,16 @@ class Settings(BaseSettings):
     relay_stall_after_s: float = env("CDC_RELAY_STALL_AFTER_S", 60.0)
     #: Address the /metrics, /healthz, /readyz (and admin) servers bind.
     http_host: str = env("CDC_HTTP_HOST", "127.0.0.1")
+    # Standby-safe mode (cdc.relay.standby_safe): empty = off.
+    #: A physical standby (its application_name or its physical slot): a transaction is
+    #: published only once that standby has flushed its commit (no phantoms after failover).
+    standby_safe: str = env("CDC_STANDBY_SAFE", "")
+    #: How often the standby's flushed position is read while transactions are held.
+    standby_safe_poll_s: float = env("CDC_STANDBY_SAFE_POLL_S", 0.005)
+    #: Held this long without the standby flushing: the relay is HELD (503), stops reading WAL.
+    standby_safe_max_wait_s: float = env("CDC_STANDBY_SAFE_MAX_WAIT_S", 30.0)
+    #: PostgreSQL 17+: let the server guard instead (failover slot, synchronized_standby_slots).
+    standby_safe_failover_slots: bool = env("CDC_STANDBY_SAFE_FAILOVER_SLOTS", False)
     kafka_bootstrap_servers: str = env("KAFKA_BOOTSTRAP_SERVERS", "")
     #: librdkafka settings from KAFKA_CONFIG_* (no variable of its own).
     kafka_config: dict[str, str] = Field(default_factory=dict, repr=False)

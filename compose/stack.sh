@@ -6,6 +6,9 @@
 #   compose/stack.sh down [pg|kafka]   stop (SIGTERM, then SIGKILL after a grace period)
 #   compose/stack.sh kill [pg|kafka]   SIGKILL (fault tests)
 #   compose/stack.sh status            one line per service
+#   compose/stack.sh up standby        a streaming standby of PostgreSQL (OUTBOX_PG_STANDBY_PORT,
+#                                      default port+1); `promote standby`; `down standby`
+#                                      stops it and removes its data and slot
 #
 # Everything lives under .dev/ (data, logs, the Kafka jars cache). Ports are
 # loopback-only and non-default; override with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT,
@@ -19,6 +22,7 @@ DEV="$ROOT/.dev"
 # Below the kernel's ephemeral range (32768-60999), so no client socket can
 # hold one of these ports when the stack starts.
 PG_PORT=${OUTBOX_PG_PORT:-25432}
+PG_STANDBY_PORT=${OUTBOX_PG_STANDBY_PORT:-$((PG_PORT + 1))}
 KAFKA_PORT=${OUTBOX_KAFKA_PORT:-29092}
 KAFKA_CONTROLLER_PORT=${OUTBOX_KAFKA_CONTROLLER_PORT:-29093}
 PG_DB=outbox
@@ -163,6 +167,79 @@ pg_status() {
     fi
 }
 
+# ----------------------------------------------------- PostgreSQL standby
+# A streaming standby of the stack's PostgreSQL (pg_basebackup -R, physical slot
+# and application_name 'outbox_standby') for trying failover and CDC_STANDBY_SAFE
+# by hand; `promote standby` makes it the primary. Never started by `up` alone.
+STANDBY_SLOT=outbox_standby
+
+standby_dir() {
+    local d
+    d="$(pg_dir)-standby"
+    mkdir -p "$d"
+    [ "$(id -u)" != 0 ] || { chown postgres: "$d"; chmod 700 "$d"; }
+    echo "$d"
+}
+
+standby_up() {
+    local bin dir data pw
+    bin=$(pg_bindir); dir=$(standby_dir); data="$dir/data"; pw=$(pg_password)
+    as_pg "$bin/pg_ctl" -D "$(pg_dir)/data" status >/dev/null 2>&1 ||
+        die "postgresql is not running: compose/stack.sh up pg first"
+    if as_pg "$bin/pg_ctl" -D "$data" status >/dev/null 2>&1; then
+        log "standby already running on 127.0.0.1:$PG_STANDBY_PORT"; return
+    fi
+    if [ ! -s "$data/PG_VERSION" ]; then
+        log "pg_basebackup from 127.0.0.1:$PG_PORT into $data (slot $STANDBY_SLOT)"
+        PGPASSWORD=$pw "$bin/psql" -qAt -h 127.0.0.1 -p "$PG_PORT" -U "$PG_SUPERUSER" -d postgres -c \
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+             WHERE slot_name = '$STANDBY_SLOT' AND NOT active" >/dev/null
+        as_pg env PGPASSWORD="$pw" "$bin/pg_basebackup" -h 127.0.0.1 -p "$PG_PORT" \
+            -U "$PG_SUPERUSER" -D "$data" -X stream -c fast -C -S "$STANDBY_SLOT" >&2 ||
+            die "pg_basebackup failed"
+        mkdir -p "$dir/run" && { [ "$(id -u)" != 0 ] || chown postgres: "$dir/run"; }
+        as_pg touch "$data/standby.signal"
+        as_pg tee -a "$data/postgresql.auto.conf" >/dev/null <<CONF
+primary_conninfo = 'host=127.0.0.1 port=$PG_PORT user=$PG_SUPERUSER password=$pw application_name=$STANDBY_SLOT'
+primary_slot_name = '$STANDBY_SLOT'
+unix_socket_directories = '$dir/run'
+CONF
+    fi
+    require_free_port "$PG_STANDBY_PORT" OUTBOX_PG_STANDBY_PORT
+    log "starting the standby on 127.0.0.1:$PG_STANDBY_PORT"
+    as_pg "$bin/pg_ctl" -D "$data" -l "$dir/postgresql.log" -w -t "$START_TIMEOUT_S" \
+        -o "-p $PG_STANDBY_PORT" start >/dev/null ||
+        { tail -n 40 "$dir/postgresql.log" >&2; die "the standby did not start"; }
+    log "multi-host DSN: host=127.0.0.1,127.0.0.1 port=$PG_PORT,$PG_STANDBY_PORT target_session_attrs=read-write"
+}
+
+standby_ctl() {  # $1: promote | down (stop, remove its data and its slot: no WAL pinned)
+    local bin dir
+    bin=$(pg_bindir); dir=$(standby_dir)
+    if [ "$1" = promote ]; then
+        as_pg "$bin/pg_ctl" -D "$dir/data" status >/dev/null 2>&1 || die "no standby running"
+        log "promoting the standby"; as_pg "$bin/pg_ctl" -D "$dir/data" -w promote >/dev/null
+        return
+    fi
+    if as_pg "$bin/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+        log "stopping the standby"; as_pg "$bin/pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null
+    fi
+    rm -rf "${dir:?}/data"
+    if as_pg "$bin/pg_ctl" -D "$(pg_dir)/data" status >/dev/null 2>&1; then
+        PGPASSWORD=$(pg_password) "$bin/psql" -qAt -h 127.0.0.1 -p "$PG_PORT" -U "$PG_SUPERUSER" \
+            -d postgres -c "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots
+                            WHERE slot_name = '$STANDBY_SLOT' AND NOT active" >/dev/null || true
+    fi
+}
+
+standby_status() {
+    local bin dir
+    bin=$(pg_bindir); dir=$(standby_dir)
+    if as_pg "$bin/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+        echo "standby     up    127.0.0.1:$PG_STANDBY_PORT  data=$dir/data"
+    fi
+}
+
 # --------------------------------------------------------------------- Kafka
 KAFKA_DIR="$DEV/kafka"
 
@@ -283,13 +360,16 @@ main() {
         up:all)      pg_up; kafka_up; write_env; log "stack up; source .dev/env" ;;
         up:pg)       pg_up; write_env ;;
         up:kafka)    kafka_up; write_env ;;
-        down:all)    kafka_stop TERM; pg_stop fast ;;
+        up:standby)  standby_up ;;
+        down:all)    kafka_stop TERM; standby_ctl down; pg_stop fast ;;
         down:pg)     pg_stop fast ;;
         down:kafka)  kafka_stop TERM ;;
+        down:standby) standby_ctl down ;;
         kill:pg)     pg_stop immediate ;;
         kill:kafka)  kafka_stop KILL ;;
-        status:*)    pg_status; kafka_status ;;
-        *) die "usage: $0 up|down|kill|status [pg|kafka]" ;;
+        promote:standby) standby_ctl promote ;;
+        status:*)    pg_status; standby_status; kafka_status ;;
+        *) die "usage: $0 up|down|kill|status [pg|kafka|standby] | promote standby" ;;
     esac
 }
 

@@ -9,7 +9,8 @@ Endpoints, in order of preference:
 When none works the test fails in CI (``CI=true``) and is skipped, with the
 reason, elsewhere. Each session works in its own freshly migrated database and
 every test gets unique slot/publication/topic names, so tests never see each
-other's events.
+other's events. Slot-loss tests also get a primary with a streaming standby of
+their own (``cluster_pair``, see :mod:`tests.clusters`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 from psycopg import sql
 
 from cdc.migrate import migrate
+from tests.clusters import ClusterPair, clusters_root
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
@@ -222,3 +224,36 @@ def password_db(pg_server: str) -> Iterator[PasswordDb]:
     drop_database(pg_server, dsn)
     with psycopg.connect(pg_server, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+# -- a primary with a streaming standby of the tests' own (slot-loss tests) ---------------
+
+
+@pytest.fixture(scope="session")
+def cluster_pair() -> Iterator[ClusterPair]:
+    """Built once per session (initdb + pg_basebackup): see :mod:`tests.clusters`."""
+    pair = ClusterPair.create(clusters_root())
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
+@pytest.fixture
+def pair(cluster_pair: ClusterPair) -> ClusterPair:
+    """The pair, whole: a primary and a standby streaming from it (re-cloned only when a
+    test promoted the standby or broke the link)."""
+    cluster_pair.heal()
+    return cluster_pair
+
+
+@pytest.fixture
+def pair_db(pair: ClusterPair) -> Iterator[str]:
+    """A migrated database on the pair, as its multi-host DSN (follows a failover)."""
+    name = f"cdc_pair_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    migrate(pair.primary.dsn(name))
+    yield pair.dsn(name)
+    pair.heal()
+    drop_database(pair.primary.dsn(), pair.primary.dsn(name))

@@ -4,8 +4,9 @@ What it is for: the ``outbox-cdc relay`` process. :mod:`.loop` holds the
 :class:`~cdc.relay.loop.Relay` (sessions, back-pressure, standby, shutdown),
 assembled from one mixin per role: :mod:`.fast_path` (pgoutput changes to
 records), :mod:`.producing` (the producer and its delivery reports),
-:mod:`.dead_letters`, :mod:`.monitor` (the slot gauges and heartbeat thread)
-and :mod:`.guard` (the gap check before each session); :mod:`.state` and
+:mod:`.dead_letters`, :mod:`.monitor` (the slot gauges and heartbeat thread),
+:mod:`.guard` (the gap check before each session) and :mod:`.standby_safe`
+(standby-safe mode; its decisions, pure, in :mod:`.standby_gate`); :mod:`.state` and
 :mod:`.metrics` hold what they share. :mod:`.gap` decides (pure) whether the
 slot may stream, must be created (first start) or has a gap, and
 :mod:`.recovery` closes a gap from the outbox table (also for ``outbox-cdc

@@ -61,6 +61,7 @@ from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
 from cdc.relay.stall import StallWatch
+from cdc.relay.standby_safe import StandbySafe
 from cdc.relay.state import PoisonIds, RelayState, Session
 from cdc.settings import Settings
 from cdc.tracing import relay_tracing
@@ -138,7 +139,7 @@ SHUTDOWN_FLUSH_S = 15.0
 _XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
 
 
-class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
+class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuard):
     def __init__(
         self,
         settings: Settings,
@@ -178,6 +179,7 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
         self._tracing = relay_tracing()
         #: slot gaps already logged and counted (each is reported once)
         self._gaps_reported: set[int] = set()
+        self._init_standby_safe()  # CDC_STANDBY_SAFE: records wait for the standby
 
     def stop(self) -> None:
         """Ask the relay to stop (signal-safe)."""
@@ -357,6 +359,7 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
             self.liveness.tick()
             self._poll(0)
             self._drain_dlq(sess)
+            self._release_held(sess)  # standby-safe mode: what the standby has flushed
             if sess.fatal is not None:
                 raise KafkaUnavailableError(f"producer error: {sess.fatal}")
             if sess.held is not None:
@@ -459,7 +462,10 @@ class Relay(FastPath, Producing, DeadLetters, SlotMonitor, SlotGuard):
     def _shutdown(self, sess: Session) -> None:
         self._set_state(RelayState.STOPPING)
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
-        while time.monotonic() < deadline and (sess.tracker.in_flight or sess.pending_dlq):
+        # (records held for the standby were never sent: nothing to wait for)
+        while time.monotonic() < deadline and (
+            sess.tracker.in_flight > self._held_records(sess) or sess.pending_dlq
+        ):
             self._poll(0.05)
             self._drain_dlq(sess)
         self._send_status(sess)

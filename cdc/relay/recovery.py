@@ -41,6 +41,7 @@ from cdc.lineage import LastRecord, last_published, origin_value
 from cdc.outbox import table_identifier
 from cdc.producer import TopicManager, is_record_error, make_producer
 from cdc.relay.gap import Action, Verdict, decide, unrecoverable_reason
+from cdc.relay.standby_safe import wait_standby_flushed
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
@@ -375,6 +376,8 @@ def _recover(
     try:
         with exported_slot(dsn, settings.slot) as made, connect(settings) as conn:
             in_snapshot(conn, made.snapshot)
+            if settings.standby_safe:  # every row of the snapshot on the standby first
+                wait_standby_flushed(settings, made.consistent_lsn)
             window_end = datetime.now(UTC)
             lsn = lsn_to_str(made.consistent_lsn)
             query = _window_query(settings, _order_column(conn), gap.window_start)

@@ -111,6 +111,12 @@ class LsnTracker:
         """The largest ``wal_end`` observed (or the start LSN)."""
         return self._wal_end
 
+    def end_lsn(self, tx_id: int) -> int | None:
+        """``Commit.end_lsn`` of a transaction the tracker still holds; None while it
+        is open or once it is DONE (it then left the tracker)."""
+        tx = self._txs.get(tx_id)
+        return None if tx is None else tx.end_lsn
+
     def open(self, tx_id: int) -> None:
         """Begin of transaction ``tx_id`` (its ``Begin.final_lsn``)."""
         if tx_id <= self._last_tx_id:

@@ -372,5 +372,11 @@ class ReplicationStream:
     def backend_pid(self) -> int:
         return self._pg.backend_pid
 
+    @property
+    def server(self) -> tuple[str, str, int]:
+        """Host, address and port of the server this stream reads (one of a multi-host DSN)."""
+        info = self._conn.info
+        return info.host, info.hostaddr, info.port
+
     def close(self) -> None:
         self._conn.close()
