@@ -146,6 +146,9 @@ class Settings(BaseSettings):
     #: false: events are not kept in the table (delete_after=True writes, emit_event),
     #: so a gap cannot be recovered and waits for `slot accept-gap`.
     outbox_keeps_rows: bool = env("CDC_OUTBOX_KEEPS_ROWS", True)
+    #: the publication publishes one share of the outbox through a row filter (sharding
+    #: across relays, README "Scaling"); else a row filter is refused at start
+    publication_filtered: bool = env("CDC_PUBLICATION_FILTERED", False)
     #: Records read from the end of each outbox partition to find the last one published.
     gap_tail_records: int = env("CDC_GAP_TAIL_RECORDS", 20)
     #: Records handed to Kafka but not yet acknowledged before the relay stops

@@ -320,7 +320,9 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         with psycopg.connect(
             with_connection_defaults(s.pg_dsn.get_secret_value()), autocommit=True
         ) as conn:
-            self._table = ensure_publication(conn, s.publication, s.outbox_table)
+            self._table = ensure_publication(
+                conn, s.publication, s.outbox_table, filtered=s.publication_filtered
+            )
             check_wal_level(conn)  # (set-up errors first: the gap check needs both)
             check_replication_privilege(conn)
         origin = self._guard_slot()  # first start, a gap, or a slot that holds everything

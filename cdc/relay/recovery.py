@@ -53,6 +53,7 @@ from cdc.wal.slots import (
     in_snapshot,
     read_slot,
 )
+from cdc.wal.stream import publication_row_filter, resolve_table
 
 log = logging.getLogger("cdc.relay")
 
@@ -161,19 +162,30 @@ def _order_column(conn: Conn) -> sql.Composable:
     return sql.SQL("created_at")
 
 
-def _window_query(settings: Settings, when: sql.Composable, start: datetime | None) -> sql.Composed:
-    where = sql.SQL("WHERE {} >= %s").format(when) if start is not None else sql.SQL("")
+def _window_query(conn: Conn, settings: Settings, start: datetime | None) -> sql.Composed:
+    """The window's rows in commit order: those of the publication's row filter only
+    (a shard of the outbox, ``CDC_PUBLICATION_FILTERED``): the other shares are the
+    other relays' to recover."""
+    when = _order_column(conn)
+    schema, name = resolve_table(conn, settings.outbox_table)
+    conditions: list[sql.Composable] = []
+    if start is not None:
+        conditions.append(sql.SQL("{} >= %s").format(when))
+    row_filter = publication_row_filter(conn, settings.publication, schema, name)
+    if row_filter is not None:  # the server's own text of the filter (pg_publication_tables)
+        conditions.append(sql.SQL("(" + row_filter + ")"))
+    where = sql.SQL("WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
     return sql.SQL(
         "SELECT id::text, aggregatetype, aggregateid, type, payload::text, tracingspancontext,"
         " {when} AS ts FROM {table} {where} ORDER BY ts, created_at, id"
-    ).format(when=when, table=table_identifier(settings.outbox_table), where=where)
+    ).format(when=when, table=sql.Identifier(schema, name), where=where)
 
 
 def count_window(settings: Settings, start: datetime | None) -> int:
     """Outbox rows in a window starting at ``start`` (the dry run's count)."""
     with connect(settings) as conn:
         query = sql.SQL("SELECT count(*) FROM ({}) AS w").format(
-            _window_query(settings, _order_column(conn), start)
+            _window_query(conn, settings, start)
         )
         row = conn.execute(query, (start,) if start is not None else ()).fetchone()
     return int(row[0]) if row else 0
@@ -380,7 +392,7 @@ def _recover(
                 wait_standby_flushed(settings, made.consistent_lsn)
             window_end = datetime.now(UTC)
             lsn = lsn_to_str(made.consistent_lsn)
-            query = _window_query(settings, _order_column(conn), gap.window_start)
+            query = _window_query(conn, settings, gap.window_start)
             params = (gap.window_start,) if gap.window_start is not None else ()
             with conn.cursor(name=f"outbox_cdc_recovery_{gap.id}") as cur:
                 cur.itersize = FETCH_ROWS

@@ -112,7 +112,9 @@ def check_replication_privilege(conn: Conn) -> None:
         )
 
 
-def ensure_publication(conn: Conn, publication: str, table: str) -> tuple[str, str]:
+def ensure_publication(
+    conn: Conn, publication: str, table: str, *, filtered: bool = False
+) -> tuple[str, str]:
     """Make ``publication`` publish inserts of the outbox ``table``; return it as (schema, name).
 
     ``table`` (``CDC_OUTBOX_TABLE``, ``name`` or ``schema.name``) is resolved in
@@ -120,9 +122,10 @@ def ensure_publication(conn: Conn, publication: str, table: str) -> tuple[str, s
     after that uses the qualified name. The table must have the routed
     columns with usable types. A missing publication is created for exactly
     that table; an existing one must publish its inserts, all of its rows (no
-    row filter) and every routed column (no column list leaving one out):
-    otherwise :class:`DatabaseSetupError` names the publication, the table and
-    the fix, because the relay would silently publish nothing.
+    row filter, unless ``filtered``: a shard of the outbox on purpose) and every
+    routed column (no column list leaving one out): otherwise
+    :class:`DatabaseSetupError` names the publication, the table and the fix,
+    because the relay would silently publish nothing.
     """
     schema, name = resolve_table(conn, table)
     qualified = f"{schema}.{name}"
@@ -131,7 +134,7 @@ def ensure_publication(conn: Conn, publication: str, table: str) -> tuple[str, s
         "SELECT 1 FROM pg_publication WHERE pubname = %s", (publication,)
     ).fetchone()
     if exists:
-        check_publication_covers(conn, publication, schema, name)
+        check_publication_covers(conn, publication, schema, name, filtered=filtered)
         return schema, name
     try:
         conn.execute(
@@ -178,8 +181,11 @@ def check_outbox_columns(conn: Conn, schema: str, name: str) -> None:
         raise DatabaseSetupError(f"{layout.problem}: fix the table or CDC_OUTBOX_TABLE")
 
 
-def check_publication_covers(conn: Conn, publication: str, schema: str, name: str) -> None:
-    """``publication`` publishes every insert of schema.name with every routed column."""
+def check_publication_covers(
+    conn: Conn, publication: str, schema: str, name: str, *, filtered: bool = False
+) -> None:
+    """``publication`` publishes every insert of schema.name (or, ``filtered``, those of
+    its row filter) with every routed column."""
     pg15 = conn.info.server_version >= 150000
     extra = "pt.rowfilter, pt.attnames" if pg15 else "NULL::text, NULL::name[]"
     row = conn.execute(
@@ -210,10 +216,11 @@ def check_publication_covers(conn: Conn, publication: str, schema: str, name: st
             f"publication {publication} does not publish inserts of {qualified}:"
             f" ALTER PUBLICATION {publication} SET (publish = 'insert')"
         )
-    if rowfilter is not None:
+    if rowfilter is not None and not filtered:
         raise DatabaseSetupError(
             f"publication {publication} publishes {qualified} with a row filter"
-            f" (WHERE {rowfilter}), whose rows would never reach Kafka: {fix}"
+            f" (WHERE {rowfilter}), whose rows would never reach Kafka: {fix};"
+            " set CDC_PUBLICATION_FILTERED=true if it shards the outbox on purpose"
         )
     left_out = [c for c in ROUTED_COLUMNS if attnames is not None and c not in attnames]
     if left_out and _has_columns(conn, schema, name, left_out):
@@ -221,6 +228,18 @@ def check_publication_covers(conn: Conn, publication: str, schema: str, name: st
             f"publication {publication} publishes {qualified} with a column list leaving out"
             f" {', '.join(left_out)}: {fix}"
         )
+
+
+def publication_row_filter(conn: Conn, publication: str, schema: str, name: str) -> str | None:
+    """The row filter ``publication`` applies to schema.name, as the server prints it."""
+    if conn.info.server_version < 150000:
+        return None
+    row = conn.execute(
+        "SELECT rowfilter FROM pg_publication_tables"
+        " WHERE pubname = %s AND schemaname = %s AND tablename = %s",
+        (publication, schema, name),
+    ).fetchone()
+    return str(row[0]) if row and row[0] is not None else None
 
 
 def _has_columns(conn: Conn, schema: str, name: str, columns: list[str]) -> bool:

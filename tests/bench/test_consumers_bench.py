@@ -182,7 +182,7 @@ def test_sharded_relays_against_one_relay_drain_rate(
         for run in range(REPEATS):
             one_rates.append(EVENTS / _drain_s(cfg, tmp_path, [{"CDC_SLOT": single[run]}], topic))
             overlays = [
-                {"CDC_SLOT": slot, "CDC_PUBLICATION": pub}
+                {"CDC_SLOT": slot, "CDC_PUBLICATION": pub, "CDC_PUBLICATION_FILTERED": "true"}
                 for slot, pub in zip(sharded[run], pubs, strict=True)
             ]
             two_rates.append(EVENTS / _drain_s(cfg, tmp_path, overlays, topic))

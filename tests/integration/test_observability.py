@@ -58,6 +58,7 @@ from tests.harness import (
     RelayConfig,
     SinkConfig,
     drop_slot,
+    free_port,
     read_topics,
     start_relay,
     start_sink,
@@ -178,7 +179,7 @@ def pipeline(
     procs: list[Proc] = []
     with StubServer(api_key=API_KEY) as stub:
         sink_cfg = SinkConfig(relay=relay_cfg, engine_url=stub.url, api_key=API_KEY)
-        cli_env = sink_cfg.env(0)
+        cli_env = sink_cfg.env(free_port())  # (a valid port; trace binds none)
         settings = Settings(
             pg_dsn=db_dsn,
             kafka_bootstrap_servers=kafka_bootstrap,
@@ -435,7 +436,16 @@ def _families(p: Pipeline) -> dict[str, list[tuple[str, dict[str, str], float]]]
     return {**_samples(p.scrapes["relay"]), **_samples(p.scrapes["sink"])}
 
 
+#: Counters of a fault this pipeline does not stage: the named test drives the real
+#: process through that fault and asserts the counter moved.
+COUNTED_ELSEWHERE = {
+    "outbox_relay_replication_silences_total": "test_relay_network_faults.py",
+}
+
+
 def test_every_metric_the_rules_and_dashboard_name_is_exported_and_set(p: Pipeline) -> None:
+    for name, test_file in COUNTED_ELSEWHERE.items():
+        assert name in (Path(__file__).parent / test_file).read_text(encoding="utf-8")
     families = _families(p)
     types = {
         _family_name(f): f.type
@@ -450,7 +460,7 @@ def test_every_metric_the_rules_and_dashboard_name_is_exported_and_set(p: Pipeli
             continue
         if types[name] in {"counter", "histogram"}:
             total = sum(v for n, _, v in samples if n.endswith(("_total", "_count")))
-            if total <= 0:
+            if total <= 0 and name not in COUNTED_ELSEWHERE:
                 problems.append(f"{name} was never incremented (used by {users})")
         elif any(labels for _, labels, _ in samples) and not any(v for _, _, v in samples):
             problems.append(f"{name} has no child set (used by {users})")
