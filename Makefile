@@ -51,7 +51,7 @@ test-unit: venv
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
 test: venv up lint rules
-	. ./.dev/env && $(BIN)/pytest tests/unit tests/integration $(PYTEST_ARGS)
+	. ./.dev/env && $(BIN)/pytest tests/unit tests/integration --durations=25 $(PYTEST_ARGS)
 
 bench: venv up
 	. ./.dev/env && $(BIN)/pytest tests/bench -s -p no:randomly $(PYTEST_ARGS)
