@@ -243,9 +243,15 @@ def test_dead_letter_topic_deleted_then_a_record_to_dead_letter_holds_reports_an
         first = insert_events(cfg.db_dsn, "held", 10)
         read_topics(cfg.kafka, [cfg.topic_prefix + "held"], expect=10)
         delete_topic(cfg.kafka, cfg.dlq_topic)
-        boundary = wal_lsn(cfg.db_dsn)
         with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
             conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json at all')")
+            # The record's transaction commits after this position: the slot may be
+            # confirmed up to its commit, never past it (a keepalive answered while the
+            # transaction is open may confirm the WAL already read, the message included:
+            # an uncommitted transaction is decoded again from its start after a restart).
+            row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+            assert row is not None
+            boundary = str_to_lsn(row[0])
         later = insert_events(cfg.db_dsn, "held", 10)
 
         def held() -> bool:
