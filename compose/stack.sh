@@ -293,6 +293,13 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+# A broker restart (the fault tests) recovers every partition: one thread per core.
+num.recovery.threads.per.data.dir=$(nproc)
+# The tests delete their topics after each module: remove the files at once, and keep the
+# metadata log short with frequent snapshots, so a restart replays what exists, not the history.
+file.delete.delay.ms=1000
+metadata.log.max.record.bytes.between.snapshots=1048576
+metadata.log.max.snapshot.interval.ms=60000
 # Topics are created by the relay with explicit partitions, never by accident.
 auto.create.topics.enable=false
 CONF
