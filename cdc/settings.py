@@ -152,8 +152,9 @@ class Settings(BaseSettings):
     #: Records read from the end of each outbox partition to find the last one published.
     gap_tail_records: int = env("CDC_GAP_TAIL_RECORDS", 20)
     #: Records handed to Kafka but not yet acknowledged before the relay stops
-    #: reading WAL (back-pressure); bounds memory while Kafka is slow or away.
-    relay_max_in_flight: int = env("CDC_MAX_IN_FLIGHT", 50_000)
+    #: reading WAL (back-pressure); bounds memory while Kafka is slow or away
+    #: (~1.5 KB a record over ~75 MB: 20,000 keeps the relay near 100 MB).
+    relay_max_in_flight: int = env("CDC_MAX_IN_FLIGHT", 20_000)
     #: No message from the server (keepalives included) for this long while the
     #: relay reads: the replication connection is taken as dead and reopened.
     replication_silence_s: float = env("CDC_REPLICATION_SILENCE_S", 35.0)

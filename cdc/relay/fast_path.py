@@ -23,6 +23,7 @@ import orjson
 from confluent_kafka import KafkaException
 
 from cdc import constants as c
+from cdc.constants import PG_EPOCH_OFFSET_US
 from cdc.errors import (
     DecodeError,
 )
@@ -66,6 +67,12 @@ TOPIC_CACHE_MAX = 10_000
 _loads, _JSONDecodeError = orjson.loads, orjson.JSONDecodeError
 
 
+_BEGIN_LEN, _begin_fields = pgo.BEGIN_LEN, pgo.begin_fields
+
+
+_COMMIT_LEN, _commit_fields = pgo.COMMIT_LEN, pgo.commit_fields
+
+
 _UNKNOWN: Any = object()
 
 
@@ -75,6 +82,15 @@ def _not_object(doc: bytes) -> bool:
         return _loads(doc).__class__ is not dict
     except _JSONDecodeError:
         return True
+
+
+def _malformed(payload: bytes) -> DecodeError:
+    """The error :func:`pgo.decode` names for a message the fast path found malformed."""
+    try:
+        pgo.decode(payload)
+    except DecodeError as exc:
+        return exc
+    return DecodeError(f"malformed pgoutput message ({len(payload)} bytes)")
 
 
 def _decode(value: object) -> str | None:
@@ -141,16 +157,9 @@ class FastPath:
         if tag == _TAG_INSERT:
             self._on_insert(sess, payload)
         elif tag == _TAG_BEGIN:
-            begin = pgo.decode(payload)
-            assert isinstance(begin, pgo.Begin)
-            sess.tx_id = begin.final_lsn
-            sess.tx = TxContext(lsn_to_str(begin.final_lsn), begin.commit_ts_us, sess.origin)
-            sess.tracker.open(begin.final_lsn)
+            self._on_begin(sess, payload)
         elif tag == _TAG_COMMIT:
-            commit = pgo.decode(payload)
-            assert isinstance(commit, pgo.Commit) and sess.tx_id is not None
-            sess.tracker.close(sess.tx_id, commit.end_lsn)
-            sess.tx_id = sess.tx = None
+            self._on_commit(sess, payload)
         elif tag == _TAG_RELATION:
             rel = pgo.decode(payload)
             assert isinstance(rel, pgo.Relation)
@@ -162,6 +171,26 @@ class FastPath:
             self._on_message(sess, pgo.decode(payload))
         elif tag in _IGNORED_CHANGES:
             self._on_ignored(sess, _IGNORED_CHANGES[tag])
+
+    @staticmethod
+    def _on_begin(sess: Session, payload: bytes) -> None:
+        """Begin, read in place: one per transaction, no message object."""
+        if len(payload) != _BEGIN_LEN:
+            raise _malformed(payload)
+        final_lsn, commit_ts, _xid = _begin_fields(payload, 1)
+        sess.tx_id = final_lsn
+        sess.tx = TxContext(lsn_to_str(final_lsn), commit_ts + PG_EPOCH_OFFSET_US, sess.origin)
+        sess.tracker.open(final_lsn)
+
+    @staticmethod
+    def _on_commit(sess: Session, payload: bytes) -> None:
+        """Commit, read in place: the transaction's records are all produced."""
+        if len(payload) != _COMMIT_LEN:
+            raise _malformed(payload)
+        if sess.tx_id is None:
+            raise DecodeError("pgoutput Commit outside a transaction")
+        sess.tracker.close(sess.tx_id, _commit_fields(payload, 1)[2])
+        sess.tx_id = sess.tx = None
 
     def _on_ignored(self, sess: Session, kind: str) -> None:
         """Outbox updates/deletes/truncates: counted, logged once a session, never published."""

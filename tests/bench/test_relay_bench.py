@@ -23,6 +23,7 @@ Figures are printed with their targets; only correctness is asserted.
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import statistics
@@ -76,6 +77,7 @@ GOAL_RATIO = {1: 1.0, 100: 0.9}
 TARGET_P99_MS = 50.0
 TARGET_RSS_MB = 100.0
 EVENTS_METRIC = "outbox_relay_events_total"
+EXTRA_VAR = "BENCH_RELAY_EXTRA"
 LATENCY_METRIC = "outbox_relay_commit_to_ack_seconds"
 #: A user-registration-like payload (~150 bytes of JSON), built server-side.
 PAYLOAD_SQL = (
@@ -120,7 +122,9 @@ def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> RelayConfig:
         kafka=kafka_bootstrap,
         unique=unique,
         partitions=PARTITIONS,
-        extra={"LOG_LEVEL": "WARNING"},
+        # BENCH_RELAY_EXTRA='{"KAFKA_CONFIG_COMPRESSION_TYPE": "lz4"}': the relay's
+        # environment for an A/B of a setting (the bench's own variables win).
+        extra={**json.loads(os.environ.get(EXTRA_VAR, "{}")), "LOG_LEVEL": "WARNING"},
     )
 
 

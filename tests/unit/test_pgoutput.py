@@ -8,6 +8,10 @@ the decoder, so these tests compare the decoder with PostgreSQL itself.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cdc.errors import DecodeError
+from cdc.wal import pgoutput
 from cdc.wal.pgoutput import (
     UNCHANGED_TOAST,
     Begin,
@@ -34,8 +39,8 @@ from cdc.wal.pgoutput import (
     Update,
     Value,
     decode,
-    insert_text_values,
 )
+from tests.conftest import IN_CI
 
 VECTORS = Path(__file__).parent / "data" / "pgoutput" / "vectors.json"
 FRAMING_TAGS = frozenset("BCRYO")  # checked by their own tests, not as "changes"
@@ -403,10 +408,53 @@ def test_arbitrary_bodies_of_known_kinds_decode_or_raise_decode_error(
 
 # --- the relay's fast path ------------------------------------------------------
 
+InsertTextValues = Callable[[bytes], "tuple[int, list[bytes | None]] | None"]
 
-def assert_fast_path_agrees_with_decode(data: bytes) -> None:
+
+def _compiled() -> InsertTextValues | None:
+    try:
+        from cdc.wal._pgfast import insert_text_values as compiled  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return compiled  # type: ignore[no-any-return]
+
+
+COMPILED = _compiled()
+# The same tests run against the pure-Python parser (the fallback where no C
+# compiler built cdc.wal._pgfast) and the compiled one (what the relay uses where
+# it was built): both must give decode's answers or decline, never a wrong one.
+IMPLEMENTATIONS = [pytest.param(pgoutput._insert_text_values_py, id="python")] + (
+    [pytest.param(COMPILED, id="c")] if COMPILED is not None else []
+)
+each_implementation = pytest.mark.parametrize("parse", IMPLEMENTATIONS)
+
+
+def test_the_compiled_hot_path_is_built_where_the_tests_run() -> None:
+    """make venv builds cdc.wal._pgfast (gcc and the Python headers are on the CI machine)."""
+    if COMPILED is None:
+        message = "cdc.wal._pgfast is not built: only the pure-Python parser was tested"
+        if IN_CI:
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    expected = os.environ.get(pgoutput.PURE_PYTHON_VAR, "").strip() not in ("1", "true", "yes")
+    assert pgoutput.COMPILED is expected
+
+
+@pytest.mark.parametrize(("value", "compiled"), [("1", False), ("0", True), ("", True)])
+def test_the_pure_python_switch_selects_the_parser(value: str, compiled: bool) -> None:
+    """OUTBOX_CDC_PURE_PYTHON=1 makes the relay use the Python parser even where C is built."""
+    env = {**os.environ, pgoutput.PURE_PYTHON_VAR: value}
+    probe = "from cdc.wal import pgoutput as p; print(p.COMPILED, p.insert_text_values.__module__)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    expected = compiled and COMPILED is not None
+    assert out == (["True", "cdc.wal._pgfast"] if expected else ["False", "cdc.wal.pgoutput"])
+
+
+def assert_fast_path_agrees_with_decode(parse: InsertTextValues, data: bytes) -> None:
     """insert_text_values gives decode's OID and values, or None (never a wrong answer)."""
-    found = insert_text_values(data)
+    found = parse(data)
     if found is None:
         return
     msg = decode(data)
@@ -414,17 +462,21 @@ def assert_fast_path_agrees_with_decode(data: bytes) -> None:
     assert found == (msg.relation_oid, list(msg.new))
 
 
-def test_fast_path_reads_every_captured_text_insert_like_decode() -> None:
+@each_implementation
+def test_fast_path_reads_every_captured_text_insert_like_decode(parse: InsertTextValues) -> None:
     inserts = [raw(m) for m in messages("I")]
     assert inserts
     taken = 0
     for data in inserts:
-        assert_fast_path_agrees_with_decode(data)
-        taken += insert_text_values(data) is not None
+        assert_fast_path_agrees_with_decode(parse, data)
+        taken += parse(data) is not None
     assert taken == len(inserts)  # text-mode inserts all take the fast path
 
 
-def test_fast_path_declines_binary_values_other_kinds_and_malformed_inserts() -> None:
+@each_implementation
+def test_fast_path_declines_binary_values_other_kinds_and_malformed_inserts(
+    parse: InsertTextValues,
+) -> None:
     binary_insert = next(
         data
         for data in (bytes.fromhex(m["hex"]) for m in vectors()["binary_messages"])
@@ -437,14 +489,18 @@ def test_fast_path_declines_binary_values_other_kinds_and_malformed_inserts() ->
         insert[:-1],  # truncated value
         insert + b"\x00",  # trailing byte
         insert[:5],  # short header
+        insert[:8],  # a header promising columns, none there
         b"",
     ):
-        assert insert_text_values(data) is None
+        assert parse(data) is None
 
 
+@each_implementation
 @given(st.binary(max_size=64))
-def test_fast_path_on_arbitrary_insert_bodies_agrees_with_decode_or_declines(body: bytes) -> None:
-    assert_fast_path_agrees_with_decode(b"I" + body)
+def test_fast_path_on_arbitrary_insert_bodies_agrees_with_decode_or_declines(
+    parse: InsertTextValues, body: bytes
+) -> None:
+    assert_fast_path_agrees_with_decode(parse, b"I" + body)
 
 
 _column = st.one_of(
@@ -456,6 +512,7 @@ _column = st.one_of(
 )
 
 
+@each_implementation
 @given(
     st.integers(min_value=0, max_value=2**32 - 1),
     st.lists(_column, max_size=8),
@@ -464,9 +521,11 @@ _column = st.one_of(
     st.integers(min_value=-3, max_value=2),
 )
 def test_fast_path_on_generated_inserts_agrees_with_decode_or_declines(
-    oid: int, columns: list[bytes], ncols_skew: int, kind: bytes, cut: int
+    parse: InsertTextValues, oid: int, columns: list[bytes], ncols_skew: int, kind: bytes, cut: int
 ) -> None:
     ncols = max(0, len(columns) + ncols_skew)
     data = b"I" + oid.to_bytes(4, "big") + kind + ncols.to_bytes(2, "big") + b"".join(columns)
     data = data[:cut] if cut < 0 else data + b"\x00" * cut
-    assert_fast_path_agrees_with_decode(data)
+    assert_fast_path_agrees_with_decode(parse, data)
+    if COMPILED is not None:  # the two parsers agree on every input, declines included
+        assert COMPILED(data) == pgoutput._insert_text_values_py(data)

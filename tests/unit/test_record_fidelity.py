@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,9 @@ from tests.unit.test_relay_routing import (  # the same recording producer and w
     run_tx,
     shape,
 )
+
+# Every test runs with the pure-Python Insert parser and the compiled one.
+pytestmark = pytest.mark.usefixtures("insert_parser")
 
 _texts = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), max_size=8)
 _numbers = st.sampled_from(

@@ -10,6 +10,7 @@ and that delivery reports drive the LSN tracker.
 
 from __future__ import annotations
 
+import re
 import struct
 import time
 from collections.abc import Iterator
@@ -19,12 +20,16 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, Producer
 
+from cdc.errors import DecodeError
 from cdc.relay import loop as relay_mod
 from cdc.relay.loop import Relay
 from cdc.relay.state import Session
 from cdc.router import DeadLetterCode, TxContext, route_fields
 from cdc.settings import Settings
 from cdc.wal.lsn import LsnTracker
+
+# Every test runs with the pure-Python Insert parser and the compiled one.
+pytestmark = pytest.mark.usefixtures("insert_parser")
 
 OID = 16_400
 COLUMNS = ("id", "aggregatetype", "aggregateid", "type", "payload", "created_at")
@@ -354,3 +359,43 @@ def test_the_real_producer_hands_every_fast_path_record_to_its_callback(relay: R
     assert sess.fatal is not None
     assert sess.fatal.code() == KafkaError._PURGE_QUEUE
     assert sess.tracker.in_flight == 3  # purged records are never acked
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        (begin(0x3000)[:-1], "truncated pgoutput Begin message (20 bytes)"),
+        (begin(0x3000) + b"\0", "1 trailing bytes in pgoutput Begin message (22 bytes)"),
+        (commit(0x3000)[:10], "truncated pgoutput Commit message (10 bytes)"),
+    ],
+)
+def test_malformed_begin_and_commit_read_in_place_raise_decode_errors(
+    relay: Relay, message: bytes, reason: str
+) -> None:
+    """Begin and Commit are read in place, not decoded; a malformed one still names its fault."""
+    sess = new_session()
+    if message[:1] == b"C":
+        relay._on_change(sess, begin(0x3000))
+    with pytest.raises(DecodeError, match=re.escape(reason)):
+        relay._on_change(sess, message)
+    assert sess.tracker.confirmable == 0
+
+
+def test_a_commit_outside_a_transaction_is_a_decode_error(relay: Relay) -> None:
+    with pytest.raises(DecodeError, match="Commit outside a transaction"):
+        relay._on_change(new_session(), commit(0x3000))
+
+
+def test_begin_read_in_place_gives_the_transactions_lsn_and_commit_time(relay: Relay) -> None:
+    sess = new_session()
+    relay._on_change(sess, begin(0x3000))
+    assert sess.tx is not None
+    expected = TxContext(relay_mod.lsn_to_str(0x3000), COMMIT_TS_US, sess.origin)
+    assert (sess.tx.commit_lsn, sess.tx.commit_ts_us, sess.tx.headers) == (
+        expected.commit_lsn,
+        expected.commit_ts_us,
+        expected.headers,
+    )
+    relay._on_change(sess, commit(0x3000))
+    assert sess.tx is None
+    assert sess.tracker.confirmable == 0x3000 + 40
