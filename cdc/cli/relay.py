@@ -7,9 +7,12 @@ imported inside each command so ``outbox-cdc --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 import click
@@ -105,14 +108,31 @@ def prune(older_than_s: float, as_json: bool) -> None:
 
 
 def _on_signals(stop: Callable[[], None]) -> None:
-    """SIGTERM and SIGINT ask the running loop to stop cleanly."""
+    """SIGTERM and SIGINT ask the running loop to stop cleanly.
+
+    The handler only writes the signal's number to a pipe; a thread reads it, logs
+    and calls ``stop``. A Python signal handler runs in the main thread between two
+    bytecodes - possibly inside ``threading.Event.wait`` or ``set`` while it holds
+    the event's lock - and calling ``Event.set`` there waits for a lock its own
+    thread holds: three SIGTERMs within 15 ms (a dying parent's and a supervisor's)
+    once left the relay hanging for good. ``os.write`` takes no Python lock.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def watch() -> None:
+        while signum := os.read(read_fd, 1):
+            # a log line (not an echo): it must come out in the process's log format
+            logging.getLogger("cdc").info(
+                "signal %s: stopping", signal.Signals(signum[0]).name, extra={"state": "stopping"}
+            )
+            stop()
+
+    threading.Thread(target=watch, name="signals", daemon=True).start()
 
     def handler(signum: int, _frame: object) -> None:
-        # a log line (not an echo): it must come out in the process's log format
-        logging.getLogger("cdc").info(
-            "signal %s: stopping", signal.Signals(signum).name, extra={"state": "stopping"}
-        )
-        stop()
+        with contextlib.suppress(BlockingIOError):  # (a pipe full of signals: one is enough)
+            os.write(write_fd, bytes((signum,)))
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

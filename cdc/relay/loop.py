@@ -182,7 +182,8 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         self._init_standby_safe()  # CDC_STANDBY_SAFE: records wait for the standby
 
     def stop(self) -> None:
-        """Ask the relay to stop (signal-safe)."""
+        """Ask the relay to stop (from any thread; a signal handler must not call it:
+        see :func:`cdc.cli.relay._on_signals`)."""
         self._stop.set()
 
     @property

@@ -4,6 +4,7 @@ dead letters, idle confirmation and clean shutdown."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.request
 import uuid
@@ -213,6 +214,33 @@ def test_sigterm_exits_zero_within_seconds_and_loses_nothing(
     finally:
         after.close()
     assert {headers_of(m)["id"].decode() for m in msgs} == {str(i) for i in ids}
+
+
+#: SIGTERMs sent back to back (a dying parent's PR_SET_PDEATHSIG, a supervisor's, the
+#: user's Ctrl-C) in each burst, and the bursts (each to a relay in a different state).
+SIGNAL_BURST = 200
+
+
+@pytest.mark.parametrize("moment", ["idle", "streaming"])
+def test_a_burst_of_sigterms_stops_the_relay_cleanly(
+    cfg: RelayConfig, relay: Proc, tmp_path: Path, moment: str
+) -> None:
+    """A signal arriving while an earlier one is being handled must not hang the relay.
+
+    Edge: the operator's first hour (the demo killed: its children get SIGTERM from
+    the kernel and from the demo). A handler that set a ``threading.Event`` could be
+    interrupted inside ``Event.set`` by the next signal, whose handler then waited
+    for the lock its own thread held: the relay never exited.
+    """
+    assert relay.proc is not None
+    if moment == "streaming":
+        with psycopg.connect(cfg.db_dsn) as conn:
+            for _ in range(300):
+                register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="B")
+    for _ in range(SIGNAL_BURST):
+        relay.proc.send_signal(signal.SIGTERM)
+    assert relay.proc.wait(30) == 0, relay.log_tail()
+    assert "relay stopped at" in relay.log_tail()
 
 
 def test_outbox_updates_deletes_and_truncates_are_counted_never_published(
