@@ -9,7 +9,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv up down status lint rules test test-unit bench demo clean lock wheel
+.PHONY: help venv up down status lint rules test test-unit test-unit-lane test-integration-lane \
+	test-integration-lane-b stack-and-rules bench demo clean lock wheel
 
 help:
 	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
@@ -33,6 +34,7 @@ up:
 
 down:
 	@bash compose/stack.sh down
+	@if [ -d "$(LANE_B_DEV)" ]; then export $(LANE_B_ENV) && bash compose/stack.sh down; fi
 
 status:
 	@bash compose/stack.sh status
@@ -50,8 +52,46 @@ rules:
 test-unit: venv
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-test: venv up lint rules
-	. ./.dev/env && $(BIN)/pytest tests/unit tests/integration --durations=25 $(PYTEST_ARGS)
+# Three lanes, all of them must pass:
+# - the unit tests need no service: they run beside everything else at the lowest CPU
+#   priority (nice 19), taking only CPU the other lanes leave idle;
+# - the integration tests that mostly wait (a two-minute engine outage, a minute
+#   without Kafka, a minute at the engine's rate limit) run against a second local
+#   stack of their own (LANE_B_DEV, other ports): they stop and start its Kafka and
+#   PostgreSQL, never the ones the other integration tests use;
+# - the other integration tests, against the stack of `make up`; they print as they go.
+# The two side lanes print their reports when they end (also kept under .dev/).
+LANE_B_TESTS := tests/integration/test_observability.py tests/integration/test_first_hour.py \
+	tests/integration/test_sink_hostile_engine.py
+LANE_B_DEV   := $(CURDIR)/.dev/lane-b
+LANE_B_ENV   := OUTBOX_DEV_DIR=$(LANE_B_DEV) OUTBOX_PG_PORT=25542 OUTBOX_KAFKA_PORT=29192 \
+	OUTBOX_KAFKA_CONTROLLER_PORT=29193
+
+test: venv
+	@$(MAKE) --no-print-directory -j4 test-unit-lane test-integration-lane test-integration-lane-b
+
+test-unit-lane: venv
+	@mkdir -p .dev
+	@echo "[test] unit tests started beside the rest (nice 19); report in .dev/unit-tests.log"
+	@nice -n 19 $(BIN)/pytest tests/unit --durations=10 --timeout=900 $(PYTEST_ARGS) \
+		>.dev/unit-tests.log 2>&1; rc=$$?; \
+		printf "\n[test] unit tests ended (exit %s):\n" $$rc; cat .dev/unit-tests.log; exit $$rc
+
+test-integration-lane: venv lint stack-and-rules
+	. ./.dev/env && $(BIN)/pytest tests/integration $(addprefix --ignore=,$(LANE_B_TESTS)) \
+		--durations=25 $(PYTEST_ARGS)
+
+test-integration-lane-b: venv lint stack-and-rules
+	@echo "[test] lane B ($(notdir $(LANE_B_TESTS))) started on a second stack; report in .dev/lane-b-tests.log"
+	@(export $(LANE_B_ENV) && bash compose/stack.sh up && . "$(LANE_B_DEV)/env" && \
+		$(BIN)/pytest $(LANE_B_TESTS) --durations=10 $(PYTEST_ARGS)) >.dev/lane-b-tests.log 2>&1; \
+		rc=$$?; (export $(LANE_B_ENV) && bash compose/stack.sh down) >>.dev/lane-b-tests.log 2>&1; \
+		printf "\n[test] lane B ended (exit %s):\n" $$rc; cat .dev/lane-b-tests.log; exit $$rc
+
+# promtool's package is fetched with apt-get, as the stack's server may be: one after
+# the other, never both at once.
+stack-and-rules: up
+	@bash compose/prometheus/promtool.sh check
 
 bench: venv up
 	. ./.dev/env && $(BIN)/pytest tests/bench -s -p no:randomly $(PYTEST_ARGS)

@@ -13,12 +13,15 @@
 # Everything lives under .dev/ (data, logs, the Kafka jars cache). Ports are
 # loopback-only and non-default; override with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT,
 # OUTBOX_KAFKA_CONTROLLER_PORT. `up` writes .dev/env with CDC_PG_DSN and
-# KAFKA_BOOTSTRAP_SERVERS. Missing system packages (PostgreSQL server, Java,
-# Maven) are installed with apt-get when running as root.
+# KAFKA_BOOTSTRAP_SERVERS. OUTBOX_DEV_DIR puts a second stack's data, logs and env
+# elsewhere (with other ports: `make test` runs a lane of tests against one); the
+# Kafka jars stay cached in .dev/kafka/libs for every stack. Missing system
+# packages (PostgreSQL server, Java, Maven) are installed with apt-get when running
+# as root.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-DEV="$ROOT/.dev"
+DEV=${OUTBOX_DEV_DIR:-$ROOT/.dev}
 # Below the kernel's ephemeral range (32768-60999), so no client socket can
 # hold one of these ports when the stack starts.
 PG_PORT=${OUTBOX_PG_PORT:-25432}
@@ -80,7 +83,7 @@ pg_dir() {
     if [ "$(id -u)" = 0 ]; then
         chown postgres: "$d"
         if ! runuser -u postgres -- test -w "$d"; then
-            d="/tmp/outbox-cdc-pg-$(echo "$ROOT" | md5sum | cut -c1-8)"
+            d="/tmp/outbox-cdc-pg-$(echo "${OUTBOX_DEV_DIR:-$ROOT}" | md5sum | cut -c1-8)"
             mkdir -p "$d" && chown postgres: "$d" && chmod 700 "$d"
         fi
     fi
@@ -242,18 +245,19 @@ standby_status() {
 
 # --------------------------------------------------------------------- Kafka
 KAFKA_DIR="$DEV/kafka"
+KAFKA_LIBS="$ROOT/.dev/kafka/libs"
 
 kafka_libs() {
-    local pom="$ROOT/compose/kafka/pom.xml" stamp="$KAFKA_DIR/libs/.pom.sha"
+    local pom="$ROOT/compose/kafka/pom.xml" stamp="$KAFKA_LIBS/.pom.sha"
     local want
     want=$(sha1sum "$pom" | cut -c1-40)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
     command -v java >/dev/null || apt_install openjdk-17-jre-headless
     command -v mvn >/dev/null || apt_install maven
     log "resolving Kafka jars from Maven Central (compose/kafka/pom.xml)"
-    rm -rf "$KAFKA_DIR/libs"
+    rm -rf "$KAFKA_LIBS"
     mvn -q -B -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
-        -DoutputDirectory="$KAFKA_DIR/libs" >&2 || die "mvn could not resolve the Kafka jars"
+        -DoutputDirectory="$KAFKA_LIBS" >&2 || die "mvn could not resolve the Kafka jars"
     echo "$want" > "$stamp"
 }
 
@@ -265,7 +269,7 @@ kafka_pid() {
 kafka_java() {
     java $KAFKA_HEAP -XX:+UseG1GC -Djava.awt.headless=true \
         -Dlog4j2.configurationFile="$ROOT/compose/kafka/log4j2.properties" \
-        -cp "$KAFKA_DIR/libs/*" "$@"
+        -cp "$KAFKA_LIBS/*" "$@"
 }
 
 kafka_up() {
@@ -313,10 +317,10 @@ CONF
     require_free_port "$KAFKA_CONTROLLER_PORT" OUTBOX_KAFKA_CONTROLLER_PORT
     log "starting kafka on 127.0.0.1:$KAFKA_PORT"
     : > "$KAFKA_DIR/kafka.log"
-    nohup bash -c "$(declare -f kafka_java); ROOT='$ROOT' KAFKA_DIR='$KAFKA_DIR' KAFKA_HEAP='$KAFKA_HEAP'; \
+    nohup bash -c "$(declare -f kafka_java); ROOT='$ROOT' KAFKA_DIR='$KAFKA_DIR' KAFKA_LIBS='$KAFKA_LIBS' KAFKA_HEAP='$KAFKA_HEAP'; \
         exec java \$KAFKA_HEAP -XX:+UseG1GC -Djava.awt.headless=true \
         -Dlog4j2.configurationFile=\"\$ROOT/compose/kafka/log4j2.properties\" \
-        -cp \"\$KAFKA_DIR/libs/*\" kafka.Kafka \"\$KAFKA_DIR/server.properties\"" \
+        -cp \"\$KAFKA_LIBS/*\" kafka.Kafka \"\$KAFKA_DIR/server.properties\"" \
         >> "$KAFKA_DIR/kafka.log" 2>&1 < /dev/null &
     echo $! > "$KAFKA_DIR/kafka.pid"
     local waited=0
@@ -364,7 +368,7 @@ main() {
     local cmd=${1:-status} what=${2:-all}
     mkdir -p "$DEV"
     case "$cmd:$what" in
-        up:all)      pg_up; kafka_up; write_env; log "stack up; source .dev/env" ;;
+        up:all)      pg_up; kafka_up; write_env; log "stack up; source ${DEV#"$ROOT"/}/env" ;;
         up:pg)       pg_up; write_env ;;
         up:kafka)    kafka_up; write_env ;;
         up:standby)  standby_up ;;

@@ -25,13 +25,24 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from hypothesis import settings
 from psycopg import sql
 
 from cdc.migrate import migrate
 from tests.clusters import ClusterPair, clusters_root
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# No example may fail for being slow: ``make test`` runs the unit tests at nice 19
+# beside the integration tests, so an example can wait for a core. Speed is measured
+# by the benchmarks, never asserted in a test. Each test's own settings still apply.
+settings.register_profile("outbox-cdc", deadline=None)
+settings.load_profile("outbox-cdc")
+
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+#: The local stack's directory: ``.dev``, or another stack's (``OUTBOX_DEV_DIR``, the
+#: second lane of ``make test``), whose ``env`` names its services.
+DEV_DIR = Path(os.environ.get("OUTBOX_DEV_DIR") or ROOT / ".dev")
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,7 @@ def _local_stack() -> Services | None:
     proc = subprocess.run(
         ["bash", str(script), "up"], capture_output=True, text=True, timeout=900, check=False
     )
-    env_file = ROOT / ".dev" / "env"
+    env_file = DEV_DIR / "env"
     if proc.returncode != 0 or not env_file.exists():
         print(proc.stderr[-4000:])
         return None
@@ -94,7 +105,7 @@ def services() -> Services:
     dsn = os.environ.get("CDC_PG_DSN")
     kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if dsn and kafka:
-        local = ROOT / ".dev" / "env"
+        local = DEV_DIR / "env"
         if local.exists():
             env = _read_env_file(local)
             if (env.get("CDC_PG_DSN"), env.get("KAFKA_BOOTSTRAP_SERVERS")) == (dsn, kafka):

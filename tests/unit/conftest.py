@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from cdc.wal import pgoutput
 
+InsertTextValues = Callable[[bytes], "tuple[int, list[bytes | None]] | None"]
 
-def _parsers() -> list[object]:
-    found: list[object] = [pytest.param(pgoutput._insert_text_values_py, id="python-parser")]
+
+def compiled_insert_parser() -> InsertTextValues | None:
+    """The compiled Insert parser, or None where cdc.wal._pgfast was not built
+    (test_pgoutput fails for that in CI)."""
     try:
-        compiled = importlib.import_module("cdc.wal._pgfast").insert_text_values
-    except ImportError:  # not built: test_pgoutput fails for it in CI
-        return found
-    return [*found, pytest.param(compiled, id="c-parser")]
+        module = importlib.import_module("cdc.wal._pgfast")
+    except ImportError:
+        return None
+    parser: InsertTextValues = module.insert_text_values
+    return parser
 
 
-@pytest.fixture(scope="module", params=_parsers())
+COMPILED_INSERT_PARSER = compiled_insert_parser()
+#: The pure-Python Insert parser (the fallback where no C compiler built
+#: cdc.wal._pgfast) and the compiled one (what the relay uses where it was built).
+INSERT_PARSERS = [pytest.param(pgoutput._insert_text_values_py, id="python-parser")] + (
+    [pytest.param(COMPILED_INSERT_PARSER, id="c-parser")]
+    if COMPILED_INSERT_PARSER is not None
+    else []
+)
+
+
+@pytest.fixture(scope="module", params=INSERT_PARSERS)
 def insert_parser(request: pytest.FixtureRequest) -> Iterator[object]:
     """The relay's fast path with each Insert parser: the pure-Python fallback and the
     compiled one (where built); a module using it runs every test under both."""

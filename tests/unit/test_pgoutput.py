@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from cdc.wal.pgoutput import (
     decode,
 )
 from tests.conftest import IN_CI
+from tests.unit.conftest import COMPILED_INSERT_PARSER, INSERT_PARSERS, InsertTextValues
 
 VECTORS = Path(__file__).parent / "data" / "pgoutput" / "vectors.json"
 FRAMING_TAGS = frozenset("BCRYO")  # checked by their own tests, not as "changes"
@@ -408,25 +408,10 @@ def test_arbitrary_bodies_of_known_kinds_decode_or_raise_decode_error(
 
 # --- the relay's fast path ------------------------------------------------------
 
-InsertTextValues = Callable[[bytes], "tuple[int, list[bytes | None]] | None"]
-
-
-def _compiled() -> InsertTextValues | None:
-    try:
-        from cdc.wal._pgfast import insert_text_values as compiled  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    return compiled  # type: ignore[no-any-return]
-
-
-COMPILED = _compiled()
-# The same tests run against the pure-Python parser (the fallback where no C
-# compiler built cdc.wal._pgfast) and the compiled one (what the relay uses where
-# it was built): both must give decode's answers or decline, never a wrong one.
-IMPLEMENTATIONS = [pytest.param(pgoutput._insert_text_values_py, id="python")] + (
-    [pytest.param(COMPILED, id="c")] if COMPILED is not None else []
-)
-each_implementation = pytest.mark.parametrize("parse", IMPLEMENTATIONS)
+COMPILED = COMPILED_INSERT_PARSER
+# The same tests run against both Insert parsers: each must give decode's answers
+# or decline, never a wrong one.
+each_implementation = pytest.mark.parametrize("parse", INSERT_PARSERS)
 
 
 def test_the_compiled_hot_path_is_built_where_the_tests_run() -> None:
