@@ -259,17 +259,8 @@ WARMUP_MAX_S = 240.0
 WARMUP_JIT_SHARE = 0.05
 
 
-def _jit_cpu_s(pid: int) -> float:
-    """CPU seconds of the JVM's JIT compiler threads (``C1/C2 CompilerThre``)."""
-    ticks = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            if (task / "comm").read_text().startswith(("C1 Compiler", "C2 Compiler")):
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                ticks += int(fields[11]) + int(fields[12])
-        except OSError:  # the thread ended meanwhile
-            continue
-    return ticks / os.sysconf("SC_CLK_TCK")
+#: The JVM's JIT compiler threads, as /proc names them.
+JIT_THREADS = ("C1 CompilerThre", "C2 CompilerThre")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -283,7 +274,7 @@ def _warm_broker(kafka_bootstrap: str) -> None:
     ten minutes later."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from tests.bench.report import cpu_seconds, kafka_pid
+    from tests.bench.report import cpu_seconds, kafka_pid, threads_cpu_seconds
 
     pid = kafka_pid()
     topic = f"bench-warmup-{uuid.uuid4().hex[:8]}"
@@ -299,11 +290,18 @@ def _warm_broker(kafka_bootstrap: str) -> None:
     headers = [("id", b"0" * 36), ("type", b"UserRegistered"), ("aggregatetype", b"user")]
     value = json.dumps({"user_id": str(uuid.uuid4()), "pad": "x" * 100}).encode()
     rounds: list[tuple[float, float, float]] = []  # wall s, broker CPU s, JIT CPU s
+
+    def spent() -> tuple[float, float]:
+        """The broker's CPU seconds so far, and its JIT compiler's."""
+        if pid is None:
+            return 0.0, 0.0
+        return cpu_seconds(pid), threads_cpu_seconds(pid, JIT_THREADS)
+
     try:
         warmup_ends = time.monotonic() + WARMUP_MAX_S
         while time.monotonic() < warmup_ends:
             started = time.monotonic()
-            cpu0, jit0 = (cpu_seconds(pid), _jit_cpu_s(pid)) if pid else (0.0, 0.0)
+            cpu0, jit0 = spent()
             for n in range(WARMUP_RECORDS):
                 while True:
                     try:
@@ -315,11 +313,10 @@ def _warm_broker(kafka_bootstrap: str) -> None:
             read, deadline = 0, time.monotonic() + 30
             while read < WARMUP_RECORDS and time.monotonic() < deadline:
                 read += len(consumer.consume(10_000, 0.5))
-            wall = time.monotonic() - started
-            if not pid:
-                rounds.append((wall, 0.0, 0.0))
+            cpu1, jit1 = spent()
+            rounds.append((time.monotonic() - started, cpu1 - cpu0, jit1 - jit0))
+            if pid is None:
                 break  # not our broker: nothing to watch
-            rounds.append((wall, cpu_seconds(pid) - cpu0, _jit_cpu_s(pid) - jit0))
             if len(rounds) >= 2 and all(j <= WARMUP_JIT_SHARE * w for w, _, j in rounds[-2:]):
                 break
     finally:

@@ -103,16 +103,36 @@ def histogram_quantile(buckets: dict[float, float], q: float) -> float:
     return low_bound
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (fields 14 and 15 of ``/proc/<pid>/stat``), in seconds."""
+def _stat_cpu_seconds(stat_path: str) -> float:
+    """utime + stime (fields 14 and 15 of a ``/proc`` ``stat`` file), in seconds."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(stat_path) as f:
             stat = f.read()
     except OSError:
         return math.nan
     fields = stat.rsplit(")", 1)[1].split()
     # fields[0] is field 3 (state): utime is field 14, stime field 15.
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid``, all its threads; NaN when unreadable."""
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+
+
+def threads_cpu_seconds(pid: int, names: tuple[str, ...]) -> float:
+    """CPU seconds of the threads of ``pid`` whose name starts with one of ``names``
+    (a thread that ended meanwhile counts 0)."""
+    total = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text()
+        except OSError:
+            continue
+        if name.startswith(names):
+            spent = _stat_cpu_seconds(str(task / "stat"))
+            total += 0.0 if math.isnan(spent) else spent
+    return total
 
 
 def peak_rss_mb(pid: int) -> float:
