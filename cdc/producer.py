@@ -121,13 +121,23 @@ def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, s
 
 
 def make_producer(
-    bootstrap: str, overrides: Mapping[str, str], *, events: KafkaClientEvents | None = None
+    bootstrap: str,
+    overrides: Mapping[str, str],
+    *,
+    events: KafkaClientEvents | None = None,
+    failed_reports_only: bool = False,
 ) -> Producer:
     """The relay's producer; librdkafka's errors and log lines go through ``events``
-    (by default a :class:`KafkaClientEvents` that only logs), never raw to stderr."""
+    (by default a :class:`KafkaClientEvents` that only logs), never raw to stderr.
+
+    ``failed_reports_only`` sets ``delivery.report.only.error``: a delivered
+    record's report then calls nothing, confluent-kafka only releases the reference
+    its ``produce`` took on the record's callback (what
+    :class:`cdc.relay.producing.Reports` counts on)."""
     events = events or KafkaClientEvents("producer")
     config: dict[str, Any] = dict(producer_config(bootstrap, overrides))
     config.update(events.config())
+    config["delivery.report.only.error"] = failed_reports_only
     return Producer(config)
 
 

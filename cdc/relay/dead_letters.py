@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -126,12 +125,14 @@ class DeadLetters:
         while pending:
             item = pending[0]
             r = self._dlq_record(item)
-            callback = partial(self._on_dlq_delivery, sess, item)
+            report = DlqReport(self, sess, item)
             headers: Any = r.headers  # (list is invariant; the stubs want str | bytes | None)
             try:
-                producer.produce(
-                    r.topic, r.value, r.key, -1, callback, None, r.timestamp_ms, headers
-                )
+                producer.produce(r.topic, r.value, r.key, -1, report, None, r.timestamp_ms, headers)
+                report.sent = True
+                # (only its report may keep it now: this frame can outlive the call,
+                # held by the traceback of an exception raised here earlier)
+                del report
             except BufferError:
                 self._dlq_failed(sess, item, "the producer's local queue is full")
                 return
@@ -175,19 +176,18 @@ class DeadLetters:
             extra={"event_id": item.event_id, "topic": self.settings.dlq_topic},
         )
 
-    def _on_dlq_delivery(
-        self, sess: Session, item: _PendingDlq, err: KafkaError | None, msg: Message
-    ) -> None:
-        """Delivery report of a dead letter: ack its record, or put it back in line."""
-        if err is None:
-            sess.tracker.ack(item.tx_id)
-            self.metrics.dead_lettered.labels(item.code.value).inc()
-            if sess.held is not None:
-                log.info("dead letters are written again", extra={"topic": msg.topic()})
-                sess.held = None
-            sess.dlq_backoff.reset()
-            sess.dlq_retry_at = 0.0
-            return
+    def _dlq_delivered(self, sess: Session, item: _PendingDlq) -> None:
+        """A dead letter is delivered: ack its record."""
+        sess.tracker.ack(item.tx_id)
+        self.metrics.dead_lettered.labels(item.code.value).inc()
+        if sess.held is not None:
+            log.info("dead letters are written again", extra={"topic": self.settings.dlq_topic})
+            sess.held = None
+        sess.dlq_backoff.reset()
+        sess.dlq_retry_at = 0.0
+
+    def _dlq_report_failed(self, sess: Session, item: _PendingDlq, err: KafkaError) -> None:
+        """A dead letter's delivery failed: put it back in line."""
         self.metrics.kafka_errors.labels(err.name()).inc()
         if err.code() in PURGED:  # the producer is being discarded: so is the session
             return
@@ -196,3 +196,31 @@ class DeadLetters:
             item.minimal = True
             return
         self._dlq_failed(sess, item, f"{err.name()}: {err.str()}")
+
+
+class DlqReport:
+    """The delivery report of one dead letter, counted by reference like
+    :class:`cdc.relay.producing.Reports`: a failed report calls it; once the last
+    reference is gone (the report served), a delivered dead letter is acknowledged."""
+
+    __slots__ = ("failed", "item", "owner", "sent", "sess")
+
+    def __init__(self, owner: DeadLetters, sess: Session, item: _PendingDlq) -> None:
+        self.owner = owner
+        self.sess = sess
+        self.item = item
+        self.sent = False
+        self.failed = False
+
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
+        if err is None:  # (reports of delivered records come only while tracing)
+            return
+        self.failed = True
+        self.owner._dlq_report_failed(self.sess, self.item, err)
+
+    def __del__(self) -> None:
+        if self.sent and not self.failed:
+            try:
+                self.owner._dlq_delivered(self.sess, self.item)
+            except Exception as exc:  # (raised here it would only be printed)
+                self.sess.fault = self.sess.fault or exc

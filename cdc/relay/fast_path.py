@@ -190,7 +190,7 @@ class FastPath:
         if sess.tx_id is None:
             raise DecodeError("pgoutput Commit outside a transaction")
         sess.tracker.close(sess.tx_id, _commit_fields(payload, 1)[2])
-        sess.tx_id = sess.tx = None
+        sess.tx_id = sess.tx = sess.reports = None
 
     def _on_ignored(self, sess: Session, kind: str) -> None:
         """Outbox updates/deletes/truncates: counted, logged once a session, never published."""

@@ -340,7 +340,12 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             stream.start(0)  # a standby stops here (SlotInUseError), without a producer
             if self._producer is None:
                 self._producer = make_producer(
-                    s.kafka_bootstrap_servers, s.kafka_config, events=self._events
+                    s.kafka_bootstrap_servers,
+                    s.kafka_config,
+                    events=self._events,
+                    # delivered records call nothing (Reports counts them), unless
+                    # tracing ends a span at every report
+                    failed_reports_only=self._tracing is None,
                 )
             sess = Session(
                 stream=stream,
@@ -348,9 +353,12 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
                 last_confirmed=info.confirmed_flush_lsn,
                 origin=origin,
             )
-            self._stream_loop(sess)
-            if self._stop.is_set():
-                self._shutdown(sess)
+            try:
+                self._stream_loop(sess)
+                if self._stop.is_set():
+                    self._shutdown(sess)
+            finally:
+                sess.reports = None  # (it holds the session: no cycle left for the GC)
         finally:
             stream.close()
 
@@ -360,11 +368,14 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         heard_at = time.monotonic()  # the server's last message (or: we were not listening)
         while not self._stop.is_set():
             self.liveness.tick()
+            sess.reports = None  # (what the last batch added may now be acknowledged)
             self._poll(0)
             self._drain_dlq(sess)
             self._release_held(sess)  # standby-safe mode: what the standby has flushed
             if sess.fatal is not None:
                 raise KafkaUnavailableError(f"producer error: {sess.fatal}")
+            if sess.fault is not None:
+                raise sess.fault
             if sess.held is not None:
                 state, reason = RelayState.HELD, sess.held
                 self._poll(c.BACKPRESSURE_POLL_S)
@@ -464,6 +475,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
 
     def _shutdown(self, sess: Session) -> None:
         self._set_state(RelayState.STOPPING)
+        sess.reports = None  # (so what it counted can be acknowledged)
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
         # (records held for the standby were never sent: nothing to wait for)
         while time.monotonic() < deadline and (

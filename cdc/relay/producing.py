@@ -1,7 +1,8 @@
 """The relay's producer: records handed to Kafka, delivery reports, librdkafka's errors.
 
 Guarantees: a record is acknowledged to the LSN tracker only from its delivery
-report; a record Kafka refuses for itself (e.g. too large) is remembered in
+report (counted per run of a transaction's records by :class:`Reports`, not by a
+Python call per record); a record Kafka refuses for itself (e.g. too large) is remembered in
 :class:`~cdc.relay.state.PoisonIds` and dead-lettered; any other error ends the
 session, a librdkafka fatal error with :class:`cdc.errors.ProducerFatalError`
 (the producer is then purged, closed and rebuilt: its records were never
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from functools import partial
+from collections import deque
 from typing import TYPE_CHECKING, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -41,6 +42,7 @@ from cdc.router import (
     KafkaRecord,
 )
 from cdc.tracing import DeliveryCallback, RelayTracing
+from cdc.wal.replproto import lsn_to_str
 
 log = logging.getLogger("cdc.relay")
 
@@ -160,48 +162,44 @@ class Producing:
         Positional arguments (topic, value, key, partition, callback, on_delivery,
         timestamp, headers): keyword parsing cost a tenth of ``produce``. The
         callback goes in the ``callback`` slot; a None there would not fall back
-        to ``on_delivery``, and the record would never be acknowledged.
-        librdkafka hands no headers to delivery callbacks: the event id rides along.
+        to ``on_delivery``, and the record would never be acknowledged. The
+        callback is the session's current :class:`Reports` of ``(tx_id, topic)``:
+        one object counts the reports of a run of records, no callback per record.
         """
         producer = self._producer
         assert producer is not None
-        callback: DeliveryCallback = partial(self._on_delivery, sess, tx_id, topic, event_id)
+        reports = sess.reports
+        if reports is None or reports.tx_id != tx_id or reports.topic != topic:
+            reports = sess.reports = Reports()  # (attributes set here: no __init__ call)
+            reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
+            reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
+        callback: DeliveryCallback = reports
         if self._tracing is not None:
             callback = self._tracing.produce(topic, key, headers, event_id, callback)
         while True:
             try:
                 # (the stubs want list[tuple[str, str | bytes | None]]; list is invariant)
                 producer.produce(topic, value, key, -1, callback, None, timestamp_ms, headers)  # type: ignore[arg-type]
+                reports.append((key, value, event_id))
                 return
             except BufferError:
                 # Local queue full: Kafka is slow. Serve callbacks and keep the
                 # walsender happy while waiting for room.
+                sess.reports = None  # (what it counted may be acknowledged meanwhile)
                 self._poll(c.BACKPRESSURE_POLL_S)
                 self._set_state(RelayState.BACKPRESSURE)
                 self.liveness.tick()
                 self._send_status(sess)
-                if self._stop.is_set() or sess.fatal is not None:
+                if self._stop.is_set() or sess.fatal is not None or sess.fault is not None:
                     raise KafkaUnavailableError("stopped while Kafka's queue was full") from None
 
-    def _on_delivery(
-        self,
-        sess: Session,
-        tx_id: int,
-        topic: str,
-        event_id: bytes,
-        err: KafkaError | None,
-        msg: Message,
-    ) -> None:
-        """Delivery report of one record: ack it, or dead-letter a record Kafka refused."""
-        if err is None:
-            acked = sess.acked
-            acked[topic] = acked.get(topic, 0) + 1
-            if not sess.tracker.ack(tx_id):  # the transaction's last outstanding record
-                _, ts_ms = msg.timestamp()
-                self.metrics.latency.observe(max(time.time() - ts_ms / 1000.0, 0.0))
-            return
+    def _report_failed(self, reports: Reports, err: KafkaError, msg: Message) -> None:
+        """A failed delivery report: dead-letter a record Kafka refused for itself,
+        end the session for any other error."""
+        sess, tx_id, topic = reports.sess, reports.tx_id, reports.topic
         self.metrics.kafka_errors.labels(err.name()).inc()
-        if is_record_error(err):
+        event_id = reports.event_id_of(msg) if is_record_error(err) else None
+        if event_id is not None:
             code = record_error_code(err)
             self.poison.remember(event_id, code, err.str())
             self.metrics.poison_ids.set(len(self.poison))
@@ -217,11 +215,86 @@ class Producing:
                 msg.timestamp()[1],
             )
             return
-        if sess.fatal is None and err.code() not in PURGED:  # once a session: reports come in bulk
+        if sess.fatal is None and err.code() not in PURGED:  # once a session: they come in bulk
             log.error(
                 "kafka delivery to %s failed: %s",
                 topic,
                 err,
-                extra={"topic": topic, "event_id": event_id.decode(errors="replace")},
+                extra={"topic": topic, "lsn": lsn_to_str(tx_id)},
             )
         sess.fatal = err
+
+
+class Reports(list[tuple[bytes, bytes, bytes]]):
+    """The delivery reports of a run of one transaction's records to one topic,
+    counted by reference: no Python call per delivered record.
+
+    The relay's producer runs with ``delivery.report.only.error``: a delivered
+    record's report calls nothing; confluent-kafka only releases the reference its
+    ``produce`` took on the record's callback - this object - once the report is
+    served (or at once when ``produce`` raised; the record was then not counted). A
+    failed record's report calls it. The session holds the object while it may add
+    records (it lets go at Commit, after each read batch, before waiting for room);
+    when the last reference is gone every counted record has its report, and
+    :meth:`__del__` acknowledges the delivered ones in one step. So a record is
+    still acknowledged only from its delivery report, never before: an object kept
+    alive longer only delays acknowledgements, and one never finalized (a discarded
+    producer's records) acknowledges nothing, so its records are read again.
+
+    The list holds each record's (key, value, event id), in produce order, as long
+    as it is in flight: librdkafka hands no headers to delivery reports, so a
+    refused record's event id is found by its key and value (:meth:`event_id_of`).
+    While tracing asks for every report (a span ends at each), the delivered ones
+    call it too, with ``err`` None: ignored here. The attributes are set by
+    :meth:`Producing._send` (a Python ``__init__`` was a measurable part of a
+    1-event transaction).
+    """
+
+    __slots__ = ("_unclaimed", "failed", "owner", "sess", "timestamp_ms", "topic", "tx_id")
+
+    owner: Producing
+    sess: Session
+    tx_id: int
+    topic: str
+    timestamp_ms: int
+    #: failed reports so far (each dead-lettered, or the session ended)
+    failed: int
+    #: event ids not yet matched to a failed report, by (key, value): built at the
+    #: first failure, extended as records are added
+    _unclaimed: tuple[int, dict[tuple[bytes, bytes], deque[bytes]]]
+
+    def __bool__(self) -> bool:  # a callback, even while its list is empty
+        return True
+
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
+        if err is None:
+            return
+        self.failed += 1
+        self.owner._report_failed(self, err, msg)
+
+    def event_id_of(self, msg: Message) -> bytes | None:
+        """The event id of the record a failed report names: the first one not yet
+        claimed with its key and value (records alike in both are alike to Kafka)."""
+        no_index: tuple[int, dict[tuple[bytes, bytes], deque[bytes]]] = (0, {})
+        indexed, unclaimed = getattr(self, "_unclaimed", no_index)
+        for key, value, event_id in self[indexed:]:
+            unclaimed.setdefault((key, value), deque()).append(event_id)
+        self._unclaimed = (len(self), unclaimed)
+        ids = unclaimed.get((msg.key() or b"", msg.value() or b""))
+        return ids.popleft() if ids else None
+
+    def __del__(self) -> None:
+        """Every counted record has its report: acknowledge the delivered ones (the
+        failed ones were dead-lettered, or ended the session)."""
+        delivered = len(self) - self.failed
+        if delivered <= 0:
+            return
+        sess = self.sess
+        try:
+            if not sess.tracker.ack(self.tx_id, delivered):  # its transaction's last one
+                latency_s = time.time() - self.timestamp_ms / 1000.0
+                self.owner.metrics.latency.observe(latency_s if latency_s > 0.0 else 0.0)
+            acked = sess.acked
+            acked[self.topic] = acked.get(self.topic, 0) + delivered
+        except Exception as exc:  # (raised in a finalizer it would only be printed)
+            sess.fault = sess.fault or exc

@@ -215,6 +215,7 @@ class StandbySafe:
             for tx in released:
                 for record in tx.records:
                     self._publish_held(safe, sess, tx.tx_id, record)
+            sess.reports = None  # (their delivery reports count from now on)
         self._judge_wait(safe, sess)
         safe.metrics.held_transactions.set(gate.transactions if safe.sess is sess else 0)
         safe.metrics.held_records.set(gate.records if safe.sess is sess else 0)

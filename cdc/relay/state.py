@@ -27,6 +27,7 @@ import enum
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -149,6 +150,12 @@ class Session:
     #: acknowledged records per topic since the last status (metrics are
     #: updated in bulk: a Prometheus inc per record was a tenth of the CPU)
     acked: dict[str, int] = field(default_factory=dict)
+    #: the delivery reports of the records being added (cdc.relay.producing.Reports);
+    #: let go at Commit and after each read batch, so they can be acknowledged
+    reports: Any = None
+    #: an error raised where it could only be printed (a Reports' finalizer): it
+    #: ends the session like a producer error
+    fault: Exception | None = None
 
 
 #: Headers of a record as the producer takes them.

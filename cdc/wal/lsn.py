@@ -12,8 +12,8 @@ strictly in commit order):
     at Begin. ``tx_id`` must be greater than every earlier one.
 ``add(tx_id)``
     once per record handed to Kafka, while the transaction is open.
-``ack(tx_id)``
-    once per record Kafka acknowledged (delivered, or dead-lettered
+``ack(tx_id, count=1)``
+    once per ``count`` records Kafka acknowledged (delivered, or dead-lettered
     successfully). Any order, across transactions, before or after ``close``.
     Returns the transaction's records added so far and still unacknowledged.
 ``close(tx_id, end_lsn)``
@@ -139,16 +139,21 @@ class LsnTracker:
         tx.unacked += 1
         self._in_flight += 1
 
-    def ack(self, tx_id: int) -> int:
-        """Kafka acknowledged one record of transaction ``tx_id``; returns how many
-        of its records added so far are still unacknowledged."""
+    def ack(self, tx_id: int, count: int = 1) -> int:
+        """Kafka acknowledged ``count`` (>= 1) records of transaction ``tx_id``; returns
+        how many of its records added so far are still unacknowledged."""
         tx = self._txs.get(tx_id)
         if tx is None:
             raise ValueError(f"ack for unknown transaction {tx_id} (never opened, or all acked)")
-        if tx.unacked == 0:
-            raise ValueError(f"ack for transaction {tx_id} beyond its added records")
-        left = tx.unacked = tx.unacked - 1
-        self._in_flight -= 1
+        if count < 1:
+            raise ValueError(f"ack of {count} records of transaction {tx_id}")
+        if count > tx.unacked:
+            raise ValueError(
+                f"ack for transaction {tx_id} beyond its added records"
+                f" ({count} acknowledged, {tx.unacked} outstanding)"
+            )
+        left = tx.unacked = tx.unacked - count
+        self._in_flight -= count
         if left == 0 and tx.end_lsn is not None and tx is self._queue[0]:
             self._drain()
         return left

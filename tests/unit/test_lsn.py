@@ -158,6 +158,23 @@ def test_ack_of_unknown_transaction_raises() -> None:
         tracker.ack(7)
 
 
+def test_acks_in_bulk_count_as_many_acks() -> None:
+    tracker = LsnTracker(0)
+    tracker.open(10)
+    for _ in range(3):
+        tracker.add(10)
+    tracker.close(10, 20)
+    assert tracker.ack(10, 2) == 1
+    assert tracker.confirmable == 0
+    with pytest.raises(ValueError, match="beyond its added records"):
+        tracker.ack(10, 2)
+    with pytest.raises(ValueError, match="ack of 0 records"):
+        tracker.ack(10, 0)
+    assert tracker.ack(10, 1) == 0
+    assert tracker.confirmable == 20
+    assert tracker.in_flight == 0
+
+
 def test_more_acks_than_adds_raise() -> None:
     tracker = LsnTracker(0)
     tracker.open(10)
@@ -326,6 +343,21 @@ class TrackerMachine(RuleBasedStateMachine):
         index = data.draw(st.integers(min_value=0, max_value=len(self.unacked) - 1))
         self.kafka_acks_any_record_at(index)
 
+    @precondition(lambda self: bool(self.unacked))
+    @rule(data=st.data())
+    def kafka_acks_several_records_of_one_transaction_at_once(self, data: st.DataObject) -> None:
+        """The relay counts delivery reports per transaction and acknowledges them
+        together (``ack(tx_id, count)``), any number of the transaction's
+        unacknowledged records."""
+        tx = self.unacked[data.draw(st.integers(min_value=0, max_value=len(self.unacked) - 1))]
+        mine = [i for i, other in enumerate(self.unacked) if other is tx]
+        count = data.draw(st.integers(min_value=1, max_value=len(mine)))
+        for i in reversed(mine[:count]):
+            del self.unacked[i]
+        tx.acked += count
+        assert self.tracker.ack(tx.tx_id, count) == tx.added - tx.acked
+        self._note_delivered(tx)
+
     @rule(data=st.data())
     def server_reports_wal_end(self, data: st.DataObject) -> None:
         tx = self.open_tx()
@@ -415,9 +447,9 @@ TestLsnTrackerConfirmsOnlyFullyAckedCommitsUnderRandomInterleavings = TrackerMac
 class _ConfirmsTheHighestAckedCommit(LsnTracker):
     """Confirms a fully acked transaction at once, even behind an earlier unacked one."""
 
-    def ack(self, tx_id: int) -> int:
+    def ack(self, tx_id: int, count: int = 1) -> int:
         tx = self._txs[tx_id]
-        left = super().ack(tx_id)
+        left = super().ack(tx_id, count)
         if left == 0 and tx.end_lsn is not None:
             self._confirmed = max(self._confirmed, tx.end_lsn)
         return left

@@ -93,6 +93,7 @@ class ScriptedProducer:
         for record in pending:
             errors = self.fails.get(record.topic)
             record.callback(errors.popleft() if errors else None, DeliveredMsg(record))
+            record.callback = None  # (confluent-kafka lets go of it once reported)
         return len(pending)
 
     def to(self, topic: str) -> list[Produced]:
@@ -551,3 +552,67 @@ def test_the_producers_and_admin_clients_errors_and_logs_reach_logging_and_the_m
         "admin",
     }
     discard_producer(producer)
+
+
+# --- delivery reports counted per run of records (cdc.relay.producing.Reports) ----------
+
+
+def test_records_are_acknowledged_only_once_every_report_is_served_and_the_session_let_go(
+    relay: Relay,
+) -> None:
+    """A transaction's records share one Reports: nothing is acknowledged before
+    their reports are served, nor while the session may still add records to it
+    (the open transaction); letting go then acknowledges them in one step."""
+    producer = producer_of(relay)
+    topic = "outbox.event.user"
+    relay._topics.known.add(topic)
+    relay._topic_of[b"user"] = topic
+    sess = new_session()
+    relay._on_change(sess, relation())
+    relay._on_change(sess, begin(0x1000))
+    for n in range(3):
+        relay._on_change(sess, insert(row(event_id=f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10")))
+    producer.poll()  # all three reported; the transaction is still open
+    assert sess.tracker.in_flight == 3, "still countable: the session holds the Reports"
+    sess.reports = None  # (the loop lets go after each read batch)
+    assert sess.tracker.in_flight == 0
+    relay._on_change(sess, insert(row(event_id="00000009-5d1c-4f7e-9a53-0e6f3c1d2a10")))
+    relay._on_change(sess, commit(0x1000))
+    assert sess.tracker.in_flight == 1, "produced, not yet reported: not acknowledged"
+    assert sess.tracker.confirmable == 0
+    producer.poll()
+    assert sess.tracker.in_flight == 0
+    assert sess.tracker.confirmable == 0x1000 + 40
+    assert sess.acked == {topic: 4}
+
+
+def test_refused_reports_of_alike_records_in_one_transaction_are_matched_to_their_ids(
+    relay: Relay,
+) -> None:
+    """Reports carry no headers: a refused record's event id is found by its key
+    and value among the records its Reports counted, each id claimed once, even
+    when several records are alike in both; the others are acknowledged."""
+    producer = producer_of(relay)
+    topic = "outbox.event.user"
+    relay._topics.known.add(topic)
+    relay._topic_of[b"user"] = topic
+    ids = [f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10" for n in range(4)]
+    sess = new_session()
+    relay._on_change(sess, relation())
+    relay._on_change(sess, begin(0x1000))
+    relay._on_change(sess, insert(row(event_id=ids[0], payload=b'{"a":1}')))
+    for event_id in ids[1:]:
+        relay._on_change(sess, insert(row(event_id=event_id, payload=b'{"a":2}')))
+    relay._on_change(sess, commit(0x1000))
+    refused = kafka_error(KafkaError.MSG_SIZE_TOO_LARGE)
+    # reports in produce order: the first delivered, the next two refused, the last delivered
+    producer.fails[topic] = deque([None, refused, refused, None])  # type: ignore[list-item]
+    producer.poll()
+    relay._drain_dlq(sess)
+    producer.poll()
+
+    assert [dict(r.headers)["id"] for r in producer.to(DLQ)] == [ids[1].encode(), ids[2].encode()]
+    assert sorted(relay.poison) == sorted([ids[1].encode(), ids[2].encode()])
+    assert sess.tracker.in_flight == 0
+    assert sess.tracker.confirmable == 0x1000 + 40
+    assert sess.acked == {topic: 2}

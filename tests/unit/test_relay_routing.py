@@ -142,6 +142,7 @@ class RecordingProducer:
         pending, self.pending = self.pending, []
         for produced in pending:
             produced.callback(None, DeliveredMsg(produced))
+            produced.callback = None  # (confluent-kafka lets go of it once reported)
         return len(pending)
 
 
