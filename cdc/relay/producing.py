@@ -180,7 +180,7 @@ class Producing:
             try:
                 # (the stubs want list[tuple[str, str | bytes | None]]; list is invariant)
                 producer.produce(topic, value, key, -1, callback, None, timestamp_ms, headers)  # type: ignore[arg-type]
-                reports.append((key, value, event_id))
+                reports.append((hash((key, value)), event_id))
                 return
             except BufferError:
                 # Local queue full: Kafka is slow. Serve callbacks and keep the
@@ -225,7 +225,7 @@ class Producing:
         sess.fatal = err
 
 
-class Reports(list[tuple[bytes, bytes, bytes]]):
+class Reports(list[tuple[int, bytes]]):
     """The delivery reports of a run of one transaction's records to one topic,
     counted by reference: no Python call per delivered record.
 
@@ -241,9 +241,10 @@ class Reports(list[tuple[bytes, bytes, bytes]]):
     alive longer only delays acknowledgements, and one never finalized (a discarded
     producer's records) acknowledges nothing, so its records are read again.
 
-    The list holds each record's (key, value, event id), in produce order, as long
-    as it is in flight: librdkafka hands no headers to delivery reports, so a
-    refused record's event id is found by its key and value (:meth:`event_id_of`).
+    The list holds each record's event id, with the hash of its key and value, in
+    produce order, as long as it is in flight: librdkafka hands no headers to
+    delivery reports, so a refused record's event id is found by its key and value
+    (:meth:`event_id_of`; the hash, not the value, is kept: memory in flight).
     While tracing asks for every report (a span ends at each), the delivered ones
     call it too, with ``err`` None: ignored here. The attributes are set by
     :meth:`Producing._send` (a Python ``__init__`` was a measurable part of a
@@ -259,9 +260,9 @@ class Reports(list[tuple[bytes, bytes, bytes]]):
     timestamp_ms: int
     #: failed reports so far (each dead-lettered, or the session ended)
     failed: int
-    #: event ids not yet matched to a failed report, by (key, value): built at the
-    #: first failure, extended as records are added
-    _unclaimed: tuple[int, dict[tuple[bytes, bytes], deque[bytes]]]
+    #: event ids not yet matched to a failed report, by the hash of (key, value):
+    #: built at the first failure, extended as records are added
+    _unclaimed: tuple[int, dict[int, deque[bytes]]]
 
     def __bool__(self) -> bool:  # a callback, even while its list is empty
         return True
@@ -274,13 +275,14 @@ class Reports(list[tuple[bytes, bytes, bytes]]):
 
     def event_id_of(self, msg: Message) -> bytes | None:
         """The event id of the record a failed report names: the first one not yet
-        claimed with its key and value (records alike in both are alike to Kafka)."""
-        no_index: tuple[int, dict[tuple[bytes, bytes], deque[bytes]]] = (0, {})
+        claimed with its key and value (records alike in both are alike to Kafka;
+        two that differ share the 64-bit hash with odds of about 2^-64 a pair)."""
+        no_index: tuple[int, dict[int, deque[bytes]]] = (0, {})
         indexed, unclaimed = getattr(self, "_unclaimed", no_index)
-        for key, value, event_id in self[indexed:]:
-            unclaimed.setdefault((key, value), deque()).append(event_id)
+        for digest, event_id in self[indexed:]:
+            unclaimed.setdefault(digest, deque()).append(event_id)
         self._unclaimed = (len(self), unclaimed)
-        ids = unclaimed.get((msg.key() or b"", msg.value() or b""))
+        ids = unclaimed.get(hash((msg.key() or b"", msg.value() or b"")))
         return ids.popleft() if ids else None
 
     def __del__(self) -> None:

@@ -28,7 +28,6 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from functools import partial
 from typing import Any
 
 import psycopg
@@ -212,30 +211,39 @@ def _clear_slot(settings: Settings) -> None:
 
 
 class _Acks:
-    """Failed delivery reports of the recovery's records: records Kafka refused for
-    themselves (to dead-letter), the first other error.
-
-    The producer runs with ``delivery.report.only.error``: a delivered record's
-    report calls nothing (``flush()`` returning 0 means every report was served).
-    Each record's callback is ``partial(acks, record)``: librdkafka hands no headers
-    to delivery reports, so a refused record is known whole (its event id included)
-    only from the callback."""
+    """Delivery reports of the recovery's records: acknowledged count, records Kafka
+    refused for themselves (to dead-letter), the first other error."""
 
     def __init__(self) -> None:
-        self.refused: list[tuple[KafkaError, KafkaRecord]] = []
+        self.acked = 0
+        self.refused: list[tuple[KafkaError, Message]] = []
         self.error: KafkaError | None = None
 
-    def __call__(self, record: KafkaRecord, err: KafkaError | None, msg: Message) -> None:
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
         if err is None:
-            return
-        if is_record_error(err):
-            self.refused.append((err, record))
+            self.acked += 1
+        elif is_record_error(err):
+            self.refused.append((err, msg))
         else:
             self.error = self.error or err
 
 
 #: A dead letter Kafka refused for its size is sent again with every field cut to this.
 DLQ_MINIMAL_FIELD_BYTES = 1024
+
+
+def _refused_record(msg: Message) -> KafkaRecord:
+    """A delivered-and-refused message back as the record it was."""
+    raw_headers: Any = msg.headers() or []
+    headers = [(str(k), v if isinstance(v, bytes) else b"") for k, v in raw_headers]
+    return KafkaRecord(
+        str(msg.topic()),
+        msg.key() or b"",
+        msg.value() or b"",
+        headers,
+        int(msg.timestamp()[1]),
+        dict(headers).get(c.HEADER_ID, b"").decode(errors="replace"),
+    )
 
 
 def _dead_letter_of(err: KafkaError, record: KafkaRecord, settings: Settings) -> KafkaRecord:
@@ -278,7 +286,7 @@ class _Publisher:
                     record.value,
                     record.key,
                     -1,
-                    partial(self.acks, record),
+                    self.acks,
                     None,
                     record.timestamp_ms,
                     record.headers,  # type: ignore[arg-type]  # (list is invariant)
@@ -300,23 +308,21 @@ class _Publisher:
         """Until Kafka acknowledged every record; refused ones are dead-lettered (and
         acknowledged) first; any other error raises (the gap stays open)."""
         deadline = time.monotonic() + ACK_TIMEOUT_S
-        while True:
-            left = self.producer.flush(1.0)  # (serves the reports)
-            if self.acks.error is not None:
-                raise KafkaUnavailableError(f"recovery: Kafka error: {self.acks.error}")
-            if self.acks.refused:
-                self._dead_letter_refused()
-                continue
-            if not left:
-                return
+        while self.acks.acked < self.sent and self.acks.error is None:
             if time.monotonic() > deadline:
-                raise KafkaUnavailableError(f"recovery: {left} records not acknowledged")
+                raise KafkaUnavailableError(
+                    f"recovery: {self.sent - self.acks.acked} records not acknowledged"
+                )
+            self.producer.flush(1.0)
+            self._dead_letter_refused()
+        if self.acks.error is not None:
+            raise KafkaUnavailableError(f"recovery: Kafka error: {self.acks.error}")
 
     def _dead_letter_refused(self) -> None:
         refused, self.acks.refused = self.acks.refused, []
-        for err, record in refused:
+        for err, msg in refused:
             self.sent -= 1  # the refused record is replaced by its dead letter
-            self.send(_dead_letter_of(err, record, self.settings))
+            self.send(_dead_letter_of(err, _refused_record(msg), self.settings))
 
 
 def topic_manager(settings: Settings) -> TopicManager:
@@ -391,16 +397,7 @@ def _recover(
     server = identify_system(dsn)
     origin = origin_value(server, settings.slot)
     acks = _Acks()
-    # Delivered records call nothing; as many in flight as the streaming path allows
-    # (each callback holds its record until its report).
-    producer = make_producer(
-        settings.kafka_bootstrap_servers,
-        {
-            **settings.kafka_config,
-            "queue.buffering.max.messages": str(settings.relay_max_in_flight),
-        },
-        failed_reports_only=True,
-    )
+    producer = make_producer(settings.kafka_bootstrap_servers, settings.kafka_config)
     publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks)
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
