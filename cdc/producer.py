@@ -48,10 +48,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin import OffsetSpec as _OffsetSpec  # type: ignore[attr-defined]
 from confluent_kafka.cimpl import NewTopic
@@ -139,6 +140,40 @@ def make_producer(
     config.update(events.config())
     config["delivery.report.only.error"] = failed_reports_only
     return Producer(config)
+
+
+class IdsInFlight(list[tuple[int, bytes]]):
+    """The event ids of records in flight, each with the hash of its key and value,
+    in produce order: a delivery-report callback that finds the event id of the
+    record a failed report names (librdkafka hands no headers to delivery
+    reports). Keeping the hash, not the key and value, keeps memory in flight low,
+    and the tuples (an int and bytes) are not tracked by the garbage collector.
+
+    A subclass defines ``__call__(err, msg)``; with ``delivery.report.only.error``
+    only failed reports call it, and it is freed once its last report is served.
+    Append ``(hash((key, value)), event_id)`` after each successful ``produce``.
+    """
+
+    __slots__ = ("_unclaimed",)
+
+    #: event ids not yet matched to a failed report, by hash: built at the first
+    #: failure, extended as records are added
+    _unclaimed: tuple[int, dict[int, deque[bytes]]]
+
+    def __bool__(self) -> bool:  # a callback, even while its list is empty
+        return True
+
+    def event_id_of(self, msg: Message) -> bytes | None:
+        """The event id of the record a failed report names: the first one not yet
+        claimed with its key and value (records alike in both are alike to Kafka;
+        two that differ share the 64-bit hash with odds of about 2^-64 a pair)."""
+        no_index: tuple[int, dict[int, deque[bytes]]] = (0, {})
+        indexed, unclaimed = getattr(self, "_unclaimed", no_index)
+        for digest, event_id in self[indexed:]:
+            unclaimed.setdefault(digest, deque()).append(event_id)
+        self._unclaimed = (len(self), unclaimed)
+        ids = unclaimed.get(hash((msg.key() or b"", msg.value() or b"")))
+        return ids.popleft() if ids else None
 
 
 def discard_producer(producer: Producer, *, drain_s: float = DISCARD_DRAIN_S) -> None:

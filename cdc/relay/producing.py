@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -32,6 +31,7 @@ from cdc.health import Liveness
 from cdc.kafkalog import KafkaClientEvents, fatal_error
 from cdc.producer import (
     PURGED,
+    IdsInFlight,
     TopicManager,
     is_record_error,
     record_error_code,
@@ -225,7 +225,7 @@ class Producing:
         sess.fatal = err
 
 
-class Reports(list[tuple[int, bytes]]):
+class Reports(IdsInFlight):
     """The delivery reports of a run of one transaction's records to one topic,
     counted by reference: no Python call per delivered record.
 
@@ -251,7 +251,7 @@ class Reports(list[tuple[int, bytes]]):
     1-event transaction).
     """
 
-    __slots__ = ("_unclaimed", "failed", "owner", "sess", "timestamp_ms", "topic", "tx_id")
+    __slots__ = ("failed", "owner", "sess", "timestamp_ms", "topic", "tx_id")
 
     owner: Producing
     sess: Session
@@ -260,30 +260,12 @@ class Reports(list[tuple[int, bytes]]):
     timestamp_ms: int
     #: failed reports so far (each dead-lettered, or the session ended)
     failed: int
-    #: event ids not yet matched to a failed report, by the hash of (key, value):
-    #: built at the first failure, extended as records are added
-    _unclaimed: tuple[int, dict[int, deque[bytes]]]
-
-    def __bool__(self) -> bool:  # a callback, even while its list is empty
-        return True
 
     def __call__(self, err: KafkaError | None, msg: Message) -> None:
         if err is None:
             return
         self.failed += 1
         self.owner._report_failed(self, err, msg)
-
-    def event_id_of(self, msg: Message) -> bytes | None:
-        """The event id of the record a failed report names: the first one not yet
-        claimed with its key and value (records alike in both are alike to Kafka;
-        two that differ share the 64-bit hash with odds of about 2^-64 a pair)."""
-        no_index: tuple[int, dict[int, deque[bytes]]] = (0, {})
-        indexed, unclaimed = getattr(self, "_unclaimed", no_index)
-        for digest, event_id in self[indexed:]:
-            unclaimed.setdefault(digest, deque()).append(event_id)
-        self._unclaimed = (len(self), unclaimed)
-        ids = unclaimed.get(hash((msg.key() or b"", msg.value() or b"")))
-        return ids.popleft() if ids else None
 
     def __del__(self) -> None:
         """Every counted record has its report: acknowledge the delivered ones (the

@@ -39,7 +39,7 @@ from cdc import gaps
 from cdc.errors import CdcError, KafkaUnavailableError, SlotInUseError
 from cdc.lineage import LastRecord, last_published, origin_value
 from cdc.outbox import table_identifier
-from cdc.producer import TopicManager, is_record_error, make_producer
+from cdc.producer import IdsInFlight, TopicManager, is_record_error, make_producer
 from cdc.relay.gap import Action, Verdict, decide, unrecoverable_reason
 from cdc.relay.standby_safe import wait_standby_flushed
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
@@ -211,38 +211,54 @@ def _clear_slot(settings: Settings) -> None:
 
 
 class _Acks:
-    """Delivery reports of the recovery's records: acknowledged count, records Kafka
-    refused for themselves (to dead-letter), the first other error."""
+    """Failed delivery reports of the recovery's records: records Kafka refused for
+    themselves (to dead-letter), the first other error. The producer runs with
+    ``delivery.report.only.error``: a delivered record calls nothing, and
+    ``flush()`` returning 0 means every report was served."""
 
     def __init__(self) -> None:
-        self.acked = 0
-        self.refused: list[tuple[KafkaError, Message]] = []
+        self.refused: list[tuple[KafkaError, KafkaRecord]] = []
         self.error: KafkaError | None = None
 
-    def __call__(self, err: KafkaError | None, msg: Message) -> None:
-        if err is None:
-            self.acked += 1
-        elif is_record_error(err):
-            self.refused.append((err, msg))
+    def failed(self, err: KafkaError, msg: Message, event_id: bytes | None) -> None:
+        if is_record_error(err):
+            self.refused.append((err, _refused_record(msg, event_id)))
         else:
             self.error = self.error or err
+
+
+class _Run(IdsInFlight):
+    """The delivery-report callback of up to :data:`RUN_RECORDS` recovered records:
+    a failed report finds its record's event id (reports carry no headers)."""
+
+    __slots__ = ("acks",)
+
+    acks: _Acks
+
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            self.acks.failed(err, msg, self.event_id_of(msg) if is_record_error(err) else None)
+
+
+#: Records that share one :class:`_Run` (it is freed once all their reports are served).
+RUN_RECORDS = 1_000
 
 
 #: A dead letter Kafka refused for its size is sent again with every field cut to this.
 DLQ_MINIMAL_FIELD_BYTES = 1024
 
 
-def _refused_record(msg: Message) -> KafkaRecord:
-    """A delivered-and-refused message back as the record it was."""
-    raw_headers: Any = msg.headers() or []
-    headers = [(str(k), v if isinstance(v, bytes) else b"") for k, v in raw_headers]
+def _refused_record(msg: Message, event_id: bytes | None) -> KafkaRecord:
+    """A refused record back from its delivery report, with the event id its run
+    found (the report itself carries no headers)."""
+    headers = [(c.HEADER_ID, event_id)] if event_id else []
     return KafkaRecord(
         str(msg.topic()),
         msg.key() or b"",
         msg.value() or b"",
         headers,
         int(msg.timestamp()[1]),
-        dict(headers).get(c.HEADER_ID, b"").decode(errors="replace"),
+        (event_id or b"").decode(errors="replace"),
     )
 
 
@@ -273,10 +289,15 @@ class _Publisher:
     topics: TopicManager
     acks: _Acks
     sent: int = 0
+    run: _Run | None = None
 
     def send(self, record: KafkaRecord) -> None:
         if record.topic not in self.topics.known:
             self.topics.ensure([record.topic])
+        run = self.run
+        if run is None or len(run) >= RUN_RECORDS:
+            run = self.run = _Run()
+            run.acks = self.acks
         while True:
             try:
                 # Positional (topic, value, key, partition, callback, on_delivery,
@@ -286,7 +307,7 @@ class _Publisher:
                     record.value,
                     record.key,
                     -1,
-                    self.acks,
+                    run,
                     None,
                     record.timestamp_ms,
                     record.headers,  # type: ignore[arg-type]  # (list is invariant)
@@ -300,6 +321,7 @@ class _Publisher:
                     record = _dead_letter_of(err, record, self.settings)
                     continue
                 raise KafkaUnavailableError(f"recovery produce failed: {exc}") from exc
+        run.append((hash((record.key, record.value)), record.event_id.encode()))
         self.sent += 1
         if not self.sent % POLL_EVERY:  # delivery reports: served in batches, not per row
             self.producer.poll(0)
@@ -307,22 +329,26 @@ class _Publisher:
     def wait_acked(self) -> None:
         """Until Kafka acknowledged every record; refused ones are dead-lettered (and
         acknowledged) first; any other error raises (the gap stays open)."""
+        self.run = None  # (its reports can free it)
         deadline = time.monotonic() + ACK_TIMEOUT_S
-        while self.acks.acked < self.sent and self.acks.error is None:
+        while True:
+            left = self.producer.flush(1.0)  # (serves the reports)
+            if self.acks.error is not None:
+                raise KafkaUnavailableError(f"recovery: Kafka error: {self.acks.error}")
+            if self.acks.refused:
+                self._dead_letter_refused()
+                self.run = None
+                continue
+            if not left:
+                return
             if time.monotonic() > deadline:
-                raise KafkaUnavailableError(
-                    f"recovery: {self.sent - self.acks.acked} records not acknowledged"
-                )
-            self.producer.flush(1.0)
-            self._dead_letter_refused()
-        if self.acks.error is not None:
-            raise KafkaUnavailableError(f"recovery: Kafka error: {self.acks.error}")
+                raise KafkaUnavailableError(f"recovery: {left} records not acknowledged")
 
     def _dead_letter_refused(self) -> None:
         refused, self.acks.refused = self.acks.refused, []
-        for err, msg in refused:
+        for err, record in refused:
             self.sent -= 1  # the refused record is replaced by its dead letter
-            self.send(_dead_letter_of(err, _refused_record(msg), self.settings))
+            self.send(_dead_letter_of(err, record, self.settings))
 
 
 def topic_manager(settings: Settings) -> TopicManager:
@@ -397,7 +423,10 @@ def _recover(
     server = identify_system(dsn)
     origin = origin_value(server, settings.slot)
     acks = _Acks()
-    producer = make_producer(settings.kafka_bootstrap_servers, settings.kafka_config)
+    # Delivered records call nothing (a _Run per RUN_RECORDS finds a refused one's id).
+    producer = make_producer(
+        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
+    )
     publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks)
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
