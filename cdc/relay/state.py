@@ -153,8 +153,8 @@ class Session:
     #: the delivery reports of the records being added (cdc.relay.producing.Reports);
     #: let go at Commit and after each read batch, so they can be acknowledged
     reports: Any = None
-    #: an error raised where it could only be printed (a Reports' finalizer): it
-    #: ends the session like a producer error
+    #: an error raised where it could only be printed (a Reports' finalizer): the
+    #: stream loop raises it, as poll() raised a delivery callback's error before
     fault: Exception | None = None
 
 
