@@ -313,6 +313,7 @@ class Sink:
         self._parked_log = RepeatLog(log, "parked")
         self._skipped_types: set[str] = set()  # logged once each
         self._type_labels = BoundedLabels(MAX_TYPE_LABELS)
+        self._delivered_of: dict[str, Counter] = {}
         self.delivered_count = 0
         self.parked_count = 0
 
@@ -478,7 +479,11 @@ class Sink:
 
     def _delivered(self, record: Envelope, elapsed_s: float) -> None:
         self.delivered_count += 1
-        self.metrics.delivered.labels(record.event_type or "?").inc()
+        event_type = record.event_type or "?"  # a routed type: the routing table bounds them
+        counter = self._delivered_of.get(event_type)
+        if counter is None:  # (labels() validates and locks: once per type, not per event)
+            counter = self._delivered_of[event_type] = self.metrics.delivered.labels(event_type)
+        counter.inc()
         self.metrics.engine_latency.observe(elapsed_s)
         if record.timestamp_ms:
             self.metrics.end_to_end.observe(max(time.time() - record.timestamp_ms / 1000, 0.0))

@@ -62,6 +62,7 @@ from cdc.errors import ConfigError
 from cdc.settings import Settings, redact_url
 from sinks import http1
 from sinks.core.retry import classify
+from sinks.deadlines import Deadlines
 from sinks.errors import EngineMisconfigured, EngineUnavailable, Unroutable
 from sinks.routes import EngineCall, user_sync_call
 
@@ -247,6 +248,7 @@ class EngineClient:
         timeouts = timeouts or EngineTimeouts()
         self._timeout = timeouts.as_httpx()
         self._deadline_s = timeouts.deadline_s
+        self._deadlines = Deadlines(timeouts.deadline_s)
         self._slots = asyncio.Semaphore(max_in_flight)
         self._tls = tls or EngineTLS()
         self._ssl_context: ssl.SSLContext | None = None  # built once, shared by the pools
@@ -392,7 +394,7 @@ class EngineClient:
         """
         async with self._slots:
             try:
-                async with asyncio.timeout(self._deadline_s):
+                with self._deadlines.bound():
                     return await self._exchange(path, content, event_id, extra_block, extra)
             except TimeoutError:
                 raise http1.RequestDeadline(

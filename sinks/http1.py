@@ -322,7 +322,7 @@ def serialize_request(
 
 
 class ResponseParser(Protocol):
-    """Incremental parser of one response (one instance per request)."""
+    """Incremental parser of one response; :meth:`renew` gives the next one's."""
 
     @property
     def bytes_received(self) -> int:
@@ -334,6 +334,13 @@ class ResponseParser(Protocol):
     def feed_eof(self) -> Response:
         """The server closed: the response if now complete, else :class:`RemoteProtocolError`."""
 
+    def renew(self) -> ResponseParser:
+        """A parser for the next response on the same connection.
+
+        After a complete keep-alive response it may be this one, reset; after
+        anything else it is a new one.
+        """
+
 
 ParserFactory = Callable[[], ResponseParser]
 
@@ -344,6 +351,10 @@ class _ResponseBuilder:
     def __init__(self, *, max_header_bytes: int, max_body_bytes: int) -> None:
         self._max_header_bytes = max_header_bytes
         self._max_body_bytes = max_body_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state before a response's first byte."""
         self._received = 0
         self._head_bytes = 0
         self._fields = 0
@@ -469,6 +480,18 @@ class HttptoolsResponseParser(_ResponseBuilder):
         """The server closed: the response if now complete, else :class:`RemoteProtocolError`."""
         return self._eof()
 
+    def renew(self) -> ResponseParser:
+        """This parser reset after a complete keep-alive response (llhttp is then at the
+        start of the next message: a byte after the response would have cleared
+        ``keep_alive``); a new one after anything else."""
+        response = self._response
+        if response is None or not response.keep_alive or self._error is not None:
+            return HttptoolsResponseParser(
+                max_header_bytes=self._max_header_bytes, max_body_bytes=self._max_body_bytes
+            )
+        self._reset()
+        return self
+
     # llhttp callbacks; an exception raised here stops the parser
     def _fail(self, exc: RemoteProtocolError) -> None:
         self._error = exc
@@ -531,6 +554,12 @@ class H11ResponseParser(_ResponseBuilder):
     def feed_eof(self) -> Response:
         """The server closed: the response if now complete, else :class:`RemoteProtocolError`."""
         return self._eof()  # every body byte was taken already: frame the end ourselves
+
+    def renew(self) -> ResponseParser:
+        """A new parser (h11's connection would need its request cycle restarted)."""
+        return H11ResponseParser(
+            max_header_bytes=self._max_header_bytes, max_body_bytes=self._max_body_bytes
+        )
 
     def _events(self) -> Response | None:
         while True:
@@ -605,12 +634,19 @@ class PoolTimeouts:
 
 
 class _Connection(asyncio.BufferedProtocol):
-    """One TCP connection: one request at a time, its response fed to a fresh parser.
+    """One TCP connection: one request at a time, each response fed to its parser
+    (the last one's, renewed).
 
     Transitions: connecting -> idle <-> busy -> closed. Bytes, EOF or a reset
     while idle close it; any failure while busy fails the request's waiter.
     Reads land in a buffer of its own (asyncio's default allocates 256 KiB per
     read: ~15 us of page faults per small response).
+
+    The read timeout is one timer that outlives a request: armed when a
+    response is awaited and none is armed, it fires no later than the read
+    timeout after the wait began, then fails the request if the connection has
+    been silent that long, sleeps for the rest of the silence if not, and
+    disarms if no response is awaited. A fast exchange schedules no timer.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, new_parser: ParserFactory) -> None:
@@ -622,6 +658,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[Response] | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self._read_timer: asyncio.TimerHandle | None = None
+        self._read_s = 0.0
+        self._awaiting_response = False  # the request is written: read_s applies
         self._last_read = 0.0
         self._closed_locally = False
         self.closed = False
@@ -639,7 +677,8 @@ class _Connection(asyncio.BufferedProtocol):
         transport = self._transport
         if self.closed or transport is None or transport.is_closing():
             raise ReadError("connection closed")
-        self._parser = self._new_parser()
+        parser = self._parser
+        self._parser = self._new_parser() if parser is None else parser.renew()
         waiter: asyncio.Future[Response] = self._loop.create_future()
         self._waiter = waiter
         try:
@@ -650,15 +689,17 @@ class _Connection(asyncio.BufferedProtocol):
                     self.abort()
                     self.requests += 1
                     return early
-            self._last_read = self._loop.time()
-            self._read_timer = self._loop.call_later(
-                timeouts.read_s, self._read_timeout, timeouts.read_s
-            )
+            self._last_read = now = self._loop.time()
+            self._read_s = read_s = timeouts.read_s
+            self._awaiting_response = True
+            timer = self._read_timer
+            if timer is None or timer.when() > now + read_s:
+                if timer is not None:
+                    timer.cancel()
+                self._read_timer = self._loop.call_at(now + read_s, self._read_timeout)
             response = await waiter
         finally:
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-                self._read_timer = None
+            self._awaiting_response = False
             self._waiter = None
             if not waiter.done():
                 waiter.cancel()
@@ -706,12 +747,15 @@ class _Connection(asyncio.BufferedProtocol):
             waiter.set_exception(exc)
         self.abort()
 
-    def _read_timeout(self, read_s: float) -> None:
-        if self._waiter is None or self._waiter.done():
-            return
+    def _read_timeout(self) -> None:
+        self._read_timer = None
+        waiter = self._waiter
+        if not self._awaiting_response or waiter is None or waiter.done() or self.closed:
+            return  # disarmed: the next wait for a response arms it
+        read_s = self._read_s
         silent_s = self._loop.time() - self._last_read
-        if silent_s < read_s:  # bytes arrived meanwhile: wait for the rest of a silence
-            self._read_timer = self._loop.call_later(read_s - silent_s, self._read_timeout, read_s)
+        if silent_s < read_s:  # bytes arrived, or the wait began, meanwhile: the rest of it
+            self._read_timer = self._loop.call_later(read_s - silent_s, self._read_timeout)
             return
         self._fail(ReadTimeout(f"nothing received for {read_s:g} s"))
 
@@ -746,6 +790,9 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             if isinstance(exc, ssl.SSLError):  # e.g. the server's alert: certificate required

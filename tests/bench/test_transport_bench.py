@@ -98,9 +98,10 @@ async def _drive(send: Send, requests: int) -> tuple[float, float]:
     return time.process_time() - cpu0, time.perf_counter() - t0
 
 
-async def _measure(
+async def measure_client(
     client_name: str, stub: StubProc, tls: EngineTLS | None
 ) -> tuple[float, float, int]:
+    """``client_name`` sending to ``stub`` after a warm-up round: (CPU s, wall s, requests)."""
     requests = REQUESTS[client_name] // CONCURRENCY * CONCURRENCY
     if client_name == "aiohttp":
         aio = AiohttpEngine(stub.url, tls.context() if tls else None)
@@ -158,7 +159,7 @@ def test_engine_transport_http1_vs_aiohttp_plain_and_tls(tmp_path: Path) -> None
             expected = 0
             for _ in range(ROUNDS):
                 for name in REQUESTS:
-                    cpu_s, wall_s, n = asyncio.run(_measure(name, stub, tls))
+                    cpu_s, wall_s, n = asyncio.run(measure_client(name, stub, tls))
                     expected += n + CONCURRENCY
                     previous = best.get(name)
                     if previous is None or cpu_s / n < previous[0] / previous[2]:

@@ -274,6 +274,50 @@ def test_feeding_a_complete_parser_is_a_bug(new_parser: Callable[..., ResponsePa
         parser.feed(b"more")
 
 
+def test_a_renewed_parser_reads_the_next_responses_of_a_connection(
+    new_parser: Callable[..., ResponseParser],
+) -> None:
+    parser = new_parser(max_header_bytes=200)
+    bodies = []
+    for raw in (OK, CHUNKED, b"HTTP/1.1 100 Continue\r\n\r\n" + OK, OK):
+        parser = parser.renew()
+        response = feed_in_pieces(parser, [raw[:7], raw[7:40], raw[40:]])
+        assert response is not None and response.keep_alive
+        bodies.append(response.body)
+    assert bodies == [b'{"status":"ok"}\n', b'{"error":"down"}\n', *[b'{"status":"ok"}\n'] * 2]
+    # the renewed parser keeps the limits, and counts the head of its own response only
+    parser = parser.renew()
+    with pytest.raises(RemoteProtocolError, match="head exceeds 200 bytes"):
+        parser.feed(b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * 300 + b"\r\n\r\n")
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        OK[:30],  # incomplete
+        OK + b"garbage",  # bytes after the response: not reusable
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+        # a stray CRLF after it: llhttp skips it as the next message's lead (kept
+        # alive, so the parser is reused), h11 calls it trailing data (not kept alive)
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok\r\n",
+    ],
+    ids=["incomplete", "garbage-after", "connection-close", "crlf-after"],
+)
+def test_a_parser_renewed_after_anything_but_a_clean_keep_alive_response_starts_afresh(
+    new_parser: Callable[..., ResponseParser], first: bytes
+) -> None:
+    parser = new_parser()
+    first_response = None
+    with contextlib.suppress(RemoteProtocolError):
+        first_response = parser.feed(first)
+    renewed = parser.renew()
+    if first_response is None or not first_response.keep_alive:
+        assert renewed is not parser
+    response = renewed.feed(OK)
+    assert response is not None
+    assert (response.status, response.keep_alive, renewed.bytes_received) == (200, True, len(OK))
+
+
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="backend"):
         http1.new_response_parser(backend="nope")
@@ -689,6 +733,37 @@ def test_silence_beyond_the_read_timeout_is_a_read_timeout_and_closes() -> None:
                 await post(pool)
             assert 0.09 <= time.monotonic() - started < 1.0
             assert pool.open_connections == 0
+            await pool.aclose()
+
+    run(go())
+
+
+def test_the_read_timeout_outlives_requests_on_a_kept_connection() -> None:
+    """One timer serves a connection's requests: a fast exchange leaves it armed, a later
+    request is timed from its own start (not the first's), an idle pause disarms it."""
+
+    async def fast_then_slow_then_mute(request: Received, writer: asyncio.StreamWriter) -> bool:
+        if request.index == 2:
+            await asyncio.sleep(0.2)  # slower than the first request's timer, within read_s
+        if request.index == 4:
+            await asyncio.sleep(5)
+            return False
+        return await answer_ok(request, writer)
+
+    async def go() -> None:
+        async with Server(fast_then_slow_then_mute) as server:
+            pool = pool_for(server, timeouts=PoolTimeouts(read_s=0.3))
+            await post(pool, "0")
+            await asyncio.sleep(0.2)  # idle: the first timer fires at 0.3 s and disarms
+            await post(pool, "1")  # in flight when the first timer fires
+            assert (await post(pool, "2")).status == 200  # 0.2 s answer, then
+            await asyncio.sleep(0.5)  # idle past every timer
+            await post(pool, "3")
+            started = time.monotonic()
+            with pytest.raises(ReadTimeout, match=r"nothing received for 0\.3 s"):
+                await post(pool, "4")
+            assert 0.29 <= time.monotonic() - started < 1.0
+            assert (pool.connects, [r.conn for r in server.requests]) == (1, [0] * 5)
             await pool.aclose()
 
     run(go())
