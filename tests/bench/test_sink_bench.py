@@ -12,16 +12,21 @@ End-to-end: a paced writer commits registrations (``register_user``) at
 1,000/s and notes each event's commit time; latency = the stub's
 ``applied_at`` - that commit time.
 
-CPU per delivery against a reference client: beside the 0 ms concurrent case,
-aiohttp's client (third-party code, see ``test_transport_bench``) sends the
-same kind of request to a stub of its own, 64 in flight, in this process; its
-CPU per request is the machine's yardstick. Issue 25's goal of 10,000
-deliveries per sink CPU-second (100 us) was set on a machine where our HTTP
-client alone cost ~50 us per request; aiohttp costs 1.5-1.9x ours side by side
-(transport bench), ~75-95 us there. So "a whole delivery - consume, route, HTTP,
-commit - for no more CPU than aiohttp's client spends on the request alone"
-(ratio <= 1.0) is at least as strict, and it holds on a machine of any speed:
-this machine's speed moved 2-4x between days, the absolute figure with it.
+CPU per delivery against a reference client: the 0 ms concurrent case runs three
+times, and before, between and after those runs aiohttp's client (third-party
+code, see ``test_transport_bench``) sends the same kind of request to a stub of
+its own, 64 in flight, in this process; its CPU per request is the machine's
+yardstick, measured the way ``pg_recvlogical`` is for the relay (interleaved,
+medians).
+
+Why that yardstick: issue 25's goal of 10,000 deliveries per sink CPU-second
+(100 us per delivery) was set on a machine where our HTTP client alone cost
+~50 us per request. Side by side, aiohttp's client cost 1.5x (https) to 1.9x
+(http) of that client (transport bench, before round 7), so ~75-95 us on that
+machine. "A whole delivery - consume, route, HTTP, commit - for no more CPU
+than aiohttp's client spends on the request alone" (ratio <= 1.0) is therefore
+at least as strict as the goal was, and it holds on a machine of any speed:
+this one's moved 2-4x between days, and the absolute figure with it.
 
 Backlog drain: registrations are offered at 500/s throughout while the engine
 refuses connections for 60 s; the figures are the time the sink takes to notice
@@ -37,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import statistics
 import threading
 import time
 import uuid
@@ -81,7 +87,9 @@ GOAL_PER_CPU_S_0MS = 10_000.0
 #: The same goal, machine-independent: sink CPU per delivery / aiohttp's client
 #: CPU per request, measured beside it (see the module's docstring).
 GOAL_CPU_VS_AIOHTTP = 1.0
-#: Rounds of the reference client before and after the case; the cheapest counts.
+#: Runs of the 0 ms concurrent case, the reference client measured before, between
+#: and after them (each measurement the cheapest of its rounds).
+REFERENCE_REPEATS = 3
 REFERENCE_ROUNDS = 2
 E2E_RATE_PER_S = 1_000
 E2E_DURATION_S = 10.0
@@ -162,8 +170,8 @@ def _aiohttp_us_per_request(tmp: Path, name: str) -> float:
         stub.proc.close()
 
 
-def _run_case(case: Case, db_dsn: str, kafka: str, tmp: Path) -> Outcome:
-    name = f"{case.latency_ms:g}ms-{case.max_in_flight}"
+def _run_case(case: Case, db_dsn: str, kafka: str, tmp: Path, run: int = 0) -> Outcome:
+    name = f"{case.latency_ms:g}ms-{case.max_in_flight}-{run}"
     stub = start_stub(tmp, latency_ms=case.latency_ms, name=f"stub-{name}")
     try:
         cfg = _sink_cfg(db_dsn, kafka, stub, max_in_flight=case.max_in_flight)
@@ -190,18 +198,68 @@ def _run_case(case: Case, db_dsn: str, kafka: str, tmp: Path) -> Outcome:
     return Outcome(case, rate, ready_to_done_s, cpu_pct, rss_mb)
 
 
+def _sink_us_per_delivery(o: Outcome) -> float:
+    """Sink CPU from /readyz to the last delivery, per delivery (start-up excluded)."""
+    return o.cpu_pct["sink"] / 100.0 * o.ready_to_done_s / o.case.events * 1e6
+
+
+def _compare_with_the_reference(db_dsn: str, kafka: str, tmp: Path) -> Outcome:
+    """The 0 ms concurrent case :data:`REFERENCE_REPEATS` times, the reference client
+    measured before, between and after them; the ratio of the medians is the goal's
+    figure. Returns the sink's median run."""
+    case = CASES[0]
+    references = [_aiohttp_us_per_request(tmp, "0")]
+    runs = []
+    for run in range(REFERENCE_REPEATS):
+        runs.append(_run_case(case, db_dsn, kafka, tmp, run=run))
+        references.append(_aiohttp_us_per_request(tmp, str(run + 1)))
+    sink_us = [_sink_us_per_delivery(o) for o in runs]
+    ratio = statistics.median(sink_us) / statistics.median(references)
+    print_table(
+        f"sink CPU per delivery against the reference client ({case.latency_ms:g} ms engine,"
+        f" {case.max_in_flight} in flight; aiohttp {aiohttp.__version__} measured before, between"
+        " and after the runs)",
+        ["run", "sink CPU us/delivery", "aiohttp us/request before", "after", "ratio"],
+        [
+            [
+                str(run + 1),
+                fmt(us),
+                fmt(references[run]),
+                fmt(references[run + 1]),
+                fmt(us / statistics.mean(references[run : run + 2]), 2),
+            ]
+            for run, us in enumerate(sink_us)
+        ]
+        + [
+            [
+                "median",
+                fmt(statistics.median(sink_us)),
+                fmt(statistics.median(references)),
+                "",
+                fmt(ratio, 2),
+            ]
+        ],
+    )
+    print(
+        "  (sink: its CPU from /readyz to the last delivery / deliveries (consume, route, HTTP,"
+        " commit); aiohttp: its client's CPU per request, best of"
+        f" {REFERENCE_ROUNDS} rounds; goal: ratio <= {GOAL_CPU_VS_AIOHTTP:g}; load average"
+        f" {os.getloadavg()[0]:.2f})"
+    )
+    record_goal(
+        "sink CPU per delivery / aiohttp client CPU per request, 0 ms concurrent",
+        ratio,
+        at_most=GOAL_CPU_VS_AIOHTTP,
+    )
+    return sorted(runs, key=_sink_us_per_delivery)[len(runs) // 2]
+
+
 @pytest.mark.timeout(1200)
 def test_sink_concurrent_delivery_beats_the_serial_baseline(
     db_dsn: str, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    outcomes = []
-    reference_us = math.inf
-    for case in CASES:
-        if case == CASES[0]:  # the yardstick right before and right after the case it measures
-            reference_us = _aiohttp_us_per_request(tmp_path, "before")
-        outcomes.append(_run_case(case, db_dsn, kafka_bootstrap, tmp_path))
-        if case == CASES[0]:
-            reference_us = min(reference_us, _aiohttp_us_per_request(tmp_path, "after"))
+    outcomes = [_compare_with_the_reference(db_dsn, kafka_bootstrap, tmp_path)]
+    outcomes += [_run_case(case, db_dsn, kafka_bootstrap, tmp_path) for case in CASES[1:]]
     print_table(
         "sink deliveries/s to the engine stub (stub in its own process)",
         [
@@ -234,26 +292,10 @@ def test_sink_concurrent_delivery_beats_the_serial_baseline(
     )
     by = {(o.case.latency_ms, o.case.max_in_flight): o.rate_per_s for o in outcomes}
     zero = next(o for o in outcomes if o.case == CASES[0])
-    per_cpu_s = zero.rate_per_s / (zero.cpu_pct["sink"] / 100.0)
-    sink_us = 1e6 / per_cpu_s
-    print_table(
-        "sink CPU per delivery against the reference client (0 ms, 64 in flight)",
-        ["figure", "value"],
-        [
-            ["sink CPU us per delivery (consume, route, HTTP, commit)", fmt(sink_us)],
-            [f"aiohttp {aiohttp.__version__} client CPU us per request (best)", fmt(reference_us)],
-            ["ratio (goal <= 1.0)", fmt(sink_us / reference_us, 2)],
-            [
-                f"sink deliveries per sink CPU-s (issue's {GOAL_PER_CPU_S_0MS:,.0f} was set"
-                " on a faster machine)",
-                fmt(per_cpu_s),
-            ],
-        ],
-    )
-    record_goal(
-        "sink CPU per delivery / aiohttp client CPU per request, 0 ms concurrent",
-        sink_us / reference_us,
-        at_most=GOAL_CPU_VS_AIOHTTP,
+    print(
+        f"  (0 ms concurrent: the median of the {REFERENCE_REPEATS} runs above;"
+        f" {zero.rate_per_s / (zero.cpu_pct['sink'] / 100.0):,.0f} deliveries per sink CPU-s,"
+        f" against the issue's {GOAL_PER_CPU_S_0MS:,.0f} set on a faster machine)"
     )
     speedup_10 = by[(10, CONCURRENT)] / by[(10, 1)]
     speedup_0 = by[(0, CONCURRENT)] / by[(0, 1)]
