@@ -31,7 +31,7 @@ from cdc.producer import (
     TopicManager,
 )
 from cdc.relay.metrics import RelayMetrics
-from cdc.relay.state import PoisonIds, RefusedStep, SendStep, Session
+from cdc.relay.state import PoisonIds, RefusedStep, SendRowStep, SendStep, Session
 from cdc.router import (
     BrokenOutbox,
     DeadLetterCode,
@@ -43,6 +43,7 @@ from cdc.router import (
     outbox_layout,
     route_fields,
     route_message,
+    row_headers,
 )
 from cdc.settings import Settings
 from cdc.wal import pgoutput as pgo
@@ -131,6 +132,7 @@ class FastPath:
         def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None: ...
 
         _send: SendStep
+        _send_row: SendRowStep
         _refused: RefusedStep
 
         def _dead_letter_route(
@@ -245,16 +247,9 @@ class FastPath:
             self._on_insert_decoded(sess, pgo.decode(payload))
             return
         assert tx is not None and tx_id is not None
-        headers = [
-            (c.HEADER_ID, event_id),
-            (c.HEADER_TYPE, event_type),
-            (c.HEADER_AGGREGATE_TYPE, aggtype),
-            *tx.headers,
-        ]
         trace = values[i_trace] if i_trace is not None else None
-        if trace:
-            headers.append((c.HEADER_TRACEPARENT, trace))
         if self.poison and event_id in self.poison:  # (C-level checks: the hot path)
+            headers = row_headers(event_id, event_type, aggtype, tx, trace)
             self._produce(
                 sess,
                 tx_id,
@@ -263,8 +258,9 @@ class FastPath:
             return
         sess.tracker.add(tx_id)
         try:
-            self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
+            self._send_row(sess, tx_id, tx, topic, value, key, event_id, event_type, aggtype, trace)
         except KafkaException as exc:
+            headers = row_headers(event_id, event_type, aggtype, tx, trace)
             self._refused(sess, tx_id, exc, topic, key, value, headers, tx.timestamp_ms)
 
     def _on_insert_decoded(self, sess: Session, ins: Any) -> None:
