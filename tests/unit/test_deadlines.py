@@ -57,6 +57,10 @@ async def run_jobs(bounded: Bounded, jobs: list[Job]) -> list[tuple[str, float]]
     async def one(job: Job) -> tuple[str, float]:
         await asyncio.sleep(job.start_s)
         started = loop.time()
+        task = asyncio.current_task()
+        assert task is not None
+        if job.cancel_after_s is not None:  # timed from the job's start, however late it is
+            loop.call_later(job.cancel_after_s, task.cancel)
         try:
             await bounded(lambda: asyncio.sleep(job.duration_s))
         except TimeoutError:
@@ -65,11 +69,7 @@ async def run_jobs(bounded: Bounded, jobs: list[Job]) -> list[tuple[str, float]]
             return "cancelled", loop.time() - started
         return "done", loop.time() - started
 
-    tasks = [asyncio.create_task(one(job)) for job in jobs]
-    for job, task in zip(jobs, tasks, strict=True):
-        if job.cancel_after_s is not None:
-            loop.call_later(job.start_s + job.cancel_after_s, task.cancel)
-    return list(await asyncio.gather(*tasks))
+    return list(await asyncio.gather(*(one(job) for job in jobs)))
 
 
 # Durations and cancellations keep 3-10x margins from the timeout: outcomes do not
