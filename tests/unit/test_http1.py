@@ -744,7 +744,7 @@ def test_the_read_timeout_outlives_requests_on_a_kept_connection() -> None:
 
     async def fast_then_slow_then_mute(request: Received, writer: asyncio.StreamWriter) -> bool:
         if request.index == 2:
-            await asyncio.sleep(0.2)  # slower than the first request's timer, within read_s
+            await asyncio.sleep(0.25)  # past the first request's timer, within read_s
         if request.index == 4:
             await asyncio.sleep(5)
             return False
@@ -752,17 +752,17 @@ def test_the_read_timeout_outlives_requests_on_a_kept_connection() -> None:
 
     async def go() -> None:
         async with Server(fast_then_slow_then_mute) as server:
-            pool = pool_for(server, timeouts=PoolTimeouts(read_s=0.3))
-            await post(pool, "0")
-            await asyncio.sleep(0.2)  # idle: the first timer fires at 0.3 s and disarms
-            await post(pool, "1")  # in flight when the first timer fires
-            assert (await post(pool, "2")).status == 200  # 0.2 s answer, then
-            await asyncio.sleep(0.5)  # idle past every timer
+            pool = pool_for(server, timeouts=PoolTimeouts(read_s=0.5))
+            await post(pool, "0")  # arms the timer (fires 0.5 s after this start)
+            await asyncio.sleep(0.35)
+            await post(pool, "1")
+            assert (await post(pool, "2")).status == 200  # in flight when that timer fires
+            await asyncio.sleep(1.0)  # idle past every timer: it disarms
             await post(pool, "3")
             started = time.monotonic()
-            with pytest.raises(ReadTimeout, match=r"nothing received for 0\.3 s"):
+            with pytest.raises(ReadTimeout, match=r"nothing received for 0\.5 s"):
                 await post(pool, "4")
-            assert 0.29 <= time.monotonic() - started < 1.0
+            assert 0.49 <= time.monotonic() - started < 2.0
             assert (pool.connects, [r.conn for r in server.requests]) == (1, [0] * 5)
             await pool.aclose()
 
