@@ -247,7 +247,6 @@ class EngineClient:
             self._headers[API_KEY_HEADER] = api_key
         timeouts = timeouts or EngineTimeouts()
         self._timeout = timeouts.as_httpx()
-        self._deadline_s = timeouts.deadline_s
         self._deadlines = Deadlines(timeouts.deadline_s)
         self._slots = asyncio.Semaphore(max_in_flight)
         self._tls = tls or EngineTLS()
@@ -398,7 +397,7 @@ class EngineClient:
                     return await self._exchange(path, content, event_id, extra_block, extra)
             except TimeoutError:
                 raise http1.RequestDeadline(
-                    f"no complete answer within {self._deadline_s:g} s"
+                    f"no complete answer within {self._deadlines.timeout_s:g} s"
                 ) from None
 
     async def _exchange(

@@ -168,6 +168,13 @@ class Producing:
         )
         return self._fast
 
+    def _new_run(self, sess: Session, tx_id: int, topic: str, timestamp_ms: int) -> Reports:
+        """The session's new run of ``tx_id``'s records to ``topic`` (once per run)."""
+        reports = sess.reports = Reports()  # (attributes set here: no __init__ call)
+        reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
+        reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
+        return reports
+
     def _send_row(
         self,
         sess: Session,
@@ -191,9 +198,7 @@ class Producing:
         if fast is not None:
             reports = sess.reports
             if reports is None or reports.tx_id != tx_id or reports.topic != topic:
-                reports = sess.reports = Reports()  # (attributes set here: no __init__ call)
-                reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
-                reports.topic, reports.timestamp_ms, reports.failed = topic, tx.timestamp_ms, 0
+                reports = self._new_run(sess, tx_id, topic, tx.timestamp_ms)
             err = fast(
                 producer,
                 topic,
@@ -209,9 +214,9 @@ class Producing:
             )
             if not err:
                 return
-            if err != fast_produce.ERR_QUEUE_FULL:
-                error = KafkaError(err)
-                raise KafkaException(KafkaError(err, f"Unable to produce message: {error.str()}"))
+            if err != fast_produce.ERR_QUEUE_FULL:  # (worded as Producer.produce words it)
+                reason = f"Unable to produce message: {KafkaError(err).str()}"
+                raise KafkaException(KafkaError(err, reason))
         headers = row_headers(event_id, event_type, aggtype, tx, trace)
         self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
 
@@ -239,9 +244,7 @@ class Producing:
         assert producer is not None
         reports = sess.reports
         if reports is None or reports.tx_id != tx_id or reports.topic != topic:
-            reports = sess.reports = Reports()  # (attributes set here: no __init__ call)
-            reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
-            reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
+            reports = self._new_run(sess, tx_id, topic, timestamp_ms)
         callback: DeliveryCallback = reports
         if self._tracing is not None:
             callback = self._tracing.produce(topic, key, headers, event_id, callback)
