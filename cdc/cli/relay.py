@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import click
 
+from cdc.cli import interrupt
 from cdc.cli.app import load_settings, require_free_port
 from cdc.cli.render import echo_json, migration_table, out
 
@@ -117,6 +118,7 @@ def _on_signals(stop: Callable[[], None]) -> None:
     thread holds: three SIGTERMs within 15 ms (a dying parent's and a supervisor's)
     once left the relay hanging for good. ``os.write`` takes no Python lock.
     """
+    interrupt.release()  # the relay's shutdown is its own: flush, confirm, exit 0
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
 
