@@ -102,10 +102,14 @@ def prune(older_than_s: float, as_json: bool) -> None:
         )
         return
     kept = f"; kept rows since {keep.keep_since.isoformat()}" if keep.keep_since else ""
-    click.echo(
-        f"deleted {deleted} outbox rows older than {max(older_than_s, keep.horizon_s):g}s"
-        f" (horizon {keep.horizon_s:g}s{kept})"
+    effective_s = max(older_than_s, keep.horizon_s)
+    raised = (
+        f" (--older-than {older_than_s:g}s raised to the recovery horizon,"
+        f" CDC_RECOVERY_HORIZON_S={keep.horizon_s:g}{kept})"
+        if effective_s > older_than_s
+        else f" (horizon {keep.horizon_s:g}s{kept})"
     )
+    click.echo(f"deleted {deleted} outbox rows older than {effective_s:g}s{raised}")
 
 
 def _on_signals(stop: Callable[[], None]) -> None:

@@ -12,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from cdc.cli.render import echo_json, fmt_age, fmt_offset, fmt_resume, out, slot_line, warn
+from cdc.cli.render import (
+    echo_json,
+    fmt_age,
+    fmt_offset,
+    fmt_resume,
+    fmt_time,
+    out,
+    slot_line,
+    warn,
+)
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -220,7 +229,7 @@ def parked_table(rows: Sequence[ParkedEvent], *, statuses: Sequence[str]) -> Any
     table.add_column("type", no_wrap=True)
     table.add_column("status")
     table.add_column("retries", justify="right")
-    table.add_column("next retry", no_wrap=True)
+    table.add_column("next retry (UTC)", no_wrap=True)
     table.add_column("event id", no_wrap=True)
     table.add_column("last error", overflow="fold")
     for r in rows:
@@ -229,7 +238,7 @@ def parked_table(rows: Sequence[ParkedEvent], *, statuses: Sequence[str]) -> Any
             r.event_type,
             r.status,
             str(r.retry_count),
-            r.next_retry_at.astimezone().strftime("%Y-%m-%d %H:%M:%S") if r.next_retry_at else "-",
+            fmt_time(r.next_retry_at),
             r.outbox_event_id or "-",
             (r.last_error or "")[:ERROR_EXCERPT_CHARS],
         )

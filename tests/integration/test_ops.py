@@ -910,6 +910,18 @@ def test_slot_missing_exits_1(ops: Ops) -> None:
     assert f"slot {ops.slot} does not exist" in done.stderr
 
 
+def test_prune_says_when_older_than_was_raised_to_the_recovery_horizon(ops: Ops) -> None:
+    _create_slot(ops.db_dsn, ops.slot)
+
+    done = ops.cli("prune", "--older-than", "60")
+
+    assert done.returncode == 0, done.stderr
+    assert "outbox rows older than 86400s" in done.stdout
+    assert "(--older-than 60s raised to the recovery horizon, CDC_RECOVERY_HORIZON_S=86400" in (
+        done.stdout
+    )
+
+
 def test_slot_drop_asks_then_drops_and_warns_of_the_unconfirmed_events(ops: Ops) -> None:
     _create_slot(ops.db_dsn, ops.slot)
     _write_events(ops.db_dsn, 2)
