@@ -10,6 +10,9 @@
 * Every ``make`` command shown names a target of the Makefile.
 * The README stays a front door: at most 250 lines, and its relative links resolve.
 * The configuration page's TOML example loads as a settings file.
+* Every page is in the site's navigation, and ``mkdocs.yml`` makes an orphan page, a
+  broken link or anchor a warning (so ``mkdocs build --strict`` fails on it), with no
+  plugin that reaches the network.
 
 The site's own links, anchors and navigation are checked by ``make docs``
 (``mkdocs build --strict``); the configuration reference's generator is tested in
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import click
 import pytest
+import yaml
 
 from cdc.cli import command_line
 from cdc.settings import Settings
@@ -338,3 +342,39 @@ def test_the_configuration_pages_toml_example_loads(tmp_path: Path) -> None:
         path.write_text("\n".join(body), encoding="utf-8")
         settings = Settings.from_env({}, config_file=str(path))
         assert settings.model_dump() != Settings().model_dump()
+
+
+# --- the site's configuration ----------------------------------------------------------------
+
+
+def _nav_pages(nav: object) -> Iterator[str]:
+    if isinstance(nav, str):
+        yield nav
+    elif isinstance(nav, list):
+        for item in nav:
+            yield from _nav_pages(item)
+    elif isinstance(nav, dict):
+        for value in nav.values():
+            yield from _nav_pages(value)
+
+
+def test_every_page_is_in_the_nav_and_strict_mode_would_say_so() -> None:
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+    in_nav = list(_nav_pages(config["nav"]))
+    on_disk = {
+        str(p.relative_to(DOCS))
+        for p in DOCS.rglob("*.md")
+        if not p.is_relative_to(DOCS / "_hooks")
+    }
+    assert len(in_nav) == len(set(in_nav)), "a page is in the nav twice"
+    assert set(in_nav) == on_disk
+    # mkdocs build --strict fails on warnings: these make an orphan page, a broken link
+    # or a missing anchor a warning (their defaults are "info" for some).
+    assert config["validation"] == {
+        "omitted_files": "warn",
+        "not_found": "warn",
+        "absolute_links": "warn",
+        "unrecognized_links": "warn",
+        "anchors": "warn",
+    }
+    assert set(config["plugins"]) <= {"search", "offline"}, "no plugin that reaches the network"
