@@ -76,7 +76,7 @@ def prune(older_than_s: float, as_json: bool) -> None:
     Never deletes a row younger than CDC_RECOVERY_HORIZON_S, a row the slot may
     not have confirmed (not yet in Kafka), nor a row inside an open gap's
     window; refused when the slot is missing or lost and nothing says what was
-    published (see the README, "When the slot is lost").
+    published (see docs/relay/slot-gaps.md).
     """
     import psycopg
 
