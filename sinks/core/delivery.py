@@ -336,8 +336,9 @@ class KeyScheduler:
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self._max_in_flight = max_in_flight
-        #: head first, each record with the route it waits for; the head may be in flight
-        self._lanes: dict[LaneKey, deque[tuple[Envelope, Hashable]]] = {}
+        #: head first: each record, the route it waits for and its own (given at submit);
+        #: the head may be in flight
+        self._lanes: dict[LaneKey, deque[tuple[Envelope, Hashable, Hashable]]] = {}
         self._busy: set[LaneKey] = set()  # lanes whose head is in flight
         #: per route, lanes that may start their head (entries may be stale: checked on use)
         self._runnable: dict[Hashable, deque[LaneKey]] = {}
@@ -347,6 +348,7 @@ class KeyScheduler:
         self._orphans: set[Position] = set()  # in flight, partition dropped meanwhile
         self._queued: set[Position] = set()
         self._queued_by_route: Counter[Hashable] = Counter()
+        self._queued_by_place: Counter[tuple[TopicPartition, Hashable]] = Counter()  # own route
         self._per_partition: Counter[TopicPartition] = Counter()
 
     @property
@@ -367,6 +369,11 @@ class KeyScheduler:
     def queued_for(self, route: Hashable) -> int:
         """Queued records waiting for ``route`` (heads and the records behind them)."""
         return self._queued_by_route.get(route, 0)
+
+    def queued_in(self, topic: str, partition: int, route: Hashable) -> int:
+        """Queued records of one partition whose own route (the one given at submit) is
+        ``route`` - whatever route they wait for now."""
+        return self._queued_by_place.get(((topic, partition), route), 0)
 
     @property
     def pending(self) -> int:
@@ -394,9 +401,9 @@ class KeyScheduler:
         queue = self._lanes.get(lane)
         if queue is None:
             queue = self._lanes[lane] = deque()
-        queue.append((record, route))
+        queue.append((record, route, route))
         self._queued.add(position)
-        self._queued_by_route[route] += 1
+        self._count_queued(record, route, route, 1)
         self._per_partition[record.topic_partition] += 1
         if lane not in self._busy:
             self._make_runnable(lane)
@@ -433,11 +440,11 @@ class KeyScheduler:
                 break
             self._runnable[route].popleft()
             del self._runnable_route[lane]
-            record, _ = self._lanes[lane][0]
+            record, _, home = self._lanes[lane][0]
             self._busy.add(lane)
             self._in_flight[record.position] = record
             self._queued.remove(record.position)
-            self._queued_by_route[route] -= 1
+            self._count_queued(record, route, home, -1)
             started.append(record)
         return started
 
@@ -457,27 +464,28 @@ class KeyScheduler:
             return
         lane = lane_key(record)
         queue = self._lanes[lane]
+        _, waits_for, home = queue[0]
         if route is None:
-            route = queue[0][1]
+            route = waits_for
         else:
-            queue[0] = (record, route)
+            queue[0] = (record, route, home)
         self._busy.discard(lane)
         self._queued.add(record.position)
-        self._queued_by_route[route] += 1
+        self._count_queued(record, route, home, 1)
         self._make_runnable(lane)
 
     def drop_partition(self, topic: str, partition: int) -> list[Envelope]:
         """Forget the queued records of a revoked partition; returns them, in order."""
         dropped: list[Envelope] = []
         for lane, queue in list(self._lanes.items()):
-            kept: deque[tuple[Envelope, Hashable]] = deque()
-            for record, route in queue:
+            kept: deque[tuple[Envelope, Hashable, Hashable]] = deque()
+            for record, route, home in queue:
                 lost = record.topic_partition == (topic, partition)
                 if lost and self._in_flight.get(record.position) is not record:
                     dropped.append(record)
-                    self._queued_by_route[route] -= 1
+                    self._count_queued(record, route, home, -1)
                 else:
-                    kept.append((record, route))
+                    kept.append((record, route, home))
                     if lost:
                         self._orphans.add(record.position)
             if kept:
@@ -523,6 +531,15 @@ class KeyScheduler:
                 continue
             return lane
         return None
+
+    def _count_queued(self, record: Envelope, route: Hashable, home: Hashable, delta: int) -> None:
+        self._queued_by_route[route] += delta
+        place = (record.topic_partition, home)
+        count = self._queued_by_place[place] + delta
+        if count:
+            self._queued_by_place[place] = count
+        else:
+            del self._queued_by_place[place]
 
     def _make_runnable(self, lane: LaneKey) -> None:
         if lane not in self._runnable_route:

@@ -77,7 +77,10 @@ Invariants (each checked after every step of the model test):
    more than its share (``max_buffered`` / partitions assigned) pauses, and
    above ``max_buffered`` in all every partition holding anything pauses -
    so at most a fetch batch per partition more is ever held. A partition
-   whose records can move is not held back because another's cannot.
+   holding a queued record whose own route is not CLOSED pauses too: Kafka
+   holds that route's backlog (a probe still finds a record of the route, so
+   nothing deadlocks). A partition whose records can move is not held back
+   because another's cannot.
 7. **Each route slows to what the engine admits** (:class:`Window`): sends
    of a route stop until a throttled answer's ``Retry-After`` has passed; its
    in-flight limit is halved on a throttled or shared-deadline answer (once
@@ -660,17 +663,23 @@ class SinkCore:
         return bool(self._want_paused() - self._paused)
 
     def _want_paused(self) -> set[TopicPartition]:
-        """Partitions that must not fetch: all when stopping; one holding more than its
-        share; and, while all together hold more than ``max_buffered``, every one that
-        holds anything (one holding nothing may fetch: its records can move)."""
+        """Partitions that must not fetch: all when stopping; one holding a queued record
+        whose own route is down (Kafka holds that route's backlog - not a record that
+        waits for another route's call, a quiz attempt's user sync: its route works); one
+        holding more than its share; and, while all together hold more than
+        ``max_buffered``, every one that holds anything (one holding nothing may fetch:
+        its records can move)."""
         if self._stopping:
             return set(self._parts)
         over = self.held > self._max_buffered
         share = self.buffer_share
+        down = [r.name for r in self._routes.values() if r.circuit is not Circuit.CLOSED]
         return {
             tp
             for tp, part in self._parts.items()
-            if part.watermark.held > share or (over and part.watermark.held > 0)
+            if part.watermark.held > share
+            or (over and part.watermark.held > 0)
+            or any(self._scheduler.queued_in(*tp, route) for route in down)
         }
 
     @property

@@ -369,6 +369,7 @@ class SchedulerModel(RuleBasedStateMachine):
         self.in_flight: list[Envelope] = []
         self.orphans: list[Envelope] = []  # in flight when their partition was dropped
         self.route: dict[object, str] = {}  # position -> the route it waits for
+        self.home: dict[object, str] = {}  # position -> the route it was submitted with
 
     @rule(
         key=st.sampled_from(KEYS),
@@ -380,7 +381,7 @@ class SchedulerModel(RuleBasedStateMachine):
         self.next_offset[partition] += 1
         env = _env(key, offset, partition=partition)
         self.sched.submit(env, route)
-        self.route[env.position] = route
+        self.route[env.position] = self.home[env.position] = route
         self.lanes[lane_key(env)].append(env)
 
     @rule(limit=st.none() | st.integers(min_value=0, max_value=4), route=st.sampled_from(ROUTES))
@@ -456,6 +457,15 @@ class SchedulerModel(RuleBasedStateMachine):
                 if e not in self.in_flight and self.route[e.position] == route
             ]
             assert self.sched.queued_for(route) == len(waiting)
+            own = [
+                e
+                for lane in self.lanes.values()
+                for e in lane
+                if e not in self.in_flight and self.home[e.position] == route
+            ]
+            for partition in PARTITIONS:
+                here = [e for e in own if e.partition == partition]
+                assert self.sched.queued_in("t", partition, route) == len(here)
         for partition in PARTITIONS:
             expected = sum(
                 1 for lane in self.lanes.values() for e in lane if e.partition == partition
