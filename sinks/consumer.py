@@ -362,6 +362,7 @@ class Sink:
         self._type_labels = BoundedLabels(MAX_TYPE_LABELS)
         self._delivered_of: dict[str, Counter] = {}
         self._attempts_counted = 0  # core.attempts_spent already in retried{kind="record"}
+        self._route_gauges_of: dict[str, tuple[Gauge, Gauge, Gauge]] = {}
         self.delivered_count = 0
         self.parked_count = 0
 
@@ -498,7 +499,7 @@ class Sink:
             if result.kind is ResultKind.THROTTLED:
                 self.metrics.throttled.inc()
             self.metrics.retried.labels("engine").inc()
-            self.metrics.route_trouble.labels(result.endpoint or send.endpoint).inc()
+            self.metrics.route_trouble.labels(result.endpoint or send.endpoint or "engine").inc()
         self.core.sent(record, result, now=time.monotonic())
 
     async def _deliver(self, record: Envelope, endpoint: str) -> Result:
@@ -606,10 +607,10 @@ class Sink:
         self.metrics.paused.set(len(self.core.paused))
         self.metrics.circuit.set(0 if self.core.circuit is Circuit.CLOSED else 1)
         for route in self.core.routes():
-            name = route.endpoint or "engine"
-            self.metrics.route_circuit.labels(name).set(route.circuit is not Circuit.CLOSED)
-            self.metrics.window.labels(name).set(route.window)
-            self.metrics.route_waiting.labels(name).set(route.waiting)
+            circuit, window, waiting = self._route_gauges(route.endpoint)
+            circuit.set(route.circuit is not Circuit.CLOSED)
+            window.set(route.window)
+            waiting.set(route.waiting)
         spent = self.core.attempts_spent
         if spent > self._attempts_counted:
             self.metrics.retried.labels("record").inc(spent - self._attempts_counted)
@@ -618,6 +619,18 @@ class Sink:
         stalled_s = self.core.stalled_s(time.monotonic())
         self.metrics.stalled_seconds.set(stalled_s)
         self.metrics.stalled.set(1 if self._stalled(stalled_s) else 0)
+
+    def _route_gauges(self, endpoint: str) -> tuple[Gauge, Gauge, Gauge]:
+        """One route's gauges (``labels()`` validates and locks: once per route, not per step)."""
+        gauges = self._route_gauges_of.get(endpoint)
+        if gauges is None:
+            name = endpoint or "engine"
+            gauges = self._route_gauges_of[endpoint] = (
+                self.metrics.route_circuit.labels(name),
+                self.metrics.window.labels(name),
+                self.metrics.route_waiting.labels(name),
+            )
+        return gauges
 
     def _stalled(self, stalled_s: float) -> bool:
         return stalled_s > self.settings.sink_stall_after_s
