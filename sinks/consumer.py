@@ -15,14 +15,19 @@ and reports what came of them:
 * a :class:`~sinks.core.machine.Park` becomes one task writing its whole batch in
   one round-trip; a parking lot that fails keeps the records unsettled (the
   core parks them again later) and marks the sink unready;
-* ``/readyz`` is ready only while the circuit is CLOSED, the parking lot
-  answers and the sink is not stalled (nothing delivered, parked or committed
-  for ``SINK_STALL_AFTER_S`` while work waits: ``stalled: ...``; a shorter
-  blip never shows); a state change is logged once, with its reason;
-* an engine answer is mapped to a core result by its meaning: a 429 is
-  ``THROTTLED``; a ``Retry-After`` on another engine-wide status, and an
-  expired request deadline, are ``UNAVAILABLE`` marked ``shared`` (never the
-  record's own failure).
+* ``/readyz`` is ready only while every engine route's circuit is CLOSED
+  (else it names the routes down and why), the parking lot answers and the
+  sink is not stalled (nothing delivered, parked or committed for
+  ``SINK_STALL_AFTER_S`` while work waits: ``stalled: ...``; a shorter blip
+  never shows); a state change is logged once, with its reason;
+* an engine answer is mapped to a core result by its meaning
+  (:func:`route_result`), with the engine route of the request that failed
+  (``SinkError.endpoint``): a 429 is ``THROTTLED``; a ``Retry-After`` on
+  another status, and an expired request deadline, are ``UNAVAILABLE``
+  marked ``shared``; another 5xx is ``SERVER_ERROR`` (blamed on the record
+  only with per-route evidence, by the core); everything else that is not
+  about the record - refused, reset, timeouts, 408, 401/403, 3xx, the sink's
+  own errors - is ``UNAVAILABLE``: trouble of the route, never an attempt.
 
 SIGTERM (:meth:`Sink.stop`): take and send nothing new, wait up to
 :data:`SHUTDOWN_WAIT_S` for what is in flight, commit, leave the group.
@@ -63,7 +68,7 @@ from sinks.core.machine import (
 from sinks.core.retry import Backoff, retry_delay_s
 from sinks.dispatch import deliver
 from sinks.engine import EngineClient
-from sinks.errors import EngineUnavailable, SinkError, Unroutable
+from sinks.errors import EngineMisconfigured, EngineUnavailable, SinkError, Unroutable
 from sinks.kafka_worker import KafkaWorker
 from sinks.logs import BoundedLabels, RepeatLog
 from sinks.parking.lot import ParkingLot, ParkRequest
@@ -91,6 +96,10 @@ MIN_SLEEP_S = 0.001
 MAX_TYPE_LABELS = 50
 #: The engine sheds load: slow down, whatever else succeeds (DESIGN "Sink invariants" 2).
 RATE_LIMITED = 429
+#: Statuses that blame a record only with per-route evidence (DESIGN "Sink invariants" 3).
+SERVER_ERRORS = range(500, 600)
+#: Results that are trouble of an engine route (counted per route; no attempt spent).
+ROUTE_TROUBLE = frozenset({ResultKind.UNAVAILABLE, ResultKind.SERVER_ERROR, ResultKind.THROTTLED})
 #: The parking lot's event_type of a record whose type has no route.
 UNROUTABLE = "UNROUTABLE"
 
@@ -108,7 +117,9 @@ class SinkMetrics:
         )
         self.retried = Counter(
             "outbox_sink_retried_total",
-            "Deliveries retried (engine-wide or record-specific)",
+            "Deliveries retried: kind=record - attempts spent (answers that blamed the record);"
+            " kind=engine - answers that were trouble of an engine route (spent nothing when"
+            " they came; a 5xx later blamed on its record is counted under record too)",
             ["kind"],
             registry=registry,
         )
@@ -126,7 +137,26 @@ class SinkMetrics:
         )
         self.circuit = Gauge(
             "outbox_sink_circuit_open",
-            "1 while the engine circuit is not closed (open or probing)",
+            "1 while the circuit of any engine route is not closed (open or probing)",
+            registry=registry,
+        )
+        self.route_circuit = Gauge(
+            "outbox_sink_route_circuit_open",
+            "1 while this engine route's circuit is not closed (open or probing)",
+            ["route"],
+            registry=registry,
+        )
+        self.route_waiting = Gauge(
+            "outbox_sink_route_waiting_records",
+            "Records queued for this engine route (lane heads and the records behind them)",
+            ["route"],
+            registry=registry,
+        )
+        self.route_trouble = Counter(
+            "outbox_sink_route_trouble_total",
+            "Engine answers judged trouble of this route (refused, timeouts, 408, 429, 5xx,"
+            " 401/403, the sink's own errors): no attempt spent",
+            ["route"],
             registry=registry,
         )
         self.lag = Gauge(
@@ -202,7 +232,9 @@ class SinkMetrics:
         )
         self.window = Gauge(
             "outbox_sink_engine_window",
-            "Adaptive limit of engine requests in flight (AIMD; slow start after an outage)",
+            "Adaptive limit of this engine route's requests in flight (AIMD; slow start after"
+            " an outage)",
+            ["route"],
             registry=registry,
         )
         self.throttled = Counter(
@@ -252,20 +284,35 @@ def classifier(routing: Routing) -> Callable[[Envelope], Verdict]:
         if routing.is_ignored(record.topic, record.event_type):
             return Verdict(Route.IGNORE, "SINK_IGNORED_TYPES")
         try:
-            routing.route_envelope(record)
+            call = routing.route_envelope(record)
         except Unroutable as exc:
             return Verdict(Route.PARK, exc.reason)
-        return Verdict(Route.DELIVER)
+        return Verdict(Route.DELIVER, endpoint=call.path)
 
     return classify
 
 
-def engine_wide_result(exc: EngineUnavailable) -> Result:
-    """The core's result for engine-wide trouble: throttled, shared, or plain unavailable."""
+def route_result(exc: EngineUnavailable) -> Result:
+    """The core's result for trouble of an engine route (``exc.endpoint``).
+
+    429: THROTTLED. A Retry-After on another status, or an expired request
+    deadline: UNAVAILABLE ``shared`` (the route is slow for everyone). Another
+    5xx: SERVER_ERROR (the core blames the record only with per-route
+    evidence). The rest - refused, reset, timeouts, 408, 401/403 and 3xx
+    (:class:`~sinks.errors.EngineMisconfigured`): UNAVAILABLE, never the record's.
+    """
+    endpoint = exc.endpoint
     if exc.status == RATE_LIMITED:
-        return Result(ResultKind.THROTTLED, exc.reason, exc.retry_after_s)
+        return Result(ResultKind.THROTTLED, exc.reason, exc.retry_after_s, endpoint=endpoint)
     shared = exc.retry_after_s is not None or isinstance(exc.__cause__, http1.RequestDeadline)
-    return Result(ResultKind.UNAVAILABLE, exc.reason, exc.retry_after_s, shared=shared)
+    server_error = (
+        not shared
+        and not isinstance(exc, EngineMisconfigured)
+        and exc.status is not None
+        and SERVER_ERRORS.start <= exc.status < SERVER_ERRORS.stop
+    )
+    kind = ResultKind.SERVER_ERROR if server_error else ResultKind.UNAVAILABLE
+    return Result(kind, exc.reason, exc.retry_after_s, shared=shared, endpoint=endpoint)
 
 
 def make_core(settings: Settings, routing: Routing) -> SinkCore:
@@ -275,7 +322,7 @@ def make_core(settings: Settings, routing: Routing) -> SinkCore:
         max_buffered=MAX_BUFFERED,
         inline_attempts=settings.sink_inline_attempts,
         inline_backoff_s=INLINE_BACKOFF_S,
-        backoff=Backoff(base_s=min(0.5, backoff_cap_s), cap_s=backoff_cap_s),
+        backoff=lambda: Backoff(base_s=min(0.5, backoff_cap_s), cap_s=backoff_cap_s),
         commit_interval_s=COMMIT_INTERVAL_S,
         classify=classifier(routing),
     )
@@ -314,6 +361,8 @@ class Sink:
         self._skipped_types: set[str] = set()  # logged once each
         self._type_labels = BoundedLabels(MAX_TYPE_LABELS)
         self._delivered_of: dict[str, Counter] = {}
+        self._attempts_counted = 0  # core.attempts_spent already in retried{kind="record"}
+        self._route_gauges_of: dict[str, tuple[Gauge, Gauge, Gauge]] = {}
         self.delivered_count = 0
         self.parked_count = 0
 
@@ -405,7 +454,7 @@ class Sink:
             verdict = self.core.consumed(record, now_ms=now_ms)
             if verdict is not None and verdict.route is Route.IGNORE:
                 self._skipped(record)
-        if self.core.held > MAX_BUFFERED:
+        if self.core.needs_pause():
             self._step()  # pause now: batches already posted must not pile up first
         self._wake.set()
 
@@ -443,19 +492,24 @@ class Sink:
     async def _send(self, send: Send) -> None:
         record = send.record
         started = time.perf_counter()
-        result = await self._deliver(record)
+        result = await self._deliver(record, send.endpoint)
         if result.kind is ResultKind.DELIVERED:
             self._delivered(record, time.perf_counter() - started)
-        elif result.kind is ResultKind.THROTTLED:
-            self.metrics.throttled.inc()
+        elif result.kind in ROUTE_TROUBLE:
+            if result.kind is ResultKind.THROTTLED:
+                self.metrics.throttled.inc()
             self.metrics.retried.labels("engine").inc()
-        elif result.kind is ResultKind.UNAVAILABLE:
-            self.metrics.retried.labels("engine").inc()
-        elif result.kind is ResultKind.REJECTED:
-            self.metrics.retried.labels("record").inc()
+            self.metrics.route_trouble.labels(result.endpoint or send.endpoint or "engine").inc()
         self.core.sent(record, result, now=time.monotonic())
 
-    async def _deliver(self, record: Envelope) -> Result:
+    async def _deliver(self, record: Envelope, endpoint: str) -> Result:
+        """One delivery, as the core's result; ``endpoint``: the route it was sent to.
+
+        A 2xx credits the route it was sent to when that route answered (a quiz
+        attempt waiting for the users route whose user sync went through), else
+        the route of the record's own call.
+        """
+        answered: list[str] = []
         try:
             with self.tracing.delivery(record) as trace_headers:
                 await deliver(
@@ -465,17 +519,19 @@ class Sink:
                     event_id=record.event_id,
                     routing=self.routing,
                     headers=trace_headers,
+                    answered=answered,
                 )
         except Unroutable as exc:
             return Result(ResultKind.UNROUTABLE, exc.reason)
         except EngineUnavailable as exc:
-            return engine_wide_result(exc)
+            return route_result(exc)
         except SinkError as exc:
-            return Result(ResultKind.REJECTED, exc.reason)
-        except Exception as exc:  # our own bug: spend nothing, keep the record
+            return Result(ResultKind.REJECTED, exc.reason, endpoint=exc.endpoint)
+        except Exception as exc:  # our own bug: trouble of the route, spend nothing
             log.exception("delivery of event %s failed unexpectedly", record.event_id)
             return Result(ResultKind.UNAVAILABLE, f"internal error: {type(exc).__name__}")
-        return core.DELIVERED
+        credited = endpoint if endpoint in answered else answered[-1]
+        return Result(ResultKind.DELIVERED, endpoint=credited)
 
     def _delivered(self, record: Envelope, elapsed_s: float) -> None:
         self.delivered_count += 1
@@ -544,16 +600,37 @@ class Sink:
 
     # -- gauges and readiness ----------------------------------------------------------
     def _gauges(self) -> None:
+        """Counters the core keeps (O(routes + partitions), never a scan of records)."""
         self.metrics.in_flight.set(self.core.sending)
         self.metrics.held.set(self.core.held)
         self.metrics.tracked.set(self.core.footprint())
         self.metrics.paused.set(len(self.core.paused))
         self.metrics.circuit.set(0 if self.core.circuit is Circuit.CLOSED else 1)
+        for route in self.core.routes():
+            circuit, window, waiting = self._route_gauges(route.endpoint)
+            circuit.set(route.circuit is not Circuit.CLOSED)
+            window.set(route.window)
+            waiting.set(route.waiting)
+        spent = self.core.attempts_spent
+        if spent > self._attempts_counted:
+            self.metrics.retried.labels("record").inc(spent - self._attempts_counted)
+            self._attempts_counted = spent
         self.metrics.oldest_age.set(self.oldest_unprocessed_age_s())
-        self.metrics.window.set(self.core.window.limit)
         stalled_s = self.core.stalled_s(time.monotonic())
         self.metrics.stalled_seconds.set(stalled_s)
         self.metrics.stalled.set(1 if self._stalled(stalled_s) else 0)
+
+    def _route_gauges(self, endpoint: str) -> tuple[Gauge, Gauge, Gauge]:
+        """One route's gauges (``labels()`` validates and locks: once per route, not per step)."""
+        gauges = self._route_gauges_of.get(endpoint)
+        if gauges is None:
+            name = endpoint or "engine"
+            gauges = self._route_gauges_of[endpoint] = (
+                self.metrics.route_circuit.labels(name),
+                self.metrics.window.labels(name),
+                self.metrics.route_waiting.labels(name),
+            )
+        return gauges
 
     def _stalled(self, stalled_s: float) -> bool:
         return stalled_s > self.settings.sink_stall_after_s
@@ -572,7 +649,7 @@ class Sink:
         previous = self._reported
         self._reported = state
         if circuit is not Circuit.CLOSED:
-            status = f"engine unavailable ({circuit.value}): {reason}"
+            status = f"engine unavailable: {reason}"
         elif self._park_error is not None:
             status = self._park_error
         else:
@@ -602,7 +679,9 @@ class Sink:
         extra = {"state": state[0].value}
         if down and not was_down:
             log.warning(
-                "engine unavailable (%s): pausing partitions, probing", state[1], extra=extra
+                "engine unavailable: %s; holding its records, probing; other routes deliver",
+                state[1],
+                extra=extra,
             )
         elif down and previous[1] != state[1]:
             log.warning("engine still unavailable, now: %s", state[1], extra=extra)

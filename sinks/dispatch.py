@@ -5,7 +5,9 @@ record's trace context) go with every request of the delivery; a quiz attempt
 whose user the engine does not know yet triggers a ``users/sync`` first (under
 a key derived from the attempt's id, the same on every redelivery), then the
 attempt is sent again once. Every failure surfaces as a
-:class:`sinks.errors.SinkError` whose class says how to treat it.
+:class:`sinks.errors.SinkError` whose class says how to treat it, and whose
+``endpoint`` names the engine route of the request that failed (the user sync's
+own route when that is the one): trouble is judged per route.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ async def deliver(
     event_id: str,
     routing: Routing = CATALOG,
     headers: Mapping[str, str] | None = None,
+    answered: list[str] | None = None,
 ) -> EngineCall:
     """Route (``routing``: the catalog unless configured) and send one event.
 
-    Returns the call that the engine accepted.
+    Returns the call that the engine accepted. ``answered`` (when given)
+    collects the engine path of every request answered 2xx, in order: which
+    routes showed they work during this delivery.
     """
     call = routing.route(event_type, payload)
     try:
@@ -42,6 +47,11 @@ async def deliver(
             raise
         log.info("event %s: engine lacks user %s; syncing the user first", event_id, user_id)
         sync_key = derived_user_sync_key(event_id)
-        await engine.send(user_sync_call(user_id), event_id=sync_key, headers=headers)
+        sync = user_sync_call(user_id)
+        await engine.send(sync, event_id=sync_key, headers=headers)
+        if answered is not None:
+            answered.append(sync.path)
         await engine.send(call, event_id=event_id, headers=headers)
+    if answered is not None:
+        answered.append(call.path)
     return call

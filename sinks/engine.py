@@ -13,6 +13,8 @@ Guarantees:
   certificate, client certificate refused, TLS to a plain-HTTP port), a 401/403
   and a 3xx raise :class:`~sinks.errors.EngineMisconfigured` (still engine-wide:
   the sink pauses, spends no attempt) whose reason names the setting to fix.
+- Every error raised by :meth:`EngineClient.send` names the engine route (path)
+  of its request in ``endpoint``: trouble is judged per route.
 - Every request carries ``Idempotency-Key: <event id>``, so a resend after a
   lost response is applied once; and ``x-api-key`` when a key is configured.
   The key is never logged. ``send(..., headers=...)`` adds request headers
@@ -364,7 +366,9 @@ class EngineClient:
             )
         except (http1.TransportError, httpx.RequestError) as exc:  # incl. undecodable responses
             log.debug("engine %s event %s: %r", call.path, event_id, exc)
-            raise _transport_error(exc) from exc
+            failure = _transport_error(exc)
+            failure.endpoint = call.path
+            raise failure from exc
         outcome = classify(status, body, response_headers)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -377,6 +381,7 @@ class EngineClient:
             )
         error = outcome.error(user_id=call.user_id)
         if error is not None:
+            error.endpoint = call.path  # the route the failure belongs to
             raise error
 
     async def _post(

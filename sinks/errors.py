@@ -49,6 +49,9 @@ class SinkError(SinksError):
 
     #: The failure counts toward the record's max attempts.
     spends_attempt: bool = True
+    #: The engine route (path) of the request that failed; "" when none was sent.
+    #: A quiz attempt's delivery may also call ``users/sync``: its failure is that route's.
+    endpoint: str = ""
 
 
 class OpsError(SinksError):

@@ -242,8 +242,10 @@ class Routing:
 
         The ``id`` header is the idempotency key: without one (or with one that
         is not printable ASCII, so not an HTTP header value) the record cannot
-        be delivered safely and is parked; so is a record whose headers could
-        not be read at all (:attr:`Envelope.unreadable`).
+        be delivered safely and is parked; the contract's ``id`` is the event
+        uuid, so an ``id`` that does not parse as a uuid is not an outbox event
+        and is parked too (``id is not a uuid``); so is a record whose headers
+        could not be read at all (:attr:`Envelope.unreadable`).
         """
         if envelope.unreadable:
             raise Unroutable(f"record {envelope.position}: {envelope.unreadable}")
@@ -252,11 +254,22 @@ class Routing:
             raise Unroutable(f"record {envelope.position} has no 'id' header (idempotency key)")
         if not (event_id.isascii() and event_id.isprintable()):
             raise Unroutable(f"record {envelope.position} has an 'id' header unfit for HTTP")
+        if not _is_uuid(event_id):
+            raise Unroutable(f"record {envelope.position}: id is not a uuid ({event_id[:64]!r})")
         return self.route(envelope.event_type, envelope.value)
 
     def sync_type_for(self, event_type: str) -> SyncType | None:
         """The parking lot's ``event_type`` of a routed type, ``None`` when unknown."""
         return self._sync_types.get(event_type)
+
+
+def _is_uuid(text: str) -> bool:
+    """True when ``text`` parses as a uuid (``uuid.UUID``'s forms: hyphens, braces, urn)."""
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _parse_routes(text: str) -> dict[str, SyncType]:

@@ -7,6 +7,7 @@ response means and how long to wait. The shells (:mod:`sinks.consumer`,
 :mod:`sinks.kafka_worker`) only drive them. What it may import: the kernel's
 constants and :mod:`sinks.errors`; nothing that does I/O. Invariants: an
 offset is committed only after every record at or below it is delivered or
-parked; records of one key start in offset order, one at a time; engine-wide
-trouble pauses and spends no attempt.
+parked; records of one key start in offset order, one at a time; trouble is
+judged per engine route - a route that is down holds its own records (and
+their keys' later ones), spends no attempt, and never holds another route's.
 """

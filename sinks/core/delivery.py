@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -298,7 +298,7 @@ LaneKey = bytes | Position
 
 
 class KeyScheduler:
-    """Per-key order with bounded concurrency across keys.
+    """Per-key order with bounded concurrency across keys, and a route per record.
 
     Transitions (one record)::
 
@@ -320,24 +320,40 @@ class KeyScheduler:
     so the record keeps its original place at the head of its key's lane, and
     a later ``release`` puts it back there. The scheduler does not bound what
     is queued: the consumer pauses its partitions when :attr:`pending` is high.
+
+    **Routes.** Every held record carries a *route* (for the sink: the engine
+    endpoint it waits for; ``""`` by default), given at ``submit`` and changed
+    by ``release(record, route=...)``. ``ready(route=r)`` hands out only heads
+    of lanes whose head waits for ``r``: a lane whose head waits for a route
+    that cannot take it holds its later records (per-key order), while lanes
+    of other routes start. Each route keeps its own queue of runnable lanes,
+    so ``ready`` and ``can_start`` cost O(1) amortised per record, whatever
+    number of records is held. ``max_in_flight=None``: no bound here (the
+    caller bounds what it sends).
     """
 
-    def __init__(self, *, max_in_flight: int) -> None:
-        if max_in_flight < 1:
+    def __init__(self, *, max_in_flight: int | None) -> None:
+        if max_in_flight is not None and max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         self._max_in_flight = max_in_flight
-        self._lanes: dict[LaneKey, deque[Envelope]] = {}  # head first; the head may be in flight
+        #: head first: each record, the route it waits for and its own (given at submit);
+        #: the head may be in flight
+        self._lanes: dict[LaneKey, deque[tuple[Envelope, Hashable, Hashable]]] = {}
         self._busy: set[LaneKey] = set()  # lanes whose head is in flight
-        self._runnable: deque[LaneKey] = deque()  # lanes that may start their head (may be stale)
-        self._runnable_set: set[LaneKey] = set()  # every non-empty, non-busy lane is in here
+        #: per route, lanes that may start their head (entries may be stale: checked on use)
+        self._runnable: dict[Hashable, deque[LaneKey]] = {}
+        #: every non-empty, non-busy lane -> the route it is filed under (its live entry)
+        self._runnable_route: dict[LaneKey, Hashable] = {}
         self._in_flight: dict[Position, Envelope] = {}
         self._orphans: set[Position] = set()  # in flight, partition dropped meanwhile
         self._queued: set[Position] = set()
+        self._queued_by_route: Counter[Hashable] = Counter()
+        self._queued_by_place: Counter[tuple[TopicPartition, Hashable]] = Counter()  # own route
         self._per_partition: Counter[TopicPartition] = Counter()
 
     @property
-    def max_in_flight(self) -> int:
-        """The bound on records in flight at once."""
+    def max_in_flight(self) -> int | None:
+        """The bound on records in flight at once (``None``: the caller's)."""
         return self._max_in_flight
 
     @property
@@ -350,6 +366,15 @@ class KeyScheduler:
         """Records submitted and not yet handed out."""
         return len(self._queued)
 
+    def queued_for(self, route: Hashable) -> int:
+        """Queued records waiting for ``route`` (heads and the records behind them)."""
+        return self._queued_by_route.get(route, 0)
+
+    def queued_in(self, topic: str, partition: int, route: Hashable) -> int:
+        """Queued records of one partition whose own route (the one given at submit) is
+        ``route`` - whatever route they wait for now."""
+        return self._queued_by_place.get(((topic, partition), route), 0)
+
     @property
     def pending(self) -> int:
         """Queued + in flight."""
@@ -359,8 +384,8 @@ class KeyScheduler:
         """Queued + in flight of one partition (in-flight records of a dropped one included)."""
         return self._per_partition[(topic, partition)]
 
-    def submit(self, record: Envelope) -> bool:
-        """Queue ``record`` behind the earlier records of its key.
+    def submit(self, record: Envelope, route: Hashable = "") -> bool:
+        """Queue ``record`` behind the earlier records of its key; it waits for ``route``.
 
         Returns True when ``record`` is an orphan's position coming back (its
         partition was re-assigned while it was in flight): the orphan is
@@ -376,18 +401,24 @@ class KeyScheduler:
         queue = self._lanes.get(lane)
         if queue is None:
             queue = self._lanes[lane] = deque()
-        queue.append(record)
-        self._queued.add(record.position)
+        queue.append((record, route, route))
+        self._queued.add(position)
+        self._count_queued(record, route, route, 1)
         self._per_partition[record.topic_partition] += 1
         if lane not in self._busy:
             self._make_runnable(lane)
         return False
 
-    def can_start(self) -> bool:
-        """True when :meth:`ready` would hand out a record now."""
-        if len(self._in_flight) >= self._max_in_flight:
+    def can_start(self, route: Hashable = "") -> bool:
+        """True when :meth:`ready` for ``route`` would hand out a record now."""
+        if self._max_in_flight is not None and len(self._in_flight) >= self._max_in_flight:
             return False
-        return any(self._lanes.get(lane) and lane not in self._busy for lane in self._runnable)
+        return self._first_runnable(route) is not None
+
+    def peek(self, route: Hashable = "") -> Envelope | None:
+        """The record :meth:`ready` for ``route`` would hand out first (nothing changes)."""
+        lane = self._first_runnable(route)
+        return None if lane is None else self._lanes[lane][0][0]
 
     def queued_positions(self) -> set[Position]:
         """Positions of the queued records (a copy)."""
@@ -397,22 +428,23 @@ class KeyScheduler:
         """True while ``record`` is in flight from a partition dropped since it started."""
         return record.position in self._orphans
 
-    def ready(self, limit: int | None = None) -> list[Envelope]:
-        """Records that may start now (at most ``limit``); they become IN_FLIGHT."""
+    def ready(self, limit: int | None = None, route: Hashable = "") -> list[Envelope]:
+        """Records waiting for ``route`` that may start now (at most ``limit``): IN_FLIGHT."""
         started: list[Envelope] = []
-        room = self._max_in_flight - len(self._in_flight)
-        if limit is not None:
-            room = min(room, limit)
-        while self._runnable and len(started) < room:
-            lane = self._runnable.popleft()
-            self._runnable_set.discard(lane)
-            queue = self._lanes.get(lane)
-            if not queue or lane in self._busy:
-                continue  # stale: emptied by drop_partition, or started meanwhile
-            record = queue[0]
+        room = limit if limit is not None else len(self._queued)
+        if self._max_in_flight is not None:
+            room = min(room, self._max_in_flight - len(self._in_flight))
+        while len(started) < room:
+            lane = self._first_runnable(route)
+            if lane is None:
+                break
+            self._runnable[route].popleft()
+            del self._runnable_route[lane]
+            record, _, home = self._lanes[lane][0]
             self._busy.add(lane)
             self._in_flight[record.position] = record
             self._queued.remove(record.position)
+            self._count_queued(record, route, home, -1)
             started.append(record)
         return started
 
@@ -421,34 +453,49 @@ class KeyScheduler:
         self._take_in_flight(record)
         self._pop_head(record)
 
-    def release(self, record: Envelope) -> None:
-        """``record`` goes back, still first of its key, to be handed out again by ready()."""
+    def release(self, record: Envelope, route: Hashable | None = None) -> None:
+        """``record`` goes back, still first of its key, to be handed out again by ready().
+
+        ``route``: the route it waits for from now on (unchanged when ``None``).
+        """
         self._take_in_flight(record)
         if record.position in self._orphans:
             self._pop_head(record)
             return
         lane = lane_key(record)
+        queue = self._lanes[lane]
+        _, waits_for, home = queue[0]
+        if route is None:
+            route = waits_for
+        else:
+            queue[0] = (record, route, home)
         self._busy.discard(lane)
         self._queued.add(record.position)
+        self._count_queued(record, route, home, 1)
         self._make_runnable(lane)
 
     def drop_partition(self, topic: str, partition: int) -> list[Envelope]:
         """Forget the queued records of a revoked partition; returns them, in order."""
         dropped: list[Envelope] = []
         for lane, queue in list(self._lanes.items()):
-            kept: deque[Envelope] = deque()
-            for record in queue:
+            kept: deque[tuple[Envelope, Hashable, Hashable]] = deque()
+            for record, route, home in queue:
                 lost = record.topic_partition == (topic, partition)
                 if lost and self._in_flight.get(record.position) is not record:
                     dropped.append(record)
+                    self._count_queued(record, route, home, -1)
                 else:
-                    kept.append(record)
+                    kept.append((record, route, home))
                     if lost:
                         self._orphans.add(record.position)
             if kept:
                 self._lanes[lane] = kept
+                if lane not in self._busy:  # its head may have changed: file it again
+                    self._runnable_route.pop(lane, None)
+                    self._make_runnable(lane)
             else:
                 del self._lanes[lane]
+                self._runnable_route.pop(lane, None)
         self._queued.difference_update(r.position for r in dropped)
         self._per_partition[(topic, partition)] -= len(dropped)
         self._forget_partition_if_empty((topic, partition))
@@ -462,10 +509,43 @@ class KeyScheduler:
             return RecordState.QUEUED
         return RecordState.UNKNOWN
 
+    def _first_runnable(self, route: Hashable) -> LaneKey | None:
+        """The first lane whose head waits for ``route`` and may start; stale entries go.
+
+        An entry is stale when its lane was filed again elsewhere, or its head
+        now waits for another route (it is filed there instead): each is
+        dropped once, so the cost is amortised over the submits and releases
+        that filed it.
+        """
+        runnable = self._runnable.get(route)
+        while runnable:
+            lane = runnable[0]
+            if self._runnable_route.get(lane) != route:
+                runnable.popleft()  # not its live entry
+                continue
+            head_route = self._lanes[lane][0][1]
+            if head_route != route:
+                runnable.popleft()
+                self._runnable_route[lane] = head_route
+                self._runnable.setdefault(head_route, deque()).append(lane)
+                continue
+            return lane
+        return None
+
+    def _count_queued(self, record: Envelope, route: Hashable, home: Hashable, delta: int) -> None:
+        self._queued_by_route[route] += delta
+        place = (record.topic_partition, home)
+        count = self._queued_by_place[place] + delta
+        if count:
+            self._queued_by_place[place] = count
+        else:
+            del self._queued_by_place[place]
+
     def _make_runnable(self, lane: LaneKey) -> None:
-        if lane not in self._runnable_set:
-            self._runnable_set.add(lane)
-            self._runnable.append(lane)
+        if lane not in self._runnable_route:
+            route = self._lanes[lane][0][1]
+            self._runnable_route[lane] = route
+            self._runnable.setdefault(route, deque()).append(lane)
 
     def _take_in_flight(self, record: Envelope) -> None:
         if self._in_flight.pop(record.position, None) is None:

@@ -7,8 +7,51 @@ it answers with: :class:`Send`, :class:`Park`, :class:`Pause`,
 :class:`Resume`, :class:`Commit`. Everything that decides is here, in one
 place, so the whole machine is model-checked (``tests/unit/test_core_model.py``).
 
-Invariants (DESIGN.md, "Sink invariants"; each checked after every step of
-the model test):
+**Trouble is judged where it happened** (DESIGN.md, "Sink invariants" 2 and 3).
+Every record goes to one engine *route* - the endpoint its :class:`Verdict`
+names (``/api/internal/users/sync``, ``/api/internal/quiz-attempts/sync``) -
+and each route has its own circuit, adaptive window, probe backoff and
+Retry-After hold. An answer is judged at the route of the request that
+produced it (:attr:`Result.endpoint`): a quiz attempt whose user the engine
+does not know makes a ``users/sync`` call too, and when *that* call fails it
+is trouble of the users route, which the attempt then waits for.
+
+===========================================  ===============================================
+answer (:class:`ResultKind`)                 judgment
+===========================================  ===============================================
+2xx (DELIVERED)                              settled; evidence that its route works
+a 4xx about the record: 400, 409, 422, a     the record's own: spends one attempt, parked
+404 but ``user_not_found`` (REJECTED)        after ``inline_attempts``
+refused, reset, timeouts, 408, 401/403,      trouble of the route: **never** spends an
+3xx, the sink's own error (UNAVAILABLE)      attempt
+429, 503 + Retry-After (THROTTLED), an       the route sheds load: its window is cut, its
+expired request deadline (``shared``)        sends are held; spends nothing
+a 5xx (SERVER_ERROR)                         trouble of the route, unless per-route
+                                             evidence blames the record: the same route
+                                             delivered :data:`EVIDENCE_DELIVERIES` other
+                                             records after this failure and was not judged
+                                             down in between (a payload that crashes the
+                                             engine): then one attempt
+===========================================  ===============================================
+
+Route trouble on route R for record X (anything but the first two rows):
+
+- X was R's probe, or R is CLOSED and delivered nothing since X was sent
+  (nothing says R works): R's circuit OPENs; X goes back to the head of its
+  key's lane and waits for R, with the key's later records behind it.
+- R is not CLOSED (an answer to a request sent before it opened): X goes back
+  to its lane; nothing else changes.
+- R is CLOSED and delivered other records since X was sent (R works for the
+  others), or X failed before while R worked (a *suspect*: its own failure
+  must not hold R): X waits (RETRY_WAIT) a growing backoff, unspent; a 5xx
+  leaves a *mark*, and when X comes due the mark becomes one spent attempt if
+  the evidence above came meanwhile - else it is forgotten. A record keeps
+  its attempts and failures while it waits in its lane.
+
+So an engine outage, or one route's outage, spends no attempt of any record,
+and other routes keep delivering while one route is down.
+
+Invariants (each checked after every step of the model test):
 
 1. **Offsets**: a :class:`Commit` never names an offset past a record that is
    neither delivered nor parked, in that partition (:class:`OffsetWatermark`).
@@ -18,55 +61,60 @@ the model test):
    offset order - also across rebalances: a record still in flight from
    before a revocation is *adopted* when its partition comes back, keeping its
    place at the head of its key's lane (:class:`KeyScheduler`).
-3. **Engine-wide trouble spends nothing**: a :class:`Result` of kind
-   ``UNAVAILABLE`` with no success elsewhere since the record was sent opens
-   the circuit; the record goes back to the head of its lane. A ``THROTTLED``
-   result (429, or 503 with ``Retry-After``) and an ``UNAVAILABLE`` one marked
-   ``shared`` (the request deadline expired) are engine-wide *whatever else
-   succeeds*: they never spend an attempt.
-4. **Only a record the healthy engine rejects spends attempts**: after
+3. **Trouble of a route spends nothing** (the judgment above); a record's
+   attempts never exceed the answers that blamed it.
+4. **Only a record a healthy route rejects spends attempts**: after
    ``inline_attempts`` it is parked; a record that cannot be routed, or
    that the routing marks as bad input, is parked at once and never sent.
-5. **No record is sent after it was parked**, and nothing is sent while the
-   circuit is OPEN; while HALF_OPEN exactly one probe is in flight.
+5. **No record is sent after it was parked**; nothing is sent to a route
+   whose circuit is OPEN; while a route is HALF_OPEN exactly one probe of it
+   is in flight. A route's circuit leaves CLOSED only on trouble of its own.
 6. **Bounded state**: nothing is kept for a partition no longer assigned,
-   except records whose I/O is still out (orphans), until it returns; and
-   every record held, whatever its phase (queued, sending, waiting to retry,
-   waiting for or failing to park), counts toward ``max_buffered``: above it
-   every partition pauses, so at most one fetch batch more is ever held.
-7. **The sink slows to what the engine admits** (:class:`Window`): sends stop
-   until a throttled answer's ``Retry-After`` has passed; the in-flight limit
-   is halved on a throttled or shared-deadline answer (once per round of
-   sends), grows by one per window of deliveries (congestion avoidance), and
-   restarts at one after an outage, doubling per window up to the level
-   before (slow start) - floor 1, ceiling ``max_in_flight``.
+   except records whose I/O is still out (orphans), until it returns. Every
+   record the core holds for a partition counts - queued, in flight, waiting
+   to retry, waiting for or failing to park, and settled records behind a
+   lower one not yet settled (the watermark holds them): a partition holding
+   more than its share (``max_buffered`` / partitions assigned) pauses, and
+   above ``max_buffered`` in all every partition holding anything pauses -
+   so at most a fetch batch per partition more is ever held. A partition
+   holding a queued record whose own route is not CLOSED pauses too: Kafka
+   holds that route's backlog (a probe still finds a record of the route, so
+   nothing deadlocks). A partition whose records can move is not held back
+   because another's cannot.
+7. **Each route slows to what the engine admits** (:class:`Window`): sends
+   of a route stop until a throttled answer's ``Retry-After`` has passed; its
+   in-flight limit is halved on a throttled or shared-deadline answer (once
+   per round of sends), grows by one per window of deliveries (congestion
+   avoidance), and restarts at one after an outage, doubling per window up to
+   the level before (slow start) - floor 1, ceiling ``max_in_flight``; all
+   routes together never have more than ``max_in_flight`` Sends out.
 8. **A stall is visible**: :meth:`SinkCore.stalled_s` is how long nothing
    progressed (a record settled, a commit confirmed) while work waits (records
    held, or a settled offset not yet confirmed by the broker).
+9. **Flat cost**: records waiting on a timer are in heaps keyed by their due
+   time (one per route for retries, one for parks), runnable lanes in one
+   queue per route, and the gauges read counters the core keeps: a step's cost
+   does not grow with the number of records held (``make bench``).
 
-Circuit transitions (the only ones)::
+Circuit transitions, per route (the only ones)::
 
-    CLOSED    --UNAVAILABLE, no success since it was sent--> OPEN      (probe at now + backoff)
-    OPEN      --probe due, a routable record waiting------> HALF_OPEN (exactly one Send, probe)
-    HALF_OPEN --probe settled: DELIVERED or REJECTED------> CLOSED    (backoff reset)
-    HALF_OPEN --probe UNAVAILABLE-------------------------> OPEN      (longer backoff)
-    HALF_OPEN --probe UNROUTABLE (never reached engine)---> OPEN      (probe again now)
+    CLOSED    --trouble, nothing delivered by it since sent--> OPEN      (probe after backoff)
+    OPEN      --probe due, a record of the route waiting-----> HALF_OPEN (one probe Send)
+    HALF_OPEN --probe settled: DELIVERED or REJECTED by it---> CLOSED    (backoff reset)
+    HALF_OPEN --probe: trouble of the route------------------> OPEN      (longer backoff)
+    HALF_OPEN --probe: UNROUTABLE, or ended by another route-> OPEN      (probe again now)
 
-Any settled probe that is not engine-wide trouble closes the circuit: a 4xx
-is an answer of a healthy engine. Records that never need the engine (bad
-input, ignored types) are settled without ever becoming a probe.
-
-Partitions are paused while the circuit is not CLOSED and records wait (Kafka
-holds the backlog), while more than ``max_buffered`` records are held (in any
-phase), and
-once stopping; with the circuit open and nothing queued they are resumed, so
-a record can arrive to serve as the next probe (no deadlock). A newly assigned
-partition always gets an explicit Pause or Resume: the client may remember a
-pause from before the partition was revoked.
+Any settled probe that is not trouble of its route closes that route's
+circuit: a 4xx is an answer of a healthy route. Records that never need the
+engine (bad input, ignored types) are settled without ever becoming a probe.
+A newly assigned partition always gets an explicit Pause or Resume: the
+client may remember a pause from before the partition was revoked.
 """
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -83,14 +131,23 @@ THROTTLE_HOLD_S = 1.0
 #: First wait after the parking lot failed; doubles up to :data:`PARK_RETRY_MAX_S`.
 PARK_RETRY_S = 0.5
 PARK_RETRY_MAX_S = 30.0
+#: Deliveries of *other* records by the same route, after a record's 5xx and with no
+#: trouble of that route in between, that blame the 5xx on the record. One is not
+#: enough: a request that raced the start of an outage, or a blip, looks like that.
+EVIDENCE_DELIVERIES = 2
+#: Longest a record waits before it is sent again (a retry, or a wait for evidence):
+#: a record whose route works for others is never left waiting longer than this.
+RETRY_WAIT_MAX_S = 30.0
+#: Exponents above this are past any cap anyway; keeps ``2**n`` small.
+_MAX_EXPONENT = 30
 
 
 class Circuit(Enum):
-    """The engine as the sink sees it."""
+    """An engine route as the sink sees it."""
 
-    CLOSED = "closed"  # engine healthy: deliveries flow
-    OPEN = "open"  # engine-wide trouble: nothing is sent until the probe is due
-    HALF_OPEN = "half_open"  # exactly one probe delivery in flight
+    CLOSED = "closed"  # the route is healthy: deliveries flow
+    OPEN = "open"  # trouble of the route: nothing is sent to it until its probe is due
+    HALF_OPEN = "half_open"  # exactly one probe delivery of the route in flight
 
 
 class Route(Enum):
@@ -103,19 +160,25 @@ class Route(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The routing decision for a record; ``reason`` says why for IGNORE and PARK."""
+    """The routing decision for a record; ``reason`` says why for IGNORE and PARK.
+
+    ``endpoint``: the engine route a DELIVER record goes to (its circuit and
+    window); records with the same endpoint share them.
+    """
 
     route: Route
     reason: str = ""
+    endpoint: str = ""
 
 
 class ResultKind(Enum):
     """How one Send ended (the engine client's classification)."""
 
     DELIVERED = "delivered"  # 2xx
-    REJECTED = "rejected"  # the healthy engine refused this record: spends an attempt
-    UNAVAILABLE = "unavailable"  # engine-wide trouble: spends nothing
-    THROTTLED = "throttled"  # the engine sheds load (429, 503 + Retry-After): spends nothing
+    REJECTED = "rejected"  # a healthy route refused this record (a 4xx about it): spends one
+    SERVER_ERROR = "server_error"  # a 5xx: the route's trouble unless evidence blames the record
+    UNAVAILABLE = "unavailable"  # the route's trouble (transport, 408, 401/403, ours): never spends
+    THROTTLED = "throttled"  # the route sheds load (429, 503 + Retry-After): spends nothing
     UNROUTABLE = "unroutable"  # found unfit for sending only when sent: parked
 
 
@@ -123,15 +186,18 @@ class ResultKind(Enum):
 class Result:
     """A Send's result; ``retry_after_s`` is the engine's Retry-After, if any.
 
-    ``shared``: an UNAVAILABLE that is engine-wide even while other records
-    succeed (the request deadline expired: the engine is slow for everyone),
-    so it never counts as the record's own failure.
+    ``shared``: an UNAVAILABLE that says the route is slow for everyone (the
+    request deadline expired), never the record's own failure: the route's
+    window is cut. ``endpoint``: the route of the request that ended the
+    delivery ("": the route the record was sent to) - a ``users/sync`` made
+    for a quiz attempt's unknown user has a route of its own.
     """
 
     kind: ResultKind
     reason: str = ""
     retry_after_s: float | None = None
     shared: bool = False
+    endpoint: str = ""
 
 
 DELIVERED = Result(ResultKind.DELIVERED)
@@ -140,10 +206,14 @@ DELIVERED = Result(ResultKind.DELIVERED)
 # -- actions --------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Deliver ``record`` to the engine; answer with :meth:`SinkCore.sent`."""
+    """Deliver ``record`` to the engine; answer with :meth:`SinkCore.sent`.
+
+    ``endpoint``: the route it is sent to (whose window and circuit it counts in).
+    """
 
     record: Envelope
     probe: bool = False
+    endpoint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,11 +256,23 @@ class Commit:
 Action = Send | Park | Pause | Resume | Commit
 
 
+@dataclass(frozen=True, slots=True)
+class RouteState:
+    """One engine route as the core sees it now (gauges, ``/readyz``)."""
+
+    endpoint: str
+    circuit: Circuit
+    reason: str  # the trouble that opened the circuit ("" while CLOSED)
+    window: int  # the adaptive in-flight limit
+    sending: int  # Sends out
+    waiting: int  # records queued for it (heads of their lanes and the records behind)
+
+
 class Phase(Enum):
     """Where a record taken from its key's lane stands (it holds the lane meanwhile)."""
 
     SENDING = "sending"  # a Send is out; waits for sent()
-    RETRY_WAIT = "retry_wait"  # the healthy engine rejected it; sent again at `due`
+    RETRY_WAIT = "retry_wait"  # waits to be sent again at `due` (a retry, or for evidence)
     PARKING = "parking"  # a Park is out; waits for parked() / park_failed()
     PARK_WAIT = "park_wait"  # the parking lot failed; parked again at `due`
     PARK_QUEUED = "park_queued"  # waits for room in a Park batch
@@ -204,10 +286,15 @@ class _Flight:
     generation: int  # the assignment generation whose watermark it settles
     laned: bool  # holds its key's lane (a routable record) - else a bad-input record
     phase: Phase
+    route: str = ""  # the route it waits for / was last judged at
+    sent_on: str = ""  # the route its last Send counted in
     due: float = 0.0
-    attempts: int = 0
-    successes_at_send: int = 0
-    sent_seq: int = 0  # the Send's number (one cut of the window per round of sends)
+    timer: int = 0  # its live entry in a timer heap (older entries are stale)
+    attempts: int = 0  # spent: answers that blamed it
+    strikes: int = 0  # unspent failures while its route worked for others (backoff only)
+    mark: tuple[int, int] | None = None  # a 5xx awaiting evidence: (deliveries, openings)
+    sent_tick: int = 0  # the core's tick when sent: "delivered since" compares to it
+    sent_seq: int = 0  # the Send's number (one cut of a window per round of sends)
     probe: bool = False
     reason: str = ""
     park_failures: int = 0
@@ -232,7 +319,7 @@ class Window:
     Transitions: ``delivered()`` -> below ``threshold`` +1 per delivery
     (doubling per round: slow start), from it +1 per ``limit`` deliveries
     (congestion avoidance); ``cut()`` -> halved (floor 1), threshold = the new
-    limit; ``restart()`` (the engine came back) -> 1, threshold = the limit
+    limit; ``restart()`` (the route came back) -> 1, threshold = the limit
     before (or the ceiling when it had fallen to 1). Never above ``ceiling``.
     """
 
@@ -264,8 +351,35 @@ class Window:
         self._acked = 0
 
 
+#: A timer heap entry: (due, timer number, position); stale once the flight's timer moved on.
+_Timer = tuple[float, int, Position]
+
+
+@dataclass(slots=True)
+class _Route:
+    """One engine route: its circuit, window, probe backoff, hold, evidence and retries."""
+
+    name: str
+    backoff: Backoff
+    window: Window
+    circuit: Circuit = Circuit.CLOSED
+    reason: str = ""  # why the circuit is not CLOSED
+    next_probe_at: float = 0.0
+    probe_out: bool = False
+    sending: int = 0  # Sends out that count in this route's window
+    hold_until: float = 0.0  # no new Send before this (a throttled answer's Retry-After)
+    cut_seq: int = 0  # a throttled Send numbered below this was answered by a cut already
+    deliveries: int = 0  # 2xx by this route, ever
+    openings: int = 0  # times the circuit opened or stayed open on a probe (voids marks)
+    last_delivery_tick: int = -1
+    retries: list[_Timer] = field(default_factory=list)  # RETRY_WAIT flights, by due
+
+
 class SinkCore:
-    """See the module docstring. Methods named for events; :meth:`actions` is the timer."""
+    """See the module docstring. Methods named for events; :meth:`actions` is the timer.
+
+    ``backoff`` makes one probe :class:`Backoff` per route (each route backs off alone).
+    """
 
     def __init__(
         self,
@@ -274,40 +388,45 @@ class SinkCore:
         max_buffered: int,
         inline_attempts: int,
         inline_backoff_s: float,
-        backoff: Backoff,
+        backoff: Callable[[], Backoff],
         commit_interval_s: float,
         classify: Callable[[Envelope], Verdict],
     ) -> None:
         if inline_attempts < 1:
             raise ValueError("inline_attempts must be at least 1")
-        self._scheduler = KeyScheduler(max_in_flight=max_in_flight)
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self._scheduler = KeyScheduler(max_in_flight=None)  # the routes' windows bound sends
+        self._max_in_flight = max_in_flight
         self._max_buffered = max_buffered
         self._inline_attempts = inline_attempts
         self._inline_backoff_s = inline_backoff_s
-        self._backoff = backoff
+        self._new_backoff = backoff
         self._commit_interval_s = commit_interval_s
         self._classify = classify
         self._parts: dict[TopicPartition, _Partition] = {}
         self._generation = 0
         self._flights: dict[Position, _Flight] = {}  # taken out of the queue, not settled
-        self._park_queue: list[Position] = []  # PARK_QUEUED flights, in order
+        self._orphans: set[Position] = set()  # flights of partitions no longer ours, I/O out
+        #: attempts and strikes of records back in their lane (kept for when they go again)
+        self._carry: dict[Position, tuple[int, int]] = {}
+        self._park_queue: deque[Position] = deque()  # PARK_QUEUED flights, in order
+        self._park_timers: list[_Timer] = []  # PARK_WAIT flights, by due
+        self._timers = 0  # timer entries ever made
+        self._routes: dict[str, _Route] = {}
+        self._rotation = 0  # which route starts its sends first (fair share of max_in_flight)
         self._paused: set[TopicPartition] = set()
         self._unsynced: set[TopicPartition] = set()  # assigned since the last Pause/Resume
-        self._successes = 0
-        self.window = Window(max_in_flight)
-        self._sending = 0  # Sends out (phase SENDING)
+        self._sending = 0  # Sends out, every route
         self._send_seq = 0  # Sends ever made
-        self._cut_seq = 0  # a throttled Send numbered below this was already answered by a cut
-        self._hold_until = 0.0  # no new Send before this (Retry-After of a throttled answer)
+        self._tick = 0  # moves on every delivery: "delivered since it was sent"
+        #: Attempts spent, ever (answers that blamed their record).
+        self.attempts_spent = 0
         self._progress = 0  # records settled + commits confirmed, ever
         self._progress_seen = -1
         self._progress_at: float | None = None
         self._last_commit_at: float | None = None
         self._stopping = False
-        self.circuit = Circuit.CLOSED
-        #: Why the circuit is not CLOSED (the last engine-wide failure), for /readyz.
-        self.circuit_reason = ""
-        self._next_probe_at = 0.0
 
     # -- events -------------------------------------------------------------------
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
@@ -329,6 +448,7 @@ class SinkCore:
         whose I/O is out become orphans; records waiting on a timer are dropped.
         """
         final: list[tuple[str, int, int]] = []
+        dropped = False
         for tp in partitions:
             part = self._parts.pop(tp, None)
             if part is None:
@@ -341,8 +461,12 @@ class SinkCore:
             ):
                 final.append((tp[0], tp[1], offset))
             self._drop_waiting(tp)
-            self._scheduler.drop_partition(*tp)
+            for record in self._scheduler.drop_partition(*tp):
+                self._carry.pop(record.position, None)
             self._paused.discard(tp)
+            dropped = True
+        if dropped:
+            self._compact_timers()
         return final
 
     def consumed(self, record: Envelope, *, now_ms: int) -> Verdict | None:
@@ -370,38 +494,36 @@ class SinkCore:
             )
             self._park_queue.append(record.position)
         else:
-            self._scheduler.submit(record)
+            self._scheduler.submit(record, self._route(verdict.endpoint).name)
         return verdict
 
     def sent(self, record: Envelope, outcome: Result, *, now: float) -> None:
-        """A Send ended with ``outcome``."""
+        """A Send ended with ``outcome``: judged at the route it happened (module docstring)."""
         flight = self._flights.get(record.position)
         if flight is None or flight.phase is not Phase.SENDING:
             raise ValueError(f"record {record.position} has no Send out")
-        probe = flight.probe
-        flight.probe = False
+        sent_on = self._routes[flight.sent_on]
+        sent_on.sending -= 1
         self._sending -= 1
+        probe, flight.probe = flight.probe, False
+        where = self._route(outcome.endpoint) if outcome.endpoint else sent_on
         kind = outcome.kind
-        if probe and kind not in _ENGINE_WIDE:
-            self._probe_settled(kind, now=now)
+        if probe:
+            sent_on.probe_out = False
+            self._probe_answered(sent_on, where, kind, now=now)
+        flight.route = where.name
         if kind is ResultKind.DELIVERED:
-            self._successes += 1
-            self.window.delivered()
+            self._tick += 1
+            where.deliveries += 1
+            where.last_delivery_tick = self._tick
+            sent_on.window.delivered()
             self._settle(flight)
         elif kind is ResultKind.UNROUTABLE:
             self._to_park(flight, outcome.reason)
         elif kind is ResultKind.REJECTED:
             self._rejected(flight, outcome.reason, now=now)
-        elif self.circuit is not Circuit.CLOSED or probe:
-            self._engine_down(flight, outcome, now=now, probe=probe)
-        elif kind is ResultKind.THROTTLED:
-            self._slow_down(flight, now + (outcome.retry_after_s or THROTTLE_HOLD_S))
-        elif self._successes <= flight.successes_at_send:
-            self._engine_down(flight, outcome, now=now, probe=probe)
-        elif outcome.shared:  # the engine is slow for everyone: fewer at once, not this one's
-            self._slow_down(flight, now + (outcome.retry_after_s or 0.0))
-        else:  # others succeed meanwhile: this record's own trouble
-            self._rejected(flight, f"failed while others succeeded: {outcome.reason}", now=now)
+        else:
+            self._route_trouble(flight, where, outcome, now=now, probe=probe and where is sent_on)
 
     def parked(self, record: Envelope) -> None:
         """The parking lot holds ``record``'s row: it is done."""
@@ -419,7 +541,9 @@ class SinkCore:
             return
         flight.park_failures += 1
         flight.phase = Phase.PARK_WAIT
-        flight.due = now + min(PARK_RETRY_MAX_S, PARK_RETRY_S * 2 ** (flight.park_failures - 1))
+        exponent = min(flight.park_failures - 1, _MAX_EXPONENT)
+        flight.due = now + min(PARK_RETRY_MAX_S, PARK_RETRY_S * 2**exponent)
+        heapq.heappush(self._park_timers, self._timer(flight))
 
     def commit_result(self, topic: str, partition: int, offset: int, *, ok: bool) -> None:
         """The broker answered a Commit of ``offset``; a failed one is sent again."""
@@ -458,22 +582,31 @@ class SinkCore:
         if self._last_commit_at is not None:
             times.append(self._last_commit_at + self._commit_interval_s)
         if not self._stopping:
-            waits = [f for f in self._flights.values() if f.phase in _TIMED]
-            times += [f.due for f in waits if f.phase is Phase.PARK_WAIT]
-            retries = [f.due for f in waits if f.phase is Phase.RETRY_WAIT]
-            if self.circuit is Circuit.CLOSED:
-                hold = self._hold_until  # a throttled engine's Retry-After delays every Send
-                if self._room() > 0:  # else a Send's answer makes room: an event, not a timer
-                    times += [max(due, hold) for due in retries]
-                    if hold and self._scheduler.can_start():
-                        times.append(hold)
-            elif self.circuit is Circuit.OPEN:
-                # The probe goes when it is due *and* a record can go: the first
-                # retry to come due, or now if a lane can start a record.
-                if self._scheduler.can_start():
-                    times.append(self._next_probe_at)
-                times += [max(due, self._next_probe_at) for due in retries]
+            global_room = self._max_in_flight - self._sending > 0
+            for route in self._routes.values():
+                times += self._route_due(route, global_room=global_room)
+            if self._park_timers:  # (a stale entry only wakes the loop early)
+                times.append(self._park_timers[0][0])
         return min(times) if times else None
+
+    def _route_due(self, route: _Route, *, global_room: bool) -> list[float]:
+        """When ``route`` may send next without another event (empty: an event decides)."""
+        if not global_room:
+            return []  # a Send's answer makes room: an event, not a timer
+        due = self._peek_retry(route)
+        if route.circuit is Circuit.CLOSED:
+            if route.window.limit <= route.sending:
+                return []
+            hold = route.hold_until  # a throttled route's Retry-After delays every Send
+            times = [] if due is None else [max(due, hold)]
+            if hold and self._scheduler.can_start(route.name):
+                times.append(hold)
+            return times
+        if route.circuit is Circuit.OPEN:
+            # The probe goes when it is due *and* a record of the route can go.
+            times = [route.next_probe_at] if self._scheduler.can_start(route.name) else []
+            return times if due is None else [*times, max(due, route.next_probe_at)]
+        return []
 
     def final_commits(self) -> list[tuple[str, int, int]]:
         """At shutdown: every partition's settled offset not yet confirmed by the broker."""
@@ -502,22 +635,107 @@ class SinkCore:
 
     @property
     def sending(self) -> int:
-        """Engine requests out right now."""
-        return sum(1 for f in self._flights.values() if f.phase is Phase.SENDING)
+        """Engine requests out right now (every route)."""
+        return self._sending
 
     @property
     def queued(self) -> int:
-        """Records waiting for their key's turn or a free slot."""
+        """Records waiting for their key's turn, their route or a free slot."""
         return self._scheduler.queued
 
     @property
     def held(self) -> int:
-        """Records held in memory: queued + taken out."""
-        return self._scheduler.queued + len(self._flights)
+        """Records held in memory, in every phase: what every partition's watermark holds
+        (pending, and settled behind a pending one) plus orphans. Partitions, not records,
+        are counted through: O(partitions)."""
+        held = len(self._orphans)
+        for part in self._parts.values():
+            held += part.watermark.held
+        return held
+
+    def held_for(self, topic: str, partition: int) -> int:
+        """Records held for one partition (pending, and settled behind a pending one)."""
+        part = self._parts.get((topic, partition))
+        return 0 if part is None else part.watermark.held
+
+    def needs_pause(self) -> bool:
+        """True when a partition not yet paused holds more than it may (pause it now)."""
+        return bool(self._want_paused() - self._paused)
+
+    def _want_paused(self) -> set[TopicPartition]:
+        """Partitions that must not fetch: all when stopping; one holding a queued record
+        whose own route is down (Kafka holds that route's backlog - not a record that
+        waits for another route's call, a quiz attempt's user sync: its route works); one
+        holding more than its share; and, while all together hold more than
+        ``max_buffered``, every one that holds anything (one holding nothing may fetch:
+        its records can move)."""
+        if self._stopping:
+            return set(self._parts)
+        over = self.held > self._max_buffered
+        share = self.buffer_share
+        down = [r.name for r in self._routes.values() if r.circuit is not Circuit.CLOSED]
+        return {
+            tp
+            for tp, part in self._parts.items()
+            if part.watermark.held > share
+            or (over and part.watermark.held > 0)
+            or any(self._scheduler.queued_in(*tp, route) for route in down)
+        }
+
+    @property
+    def buffer_share(self) -> int:
+        """What one partition may hold before it pauses: ``max_buffered`` / partitions."""
+        return max(1, self._max_buffered // max(1, len(self._parts)))
 
     @property
     def stopping(self) -> bool:
         return self._stopping
+
+    @property
+    def circuit(self) -> Circuit:
+        """CLOSED while every route's circuit is; else the first other route's state."""
+        for route in self._routes.values():
+            if route.circuit is not Circuit.CLOSED:
+                return route.circuit
+        return Circuit.CLOSED
+
+    @property
+    def circuit_reason(self) -> str:
+        """Why routes are not CLOSED: ``<endpoint>: <trouble>``, ``; ``-joined."""
+        return "; ".join(
+            f"{route.name or 'engine'}: {route.reason}"
+            for route in self._routes.values()
+            if route.circuit is not Circuit.CLOSED
+        )
+
+    def circuit_of(self, endpoint: str) -> Circuit:
+        """The circuit of one route (CLOSED for a route never used)."""
+        route = self._routes.get(endpoint)
+        return Circuit.CLOSED if route is None else route.circuit
+
+    def window_of(self, endpoint: str) -> Window:
+        """The adaptive window of one route (a full one for a route never used)."""
+        route = self._routes.get(endpoint)
+        return Window(self._max_in_flight) if route is None else route.window
+
+    def throttled_until(self, endpoint: str) -> float:
+        """No new Send to ``endpoint`` before this monotonic time (0: none held)."""
+        route = self._routes.get(endpoint)
+        return 0.0 if route is None else route.hold_until
+
+    def routes(self) -> list[RouteState]:
+        """Every route used so far, as it stands (O(routes): the routing table bounds them)."""
+        return [
+            RouteState(
+                endpoint=r.name,
+                circuit=r.circuit,
+                reason=r.reason,
+                window=r.window.limit,
+                sending=r.sending,
+                waiting=self._scheduler.queued_for(r.name),
+            )
+            for r in self._routes.values()
+        ]
 
     def stalled_s(self, now: float) -> float:
         """Seconds without progress (a record settled, a commit confirmed) while work waits.
@@ -527,10 +745,6 @@ class SinkCore:
         if self._progress_at is None or not self._work_waiting():
             return 0.0
         return max(0.0, now - self._progress_at)
-
-    def throttled_until(self) -> float:
-        """No new Send before this monotonic time (0: none held)."""
-        return self._hold_until
 
     def _work_waiting(self) -> bool:
         if self._flights or self._scheduler.queued:
@@ -548,11 +762,19 @@ class SinkCore:
     def footprint(self) -> int:
         """Entries kept across every per-record container: bounded by what is assigned."""
         per_partition = sum(len(p.timestamps) + p.watermark.held for p in self._parts.values())
-        return self._scheduler.pending + len(self._flights) + len(self._park_queue) + per_partition
+        timers = len(self._park_timers) + sum(len(r.retries) for r in self._routes.values())
+        return (
+            self._scheduler.pending
+            + len(self._flights)
+            + len(self._park_queue)
+            + len(self._carry)
+            + timers
+            + per_partition
+        )
 
     def orphan_positions(self) -> set[Position]:
         """Taken-out records of partitions no longer assigned (their I/O is out)."""
-        return {p for p, f in self._flights.items() if self._is_orphan(f)}
+        return set(self._orphans)
 
     def committable(self, topic: str, partition: int) -> int | None:
         """The partition's settled offset (every record below it delivered or parked)."""
@@ -576,109 +798,254 @@ class SinkCore:
         return oldest
 
     def probe_in_flight(self) -> bool:
-        """True while a probe's Send is out."""
-        return any(f.probe and f.phase is Phase.SENDING for f in self._flights.values())
+        """True while a probe's Send is out (of any route)."""
+        return any(route.probe_out for route in self._routes.values())
+
+    # -- routes -----------------------------------------------------------------------
+    def _route(self, endpoint: str) -> _Route:
+        route = self._routes.get(endpoint)
+        if route is None:
+            route = self._routes[endpoint] = _Route(
+                endpoint, backoff=self._new_backoff(), window=Window(self._max_in_flight)
+            )
+        return route
+
+    def _probe_answered(
+        self, route: _Route, where: _Route, kind: ResultKind, *, now: float
+    ) -> None:
+        """``route``'s probe ended; ``where`` is the route whose request ended it.
+
+        A 2xx or a 4xx by the route itself is an answer of a healthy route:
+        CLOSED. An answer that says nothing about the route (the probe found
+        unfit only when sent, or ended by another route's request): OPEN with
+        the next probe due at once. Trouble of the route itself is left to
+        :meth:`_route_trouble` (OPEN, longer backoff).
+        """
+        if where is not route or kind is ResultKind.UNROUTABLE:
+            self._open_circuit(route, route.reason, now=now, delay_s=0.0)
+        elif kind not in _ROUTE_TROUBLE:
+            self._close_circuit(route)
+
+    def _route_trouble(
+        self, flight: _Flight, route: _Route, outcome: Result, *, now: float, probe: bool
+    ) -> None:
+        """An answer that says nothing about the record: trouble of ``route`` (module docstring)."""
+        if probe:  # the route's own probe: still down, wait longer
+            self._hold(flight)
+            self._route_down(route, outcome, now=now)
+        elif route.circuit is not Circuit.CLOSED:  # sent before the route opened: changes nothing
+            self._hold(flight)
+        elif outcome.kind is ResultKind.THROTTLED:
+            self._slow_down(route, flight, now + (outcome.retry_after_s or THROTTLE_HOLD_S))
+        elif route.last_delivery_tick <= flight.sent_tick and not flight.strikes:
+            # nothing says the route works (and the record has no history of failing alone)
+            flight.strikes += 1
+            self._hold(flight)
+            self._route_down(route, outcome, now=now)
+        elif outcome.shared:  # the route is slow for everyone: fewer at once, not this one's
+            self._slow_down(route, flight, now + (outcome.retry_after_s or 0.0))
+        else:  # the route works for others (or the record failed alone before): a blip, or
+            # a 5xx of this record's own - it waits; only evidence makes the 5xx an attempt
+            flight.strikes += 1
+            flight.reason = outcome.reason
+            is_5xx = outcome.kind is ResultKind.SERVER_ERROR
+            flight.mark = (route.deliveries, route.openings) if is_5xx else None
+            self._wait(flight, route, now=now)
+
+    def _route_down(self, route: _Route, outcome: Result, *, now: float) -> None:
+        route.openings += 1  # the route is judged down: no 5xx before this is a record's own
+        delay_s = route.backoff.next_delay_s(outcome.retry_after_s)
+        self._open_circuit(route, outcome.reason, now=now, delay_s=delay_s)
+
+    def _open_circuit(self, route: _Route, reason: str, *, now: float, delay_s: float) -> None:
+        route.circuit = Circuit.OPEN
+        route.reason = reason
+        route.next_probe_at = now + delay_s
+
+    def _close_circuit(self, route: _Route) -> None:
+        route.circuit = Circuit.CLOSED
+        route.reason = ""
+        route.backoff.reset()
+        route.window.restart()  # slow start: a route back from an outage is not stampeded
 
     # -- sends ----------------------------------------------------------------------
     def _start_sends(self, out: list[Action], now: float) -> None:
-        if self.circuit is Circuit.CLOSED:
-            if now < self._hold_until:
-                return  # the engine asked us to wait (Retry-After)
-            self._hold_until = 0.0
-            for flight in self._due(Phase.RETRY_WAIT, now)[: self._room()]:
-                out.append(self._send(flight, probe=False))
-            room = self._room()
-            if room > 0:
-                for record in self._scheduler.ready(limit=room):
-                    out.append(self._send(self._take(record), probe=False))
-        elif self.circuit is Circuit.OPEN and now >= self._next_probe_at:
-            retries = self._due(Phase.RETRY_WAIT, now)
-            if retries:
-                probe: _Flight | None = retries[0]
-            else:
-                ready = self._scheduler.ready(limit=1)
-                probe = self._take(ready[0]) if ready else None
-            if probe is not None:
-                self.circuit = Circuit.HALF_OPEN
-                out.append(self._send(probe, probe=True))
+        routes = list(self._routes.values())
+        if not routes:
+            return
+        first = self._rotation % len(routes)  # each route takes the first turn in turn
+        self._rotation += 1
+        for route in routes[first:] + routes[:first]:
+            if route.circuit is Circuit.CLOSED:
+                self._send_closed(route, out, now)
+            elif route.circuit is Circuit.OPEN and now >= route.next_probe_at:
+                self._send_probe(route, out, now)
 
-    def _room(self) -> int:
-        """Sends the window admits now."""
-        return max(0, self.window.limit - self._sending)
+    def _send_closed(self, route: _Route, out: list[Action], now: float) -> None:
+        if now < route.hold_until:
+            return  # the route asked us to wait (Retry-After)
+        route.hold_until = 0.0
+        while self._room(route) > 0:
+            flight = self._pop_due_retry(route, now)
+            if flight is None:
+                break
+            if self._confirmed(flight, route):
+                out.append(self._send(flight, route, probe=False))
+        room = self._room(route)
+        if room > 0:
+            for record in self._scheduler.ready(limit=room, route=route.name):
+                out.append(self._send(self._take(record, route), route, probe=False))
 
-    def _take(self, record: Envelope) -> _Flight:
+    def _send_probe(self, route: _Route, out: list[Action], now: float) -> None:
+        """One record tests the route: one that never failed alone first (a *suspect*, a
+        record that failed while the route worked, may be what breaks it), then a due retry."""
+        if self._max_in_flight - self._sending <= 0:
+            return
+        head = self._scheduler.peek(route.name)
+        if head is not None and self._carry.get(head.position, (0, 0))[1]:
+            due = self._peek_retry(route)
+            retry = None if due is None or due > now else self._live_retry(route)
+            if retry is not None and not retry.strikes:
+                head = None  # a retry that never failed alone probes instead
+        probe = None
+        if head is not None:
+            probe = self._take(self._scheduler.ready(limit=1, route=route.name)[0], route)
+        while probe is None:
+            retry = self._pop_due_retry(route, now)
+            if retry is None:
+                return
+            if self._confirmed(retry, route):
+                probe = retry
+        route.circuit = Circuit.HALF_OPEN
+        out.append(self._send(probe, route, probe=True))
+
+    def _room(self, route: _Route) -> int:
+        """Sends the route's window, and all routes' bound together, admit now."""
+        return max(0, min(route.window.limit - route.sending, self._max_in_flight - self._sending))
+
+    def _take(self, record: Envelope, route: _Route) -> _Flight:
         part = self._parts[record.topic_partition]
-        flight = _Flight(record, part.generation, laned=True, phase=Phase.SENDING)
+        flight = _Flight(record, part.generation, laned=True, phase=Phase.SENDING, route=route.name)
+        flight.attempts, flight.strikes = self._carry.pop(record.position, (0, 0))
         self._flights[record.position] = flight
         return flight
 
-    def _send(self, flight: _Flight, *, probe: bool) -> Send:
+    def _send(self, flight: _Flight, route: _Route, *, probe: bool) -> Send:
         flight.phase = Phase.SENDING
         flight.probe = probe
-        flight.successes_at_send = self._successes
+        flight.route = flight.sent_on = route.name
+        flight.sent_tick = self._tick
         flight.sent_seq = self._send_seq
         self._send_seq += 1
+        route.sending += 1
         self._sending += 1
-        return Send(flight.record, probe=probe)
+        if probe:
+            route.probe_out = True
+        return Send(flight.record, probe=probe, endpoint=route.name)
 
     def _rejected(self, flight: _Flight, reason: str, *, now: float) -> None:
+        """A 4xx about the record: one attempt spent; parked after ``inline_attempts``."""
         flight.attempts += 1
+        self.attempts_spent += 1
         if self._forget_if_orphan(flight):
             return
         if flight.attempts >= self._inline_attempts:
             self._to_park(flight, f"{reason} (after {flight.attempts} attempts)")
             return
-        flight.phase = Phase.RETRY_WAIT
-        flight.due = now + self._inline_backoff_s * 2 ** (flight.attempts - 1)
         flight.reason = reason
+        flight.mark = None
+        self._wait(flight, self._routes[flight.route], now=now)
 
-    def _engine_down(self, flight: _Flight, outcome: Result, *, now: float, probe: bool) -> None:
-        """Engine-wide trouble: the record goes back to the head of its lane, unspent.
+    def _wait(self, flight: _Flight, route: _Route, *, now: float) -> None:
+        """The record waits (taken out, its lane held) to be sent again to ``route``."""
+        if self._forget_if_orphan(flight):
+            return
+        exponent = min(flight.attempts + flight.strikes - 1, _MAX_EXPONENT)
+        flight.phase = Phase.RETRY_WAIT
+        flight.due = now + min(RETRY_WAIT_MAX_S, self._inline_backoff_s * 2**exponent)
+        heapq.heappush(route.retries, self._timer(flight))
 
-        Only a failure while CLOSED, or the probe's own, moves the circuit: a
-        late failure of a record sent before the circuit opened changes nothing.
+    def _confirmed(self, flight: _Flight, route: _Route) -> bool:
+        """A due record's 5xx mark is judged: False when it was parked instead of sent.
+
+        The mark becomes a spent attempt only if ``route`` delivered
+        :data:`EVIDENCE_DELIVERIES` others since, and was not judged down in
+        between; else it is forgotten (it said nothing about the record).
         """
-        del self._flights[flight.record.position]
-        self._scheduler.release(flight.record)  # an orphan is forgotten by the release
-        if self.circuit is Circuit.CLOSED or probe:
-            delay_s = self._backoff.next_delay_s(outcome.retry_after_s)
-            self._open_circuit(outcome.reason, now=now, delay_s=delay_s)
+        mark, flight.mark = flight.mark, None
+        if mark is None:
+            return True
+        deliveries, openings = mark
+        if route.openings != openings or route.deliveries < deliveries + EVIDENCE_DELIVERIES:
+            return True
+        flight.attempts += 1
+        self.attempts_spent += 1
+        if flight.attempts < self._inline_attempts:
+            return True
+        self._to_park(
+            flight,
+            f"{flight.reason}, while {route.name or 'its route'} delivered other records"
+            f" (after {flight.attempts} attempts)",
+        )
+        return False
 
-    def _slow_down(self, flight: _Flight, hold_until: float) -> None:
-        """The engine admits less than we send: unspent back to its lane, fewer at once.
+    def _hold(self, flight: _Flight) -> None:
+        """Back to the head of its lane, unspent, waiting for its route (its history kept)."""
+        if (flight.attempts or flight.strikes) and not self._is_orphan(flight):
+            self._carry[flight.record.position] = (flight.attempts, flight.strikes)
+        self._drop_flight(flight)
+        self._scheduler.release(flight.record, flight.route)  # an orphan is forgotten by it
+
+    def _slow_down(self, route: _Route, flight: _Flight, hold_until: float) -> None:
+        """The route admits less than we send: unspent back to its lane, fewer at once.
 
         The window is cut once per round: answers to Sends made before the last
         cut are the same congestion, already answered.
         """
-        del self._flights[flight.record.position]
-        self._scheduler.release(flight.record)  # an orphan is forgotten by the release
-        if flight.sent_seq >= self._cut_seq:
-            self.window.cut()
-            self._cut_seq = self._send_seq
-        self._hold_until = max(self._hold_until, hold_until)
+        self._hold(flight)
+        if flight.sent_seq >= route.cut_seq:
+            route.window.cut()
+            route.cut_seq = self._send_seq
+        route.hold_until = max(route.hold_until, hold_until)
 
-    def _probe_settled(self, kind: ResultKind, *, now: float) -> None:
-        """The probe ended without engine-wide trouble.
+    # -- timers ---------------------------------------------------------------------
+    def _timer(self, flight: _Flight) -> _Timer:
+        self._timers += 1
+        flight.timer = self._timers
+        return (flight.due, self._timers, flight.record.position)
 
-        A 2xx or a 4xx for the record itself is an answer of a healthy engine:
-        CLOSED. A probe found unfit only when sent never reached the engine and
-        says nothing: OPEN, with the next probe due at once.
-        """
-        if kind is ResultKind.UNROUTABLE:
-            self._open_circuit(self.circuit_reason, now=now, delay_s=0.0)
-        else:
-            self._close_circuit()
+    def _live(self, entry: _Timer, phase: Phase) -> _Flight | None:
+        flight = self._flights.get(entry[2])
+        if flight is None or flight.phase is not phase or flight.timer != entry[1]:
+            return None
+        return flight
 
-    def _open_circuit(self, reason: str, *, now: float, delay_s: float) -> None:
-        self.circuit = Circuit.OPEN
-        self.circuit_reason = reason
-        self._next_probe_at = now + delay_s
+    def _peek_retry(self, route: _Route) -> float | None:
+        """The due time of the route's first live retry (stale entries are dropped)."""
+        heap = route.retries
+        while heap:
+            if self._live(heap[0], Phase.RETRY_WAIT) is not None:
+                return heap[0][0]
+            heapq.heappop(heap)
+        return None
 
-    def _close_circuit(self) -> None:
-        self.circuit = Circuit.CLOSED
-        self.circuit_reason = ""
-        self._backoff.reset()
-        self.window.restart()  # slow start: an engine back from an outage is not stampeded
+    def _live_retry(self, route: _Route) -> _Flight | None:
+        """The route's first live retry (after :meth:`_peek_retry`), left in place."""
+        return self._live(route.retries[0], Phase.RETRY_WAIT) if route.retries else None
+
+    def _pop_due_retry(self, route: _Route, now: float) -> _Flight | None:
+        due = self._peek_retry(route)
+        if due is None or due > now:
+            return None
+        return self._live(heapq.heappop(route.retries), Phase.RETRY_WAIT)
+
+    def _compact_timers(self) -> None:
+        """After a revocation: heaps without the entries of records no longer held."""
+        for route in self._routes.values():
+            route.retries = [e for e in route.retries if self._live(e, Phase.RETRY_WAIT)]
+            heapq.heapify(route.retries)
+        self._park_timers = [e for e in self._park_timers if self._live(e, Phase.PARK_WAIT)]
+        heapq.heapify(self._park_timers)
 
     # -- parks ----------------------------------------------------------------------
     def _to_park(self, flight: _Flight, reason: str) -> None:
@@ -689,15 +1056,16 @@ class SinkCore:
         self._park_queue.append(flight.record.position)
 
     def _start_parks(self, out: list[Action], now: float) -> None:
-        for flight in self._due(Phase.PARK_WAIT, now):
-            flight.phase = Phase.PARK_QUEUED
-            self._park_queue.append(flight.record.position)
+        timers = self._park_timers
+        while timers and timers[0][0] <= now:
+            flight = self._live(heapq.heappop(timers), Phase.PARK_WAIT)
+            if flight is not None:
+                flight.phase = Phase.PARK_QUEUED
+                self._park_queue.append(flight.record.position)
         while self._park_queue:
-            batch = self._park_queue[:PARK_BATCH_MAX]
-            del self._park_queue[:PARK_BATCH_MAX]
-            items = []
-            for position in batch:
-                flight = self._flights[position]
+            items: list[ParkItem] = []
+            while self._park_queue and len(items) < PARK_BATCH_MAX:
+                flight = self._flights[self._park_queue.popleft()]
                 flight.phase = Phase.PARKING
                 items.append(ParkItem(flight.record, flight.reason, flight.attempts))
             out.append(Park(tuple(items)))
@@ -705,7 +1073,7 @@ class SinkCore:
     # -- settling ---------------------------------------------------------------------
     def _settle(self, flight: _Flight) -> None:
         """Delivered or parked: the lane moves on, the watermark too (if still ours)."""
-        del self._flights[flight.record.position]
+        self._drop_flight(flight)
         if flight.laned:
             self._scheduler.finish(flight.record)
         self._progress += 1
@@ -717,9 +1085,15 @@ class SinkCore:
             part.watermark.done(record.offset)
             part.timestamps.pop(record.offset, None)
 
+    def _drop_flight(self, flight: _Flight) -> None:
+        position = flight.record.position
+        del self._flights[position]
+        self._orphans.discard(position)
+
     def _adopt(self, flight: _Flight, generation: int) -> None:
         """The orphan's partition came back: it settles the new generation's offset."""
         flight.generation = generation
+        self._orphans.discard(flight.record.position)
         if flight.laned:
             self._scheduler.submit(flight.record)  # adopted: keeps its place in its lane
 
@@ -731,47 +1105,40 @@ class SinkCore:
         """An orphan that is not done: drop it - its partition's new owner delivers it."""
         if not self._is_orphan(flight):
             return False
-        del self._flights[flight.record.position]
+        self._drop_flight(flight)
         if flight.laned:
             self._scheduler.finish(flight.record)
         return True
 
     def _drop_waiting(self, tp: TopicPartition) -> None:
-        """A revoked partition's records with no I/O out are forgotten now."""
+        """A revoked partition's records with no I/O out are forgotten now; the rest orphans."""
         for position, flight in list(self._flights.items()):
-            if flight.record.topic_partition != tp or flight.phase in _IO_OUT:
+            if flight.record.topic_partition != tp:
                 continue
-            del self._flights[position]
+            if flight.phase in _IO_OUT:
+                self._orphans.add(position)
+                continue
+            self._drop_flight(flight)
             if flight.laned:
                 self._scheduler.finish(flight.record)
-        self._park_queue = [p for p in self._park_queue if p in self._flights]
-
-    def _due(self, phase: Phase, now: float) -> list[_Flight]:
-        due = [f for f in self._flights.values() if f.phase is phase and f.due <= now]
-        due.sort(key=lambda f: f.due)
-        return due
+        self._park_queue = deque(p for p in self._park_queue if p in self._flights)
 
     # -- pausing and committing ----------------------------------------------------------
     def _pause_or_resume(self, out: list[Action]) -> None:
-        buffered = self.held  # every phase counts: parking that fails holds records too
-        want = (
-            self._stopping
-            or (self.circuit is not Circuit.CLOSED and self._scheduler.queued > 0)
-            or buffered > self._max_buffered
-        )
+        """Pause what holds too much (its share, or all together too much); resume the rest."""
+        want = self._want_paused()
         unsynced, self._unsynced = self._unsynced, set()
-        if want:
-            fresh = tuple(tp for tp in self._parts if tp not in self._paused)
-            if fresh:
-                self._paused.update(fresh)
-                out.append(Pause(fresh))
-        elif self._paused or unsynced:
-            # A newly assigned partition is resumed explicitly: the client may
-            # still hold it paused from before it was revoked (librdkafka keeps
-            # a partition's pause across a revoke and a re-assign).
-            resumed = tuple(sorted(self._paused | (unsynced & set(self._parts))))
-            self._paused.clear()
-            out.append(Resume(resumed))
+        fresh = tuple(tp for tp in self._parts if tp in want and tp not in self._paused)
+        if fresh:
+            self._paused.update(fresh)
+            out.append(Pause(fresh))
+        # A newly assigned partition is resumed explicitly: the client may still
+        # hold it paused from before it was revoked (librdkafka keeps a
+        # partition's pause across a revoke and a re-assign).
+        resumed = (self._paused - want) | ((unsynced & self._parts.keys()) - want)
+        if resumed:
+            self._paused -= resumed
+            out.append(Resume(tuple(sorted(resumed))))
 
     def _due_commit(self, now: float) -> Commit | None:
         last = self._last_commit_at
@@ -793,7 +1160,5 @@ class SinkCore:
 
 #: Phases whose I/O is out: the record stays (as an orphan) until it returns.
 _IO_OUT = frozenset({Phase.SENDING, Phase.PARKING})
-#: Results that are engine-wide trouble: a probe answered so settles nothing.
-_ENGINE_WIDE = frozenset({ResultKind.UNAVAILABLE, ResultKind.THROTTLED})
-#: Phases that end on a timer.
-_TIMED = frozenset({Phase.RETRY_WAIT, Phase.PARK_WAIT})
+#: Results that are trouble of a route: a probe answered so settles nothing.
+_ROUTE_TROUBLE = frozenset({ResultKind.UNAVAILABLE, ResultKind.SERVER_ERROR, ResultKind.THROTTLED})

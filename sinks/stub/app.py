@@ -19,7 +19,8 @@ Control API (JSON; never behind the API key)::
     GET    /_stub/faults                  active faults
     POST   /_stub/faults                  add a fault instruction (object or list of objects):
                                           rules, latency_ms, refuse_connections_s,
-                                          rate_limit (429 + Retry-After), drip
+                                          rate_limit (429 + Retry-After), drip,
+                                          path_latency_ms (one route slow)
     DELETE /_stub/faults                  clear rules and latency
 """
 
@@ -44,6 +45,7 @@ from sinks.stub.faults import (
     json_reply,
     parse_drip,
     parse_fault_rule,
+    parse_path_latency,
     parse_rate_limit,
     rule_part,
 )
@@ -168,7 +170,7 @@ class StubApp:
     async def _engine_call(self, scope: Scope, body: bytes) -> Reply:
         if scope["method"] != "POST":
             return json_reply(405, {"error": "method_not_allowed"})
-        latency_ms = self.engine.faults.latency_ms
+        latency_ms = self.engine.faults.latency_for(scope["path"])
         if latency_ms > 0:
             await asyncio.sleep(latency_ms / 1000)
         return self.engine.handle(scope["path"], dict(scope["headers"]), body)
@@ -220,12 +222,17 @@ class StubApp:
         modes = [i for i in instructions if "rate_limit" in i or "drip" in i]
         limiters = [parse_rate_limit(i["rate_limit"]) for i in modes if "rate_limit" in i]
         drips = [parse_drip(i["drip"]) for i in modes if "drip" in i]
+        slow = [
+            parse_path_latency(i["path_latency_ms"]) for i in instructions if "path_latency_ms" in i
+        ]
         if outage_s is not None and self.listener is None:
             raise ValueError("this stub has no listener to close")
         if limiters:
             self.engine.faults.limiter = limiters[-1]
         if drips:
             self.engine.faults.drip = drips[-1]
+        for value in slow:
+            self.engine.faults.set_path_latency(value)
         self.engine.faults.rules.extend(rules)
         if latency_ms is not None:
             self.engine.faults.latency_ms = latency_ms

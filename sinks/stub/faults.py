@@ -16,6 +16,14 @@ Two modes shape every engine request rather than chosen ones:
 - ``drip`` (:class:`Drip`): ``{"bytes": n, "interval_s": t, "for_s": d}``:
   for ``d`` seconds every answer's body is sent ``n`` bytes every ``t``
   seconds (the request is applied first), as an engine trickling its answers.
+
+One mode shapes one engine route (path): ``path_latency_ms``
+(``{"/api/internal/quiz-attempts/sync": 5000}``) makes every request to that
+path wait that long before it is processed (added to ``latency_ms``) - one
+route slow past the client's read timeout while the others answer at once;
+``0`` removes a path's latency, ``null`` every path's. Every other fault of
+one route is a rule with a ``path`` (``{"path": ..., "status": 503,
+"times": -1}``).
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ FAULT_KEYS = frozenset(
 )
 
 
-CONTROL_KEYS = frozenset({"latency_ms", "refuse_connections_s", "rate_limit", "drip"})
+CONTROL_KEYS = frozenset(
+    {"latency_ms", "refuse_connections_s", "rate_limit", "drip", "path_latency_ms"}
+)
 
 
 class TokenBucket:
@@ -133,6 +143,19 @@ def parse_drip(value: object) -> Drip | None:
         raise ValueError("drip bytes must be a positive integer")
     interval_s = _non_negative(value["interval_s"])
     return Drip(size, interval_s, time.monotonic() + _non_negative(value["for_s"]))
+
+
+def parse_path_latency(value: object) -> dict[str, float] | None:
+    """``{"<engine path>": ms, ...}`` (``0``: that path's latency removed) or ``None``
+    (every path's removed); ValueError naming the problem else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError('path_latency_ms is {"<engine path>": milliseconds, ...} or null')
+    unknown = sorted(set(value) - ENGINE_PATHS)
+    if unknown:
+        raise ValueError(f"path_latency_ms: {unknown} not among {sorted(ENGINE_PATHS)}")
+    return {path: _non_negative(ms) for path, ms in value.items()}
 
 
 def _positive(value: object) -> float:
@@ -292,8 +315,24 @@ class Faults:
     def __init__(self, *, latency_ms: float = 0.0) -> None:
         self.rules: list[FaultRule] = []
         self.latency_ms = latency_ms
+        self.path_latency_ms: dict[str, float] = {}  # one route slower than the others
         self.limiter: TokenBucket | None = None
         self.drip: Drip | None = None
+
+    def latency_for(self, path: str) -> float:
+        """Milliseconds a request to ``path`` waits before it is processed."""
+        return self.latency_ms + self.path_latency_ms.get(path, 0.0)
+
+    def set_path_latency(self, value: dict[str, float] | None) -> None:
+        """Per-path latency from :func:`parse_path_latency` (``None``: none at all)."""
+        if value is None:
+            self.path_latency_ms.clear()
+            return
+        for path, latency_ms in value.items():
+            if latency_ms:
+                self.path_latency_ms[path] = latency_ms
+            else:
+                self.path_latency_ms.pop(path, None)
 
     def dripping(self) -> Drip | None:
         """The drip mode, while it lasts."""
@@ -318,9 +357,10 @@ class Faults:
         return reply
 
     def clear(self) -> None:
-        """No rules, no latency, no rate limit, no drip."""
+        """No rules, no latency (per path either), no rate limit, no drip."""
         self.rules.clear()
         self.latency_ms = 0.0
+        self.path_latency_ms.clear()
         self.limiter = None
         self.drip = None
 
@@ -331,7 +371,9 @@ class Faults:
             "rules": [r.describe() for r in self.rules],
         }
         drip = self.dripping()
-        if self.limiter is not None:  # the modes are named only while on
+        if self.path_latency_ms:  # the modes are named only while on
+            described["path_latency_ms"] = dict(self.path_latency_ms)
+        if self.limiter is not None:
             described["rate_limit"] = self.limiter.describe()
         if drip is not None:
             described["drip"] = drip.describe()

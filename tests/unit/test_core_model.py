@@ -1,51 +1,65 @@
 """The sink core against a reference model: random interleavings, invariants after every step.
 
 The model is the world around the core, kept as simply as possible: a Kafka
-log per partition (records with a key and a kind), the broker's committed
-offsets, which partitions are assigned and paused, an engine that is up or
-down, and the Sends, Parks and Commits the core has put out and not yet seen
-answered. Hypothesis drives records in, answers the core's actions in any
-order (2xx, a 4xx for one record, a 5xx for one record, engine-wide trouble,
-a 429 with or without Retry-After beside 2xx answers, an expired request
-deadline, an unroutable surprise, parking-lot and commit failures), feeds
-hostile records (headers the routing cannot read: parked with a reason),
-moves time, assigns, revokes and loses partitions, and checks after every
-step:
+log per partition (records with a key, a kind and an engine *route* - ``u``
+for ``users/sync``, ``q`` for ``quiz-attempts/sync``), the broker's committed
+offsets, which partitions are assigned and paused, an engine whose routes are
+each up or down, and the Sends, Parks and Commits the core has put out and not
+yet seen answered. Hypothesis drives records in (a mixed stream: any route on
+any topic), takes routes down and brings them back, answers the core's actions
+in any order - 2xx, a 4xx for one record, a 5xx for one record, a blip (one
+request failing on a route that works: 503, refused, read timeout, 401), a
+quiz attempt whose user sync fails on the users route, a 429 with or without
+Retry-After, an expired request deadline, an unroutable surprise, parking-lot
+and commit failures; a route that is down answers every request with its
+trouble - feeds hostile records (headers the routing cannot read: parked with
+a reason) and payloads that crash their route (a 5xx every time), moves time,
+assigns, revokes and loses partitions, and checks after every step:
 
 * no commit (in flight or on revoke) passes a record that is neither delivered
   nor parked;
 * per key and partition, a record is sent only after every earlier record of
   its key in that partition was delivered or parked - across rebalances too;
-* at most one record per key in flight, never more than ``max_in_flight``;
+* at most one record per key in flight, never more than ``max_in_flight`` in
+  all, never more on a route than its adaptive window;
 * no record is sent after it was parked (until it is consumed again);
-* nothing but a probe is sent unless the circuit is CLOSED; HALF_OPEN means
-  exactly one probe in flight; OPEN or CLOSED means none;
-* bounded state: the core holds only records of assigned partitions, plus
-  orphans whose Send or Park is still out; and never more than
-  ``max_buffered`` plus one fetch batch, whatever phase its records are in
-  (parking that fails included);
-* engine-wide trouble spends nothing: a parked record's attempts never exceed
-  the answers that blamed it (4xx, or a 5xx of its own); a 429 or an expired
-  deadline never counts;
-* the sink honours Retry-After (no Send but a probe before a throttled
-  answer's hold has passed) and its adaptive window (no Send beyond it);
-* and, at the end, liveness: once the engine is up and time passes, every
-  record of every assigned partition is delivered or parked and the broker's
-  committed offset reaches the end of the log.
+* nothing but a probe is sent to a route whose circuit is not CLOSED;
+  HALF_OPEN means exactly one probe of the route in flight;
+* **a record of a healthy route is never held by another route's outage**:
+  the circuit a route's records go through leaves CLOSED only on an answer
+  that was trouble of that very route;
+* **attempts <= answers that blamed the record**, blame as DESIGN words it: a
+  4xx about the record, or a 5xx after which the same route delivered two
+  other records (the model computes this from the answers it gave, never from
+  the core; the core asks more: no outage of the route in between);
+* **memory is bounded in every state**: what the core holds for a partition
+  equals what the model counts (every record taken in from the first one not
+  yet delivered or parked on, settled ones behind it included); a partition
+  over its share is paused; all together never more than ``max_buffered``
+  plus one fetch batch per partition; only records of assigned partitions,
+  plus orphans whose Send or Park is still out;
+* the sink honours Retry-After per route and its adaptive windows;
+* and, at the end, liveness twice: with the quiz route down for good and
+  the users route up, every users record of a key not waiting on a quiz
+  record is delivered or parked; then with every route up, every record of
+  every assigned partition is, and the broker's committed offset reaches the
+  end of the log.
 
 Mutants at the bottom re-create the bugs this machine exists for (a circuit
-left HALF_OPEN by a probe the engine rejected; an orphan's re-consumed copy
+left HALF_OPEN by a probe the route rejected; an orphan's re-consumed copy
 queued behind later records of its key; a re-assigned partition left paused by
-the client, found by the compound-fault test) and show the model catches each.
-The hard interleavings are also scripted (``SCRIPTS``) and run against the
-production class on every run, so such a bug is caught every run, not only
-when the random search happens to reach it.
+the client; trouble judged engine-wide instead of per route; a 5xx blamed on
+its record without per-route evidence; a pause that does not count settled
+records behind a stuck one) and show the model catches each. The hard
+interleavings are also scripted (``SCRIPTS``) and run against the production
+class on every run, so such a bug is caught every run, not only when the
+random search happens to reach it.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +77,7 @@ from hypothesis.stateful import (
 
 from sinks.core.delivery import Envelope, Position
 from sinks.core.machine import (
-    DELIVERED,
+    EVIDENCE_DELIVERIES,
     THROTTLE_HOLD_S,
     Circuit,
     Commit,
@@ -83,7 +97,13 @@ from sinks.core.retry import Backoff, Jitter
 TOPICS = ("user", "quiz")
 PARTITIONS = (0,)
 TPS = tuple((t, p) for t in TOPICS for p in PARTITIONS)
-KEYS = (b"a", b"b")
+#: The engine's routes: ``u`` = users/sync, ``q`` = quiz-attempts/sync (a quiz
+#: attempt whose user the engine lacks also calls ``u``).
+ROUTES = ("u", "q")
+KEYS = (b"a", b"b", b"c")
+#: Records the teardown adds so a crashing payload's route has others to deliver.
+FILLER_TP = ("filler", 0)
+FILLER_KEY = b"z"
 MAX_IN_FLIGHT = 3
 INLINE_ATTEMPTS = 2
 MAX_BUFFERED = 6
@@ -95,24 +115,29 @@ FETCH_BATCH = 4
 class Kind:
     """What a record is, for the model: the engine's and the routing's view of it."""
 
-    name: str  # good | poison (the engine always rejects it) | bad (unroutable) | ignored
+    name: str  # good | poison (4xx) | crash (5xx) | bad (unroutable) | ignored | hostile
 
 
 GOOD, POISON, BAD, IGNORED = Kind("good"), Kind("poison"), Kind("bad"), Kind("ignored")
+#: A payload its route answers with a 5xx every time (it crashes the engine).
+CRASH = Kind("crash")
 #: A record other producers wrote: headers the routing cannot read at all.
 HOSTILE = Kind("hostile")
+#: Kinds that go to the engine, one at a time per key.
+LANED = (GOOD, POISON, CRASH)
 
 
 def _classify(record: Envelope) -> Verdict:
     try:
         kind = record.headers["kind"].decode()
+        route = record.headers["route"].decode()
     except (KeyError, UnicodeDecodeError) as exc:
         return Verdict(Route.PARK, f"uninterpretable record: {type(exc).__name__}")
     if kind == "bad":
         return Verdict(Route.PARK, "no route for event type 'Bad'")
     if kind == "ignored":
         return Verdict(Route.IGNORE, "ignored type")
-    return Verdict(Route.DELIVER)
+    return Verdict(Route.DELIVER, endpoint=route)
 
 
 def make_core(cls: type[SinkCore] = SinkCore) -> SinkCore:
@@ -121,17 +146,30 @@ def make_core(cls: type[SinkCore] = SinkCore) -> SinkCore:
         max_buffered=MAX_BUFFERED,
         inline_attempts=INLINE_ATTEMPTS,
         inline_backoff_s=0.2,
-        backoff=Backoff(base_s=0.5, cap_s=4.0, jitter=Jitter.NONE),
+        backoff=lambda: Backoff(base_s=0.5, cap_s=4.0, jitter=Jitter.NONE),
         commit_interval_s=1.0,
         classify=_classify,
     )
 
 
-#: Answers that are engine-wide whatever else succeeds: a 429, an expired request deadline.
+#: Answers that say the route sheds load or is slow for everyone: they blame nobody.
 SHARED_TROUBLE = {
     "429": (ResultKind.THROTTLED, "HTTP 429"),
     "deadline": (ResultKind.UNAVAILABLE, "RequestDeadline: nothing complete within 5 s"),
 }
+#: How a request fails on a route that is down (or blips): what the core is told.
+FAILURES = {
+    "503": (ResultKind.SERVER_ERROR, "HTTP 503"),
+    "refused": (ResultKind.UNAVAILABLE, "ConnectError: [Errno 111] Connection refused"),
+    "timeout": (ResultKind.UNAVAILABLE, "ReadTimeout: nothing received for 3 s"),
+    "401": (ResultKind.UNAVAILABLE, "HTTP 401: set INTERNAL_API_KEY"),
+}
+TROUBLE_KINDS = (ResultKind.UNAVAILABLE, ResultKind.SERVER_ERROR, ResultKind.THROTTLED)
+#: The answers a Send may get (a route that is down overrides them with its trouble).
+ANSWERS = (
+    *("2xx", "2xx", "2xx", "4xx", "5xx-one", "down", "user-down"),
+    *("unroutable", "429", "deadline"),
+)
 
 
 class SinkCoreModel(RuleBasedStateMachine):
@@ -143,30 +181,48 @@ class SinkCoreModel(RuleBasedStateMachine):
         super().__init__()
         self.core = self.make()
         self.now = 0.0
-        self.log: dict[tuple[str, int], list[Envelope]] = {tp: [] for tp in TPS}
+        self.log: dict[tuple[str, int], list[Envelope]] = {tp: [] for tp in (*TPS, FILLER_TP)}
         self.kinds: dict[Position, Kind] = {}
-        self.broker_committed: dict[tuple[str, int], int] = dict.fromkeys(TPS, 0)
+        self.home: dict[Position, str] = {}  # the route a record's own call goes to
+        self.broker_committed: dict[tuple[str, int], int] = dict.fromkeys(self.log, 0)
         self.position: dict[tuple[str, int], int] = {}  # assigned -> next offset to fetch
         self.paused: set[tuple[str, int]] = set()
-        self.engine_up = True
+        self.route_up = dict.fromkeys(ROUTES, True)
         self.sends: list[Send] = []
         self.parks: list[Park] = []
         self.commits: list[Commit] = []
         self.done: set[Position] = set()  # delivered or parked, ever
         self.parked_live: set[Position] = set()  # parked, not consumed again since
         self.delivered: list[Position] = []
-        self.blamed: dict[Position, int] = {}  # answers that blamed the record itself
-        self.hold_until = 0.0  # no Send but a probe before this (a 429's Retry-After)
+        # what this assignment generation took in, and settled (the watermark's view)
+        self.taken: dict[tuple[str, int], list[int]] = {}
+        self.settled_now: dict[tuple[str, int], set[int]] = {}
+        # blame, as DESIGN words it, from the answers given
+        self.blamed: dict[Position, int] = {}
+        self.deliveries = dict.fromkeys(ROUTES, 0)
+        self.candidates: list[tuple[Position, str, int]] = []  # 5xx awaiting evidence
+        self.hold_until: dict[str, float] = {}  # per route: no Send but a probe before this
+        #: The endpoint a route's own records are sent to (whose circuit they wait on).
+        self.endpoint_of: dict[str, str] = {}
+        self.waits_on: dict[Position, str] = {}  # a record whose last trouble was elsewhere
 
     # -- the world ------------------------------------------------------------------
     @rule(
         tp=st.sampled_from(TPS),
         key=st.sampled_from(KEYS),
-        kind=st.sampled_from([GOOD, GOOD, GOOD, GOOD, POISON, BAD, IGNORED, HOSTILE]),
+        kind=st.sampled_from([GOOD, GOOD, GOOD, GOOD, POISON, CRASH, BAD, IGNORED, HOSTILE]),
+        route=st.sampled_from(ROUTES),
     )
-    def produce(self, tp: tuple[str, int], key: bytes, kind: Kind) -> None:
+    def produce(
+        self, tp: tuple[str, int], key: bytes, kind: Kind, route: str | None = None
+    ) -> None:
         offset = len(self.log[tp])
-        headers = {"kind": kind.name.encode(), "id": f"{tp}-{offset}".encode()}
+        route = route or ("u" if tp[0] == "user" else "q")
+        headers = {
+            "kind": kind.name.encode(),
+            "id": f"{tp}-{offset}".encode(),
+            "route": route.encode(),
+        }
         if kind is HOSTILE:
             headers = {"\ufffd": b"\xff\xfe", "id": b"\x00"}
         record = Envelope(
@@ -180,17 +236,22 @@ class SinkCoreModel(RuleBasedStateMachine):
         )
         self.log[tp].append(record)
         self.kinds[record.position] = kind
+        self.home[record.position] = route
         self.step()
 
-    @rule(tp=st.sampled_from(TPS), n=st.integers(min_value=1, max_value=4))
+    @rule(tp=st.sampled_from(TPS), n=st.integers(min_value=1, max_value=FETCH_BATCH))
     def consume(self, tp: tuple[str, int], n: int) -> None:
         if tp not in self.position or tp in self.paused:
             return
         start = self.position[tp]
         for record in self.log[tp][start : start + n]:
-            self.core.consumed(record, now_ms=int(self.now * 1000))
+            verdict = self.core.consumed(record, now_ms=int(self.now * 1000))
+            assert verdict is not None
             self.parked_live.discard(record.position)
             self.position[tp] = record.offset + 1
+            self.taken[tp].append(record.offset)
+            if verdict.route is Route.IGNORE:
+                self.settled_now[tp].add(record.offset)
         self.step()
 
     @rule(tp=st.sampled_from(TPS))
@@ -199,6 +260,7 @@ class SinkCoreModel(RuleBasedStateMachine):
             return
         self.core.assign([tp])
         self.position[tp] = self.broker_committed[tp]
+        self.taken[tp], self.settled_now[tp] = [], set()
         self.step()
 
     @rule(tp=st.sampled_from(TPS), lost=st.booleans())
@@ -211,7 +273,7 @@ class SinkCoreModel(RuleBasedStateMachine):
         for topic, partition, offset in final:
             self.check_commit((topic, partition), offset)
             self.broker_committed[(topic, partition)] = offset
-        del self.position[tp]
+        del self.position[tp], self.taken[tp], self.settled_now[tp]
         # librdkafka keeps a partition's pause across a revoke and a re-assign
         self.step()
 
@@ -222,15 +284,15 @@ class SinkCoreModel(RuleBasedStateMachine):
             return
         self.revoke(tp, lost=False)
         self.assign(tp)
-        self.consume(tp, 4)
+        self.consume(tp, FETCH_BATCH)
 
-    @rule()
-    def engine_goes_down(self) -> None:
-        self.engine_up = False
+    @rule(route=st.sampled_from(ROUTES))
+    def route_goes_down(self, route: str) -> None:
+        self.route_up[route] = False
 
-    @rule()
-    def engine_comes_back(self) -> None:
-        self.engine_up = True
+    @rule(route=st.sampled_from(ROUTES))
+    def route_comes_back(self, route: str) -> None:
+        self.route_up[route] = True
 
     @rule(dt=st.sampled_from([0.05, 0.2, 0.5, 1.0, 5.0]))
     def time_passes(self, dt: float) -> None:
@@ -241,49 +303,112 @@ class SinkCoreModel(RuleBasedStateMachine):
     @precondition(lambda self: self.sends)
     @rule(
         data=st.data(),
-        answer=st.sampled_from(
-            ["2xx", "2xx", "2xx", "4xx", "5xx-one", "down", "unroutable", "429", "deadline"]
-        ),
+        answer=st.sampled_from(ANSWERS),
+        failure=st.sampled_from(sorted(FAILURES)),
         retry_after=st.sampled_from([None, 0.0, 0.5, 3.0]),
     )
-    def answer_send(self, data: st.DataObject, answer: str, retry_after: float | None) -> None:
+    def answer_send(
+        self, data: st.DataObject, answer: str, failure: str, retry_after: float | None
+    ) -> None:
         send = self.sends.pop(data.draw(st.integers(0, len(self.sends) - 1)))
-        self.answer(send, answer, retry_after)
+        self.answer(send, answer, failure, retry_after)
 
     @precondition(lambda self: any(s.probe for s in self.sends))
-    @rule(answer=st.sampled_from(["2xx", "4xx", "down", "unroutable", "429", "deadline"]))
-    def answer_the_probe(self, answer: str) -> None:
-        """The probe's answer decides the circuit: reached often, not by luck."""
+    @rule(
+        answer=st.sampled_from(
+            ["2xx", "4xx", "down", "user-down", "unroutable", "429", "deadline"]
+        ),
+        failure=st.sampled_from(sorted(FAILURES)),
+    )
+    def answer_the_probe(self, answer: str, failure: str) -> None:
+        """The probe's answer decides its route's circuit: reached often, not by luck."""
         probe = next(s for s in self.sends if s.probe)
         self.sends.remove(probe)
-        self.answer(probe, answer, None)
+        self.answer(probe, answer, failure)
 
-    def answer(self, send: Send, answer: str, retry_after: float | None = None) -> None:
-        closed = self.core.circuit is Circuit.CLOSED
-        result = self.engine_answer(send, answer, retry_after)
-        if result.kind is ResultKind.THROTTLED and closed and not send.probe:
-            self.hold_until = max(self.hold_until, self.now + (retry_after or THROTTLE_HOLD_S))
+    def answer(
+        self, send: Send, answer: str, failure: str = "503", retry_after: float | None = None
+    ) -> None:
+        result = self.engine_answer(send, answer, failure, retry_after)
+        where = result.endpoint or send.endpoint
+        trouble = where if result.kind in TROUBLE_KINDS else None
+        own_probe = send.probe and where == send.endpoint
+        closed = self.core.circuit_of(where) is Circuit.CLOSED
+        if result.kind is ResultKind.THROTTLED and not own_probe and closed:
+            hold = self.now + (retry_after or THROTTLE_HOLD_S)
+            self.hold_until[where] = max(self.hold_until.get(where, 0.0), hold)
+        self.judge(send, result, where)
+        watched = dict(self.endpoint_of)
+        before = {route: self.core.circuit_of(e) for route, e in watched.items()}
         self.core.sent(send.record, result, now=self.now)
+        for route, endpoint in watched.items():
+            after = self.core.circuit_of(endpoint)
+            if before[route] is Circuit.CLOSED and after is not Circuit.CLOSED:
+                assert trouble == route, (
+                    f"the circuit route {route}'s records wait on opened on"
+                    f" {result.kind.value} of route {trouble!r}: held by another route's outage"
+                )
         self.step()
 
-    def engine_answer(self, send: Send, answer: str, retry_after: float | None = None) -> Result:
+    def engine_answer(  # noqa: PLR0911 - one return per kind of answer
+        self, send: Send, answer: str, failure: str, retry_after: float | None = None
+    ) -> Result:
+        """The world's answer: a down route fails every request that reaches it."""
         position = send.record.position
+        kind, home = self.kinds[position], self.home[position]
+        via_users = home == "q" and (answer == "user-down" or send.endpoint == "u")
+        calls = ["q", "u"] if via_users else [home]
+        for route in calls:
+            if not self.route_up[route]:
+                return self.failed(route, failure)
         shared = SHARED_TROUBLE.get(answer)
-        if shared is not None:  # the engine sheds load, or trickles: it blames nobody
-            return Result(shared[0], shared[1], retry_after, shared=True)
-        if not self.engine_up or answer == "down":
-            return Result(ResultKind.UNAVAILABLE, "HTTP 503")
-        if self.kinds[position] is POISON or answer == "4xx":
-            self.blamed[position] = self.blamed.get(position, 0) + 1
-            return Result(ResultKind.REJECTED, "HTTP 400")
-        if answer == "5xx-one":
-            self.blamed[position] = self.blamed.get(position, 0) + 1
-            return Result(ResultKind.UNAVAILABLE, "HTTP 500 for this record")
+        if shared is not None:  # the route sheds load, or trickles: it blames nobody
+            return Result(shared[0], shared[1], retry_after, shared=True, endpoint=home)
+        if answer == "down":  # a blip: this request failed, the route works
+            return self.failed(home, failure)
+        if kind is POISON or answer == "4xx":
+            return Result(ResultKind.REJECTED, "HTTP 400", endpoint=home)
+        if kind is CRASH or answer == "5xx-one":
+            return Result(ResultKind.SERVER_ERROR, "HTTP 500 for this payload", endpoint=home)
         if answer == "unroutable":
             return Result(ResultKind.UNROUTABLE, "payload unfit")
-        self.delivered.append(position)
-        self.done.add(position)
-        return DELIVERED
+        credited = send.endpoint if send.endpoint in calls else home
+        return Result(ResultKind.DELIVERED, endpoint=credited)
+
+    @staticmethod
+    def failed(route: str, failure: str) -> Result:
+        kind, reason = FAILURES[failure]
+        return Result(kind, reason, endpoint=route)
+
+    def judge(self, send: Send, result: Result, where: str) -> None:
+        """Blame as DESIGN words it, from the answers alone (never from the core)."""
+        position = send.record.position
+        if result.kind is ResultKind.DELIVERED:
+            self.deliveries[where] += 1
+            self.delivered.append(position)
+            self.done.add(position)
+            self.settle(position)
+            kept = []
+            for candidate in self.candidates:
+                p, route, deliveries = candidate
+                if route == where and self.deliveries[route] >= deliveries + EVIDENCE_DELIVERIES:
+                    self.blamed[p] = self.blamed.get(p, 0) + 1
+                else:
+                    kept.append(candidate)
+            self.candidates = kept
+        elif result.kind is ResultKind.REJECTED:
+            self.blamed[position] = self.blamed.get(position, 0) + 1
+        elif result.kind in TROUBLE_KINDS:
+            if where != self.home[position]:
+                self.waits_on[position] = where
+            if result.kind is ResultKind.SERVER_ERROR:
+                self.candidates.append((position, where, self.deliveries[where]))
+
+    def settle(self, position: Position) -> None:
+        """Delivered or parked: settled in this generation, if taken in by it."""
+        tp = (position[0], position[1])
+        if tp in self.taken and position[2] in self.taken[tp]:
+            self.settled_now[tp].add(position[2])
 
     @precondition(lambda self: self.parks)
     @rule(data=st.data(), ok=st.sampled_from([True, True, True, False]))
@@ -291,12 +416,16 @@ class SinkCoreModel(RuleBasedStateMachine):
         park = self.parks.pop(data.draw(st.integers(0, len(self.parks) - 1)))
         for item in park.items:
             if ok:
-                self.done.add(item.record.position)
-                self.parked_live.add(item.record.position)
-                self.core.parked(item.record)
+                self.park_done(item.record)
             else:
                 self.core.park_failed(item.record, now=self.now)
         self.step()
+
+    def park_done(self, record: Envelope) -> None:
+        self.done.add(record.position)
+        self.parked_live.add(record.position)
+        self.settle(record.position)
+        self.core.parked(record)
 
     @precondition(lambda self: self.commits)
     @rule(data=st.data(), ok=st.sampled_from([True, True, False]))
@@ -311,11 +440,14 @@ class SinkCoreModel(RuleBasedStateMachine):
 
     # -- one step of the shell: carry out what the core says, checking each action ---------
     def step(self) -> None:
-        circuit_before = self.core.circuit
+        circuits_before = {r.endpoint: r.circuit for r in self.core.routes()}
         for action in self.core.actions(now=self.now):
             if isinstance(action, Send):
-                self.check_send(action, circuit_before)
+                self.check_send(action, circuits_before)
                 self.sends.append(action)
+                position = action.record.position
+                if self.waits_on.get(position, self.home[position]) == self.home[position]:
+                    self.endpoint_of[self.home[position]] = action.endpoint
             elif isinstance(action, Park):
                 for item in action.items:
                     blamed = self.blamed.get(item.record.position, 0)
@@ -338,18 +470,22 @@ class SinkCoreModel(RuleBasedStateMachine):
         due = self.core.next_due()
         assert due is None or due > self.now, f"work due at {due} left undone at {self.now}"
 
-    def check_send(self, send: Send, circuit_before: Circuit) -> None:
+    def check_send(self, send: Send, circuits_before: dict[str, Circuit]) -> None:
         record = send.record
         assert record.position not in self.parked_live, f"{record.position} sent after parked"
+        before = circuits_before.get(send.endpoint, self.core.circuit_of(send.endpoint))
         if send.probe:
-            assert circuit_before is Circuit.OPEN, "a probe only leaves an OPEN circuit"
+            assert before is Circuit.OPEN, "a probe only leaves an OPEN circuit"
         else:
-            assert circuit_before is Circuit.CLOSED, f"sent while {circuit_before}"
-            assert self.now >= self.hold_until, f"sent at {self.now}, held until {self.hold_until}"
-            assert len(self.sends) < self.core.window.limit, "sent beyond the adaptive window"
+            assert before is Circuit.CLOSED, f"sent to {send.endpoint!r} while {before}"
+            hold = self.hold_until.get(send.endpoint, 0.0)
+            assert self.now >= hold, f"sent at {self.now}, {send.endpoint!r} held until {hold}"
+            out = sum(1 for s in self.sends if s.endpoint == send.endpoint)
+            assert out < self.core.window_of(send.endpoint).limit, "sent beyond the route's window"
+        assert len(self.sends) < MAX_IN_FLIGHT, "more than max_in_flight Sends out"
         tp = record.topic_partition
         for earlier in self.log[tp][: record.offset]:
-            if earlier.key == record.key and self.kinds[earlier.position] in (GOOD, POISON):
+            if earlier.key == record.key and self.kinds[earlier.position] in LANED:
                 assert earlier.position in self.done, (
                     f"{record.position} sent before {earlier.position} of its key was settled"
                 )
@@ -365,22 +501,45 @@ class SinkCoreModel(RuleBasedStateMachine):
 
     # -- invariants -------------------------------------------------------------------------
     @invariant()
-    def circuit_matches_the_probes_out(self) -> None:
-        probes = [s for s in self.sends if s.probe]
-        if self.core.circuit is Circuit.HALF_OPEN:
-            assert len(probes) == 1, f"HALF_OPEN with {len(probes)} probes in flight"
-        else:
-            assert probes == [], f"{self.core.circuit} with a probe in flight"
+    def circuits_match_the_probes_out(self) -> None:
+        for endpoint in {*ROUTES, *(s.endpoint for s in self.sends)}:
+            probes = [s for s in self.sends if s.probe and s.endpoint == endpoint]
+            circuit = self.core.circuit_of(endpoint)
+            if circuit is Circuit.HALF_OPEN:
+                assert len(probes) == 1, f"{endpoint} HALF_OPEN with {len(probes)} probes out"
+            else:
+                assert probes == [], f"{endpoint} {circuit} with a probe in flight"
 
     @invariant()
     def in_flight_is_bounded(self) -> None:
         assert len(self.sends) <= MAX_IN_FLIGHT
-        assert 1 <= self.core.window.limit <= MAX_IN_FLIGHT
+        for endpoint in {*ROUTES, *(s.endpoint for s in self.sends)}:
+            assert 1 <= self.core.window_of(endpoint).limit <= MAX_IN_FLIGHT
 
     @invariant()
-    def memory_is_bounded_in_every_phase(self) -> None:
+    def no_attempt_without_blame(self) -> None:
+        blamed = sum(self.blamed.values())
+        assert self.core.attempts_spent <= blamed, (
+            f"{self.core.attempts_spent} attempts spent, {blamed} answers blamed records"
+        )
+
+    @invariant()
+    def memory_is_bounded_in_every_state(self) -> None:
+        """Everything held for a partition counts, settled records behind a gap too."""
+        for tp, taken in self.taken.items():
+            settled = self.settled_now[tp]
+            first = next((i for i, o in enumerate(taken) if o not in settled), len(taken))
+            expected = len(taken) - first
+            held = self.core.held_for(*tp)
+            assert held == expected, f"{tp}: the core counts {held} held, the model {expected}"
+            if held > self.core.buffer_share:
+                assert tp in self.paused, f"{tp} holds {held} > its share, not paused"
         held = self.core.held
-        assert held <= MAX_BUFFERED + FETCH_BATCH, f"{held} records held"
+        bound = MAX_BUFFERED + FETCH_BATCH * len(self.log)
+        assert held <= bound, f"{held} records held, bound {bound}"
+        if held > MAX_BUFFERED:  # over the bound: only a partition holding nothing may fetch
+            for tp in self.position:
+                assert tp in self.paused or not self.core.held_for(*tp), f"{tp} not paused"
 
     @invariant()
     def a_stall_needs_waiting_work(self) -> None:
@@ -398,38 +557,89 @@ class SinkCoreModel(RuleBasedStateMachine):
             assert tp in self.position or position in out, f"{position} kept after revoke"
         assert self.core.orphan_positions() <= out
 
+    # -- the end: liveness ------------------------------------------------------------------
     def teardown(self) -> None:
-        """Liveness: with the engine up and time passing, everything settles and commits."""
+        """Liveness: one route down, the other's records still move; then everything settles."""
         if sys.exc_info()[0] is not None:
             return  # a step already failed: that failure is the finding, not this one
-        self.engine_up = True
+        self.the_users_route_moves_while_the_quiz_route_is_down()
+        self.route_up = dict.fromkeys(ROUTES, True)
+        self.assign(FILLER_TP)  # a partition of its own for the filler records
         for _ in range(200):
-            for tp in list(self.position):
-                self.consume(tp, 100)
-            while self.sends:
-                self.answer_send_ok(self.sends.pop(0))
-            while self.parks:
-                park = self.parks.pop(0)
-                for item in park.items:
-                    self.done.add(item.record.position)
-                    self.parked_live.add(item.record.position)
-                    self.core.parked(item.record)
-                self.step()
-            while self.commits:
-                commit = self.commits.pop(0)
-                for topic, partition, offset in commit.offsets:
-                    tp = (topic, partition)
-                    self.broker_committed[tp] = max(self.broker_committed[tp], offset)
-                    self.core.commit_result(topic, partition, offset, ok=True)
-                self.step()
-            self.time_passes(5.0)
+            self.add_evidence_for_crashing_payloads()
+            self.pump()
             if self.settled():
                 return
         unsettled = {tp: (self.broker_committed[tp], len(self.log[tp])) for tp in self.position}
         raise AssertionError(
-            f"not live: circuit={self.core.circuit} paused={sorted(self.paused)}"
-            f" held={self.core.held} committed/end={unsettled}"
+            f"not live: circuits={[(r.endpoint, r.circuit) for r in self.core.routes()]}"
+            f" paused={sorted(self.paused)} held={self.core.held} committed/end={unsettled}"
         )
+
+    def the_users_route_moves_while_the_quiz_route_is_down(self) -> None:
+        self.route_up = {"u": True, "q": False}
+        for _ in range(40):
+            self.pump()
+        for tp, taken in self.taken.items():
+            for offset in taken:
+                position = (tp[0], tp[1], offset)
+                record = self.log[tp][offset]
+                if self.home[position] != "u" or self.kinds[position] not in (GOOD, POISON):
+                    continue  # (a crashing payload needs other deliveries of its route)
+                if self.key_waits_elsewhere(record.key):
+                    continue
+                assert offset in self.settled_now[tp], (
+                    f"{position} of the users route held while only the quiz route is down"
+                    f" (circuits: {[(r.endpoint, r.circuit.value) for r in self.core.routes()]})"
+                )
+
+    def key_waits_elsewhere(self, key: bytes | None) -> bool:
+        """True when ``key`` has a record taken in, not settled, that waits on the quiz
+        route or on evidence against its own payload (a crashing one)."""
+        for tp, taken in self.taken.items():
+            for offset in taken:
+                position = (tp[0], tp[1], offset)
+                if (
+                    self.log[tp][offset].key == key
+                    and (self.home[position] == "q" or self.kinds[position] is CRASH)
+                    and self.kinds[position] in LANED
+                    and offset not in self.settled_now[tp]
+                ):
+                    return True
+        return False
+
+    def add_evidence_for_crashing_payloads(self) -> None:
+        """A payload that crashes its route is blamed only once the route delivers others."""
+        routes = {
+            self.home[(tp[0], tp[1], o)]
+            for tp, taken in self.taken.items()
+            for o in taken
+            if self.kinds[(tp[0], tp[1], o)] is CRASH and o not in self.settled_now[tp]
+        }
+        for route in sorted(routes):
+            for _ in range(EVIDENCE_DELIVERIES):
+                self.produce(FILLER_TP, FILLER_KEY, GOOD, route)
+
+    def pump(self) -> None:
+        """The world answers everything the core has out (others before crashing payloads)."""
+        for tp in list(self.position):
+            self.consume(tp, FETCH_BATCH)
+        while self.sends:
+            send = min(self.sends, key=lambda s: self.kinds[s.record.position] is CRASH)
+            self.sends.remove(send)
+            self.answer_send_ok(send)
+        while self.parks:
+            for item in self.parks.pop(0).items:
+                self.park_done(item.record)
+            self.step()
+        while self.commits:
+            commit = self.commits.pop(0)
+            for topic, partition, offset in commit.offsets:
+                tp = (topic, partition)
+                self.broker_committed[tp] = max(self.broker_committed[tp], offset)
+                self.core.commit_result(topic, partition, offset, ok=True)
+            self.step()
+        self.time_passes(5.0)
 
     def answer_send_ok(self, send: Send) -> None:
         self.answer(send, "2xx")
@@ -459,9 +669,9 @@ TestSinkCoreModel.settings = MODEL_SETTINGS
 class _ProbeClosesOnlyWhenDelivered(SinkCore):
     """Bug 1 as it was: only a delivered probe closed the circuit."""
 
-    def _probe_settled(self, kind: ResultKind, *, now: float) -> None:
-        if kind is ResultKind.DELIVERED:
-            super()._probe_settled(kind, now=now)
+    def _probe_answered(self, route: Any, where: Any, kind: ResultKind, *, now: float) -> None:
+        if kind is not ResultKind.REJECTED:
+            super()._probe_answered(route, where, kind, now=now)
 
 
 class _QueuesCopyBehindLaterRecords(SinkCore):
@@ -469,16 +679,16 @@ class _QueuesCopyBehindLaterRecords(SinkCore):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._stash: set[Position] = set()
+        self._stash: dict[Position, str] = {}
 
     def _adopt(self, flight: Any, generation: int) -> None:
         if flight.laned:
-            self._stash.add(flight.record.position)  # no adoption: the copy waits
+            self._stash[flight.record.position] = flight.route  # no adoption: the copy waits
         else:
             super()._adopt(flight, generation)
 
-    def _engine_down(self, flight: Any, outcome: Result, *, now: float, probe: bool) -> None:
-        super()._engine_down(flight, outcome, now=now, probe=probe)
+    def _hold(self, flight: Any) -> None:
+        super()._hold(flight)
         self._resubmit(flight.record)
 
     def _settle(self, flight: Any) -> None:
@@ -495,13 +705,13 @@ class _QueuesCopyBehindLaterRecords(SinkCore):
         self, partitions: Iterable[tuple[str, int]], *, lost: bool = False
     ) -> list[tuple[str, int, int]]:
         partitions = list(partitions)
-        self._stash = {p for p in self._stash if (p[0], p[1]) not in partitions}
+        self._stash = {p: r for p, r in self._stash.items() if (p[0], p[1]) not in partitions}
         return super().revoke(partitions, lost=lost)
 
     def _resubmit(self, record: Envelope) -> None:
-        if record.position in self._stash:
-            self._stash.discard(record.position)
-            self._scheduler.submit(record)  # behind whatever of its key came meanwhile
+        route = self._stash.pop(record.position, None)
+        if route is not None:
+            self._scheduler.submit(record, route)  # behind whatever of its key came meanwhile
 
 
 class _ForgetsPausesOnRevoke(SinkCore):
@@ -510,6 +720,45 @@ class _ForgetsPausesOnRevoke(SinkCore):
     def _pause_or_resume(self, out: list[Any]) -> None:
         self._unsynced.clear()  # no explicit Resume of newly assigned partitions
         super()._pause_or_resume(out)
+
+
+class _EngineWideJudgment(SinkCore):
+    """The per-route judgment reverted: every route's trouble is the one engine's."""
+
+    def _route(self, endpoint: str) -> Any:
+        return super()._route("")
+
+
+class _BlamesWhenOthersSucceeded(SinkCore):
+    """Issue 35's bug: a failure while others succeeded spent an attempt, no evidence after."""
+
+    def _route_trouble(
+        self, flight: Any, route: Any, outcome: Result, *, now: float, probe: bool
+    ) -> None:
+        works = route.last_delivery_tick > flight.sent_tick
+        throttled = outcome.kind is ResultKind.THROTTLED or outcome.shared
+        if not probe and route.circuit is Circuit.CLOSED and works and not throttled:
+            self._rejected(flight, f"failed while others succeeded: {outcome.reason}", now=now)
+            return
+        super()._route_trouble(flight, route, outcome, now=now, probe=probe)
+
+
+class _PausesOnQueuedAndTakenOnly(SinkCore):
+    """Issue 35's bug: the pause counted queued and taken-out records, not settled ones."""
+
+    def _pause_or_resume(self, out: list[Any]) -> None:
+        held = self._scheduler.queued + len(self._flights)
+        if held > self._max_buffered:
+            fresh = tuple(tp for tp in self._parts if tp not in self._paused)
+            if fresh:
+                self._paused.update(fresh)
+                out.append(Pause(fresh))
+            return
+        resumed = tuple(sorted(self._paused | (self._unsynced & self._parts.keys())))
+        self._unsynced.clear()
+        self._paused.clear()
+        if resumed:
+            out.append(Resume(resumed))
 
 
 def _mutant_model(make: object) -> type[SinkCoreModel]:
@@ -535,7 +784,7 @@ def _model_fails(machine: type[SinkCoreModel], match: str) -> None:
 def test_the_model_catches_a_circuit_left_half_open_by_a_rejected_probe() -> None:
     _model_fails(
         _mutant_model(lambda: make_core(cls=_ProbeClosesOnlyWhenDelivered)),
-        "HALF_OPEN with 0 probes in flight|not live: circuit=Circuit.HALF_OPEN",
+        "HALF_OPEN with 0 probes out|not live: circuits=",
     )
 
 
@@ -555,13 +804,35 @@ def test_the_model_delivers_every_good_record_of_a_quiet_run() -> None:
     for i, tp in enumerate(TPS):
         machine.produce(tp, KEYS[i % len(KEYS)], GOOD)
     for tp in TPS:
-        machine.consume(tp, 4)
+        machine.consume(tp, FETCH_BATCH)
     machine.teardown()
-    assert sorted(machine.delivered) == sorted(r.position for tp in TPS for r in machine.log[tp])
+    ours = [r.position for tp in TPS for r in machine.log[tp]]
+    assert sorted(p for p in machine.delivered if p in ours) == sorted(ours)
 
 
 def test_the_model_catches_a_reassigned_partition_left_paused_by_the_client() -> None:
     _model_fails(_mutant_model(lambda: make_core(cls=_ForgetsPausesOnRevoke)), "not live")
+
+
+def test_the_model_catches_trouble_judged_engine_wide_instead_of_per_route() -> None:
+    _model_fails(
+        _mutant_model(lambda: make_core(cls=_EngineWideJudgment)),
+        "held by another route's outage|only .* answers blamed it|held while only the quiz",
+    )
+
+
+def test_the_model_catches_a_5xx_blamed_without_per_route_evidence() -> None:
+    _model_fails(
+        _mutant_model(lambda: make_core(cls=_BlamesWhenOthersSucceeded)),
+        "only .* answers blamed it|answers blamed records",
+    )
+
+
+def test_the_model_catches_a_pause_that_does_not_count_settled_records() -> None:
+    _model_fails(
+        _mutant_model(lambda: make_core(cls=_PausesOnQueuedAndTakenOnly)),
+        "not paused|records held, bound",
+    )
 
 
 # -- scripted interleavings: the hard ones, on every run, against the production class ----
@@ -569,7 +840,8 @@ def test_the_model_catches_a_reassigned_partition_left_paused_by_the_client() ->
 #: One step of a script: a model method and its arguments. ``answer`` takes the
 #: index of the Send to answer (in the order they went out) instead of a Send.
 Step = tuple[str, dict[str, Any]]
-A, U, Q = KEYS[0], TPS[0], TPS[1]
+A, B, C = KEYS
+U, Q = TPS
 
 SCRIPTS: dict[str, list[Step]] = {
     "a rejected probe closes the circuit": [
@@ -579,24 +851,31 @@ SCRIPTS: dict[str, list[Step]] = {
         ("answer", {"index": 0, "answer": "down"}),
         ("time_passes", {"dt": 5.0}),
         ("answer", {"index": 0, "answer": "4xx"}),
+        ("expect_circuits", {"u": Circuit.CLOSED}),
     ],
     "a parked probe closes the circuit": [
         ("assign", {"tp": U}),
+        ("assign", {"tp": Q}),
         ("produce", {"tp": U, "key": A, "kind": POISON}),
-        ("produce", {"tp": U, "key": KEYS[1], "kind": GOOD}),
-        ("consume", {"tp": U, "n": 2}),
+        ("produce", {"tp": Q, "key": B, "kind": GOOD, "route": "u"}),
+        ("consume", {"tp": U, "n": 1}),
+        ("consume", {"tp": Q, "n": 1}),
         ("answer", {"index": 0, "answer": "4xx"}),  # attempt 1: waits to be sent again
-        ("answer", {"index": 0, "answer": "down"}),  # the other: OPEN
-        ("time_passes", {"dt": 5.0}),  # the waiting poison record is the probe
+        ("answer", {"index": 0, "answer": "down", "failure": "refused"}),  # the other: OPEN
+        ("revoke", {"tp": Q, "lost": False}),  # the other goes: the poison must probe
+        ("time_passes", {"dt": 5.0}),
+        ("expect_circuits", {"u": Circuit.HALF_OPEN}),
         ("answer", {"index": 0, "answer": "4xx"}),  # attempt 2: parked - and CLOSED
+        ("expect_circuits", {"u": Circuit.CLOSED}),
+        ("expect_spent", {"n": 2}),
     ],
-    "a 429 beside 2xx spends nothing and holds every Send for its Retry-After": [
+    "a 429 beside 2xx spends nothing and holds every Send of its route for its Retry-After": [
         ("assign", {"tp": U}),
         ("assign", {"tp": Q}),
         ("produce", {"tp": U, "key": A, "kind": GOOD}),
-        ("produce", {"tp": U, "key": KEYS[1], "kind": POISON}),
+        ("produce", {"tp": U, "key": B, "kind": POISON}),
         ("produce", {"tp": Q, "key": A, "kind": GOOD}),
-        ("produce", {"tp": Q, "key": KEYS[1], "kind": GOOD}),
+        ("produce", {"tp": Q, "key": B, "kind": GOOD}),
         ("consume", {"tp": U, "n": 2}),
         ("consume", {"tp": Q, "n": 2}),
         ("answer", {"index": 0, "answer": "2xx"}),
@@ -609,7 +888,7 @@ SCRIPTS: dict[str, list[Step]] = {
     "an expired deadline beside 2xx spends nothing": [
         ("assign", {"tp": U}),
         ("produce", {"tp": U, "key": A, "kind": POISON}),
-        ("produce", {"tp": U, "key": KEYS[1], "kind": GOOD}),
+        ("produce", {"tp": U, "key": B, "kind": GOOD}),
         ("consume", {"tp": U, "n": 2}),
         ("answer", {"index": 1, "answer": "2xx"}),
         ("answer", {"index": 0, "answer": "deadline"}),
@@ -629,7 +908,110 @@ SCRIPTS: dict[str, list[Step]] = {
                 ("time_passes", {"dt": 1.0}),
             )
         ],
-        ("expect_paused", {}),
+        ("expect_paused", {"tps": [U, Q]}),
+    ],
+    # Issue 35, item 1: the 7 steps the random search never reached. Under the old core
+    # `a` was parked after 2 attempts with 0 answers blaming it.
+    "issue 35: a 5xx beside 2xx spends nothing without per-route evidence after it": [
+        ("assign", {"tp": U}),
+        ("produce", {"tp": U, "key": A, "kind": GOOD}),
+        ("produce", {"tp": U, "key": B, "kind": GOOD}),
+        ("consume", {"tp": U, "n": 2}),
+        ("answer", {"index": 1, "answer": "2xx"}),  # b
+        ("answer", {"index": 0, "answer": "down", "failure": "503"}),  # a: a blip
+        ("produce", {"tp": U, "key": B, "kind": GOOD}),
+        ("consume", {"tp": U, "n": 1}),
+        ("time_passes", {"dt": 0.5}),  # a is sent again, beside the new b
+        ("answer", {"index": 0, "answer": "2xx"}),  # the new b
+        ("answer", {"index": 0, "answer": "down", "failure": "503"}),  # a: another blip
+        ("expect_spent", {"n": 0}),
+    ],
+    "issue 35: the quiz route down for long, the users route delivers meanwhile": [
+        ("assign", {"tp": U}),
+        ("assign", {"tp": Q}),
+        ("route_goes_down", {"route": "q"}),
+        ("produce", {"tp": Q, "key": A, "kind": GOOD}),
+        ("produce", {"tp": Q, "key": B, "kind": GOOD}),
+        ("produce", {"tp": U, "key": C, "kind": GOOD}),
+        ("consume", {"tp": Q, "n": 2}),
+        ("consume", {"tp": U, "n": 1}),
+        ("answer_all", {}),  # the quiz route answers 503: its circuit opens
+        ("expect_circuits", {"q": Circuit.OPEN, "u": Circuit.CLOSED}),
+        ("expect_paused", {"tps": [Q], "full": False}),  # Kafka holds the quiz backlog
+        *[
+            step
+            for _ in range(3)  # a minute of outage, registrations keep coming
+            for step in (
+                ("produce", {"tp": U, "key": C, "kind": GOOD}),
+                ("consume", {"tp": U, "n": 1}),
+                ("time_passes", {"dt": 5.0}),
+                ("answer_all", {}),
+            )
+        ],
+        ("expect_delivered", {"route": "u", "n": 4}),
+        ("expect_circuits", {"u": Circuit.CLOSED}),
+        ("expect_spent", {"n": 0}),
+        ("route_comes_back", {"route": "q"}),
+    ],
+    "issue 35: a quiz attempt whose user sync fails waits for the users route": [
+        ("assign", {"tp": Q}),
+        ("route_goes_down", {"route": "u"}),
+        ("produce", {"tp": Q, "key": A, "kind": GOOD}),
+        ("produce", {"tp": Q, "key": B, "kind": GOOD}),
+        ("consume", {"tp": Q, "n": 2}),
+        ("answer", {"index": 0, "answer": "user-down", "failure": "503"}),  # a: users down
+        ("answer", {"index": 0, "answer": "2xx"}),  # b: its user is known
+        ("expect_circuits", {"u": Circuit.OPEN, "q": Circuit.CLOSED}),
+        ("expect_paused", {"tps": [], "full": False}),  # its quiz partition still fetches
+        ("produce", {"tp": Q, "key": C, "kind": GOOD}),
+        ("consume", {"tp": Q, "n": 1}),
+        ("answer", {"index": 0, "answer": "2xx"}),  # c: the quiz route keeps delivering
+        ("expect_delivered", {"route": "q", "n": 2}),
+        ("route_comes_back", {"route": "u"}),
+        ("time_passes", {"dt": 5.0}),  # a probes the users route
+        ("answer", {"index": 0, "answer": "user-down"}),  # user synced, then the attempt
+        ("expect_circuits", {"u": Circuit.CLOSED, "q": Circuit.CLOSED}),
+        ("expect_spent", {"n": 0}),
+    ],
+    "issue 35: a payload that crashes its route is parked on evidence; the route delivers": [
+        ("assign", {"tp": U}),
+        ("produce", {"tp": U, "key": A, "kind": CRASH}),
+        *[("produce", {"tp": U, "key": k, "kind": GOOD}) for k in (B, C) * 5],
+        *[
+            step
+            for _ in range(12)
+            for step in (
+                ("consume", {"tp": U, "n": 2}),
+                ("answer_all", {}),
+                ("ok_parks", {}),
+                ("time_passes", {"dt": 1.0}),
+            )
+        ],
+        ("expect_parked", {"kind": CRASH, "n": 1}),
+        ("expect_delivered", {"route": "u", "n": 6}),
+        ("expect_spent", {"n": INLINE_ATTEMPTS}),
+    ],
+    "issue 35: a stuck park holds settled records behind it: they count, its partition pauses": [
+        ("assign", {"tp": U}),
+        ("assign", {"tp": Q}),
+        ("produce", {"tp": U, "key": A, "kind": BAD}),  # cannot be parked: the lot is away
+        *[("produce", {"tp": U, "key": k, "kind": GOOD}) for k in (B, C, B, C, B, C)],
+        ("consume", {"tp": U, "n": 1}),
+        ("fail_parks", {}),
+        *[
+            step
+            for _ in range(2)
+            for step in (
+                ("consume", {"tp": U, "n": 3}),
+                ("answer_all", {}),
+                ("fail_parks", {}),
+            )
+        ],
+        ("expect_paused", {"tps": [U]}),  # settled behind the stuck one: over its share
+        ("produce", {"tp": Q, "key": B, "kind": GOOD}),
+        ("consume", {"tp": Q, "n": 1}),
+        ("answer_all", {}),
+        ("expect_delivered", {"route": "q", "n": 1}),  # the other partition still moves
     ],
 }
 
@@ -641,13 +1023,24 @@ class ScriptedModel(SinkCoreModel):
         self,
         send: Send | None = None,
         answer: str = "2xx",
+        failure: str = "503",
         retry_after: float | None = None,
         *,
         index: int = 0,
     ) -> None:
         if send is None:
             send = self.sends.pop(index)
-        super().answer(send, answer, retry_after)
+        super().answer(send, answer, failure, retry_after)
+
+    def answer_all(self) -> None:
+        while self.sends:
+            self.answer(self.sends.pop(0), "2xx")
+
+    def ok_parks(self) -> None:
+        while self.parks:
+            for item in self.parks.pop(0).items:
+                self.park_done(item.record)
+            self.step()
 
     def fail_parks(self) -> None:
         while self.parks:
@@ -655,14 +1048,32 @@ class ScriptedModel(SinkCoreModel):
                 self.core.park_failed(item.record, now=self.now)
             self.step()
 
-    def expect_paused(self) -> None:
-        assert self.core.held > MAX_BUFFERED, "the flood did not fill the buffer"
-        assert self.paused == set(self.position), "held records over the bound, not paused"
+    def expect_paused(self, tps: list[tuple[str, int]], *, full: bool = True) -> None:
+        """Exactly ``tps`` paused (``full``: each over its share)."""
+        for tp in tps if full else ():
+            assert self.core.held_for(*tp) > self.core.buffer_share, f"{tp} not filled"
+        assert self.paused == set(tps), f"paused {self.paused}, expected {tps}"
+
+    def expect_circuits(self, **circuits: Circuit) -> None:
+        for route, circuit in circuits.items():
+            assert self.core.circuit_of(route) is circuit, (route, self.core.circuit_of(route))
+
+    def expect_delivered(self, route: str, n: int) -> None:
+        delivered = [p for p in self.delivered if self.home[p] == route]
+        assert len(delivered) >= n, f"{len(delivered)} of route {route} delivered, not {n}"
+
+    def expect_parked(self, kind: Kind, n: int) -> None:
+        parked = [p for p in self.parked_live if self.kinds[p] is kind]
+        assert len(parked) == n, f"parked {parked}"
+
+    def expect_spent(self, n: int) -> None:
+        assert self.core.attempts_spent == n, f"{self.core.attempts_spent} attempts spent"
 
     def check_all(self) -> None:
-        self.circuit_matches_the_probes_out()
+        self.circuits_match_the_probes_out()
         self.in_flight_is_bounded()
-        self.memory_is_bounded_in_every_phase()
+        self.no_attempt_without_blame()
+        self.memory_is_bounded_in_every_state()
         self.state_is_bounded_to_assigned_partitions()
         self.a_stall_needs_waiting_work()
 
@@ -676,6 +1087,10 @@ def _run_script(machine: ScriptedModel, script: list[Step]) -> None:
     assert machine.core.stalled_s(machine.now) == 0.0, "a settled sink reports a stall"
 
 
+def _scripted(cls: type[SinkCore]) -> type[ScriptedModel]:
+    return type("Mutant", (ScriptedModel,), {"make": staticmethod(lambda: make_core(cls=cls))})
+
+
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_a_scripted_hard_interleaving_keeps_every_invariant(name: str) -> None:
     machine = ScriptedModel()
@@ -684,14 +1099,36 @@ def test_a_scripted_hard_interleaving_keeps_every_invariant(name: str) -> None:
     assert parked_good == [], f"good records parked: {parked_good}"
 
 
-def test_the_scripts_catch_a_circuit_left_half_open_by_a_parked_probe_every_run() -> None:
-    mutant = type(
-        "Mutant",
-        (ScriptedModel,),
-        {"make": staticmethod(lambda: make_core(cls=_ProbeClosesOnlyWhenDelivered))},
-    )
-    with pytest.raises(AssertionError, match="HALF_OPEN with 0 probes in flight"):
-        _run_script(mutant(), SCRIPTS["a parked probe closes the circuit"])
+@pytest.mark.parametrize(
+    ("bug", "script", "match"),
+    [
+        (
+            _ProbeClosesOnlyWhenDelivered,
+            "a parked probe closes the circuit",
+            "HALF_OPEN with 0 probes out",
+        ),
+        (
+            _BlamesWhenOthersSucceeded,
+            "issue 35: a 5xx beside 2xx spends nothing without per-route evidence after it",
+            "attempts spent, 0 answers blamed records",
+        ),
+        (
+            _EngineWideJudgment,
+            "issue 35: the quiz route down for long, the users route delivers meanwhile",
+            "held by another route's outage",
+        ),
+        (
+            _PausesOnQueuedAndTakenOnly,
+            "issue 35: a stuck park holds settled records behind it: they count, its partition"
+            " pauses",
+            "not paused",
+        ),
+    ],
+    ids=["rejected-probe", "no-evidence", "engine-wide", "uncounted-settled"],
+)
+def test_the_scripts_catch_each_bug_every_run(bug: type[SinkCore], script: str, match: str) -> None:
+    with pytest.raises(AssertionError, match=match):
+        _run_script(_scripted(bug)(), SCRIPTS[script])
 
 
 def test_the_window_halves_on_throttling_grows_back_and_slow_starts_after_an_outage() -> None:
@@ -701,7 +1138,7 @@ def test_the_window_halves_on_throttling_grows_back_and_slow_starts_after_an_out
     for _ in range(32):  # congestion avoidance: one more per window of deliveries
         window.delivered()
     assert window.limit == 33
-    window.restart()  # the engine is back from an outage: one request first
+    window.restart()  # the route is back from an outage: one request first
     assert (window.limit, window.threshold) == (1, 33)
     grown = []
     for _ in range(6):
@@ -712,3 +1149,95 @@ def test_the_window_halves_on_throttling_grows_back_and_slow_starts_after_an_out
     for _ in range(10):
         window.cut()
     assert window.limit == 1, "never below one"
+
+
+# -- issue 35, item 3: a step's cost is flat in the number of records held -----------------
+
+
+def _held_core(n: int) -> tuple[SinkCore, float]:
+    """A core holding ``n`` records in every phase: queued for a down route, waiting to
+    retry, waiting to park again - and the time at which nothing is due."""
+    core = SinkCore(
+        max_in_flight=64,
+        max_buffered=10 * n,
+        inline_attempts=5,
+        inline_backoff_s=60.0,
+        backoff=lambda: Backoff(base_s=600.0, cap_s=600.0, jitter=Jitter.NONE),
+        commit_interval_s=1.0,
+        classify=_classify,
+    )
+    tp = ("t", 0)
+    core.assign([tp])
+    now = 0.0
+    third = n // 3
+    for offset in range(n):
+        kind, route = ("good", "q") if offset < third else ("poison", "u")
+        if offset >= 2 * third:
+            kind = "bad"
+        record = Envelope(
+            topic="t",
+            partition=0,
+            offset=offset,
+            key=offset.to_bytes(4, "big"),
+            value=b"{}",
+            headers={"kind": kind.encode(), "route": route.encode()},
+        )
+        core.consumed(record, now_ms=0)
+    for _ in range(n):  # until every record is out of the queues: retrying, parked, held
+        actions = core.actions(now=now)
+        if not actions:
+            break
+        for action in actions:
+            if isinstance(action, Send) and action.endpoint == "q":
+                core.sent(action.record, Result(ResultKind.SERVER_ERROR, "HTTP 503"), now=now)
+            elif isinstance(action, Send):
+                core.sent(action.record, Result(ResultKind.REJECTED, "HTTP 400"), now=now)
+            elif isinstance(action, Park):
+                for item in action.items:
+                    core.park_failed(item.record, now=now)
+    return core, now + 0.1  # before the first park is due again: nothing due
+
+
+def _calls(work: Callable[[], object]) -> int:
+    """Python and C function calls ``work`` makes: a cost measure the machine's load
+    does not change."""
+    count = 0
+
+    def profile(_frame: object, event: str, _arg: object) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def _one_step(core: SinkCore, now: float) -> Callable[[], object]:
+    def step() -> object:
+        core.actions(now=now)
+        core.next_due()
+        return (
+            core.sending,
+            core.held,
+            core.footprint(),
+            core.routes(),
+            core.oldest_pending_timestamp_ms(),
+            core.stalled_s(now),
+            core.needs_pause(),
+        )
+
+    return step
+
+
+def test_a_loop_step_costs_the_same_with_1_000_or_20_000_records_held() -> None:
+    small, small_now = _held_core(1_000)
+    large, large_now = _held_core(20_000)
+    assert small.held == 1_000 and large.held == 20_000
+    assert large.queued > 6_000, "records wait for the down route"
+    small_step, large_step = _one_step(small, small_now), _one_step(large, large_now)
+    small_step(), large_step()  # warm: any lazily dropped timer entries are gone
+    assert _calls(large_step) == _calls(small_step), "a step's work grows with what is held"

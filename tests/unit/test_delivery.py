@@ -300,6 +300,32 @@ def test_a_reassigned_partition_adopts_its_record_still_in_flight_from_before() 
     assert sched.pending == 0
 
 
+def test_a_lane_waits_for_its_heads_route_while_other_routes_start() -> None:
+    sched = KeyScheduler(max_in_flight=None)
+    quiz_a, user_a, user_b = _env(b"a", 0), _env(b"a", 1), _env(b"b", 2)
+    sched.submit(quiz_a, "quiz")
+    sched.submit(user_a, "users")
+    sched.submit(user_b, "users")
+    assert sched.ready(route="users") == [user_b]  # user_a waits behind its key's head
+    assert sched.ready(route="quiz") == [quiz_a]
+    sched.release(quiz_a, "users")  # its user sync failed: it waits for the users route now
+    assert (sched.queued_for("quiz"), sched.queued_for("users")) == (0, 2)
+    assert not sched.can_start("quiz")
+    assert sched.ready(route="users") == [quiz_a]
+    sched.finish(quiz_a)
+    assert sched.ready(route="users") == [user_a]
+
+
+def test_a_dropped_head_files_its_lane_under_the_next_records_route() -> None:
+    sched = KeyScheduler(max_in_flight=None)
+    first, second = _env(b"a", 0), _env(b"a", 0, partition=1)
+    sched.submit(first, "quiz")
+    sched.submit(second, "users")
+    assert sched.drop_partition("t", 0) == [first]
+    assert not sched.can_start("quiz")
+    assert sched.ready(route="users") == [second]
+
+
 def test_drop_of_an_unknown_partition_is_harmless() -> None:
     sched = KeyScheduler(max_in_flight=1)
     assert sched.drop_partition("t", 9) == []
@@ -324,10 +350,15 @@ def test_scheduler_misuse_is_refused() -> None:
 
 KEYS = [b"a", b"b", b"c", None]
 PARTITIONS = [0, 1]
+ROUTES = ["x", "y"]
 
 
 class SchedulerModel(RuleBasedStateMachine):
-    """Random submit / ready / finish / release / drop against a simple model."""
+    """Random submit / ready / finish / release / drop against a simple model.
+
+    Every record waits for one of two routes (changed by a release): ``ready``
+    for a route starts exactly the lanes whose head waits for it.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -337,27 +368,38 @@ class SchedulerModel(RuleBasedStateMachine):
         self.lanes: dict[object, list[Envelope]] = defaultdict(list)  # unfinished, in order
         self.in_flight: list[Envelope] = []
         self.orphans: list[Envelope] = []  # in flight when their partition was dropped
+        self.route: dict[object, str] = {}  # position -> the route it waits for
+        self.home: dict[object, str] = {}  # position -> the route it was submitted with
 
-    @rule(key=st.sampled_from(KEYS), partition=st.sampled_from(PARTITIONS))
-    def submit(self, key: bytes | None, partition: int) -> None:
+    @rule(
+        key=st.sampled_from(KEYS),
+        partition=st.sampled_from(PARTITIONS),
+        route=st.sampled_from(ROUTES),
+    )
+    def submit(self, key: bytes | None, partition: int, route: str) -> None:
         offset = self.next_offset[partition]
         self.next_offset[partition] += 1
         env = _env(key, offset, partition=partition)
-        self.sched.submit(env)
+        self.sched.submit(env, route)
+        self.route[env.position] = self.home[env.position] = route
         self.lanes[lane_key(env)].append(env)
 
-    @rule(limit=st.none() | st.integers(min_value=0, max_value=4))
-    def start(self, limit: int | None) -> None:
+    @rule(limit=st.none() | st.integers(min_value=0, max_value=4), route=st.sampled_from(ROUTES))
+    def start(self, limit: int | None, route: str) -> None:
         startable = [
-            lane for lane, envs in self.lanes.items() if envs and envs[0] not in self.in_flight
+            lane
+            for lane, envs in self.lanes.items()
+            if envs and envs[0] not in self.in_flight and self.route[envs[0].position] == route
         ]
         room = self.max_in_flight - len(self.in_flight)
         expected = min(len(startable), room if limit is None else min(room, limit))
-        started = self.sched.ready(limit)
-        assert len(started) == expected  # never idle while a lane could start
+        assert self.sched.can_start(route) is (bool(startable) and room > 0)
+        started = self.sched.ready(limit, route=route)
+        assert len(started) == expected  # never idle while a lane of the route could start
         for env in started:
             lane = self.lanes[lane_key(env)]
             assert lane[0] == env, "a record started before an earlier one of its key"
+            assert self.route[env.position] == route, "started for another route"
             assert env not in self.in_flight
             self.in_flight.append(env)
 
@@ -372,10 +414,12 @@ class SchedulerModel(RuleBasedStateMachine):
         self.lanes[lane_key(env)].remove(env)
 
     @precondition(lambda self: self.in_flight)
-    @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), route=st.none() | st.sampled_from(ROUTES))
+    def release(self, data: st.DataObject, route: str | None) -> None:
         env = data.draw(st.sampled_from(self.in_flight))
-        self.sched.release(env)
+        self.sched.release(env, route)
+        if route is not None:
+            self.route[env.position] = route
         self.in_flight.remove(env)
         if env in self.orphans:  # its partition is gone: forgotten, not requeued
             self.orphans.remove(env)
@@ -405,6 +449,23 @@ class SchedulerModel(RuleBasedStateMachine):
     def counts_match_the_model(self) -> None:
         held = sum(len(lane) for lane in self.lanes.values())
         assert self.sched.pending == held
+        for route in ROUTES:
+            waiting = [
+                e
+                for lane in self.lanes.values()
+                for e in lane
+                if e not in self.in_flight and self.route[e.position] == route
+            ]
+            assert self.sched.queued_for(route) == len(waiting)
+            own = [
+                e
+                for lane in self.lanes.values()
+                for e in lane
+                if e not in self.in_flight and self.home[e.position] == route
+            ]
+            for partition in PARTITIONS:
+                here = [e for e in own if e.partition == partition]
+                assert self.sched.queued_in("t", partition, route) == len(here)
         for partition in PARTITIONS:
             expected = sum(
                 1 for lane in self.lanes.values() for e in lane if e.partition == partition

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sinks.consumer import route_result
+from sinks.core.machine import Result, ResultKind
 from sinks.core.retry import (
     PARKING_RETRY_CAP_S,
     RETRY_AFTER_MAX_S,
@@ -20,7 +24,17 @@ from sinks.core.retry import (
     parse_retry_after,
     retry_delay_s,
 )
-from sinks.errors import EngineMisconfigured, EngineRejected, EngineUnavailable, UserNotFound
+from sinks.dispatch import deliver
+from sinks.engine import EngineClient
+from sinks.errors import (
+    EngineMisconfigured,
+    EngineRejected,
+    EngineUnavailable,
+    SinkError,
+    UserNotFound,
+)
+from sinks.http1 import RequestDeadline
+from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
 
 NOW_S = 1_750_000_000.0
 
@@ -219,3 +233,107 @@ def test_next_retry_at_is_now_plus_the_delay_in_utc() -> None:
 def test_negative_retry_count_is_refused() -> None:
     with pytest.raises(ValueError, match="negative"):
         retry_delay_s(-1, 60.0)
+
+
+# -- issue 35: what the sink's core is told, per engine route ------------------------------
+
+
+def _failure_of(status: int, headers: dict[str, str] | None = None) -> EngineUnavailable:
+    error = classify(status, b"{}", headers or {}, now_s=NOW_S).error()
+    assert isinstance(error, EngineUnavailable)
+    error.endpoint = QUIZ_ATTEMPTS_SYNC_PATH
+    return error
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "kind", "shared"),
+    [
+        (500, None, ResultKind.SERVER_ERROR, False),  # blamed only with per-route evidence
+        (503, None, ResultKind.SERVER_ERROR, False),
+        (503, {"Retry-After": "2"}, ResultKind.UNAVAILABLE, True),  # the route sheds load
+        (429, {"Retry-After": "1"}, ResultKind.THROTTLED, False),
+        (408, None, ResultKind.UNAVAILABLE, False),  # never the record's own
+        (401, None, ResultKind.UNAVAILABLE, False),  # EngineMisconfigured: never an attempt
+        (403, None, ResultKind.UNAVAILABLE, False),
+        (307, None, ResultKind.UNAVAILABLE, False),
+    ],
+)
+def test_every_answer_that_says_nothing_about_the_record_is_trouble_of_its_route(
+    status: int, headers: dict[str, str] | None, kind: ResultKind, shared: bool
+) -> None:
+    result = route_result(_failure_of(status, headers))
+    assert (result.kind, result.shared) == (kind, shared)
+    assert result.endpoint == QUIZ_ATTEMPTS_SYNC_PATH
+
+
+def test_a_transport_failure_or_an_expired_deadline_is_trouble_of_its_route() -> None:
+    refused = EngineUnavailable("ConnectError: [Errno 111] Connection refused")
+    refused.endpoint = USERS_SYNC_PATH
+    assert route_result(refused) == Result(
+        ResultKind.UNAVAILABLE, refused.reason, endpoint=USERS_SYNC_PATH
+    )
+    late = EngineUnavailable("RequestDeadline: no complete answer within 10 s")
+    late.__cause__ = RequestDeadline("no complete answer within 10 s")
+    assert route_result(late).shared, "a slow route: its window is cut, nothing spent"
+
+
+def _engine(answers: dict[str, list[int]]) -> EngineClient:
+    """A client whose engine answers each path with the given statuses, in turn."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        status = answers[request.url.path].pop(0)
+        body = {"error": "user_not_found"} if status == 404 else {}
+        return httpx.Response(status, json=body)
+
+    return EngineClient(base_url="http://engine.test", transport=httpx.MockTransport(handler))
+
+
+ATTEMPT_PAYLOAD = b'{"attempt_id":"a1","user_id":"u1","quiz_id":"q1","score":3}'
+
+
+def test_a_failed_user_sync_of_a_quiz_attempt_is_trouble_of_the_users_route() -> None:
+    async def go() -> SinkError:
+        engine = _engine({QUIZ_ATTEMPTS_SYNC_PATH: [404], USERS_SYNC_PATH: [503]})
+        async with engine:
+            with pytest.raises(SinkError) as info:
+                await deliver(
+                    engine, event_type="QuizAttemptSubmitted", payload=ATTEMPT_PAYLOAD, event_id="e"
+                )
+        return info.value
+
+    error = asyncio.run(go())
+    assert isinstance(error, EngineUnavailable)
+    assert error.endpoint == USERS_SYNC_PATH, "the users route failed, not the quiz route"
+    assert route_result(error).endpoint == USERS_SYNC_PATH
+
+
+def test_a_delivery_names_every_route_that_answered_2xx() -> None:
+    async def go() -> list[str]:
+        engine = _engine({QUIZ_ATTEMPTS_SYNC_PATH: [404, 200], USERS_SYNC_PATH: [200]})
+        answered: list[str] = []
+        async with engine:
+            await deliver(
+                engine,
+                event_type="QuizAttemptSubmitted",
+                payload=ATTEMPT_PAYLOAD,
+                event_id="e",
+                answered=answered,
+            )
+        return answered
+
+    assert asyncio.run(go()) == [USERS_SYNC_PATH, QUIZ_ATTEMPTS_SYNC_PATH]
+
+
+def test_a_rejection_names_the_route_that_rejected() -> None:
+    async def go() -> SinkError:
+        engine = _engine({QUIZ_ATTEMPTS_SYNC_PATH: [422]})
+        async with engine:
+            with pytest.raises(SinkError) as info:
+                await deliver(
+                    engine, event_type="QuizAttemptSubmitted", payload=ATTEMPT_PAYLOAD, event_id="e"
+                )
+        return info.value
+
+    error = asyncio.run(go())
+    assert isinstance(error, EngineRejected)
+    assert error.endpoint == QUIZ_ATTEMPTS_SYNC_PATH

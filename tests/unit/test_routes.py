@@ -100,8 +100,11 @@ def _envelope(headers: dict[str, bytes], value: bytes | None = None) -> Envelope
     )
 
 
+EVENT_ID = b"0b8f3a52-52a4-4b8e-9d0c-6f1e2a3b4c5d"
+
+
 def test_route_envelope_uses_the_type_header_and_value() -> None:
-    call = route_envelope(_envelope({"id": b"e-1", "type": b"UserRegistered"}))
+    call = route_envelope(_envelope({"id": EVENT_ID, "type": b"UserRegistered"}))
     assert call.body == {"user_id": USER["user_id"]}
 
 
@@ -117,7 +120,15 @@ def test_record_whose_id_is_not_ascii_is_unroutable() -> None:
 
 def test_record_without_type_header_is_unroutable() -> None:
     with pytest.raises(Unroutable, match="no route for event type ''"):
-        route_envelope(_envelope({"id": b"e-1"}))
+        route_envelope(_envelope({"id": EVENT_ID}))
+
+
+@pytest.mark.parametrize("event_id", [b"e-1", b"1", b"0b8f3a52-52a4-4b8e-9d0c", b"not-a-uuid!" * 9])
+def test_record_whose_id_is_not_a_uuid_is_unroutable_it_is_no_outbox_event(
+    event_id: bytes,
+) -> None:
+    with pytest.raises(Unroutable, match="id is not a uuid"):
+        route_envelope(_envelope({"id": event_id, "type": b"UserRegistered"}))
 
 
 def test_derived_user_sync_key_is_stable_and_differs_from_the_event_id() -> None:

@@ -1,11 +1,20 @@
-"""The engine stub's rate-limit and drip modes, pure: the token bucket, the 429, the parsing."""
+"""The engine stub's rate-limit, drip and per-route latency modes, pure: the token bucket,
+the 429, the parsing."""
 
 from __future__ import annotations
 
 import pytest
 
+from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
 from sinks.stub.engine import StubEngine
-from sinks.stub.faults import TokenBucket, parse_drip, parse_rate_limit, throttled_reply
+from sinks.stub.faults import (
+    Faults,
+    TokenBucket,
+    parse_drip,
+    parse_path_latency,
+    parse_rate_limit,
+    throttled_reply,
+)
 
 
 class Clock:
@@ -77,3 +86,25 @@ def test_modes_switch_off_with_null() -> None:
     assert parse_drip(None) is None
     drip = parse_drip({"bytes": 4, "interval_s": 0.5, "for_s": 10})
     assert drip is not None and (drip.bytes_per_write, drip.interval_s) == (4, 0.5)
+
+
+def test_one_route_can_be_made_slow_while_the_others_answer_at_once() -> None:
+    faults = Faults(latency_ms=10)
+    faults.set_path_latency(parse_path_latency({QUIZ_ATTEMPTS_SYNC_PATH: 5000}))
+    assert faults.latency_for(QUIZ_ATTEMPTS_SYNC_PATH) == 5010
+    assert faults.latency_for(USERS_SYNC_PATH) == 10
+    assert faults.describe()["path_latency_ms"] == {QUIZ_ATTEMPTS_SYNC_PATH: 5000}
+    faults.set_path_latency(parse_path_latency({QUIZ_ATTEMPTS_SYNC_PATH: 0}))
+    assert faults.latency_for(QUIZ_ATTEMPTS_SYNC_PATH) == 10
+    assert "path_latency_ms" not in faults.describe()
+    faults.set_path_latency(parse_path_latency({USERS_SYNC_PATH: 1}))
+    faults.set_path_latency(parse_path_latency(None))
+    assert faults.path_latency_ms == {}
+
+
+@pytest.mark.parametrize(
+    "value", [{"/api/internal/other": 5}, {QUIZ_ATTEMPTS_SYNC_PATH: -1}, [5], "slow"]
+)
+def test_a_bad_path_latency_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match=r"path_latency_ms|number"):
+        parse_path_latency(value)
