@@ -32,8 +32,9 @@ the model test):
 6. **Bounded state**: nothing is kept for a partition no longer assigned,
    except records whose I/O is still out (orphans), until it returns; and
    every record held, whatever its phase (queued, sending, waiting to retry,
-   waiting for or failing to park), counts toward ``max_buffered``: above it
-   every partition pauses, so at most one fetch batch more is ever held.
+   waiting for or failing to park, or settled behind a record that is not),
+   counts toward ``max_buffered``: above it every partition pauses, so at most
+   one fetch batch more is ever held.
 7. **The sink slows to what the engine admits** (:class:`Window`): sends stop
    until a throttled answer's ``Retry-After`` has passed; the in-flight limit
    is halved on a throttled or shared-deadline answer (once per round of
@@ -512,8 +513,14 @@ class SinkCore:
 
     @property
     def held(self) -> int:
-        """Records held in memory: queued + taken out."""
-        return self._scheduler.queued + len(self._flights)
+        """Records held in memory: queued + taken out + settled behind an unsettled one.
+
+        A record delivered (or ignored) while a lower offset of its partition still
+        waits - e.g. to be parked while the parking lot is down - stays in that
+        partition's watermark until the gap closes: it is held too (invariant 6).
+        """
+        behind = sum(p.watermark.held - p.watermark.pending for p in self._parts.values())
+        return self._scheduler.queued + len(self._flights) + behind
 
     @property
     def stopping(self) -> bool:
