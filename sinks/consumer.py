@@ -13,8 +13,13 @@ and reports what came of them:
   :func:`sinks.dispatch.deliver` and maps the outcome to a core
   :class:`~sinks.core.machine.Result` (the error classes say which);
 * a :class:`~sinks.core.machine.Park` becomes one task writing its whole batch in
-  one round-trip; a parking lot that fails keeps the records unsettled (the
-  core parks them again later) and marks the sink unready;
+  one round-trip, on a connection of its own (the admin API and the scheduler
+  never queue behind it), every wait bounded (:mod:`sinks.parking.lot`: a
+  ``LOCK TABLE failed_sync_events`` or a hung server fails the batch in
+  seconds); a parking lot that fails keeps the records unsettled (the core
+  parks them again after a growing wait, and counts them and the records
+  settled behind them toward its pause threshold) and makes ``/readyz`` say
+  ``parking lot unavailable: <why>`` until a park succeeds;
 * ``/readyz`` is ready only while the circuit is CLOSED, the parking lot
   answers and the sink is not stalled (nothing delivered, parked or committed
   for ``SINK_STALL_AFTER_S`` while work waits: ``stalled: ...``; a shorter
@@ -66,7 +71,7 @@ from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError, Unroutable
 from sinks.kafka_worker import KafkaWorker
 from sinks.logs import BoundedLabels, RepeatLog
-from sinks.parking.lot import ParkingLot, ParkRequest
+from sinks.parking.lot import ParkingLot, ParkingLotUnavailable, ParkRequest
 from sinks.routes import Routing
 from sinks.tracing import SinkTracing
 
@@ -189,6 +194,12 @@ class SinkMetrics:
             "Park batches the parking lot failed to write (retried)",
             registry=registry,
         )
+        self.lot_available = Gauge(
+            "outbox_sink_parking_lot_available",
+            "0 from a failed park until a park succeeds (records wait to be parked), else 1",
+            registry=registry,
+        )
+        self.lot_available.set(1)
         self.stalled = Gauge(
             "outbox_sink_stalled",
             "1 while nothing was delivered, parked or committed for SINK_STALL_AFTER_S"
@@ -491,16 +502,15 @@ class Sink:
     async def _park(self, park: Park) -> None:
         requests = [self._park_request(item) for item in park.items]
         try:
-            await self.lot.park_many(requests)
+            await self.lot.park_many(requests)  # bounded: the lot's waits all have a timeout
         except Exception as exc:  # the records stay unsettled; the core parks them again
-            self.metrics.park_failures.inc()
-            self._park_error = f"parking lot unavailable: {type(exc).__name__}: {exc}"
-            log.error("cannot park %d events: %s", len(park.items), exc)
-            now = time.monotonic()
-            for item in park.items:
-                self.core.park_failed(item.record, now=now)
+            self._park_failed(park, exc)
             return
-        self._park_error = None
+        if self._park_error is not None:
+            was = self._park_error
+            log.info("parking lot available again (was: %s)", was, extra={"state": "running"})
+            self._park_error = None
+        self.metrics.lot_available.set(1)
         self.metrics.park_batch.observe(len(requests))
         for item, request in zip(park.items, requests, strict=True):
             self.parked_count += 1
@@ -523,6 +533,33 @@ class Sink:
                 },
             )
             self.core.parked(item.record)
+
+    def _park_failed(self, park: Park, exc: Exception) -> None:
+        """The records wait (the core parks them again, with a growing wait); readiness says why.
+
+        One log line per change of the reason, not per failed batch.
+        """
+        self.metrics.park_failures.inc()
+        self.metrics.lot_available.set(0)
+        if isinstance(exc, ParkingLotUnavailable):
+            error = str(exc)
+        else:  # not an outage the lot knows: our own bug, or a row PostgreSQL refused
+            lines = str(exc).strip().splitlines()
+            error = f"parking lot unavailable: {type(exc).__name__}: {lines[0] if lines else ''}"
+        if error != self._park_error:
+            log.error(
+                "%s; %d events wait to be parked (tried again with a growing wait; partitions"
+                " pause once %d records are held)",
+                error,
+                len(park.items),
+                MAX_BUFFERED,
+                exc_info=None if isinstance(exc, ParkingLotUnavailable) else exc,
+                extra={"state": "parking_lot_unavailable"},
+            )
+        self._park_error = error
+        now = time.monotonic()
+        for item in park.items:
+            self.core.park_failed(item.record, now=now)
 
     def _park_request(self, item: ParkItem) -> ParkRequest:
         record = item.record

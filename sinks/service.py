@@ -2,6 +2,11 @@
 
 All three run on one asyncio event loop; SIGTERM stops the consumer (which
 drains in-flight deliveries and commits), then the server and scheduler.
+The consumer's parks use a parking-lot connection of their own; the admin API
+and the scheduler share another: a park waiting on a locked
+``failed_sync_events`` never queues an admin request, and every wait on
+either is bounded (:mod:`sinks.parking.lot`), so the admin API answers 503,
+never hangs.
 uvicorn's own log lines go through the process's logging set-up
 (``log_config=None``), so ``LOG_FORMAT=json`` applies to them too.
 """
@@ -42,9 +47,11 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
     registry = CollectorRegistry()
     liveness = Liveness()
     engine = EngineClient.from_settings(settings)
-    lot = ParkingLot(settings.pg_dsn.get_secret_value())
+    dsn = settings.pg_dsn.get_secret_value()
+    lot = ParkingLot(dsn)  # the admin API's and the scheduler's
+    park_lot = ParkingLot(dsn)  # the consumer's parks
     retrier = Retrier(lot=lot, engine=engine, settings=settings)
-    sink = Sink(settings, engine=engine, lot=lot, registry=registry, liveness=liveness)
+    sink = Sink(settings, engine=engine, lot=park_lot, registry=registry, liveness=liveness)
     stop = asyncio.Event()
     scheduler = Scheduler(
         retrier, interval_s=settings.scheduler_interval_s, enabled=settings.scheduler_enabled
@@ -87,6 +94,7 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         await engine.aclose()
         await lot.close()
+        await park_lot.close()
     log.info(
         "sink stopped: %d delivered, %d parked",
         sink.delivered_count,
