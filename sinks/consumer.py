@@ -322,8 +322,10 @@ class Sink:
         self._park_error: str | None = None
         self._reported: tuple[Circuit, str, bool, bool] | None = None
         self._parked_log = RepeatLog(log, "parked")
-        self._skipped_types: set[str] = set()  # logged once each
+        # Skipping is deliberate: each type named once, its repeats only counted.
+        self._skipped_log = RepeatLog(log, "skipped", level=logging.INFO, summarize_kinds=False)
         self._type_labels = BoundedLabels(MAX_TYPE_LABELS)
+        # Keyed by routed types only: the routing table bounds them.
         self._delivered_of: dict[str, Counter] = {}
         self.delivered_count = 0
         self.parked_count = 0
@@ -355,6 +357,7 @@ class Sink:
             await self._shutdown(worker)
         finally:
             self._parked_log.flush()
+            self._skipped_log.flush()
             self.liveness.set("stopped", ready=False)
 
     async def _shutdown(self, worker: KafkaWorker) -> None:
@@ -381,6 +384,7 @@ class Sink:
         self._gauges()
         self._report()
         self._parked_log.tick()
+        self._skipped_log.tick()
 
     def _carry_out(self, action: core.Action) -> None:
         worker = self._worker
@@ -423,14 +427,13 @@ class Sink:
     def _skipped(self, record: Envelope) -> None:
         event_type = record.event_type
         self.metrics.skipped.labels(self._type_labels.label(event_type)).inc()
-        if event_type not in self._skipped_types:
-            self._skipped_types.add(event_type)
-            log.info(
-                "skipping events of type %r (SINK_IGNORED_TYPES); counted in"
-                " outbox_sink_skipped_total, logged once",
-                event_type,
-                extra={"event_type": event_type, "topic": record.topic},
-            )
+        self._skipped_log.event(
+            event_type,
+            "skipping events of type %r (SINK_IGNORED_TYPES); counted in"
+            " outbox_sink_skipped_total, logged once",
+            event_type,
+            extra={"event_type": event_type, "topic": record.topic},
+        )
 
     def on_assign(self, partitions: list[tuple[str, int]]) -> None:
         self.core.assign(partitions)
