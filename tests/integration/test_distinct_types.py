@@ -106,10 +106,14 @@ def test_a_hundred_thousand_distinct_unknown_types_keep_memory_and_log_lines_bou
     started = time.monotonic()
     try:
         with RssSampler(sink.pid) as rss:
-            wait_until(lambda: _parked(topics.db_dsn, topic) >= UNKNOWN // 4, 240, "a quarter")
+            wait_until(
+                lambda: _parked(topics.db_dsn, topic) >= UNKNOWN // 4, 240, "a quarter", 0.25
+            )
             at_quarter = rss.now()
-            wait_until(lambda: _parked(topics.db_dsn, topic) == UNKNOWN, 240, "all parked")
-            wait_until(lambda: group_caught_up(topics.kafka, cfg.group, [topic]), 60, "commits")
+            wait_until(lambda: _parked(topics.db_dsn, topic) == UNKNOWN, 240, "all parked", 0.5)
+            wait_until(
+                lambda: group_caught_up(topics.kafka, cfg.group, [topic]), 60, "commits", 1.0
+            )
             at_end = rss.now()
         unrouted = _series(port, "outbox_sink_unrouted_total")
         skipped = _series(port, "outbox_sink_skipped_total")
