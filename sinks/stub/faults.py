@@ -16,6 +16,12 @@ Two modes shape every engine request rather than chosen ones:
 - ``drip`` (:class:`Drip`): ``{"bytes": n, "interval_s": t, "for_s": d}``:
   for ``d`` seconds every answer's body is sent ``n`` bytes every ``t``
   seconds (the request is applied first), as an engine trickling its answers.
+- ``reset_after_response`` (:class:`ResetAfterResponse`): ``{"delay_ms": m,
+  "for_s": d}``: for ``d`` seconds the connection of every engine answer is
+  reset (RST) ``m`` milliseconds after the answer was sent, unless another
+  request came on it meanwhile - a keep-alive connection the engine (or a
+  load balancer in front) drops between requests. The answer is complete
+  and the request applied; only the idle connection dies.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ FAULT_KEYS = frozenset(
 )
 
 
-CONTROL_KEYS = frozenset({"latency_ms", "refuse_connections_s", "rate_limit", "drip"})
+CONTROL_KEYS = frozenset(
+    {"latency_ms", "refuse_connections_s", "rate_limit", "drip", "reset_after_response"}
+)
 
 
 class TokenBucket:
@@ -104,6 +112,30 @@ class Drip:
             "interval_s": self.interval_s,
             "remaining_s": max(0.0, self.until - time.monotonic()),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ResetAfterResponse:
+    """Engine answers' connections are reset ``delay_s`` after the answer, until ``until``."""
+
+    delay_s: float
+    until: float
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "delay_ms": self.delay_s * 1000,
+            "remaining_s": max(0.0, self.until - time.monotonic()),
+        }
+
+
+def parse_reset_after_response(value: object) -> ResetAfterResponse | None:
+    """``{"delay_ms": m, "for_s": d}`` or ``None``; ValueError else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"delay_ms", "for_s"}:
+        raise ValueError('reset_after_response is {"delay_ms": m, "for_s": d}')
+    delay_s = _non_negative(value["delay_ms"]) / 1000
+    return ResetAfterResponse(delay_s, time.monotonic() + _non_negative(value["for_s"]))
 
 
 def parse_rate_limit(value: object) -> TokenBucket | None:
@@ -294,6 +326,14 @@ class Faults:
         self.latency_ms = latency_ms
         self.limiter: TokenBucket | None = None
         self.drip: Drip | None = None
+        self.reset_after_response: ResetAfterResponse | None = None
+
+    def resetting(self) -> ResetAfterResponse | None:
+        """The reset-after-response mode, while it lasts."""
+        mode = self.reset_after_response
+        if mode is not None and time.monotonic() >= mode.until:
+            self.reset_after_response = mode = None
+        return mode
 
     def dripping(self) -> Drip | None:
         """The drip mode, while it lasts."""
@@ -318,11 +358,12 @@ class Faults:
         return reply
 
     def clear(self) -> None:
-        """No rules, no latency, no rate limit, no drip."""
+        """No rules, no latency, no rate limit, no drip, no resets."""
         self.rules.clear()
         self.latency_ms = 0.0
         self.limiter = None
         self.drip = None
+        self.reset_after_response = None
 
     def describe(self) -> dict[str, object]:
         """The faults as JSON."""
@@ -335,6 +376,9 @@ class Faults:
             described["rate_limit"] = self.limiter.describe()
         if drip is not None:
             described["drip"] = drip.describe()
+        resetting = self.resetting()
+        if resetting is not None:
+            described["reset_after_response"] = resetting.describe()
         return described
 
 
