@@ -28,7 +28,7 @@ from sinks.consumer import Sink
 from sinks.engine import EngineClient
 from sinks.parking.admin import create_app
 from sinks.parking.guard import MAX_HEADER_BYTES
-from sinks.parking.lot import ParkingLot
+from sinks.parking.lot import LotTimeouts, ParkingLot
 from sinks.parking.retrier import Retrier, Scheduler
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
     engine = EngineClient.from_settings(settings)
     dsn = settings.pg_dsn.get_secret_value()
     lot = ParkingLot(dsn)  # the admin API's and the scheduler's
-    park_lot = ParkingLot(dsn)  # the consumer's parks
+    # The consumer's parks: a flood of bad input is many batches at once, each queued
+    # behind the ones before it (each bounded) - a long queue of our own is not "busy".
+    park_lot = ParkingLot(dsn, timeouts=LotTimeouts(queue_s=None))
     retrier = Retrier(lot=lot, engine=engine, settings=settings)
     sink = Sink(settings, engine=engine, lot=park_lot, registry=registry, liveness=liveness)
     stop = asyncio.Event()

@@ -23,7 +23,8 @@ Bounded waits (issue 35: a stuck parking lot never hangs its callers):
   held by someone else fails a statement in :attr:`LotTimeouts.lock_ms`), and
   every statement a client-side deadline (a server that stopped answering);
 * one statement at a time runs on the connection; a caller waits at most
-  :attr:`LotTimeouts.queue_s` for its turn;
+  :attr:`LotTimeouts.queue_s` for its turn (or, without that bound, as many
+  statement deadlines as there are statements ahead of it);
 * every such failure is one :class:`ParkingLotUnavailable` whose message is a
   line for ``/readyz``, an admin API 503 or the CLI: ``parking lot
   unavailable: ...``. A statement cut by ``lock_timeout`` or
@@ -82,8 +83,10 @@ class LotTimeouts:
     #: Client-side bound of one statement (a server that stopped answering, when
     #: its own timeouts cannot fire): statement_timeout plus a margin.
     deadline_s: float = 20.0
-    #: Longest wait for the connection while another statement runs on it.
-    queue_s: float = 5.0
+    #: Longest wait for the connection while other statements run on it; ``None``:
+    #: wait for its turn (each statement ahead is bounded by the deadline) - for a
+    #: caller that only queues behind its own statements, as the consumer's parks.
+    queue_s: float | None = 5.0
 
     def options(self) -> str:
         """The ``options`` of the connection: the server-side timeouts."""
@@ -291,7 +294,7 @@ class ParkingLot:
                 await self._lock.acquire()
         except TimeoutError:
             raise ParkingLotUnavailable(
-                f"busy: another statement has held its connection for over {timeouts.queue_s:g} s"
+                f"busy: other statements have held its connection for over {timeouts.queue_s:g} s"
             ) from None
         try:
             async with asyncio.timeout(timeouts.deadline_s):

@@ -266,7 +266,7 @@ def test_a_caller_waits_for_a_busy_lot_connection_at_most_its_queue_bound(db_dsn
 
     busy, locked = asyncio.run(scenario())
     assert busy == (
-        "parking lot unavailable: busy: another statement has held its connection for over 0.5 s"
+        "parking lot unavailable: busy: other statements have held its connection for over 0.5 s"
     )
     assert "is locked by another session" in locked
 
