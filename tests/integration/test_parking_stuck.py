@@ -97,6 +97,14 @@ def _parked_rows(dsn: str, topic: str) -> list[tuple[str, str]]:
         ]
 
 
+def _all_held_delivered(stub: StubServer, port: int) -> bool:
+    """True once every record held but the unparked one is delivered; fails at once when
+    more records than the bound were delivered (fetched past it while nothing commits)."""
+    applied = stub.stats()["applied"]
+    assert applied <= HELD_BOUND, f"{applied} records delivered behind the unparked one"
+    return bool(applied == _gauges(port)["outbox_sink_held_records"] - 1)
+
+
 def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everything_after(
     db_dsn: str, kafka_bootstrap: str, unique: str, stub: StubServer, tmp_path: Path
 ) -> None:
@@ -151,12 +159,7 @@ def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everyt
 
                 # Every record held but the unroutable one is delivered (settled behind it).
                 wait_until(
-                    lambda: (
-                        stub.stats()["applied"] == _gauges(port)["outbox_sink_held_records"] - 1
-                    ),
-                    240,
-                    "the held records delivered",
-                    interval_s=1.0,
+                    lambda: _all_held_delivered(stub, port), 240, "held delivered", interval_s=1.0
                 )
                 watch_from = rss.now()
                 applied_from = stub.stats()["applied"]
