@@ -13,10 +13,16 @@ and reports what came of them:
   :func:`sinks.dispatch.deliver` and maps the outcome to a core
   :class:`~sinks.core.machine.Result` (the error classes say which);
 * a :class:`~sinks.core.machine.Park` becomes one task writing its whole batch in
-  one round-trip; a parking lot that fails keeps the records unsettled (the
-  core parks them again later) and marks the sink unready;
+  one round-trip, on a connection of its own (the admin API and the scheduler
+  never queue behind it), every wait bounded (:mod:`sinks.parking.lot`: a
+  ``LOCK TABLE failed_sync_events`` or a hung server fails the batch in
+  seconds); a parking lot that fails keeps the records unsettled (the core
+  parks them again after a growing wait, and counts them and the records
+  settled behind them toward its pause threshold) and makes ``/readyz`` say
+  ``parking lot unavailable: <why>`` until a park succeeds;
 * ``/readyz`` is ready only while every engine route's circuit is CLOSED
-  (else it names the routes down and why), the parking lot answers and the
+  (else it names the routes down and why), the parking lot answers
+  (else ``parking lot unavailable: <why>``) and the
   sink is not stalled (nothing delivered, parked or committed for
   ``SINK_STALL_AFTER_S`` while work waits: ``stalled: ...``; a shorter blip
   never shows); a state change is logged once, with its reason;
@@ -71,7 +77,7 @@ from sinks.engine import EngineClient
 from sinks.errors import EngineMisconfigured, EngineUnavailable, SinkError, Unroutable
 from sinks.kafka_worker import KafkaWorker
 from sinks.logs import BoundedLabels, RepeatLog
-from sinks.parking.lot import ParkingLot, ParkRequest
+from sinks.parking.lot import ParkingLot, ParkingLotUnavailable, ParkRequest
 from sinks.routes import Routing
 from sinks.tracing import SinkTracing
 
@@ -219,6 +225,12 @@ class SinkMetrics:
             "Park batches the parking lot failed to write (retried)",
             registry=registry,
         )
+        self.lot_available = Gauge(
+            "outbox_sink_parking_lot_available",
+            "0 from a failed park until a park succeeds (records wait to be parked), else 1",
+            registry=registry,
+        )
+        self.lot_available.set(1)
         self.stalled = Gauge(
             "outbox_sink_stalled",
             "1 while nothing was delivered, parked or committed for SINK_STALL_AFTER_S"
@@ -358,8 +370,10 @@ class Sink:
         self._park_error: str | None = None
         self._reported: tuple[Circuit, str, bool, bool] | None = None
         self._parked_log = RepeatLog(log, "parked")
-        self._skipped_types: set[str] = set()  # logged once each
+        # Skipping is deliberate: each type named once, its repeats only counted.
+        self._skipped_log = RepeatLog(log, "skipped", level=logging.INFO, summarize_kinds=False)
         self._type_labels = BoundedLabels(MAX_TYPE_LABELS)
+        # Keyed by routed types only: the routing table bounds them.
         self._delivered_of: dict[str, Counter] = {}
         self._attempts_counted = 0  # core.attempts_spent already in retried{kind="record"}
         self._route_gauges_of: dict[str, tuple[Gauge, Gauge, Gauge]] = {}
@@ -393,6 +407,7 @@ class Sink:
             await self._shutdown(worker)
         finally:
             self._parked_log.flush()
+            self._skipped_log.flush()
             self.liveness.set("stopped", ready=False)
 
     async def _shutdown(self, worker: KafkaWorker) -> None:
@@ -419,6 +434,7 @@ class Sink:
         self._gauges()
         self._report()
         self._parked_log.tick()
+        self._skipped_log.tick()
 
     def _carry_out(self, action: core.Action) -> None:
         worker = self._worker
@@ -461,14 +477,13 @@ class Sink:
     def _skipped(self, record: Envelope) -> None:
         event_type = record.event_type
         self.metrics.skipped.labels(self._type_labels.label(event_type)).inc()
-        if event_type not in self._skipped_types:
-            self._skipped_types.add(event_type)
-            log.info(
-                "skipping events of type %r (SINK_IGNORED_TYPES); counted in"
-                " outbox_sink_skipped_total, logged once",
-                event_type,
-                extra={"event_type": event_type, "topic": record.topic},
-            )
+        self._skipped_log.event(
+            event_type,
+            "skipping events of type %r (SINK_IGNORED_TYPES); counted in"
+            " outbox_sink_skipped_total, logged once",
+            event_type,
+            extra={"event_type": event_type, "topic": record.topic},
+        )
 
     def on_assign(self, partitions: list[tuple[str, int]]) -> None:
         self.core.assign(partitions)
@@ -547,16 +562,15 @@ class Sink:
     async def _park(self, park: Park) -> None:
         requests = [self._park_request(item) for item in park.items]
         try:
-            await self.lot.park_many(requests)
+            await self.lot.park_many(requests)  # bounded: the lot's waits all have a timeout
         except Exception as exc:  # the records stay unsettled; the core parks them again
-            self.metrics.park_failures.inc()
-            self._park_error = f"parking lot unavailable: {type(exc).__name__}: {exc}"
-            log.error("cannot park %d events: %s", len(park.items), exc)
-            now = time.monotonic()
-            for item in park.items:
-                self.core.park_failed(item.record, now=now)
+            self._park_failed(park, exc)
             return
-        self._park_error = None
+        if self._park_error is not None:
+            was = self._park_error
+            log.info("parking lot available again (was: %s)", was, extra={"state": "running"})
+            self._park_error = None
+        self.metrics.lot_available.set(1)
         self.metrics.park_batch.observe(len(requests))
         for item, request in zip(park.items, requests, strict=True):
             self.parked_count += 1
@@ -579,6 +593,33 @@ class Sink:
                 },
             )
             self.core.parked(item.record)
+
+    def _park_failed(self, park: Park, exc: Exception) -> None:
+        """The records wait (the core parks them again, with a growing wait); readiness says why.
+
+        One log line per change of the reason, not per failed batch.
+        """
+        self.metrics.park_failures.inc()
+        self.metrics.lot_available.set(0)
+        if isinstance(exc, ParkingLotUnavailable):
+            error = str(exc)
+        else:  # not an outage the lot knows: our own bug, or a row PostgreSQL refused
+            lines = str(exc).strip().splitlines()
+            error = f"parking lot unavailable: {type(exc).__name__}: {lines[0] if lines else ''}"
+        if error != self._park_error:
+            log.error(
+                "%s; %d events wait to be parked (tried again with a growing wait; partitions"
+                " pause once %d records are held)",
+                error,
+                len(park.items),
+                MAX_BUFFERED,
+                exc_info=None if isinstance(exc, ParkingLotUnavailable) else exc,
+                extra={"state": "parking_lot_unavailable"},
+            )
+        self._park_error = error
+        now = time.monotonic()
+        for item in park.items:
+            self.core.park_failed(item.record, now=now)
 
     def _park_request(self, item: ParkItem) -> ParkRequest:
         record = item.record

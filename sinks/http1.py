@@ -42,11 +42,17 @@ Guarantees of :class:`ConnectionPool`:
   reused last-in first-out, so a quiet period lets the cold ones expire: a
   connection idle for ``keepalive_expiry_s`` is closed instead of reused, as
   is one the server closed, or sent anything on, while it was idle.
+- Every idle connection is checked again at checkout (:meth:`_Connection.stale`):
+  one already closed, whose transport is closing (asyncio read a reset or EOF
+  and has not reported it to the protocol yet), or whose socket is readable
+  (the server's FIN, RST or stray bytes waiting unread) is dropped unused and
+  the next one tried (``stale_checkouts`` counts them).
 - A request sent on a reused connection that the server had closed - EOF or
-  reset before any byte of the response - is sent once more on a new
-  connection. That resend is only safe because every request of the sink is
-  idempotent (``Idempotency-Key``); a request on a new connection, or one
-  whose response had begun, is never resent.
+  reset before any byte of *this* request's response (the connection's
+  earlier responses do not count) - is sent once more on a new connection.
+  That resend is only safe because every request of the sink is idempotent
+  (``Idempotency-Key``); a request on a new connection, or one whose response
+  had begun, is never resent.
 - Timeouts (:class:`PoolTimeouts`): ``connect_s`` for the TCP (and TLS)
   connect, ``read_s`` for the longest silence while awaiting the response (a
   slow but steady response is not cut), ``write_s`` while the socket buffer
@@ -81,6 +87,7 @@ import base64
 import importlib.util
 import os
 import re
+import select
 import socket
 import ssl
 import time
@@ -103,6 +110,9 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 READ_BUFFER_BYTES = 32 * 1024
 #: How long :meth:`ConnectionPool.aclose` waits for closed sockets to be released.
 CLOSE_WAIT_S = 1.0
+#: What makes an idle socket unfit for a request: anything to read (EOF, stray
+#: bytes), the peer's half-close (Linux), and - always reported - error and hang-up.
+_IDLE_TROUBLE = select.POLLIN | getattr(select, "POLLRDHUP", 0) | select.POLLERR | select.POLLHUP
 
 PARSER_BACKEND = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
@@ -669,16 +679,35 @@ class _Connection(asyncio.BufferedProtocol):
 
     @property
     def response_started(self) -> bool:
-        """Some byte of the current (or last) response arrived."""
+        """Some byte of the current request's response arrived (the last one's, between)."""
         return self._parser is not None and self._parser.bytes_received > 0
+
+    def stale(self) -> bool:
+        """This idle connection must not carry a request: closed, its transport closing
+        (a reset or EOF asyncio read but has not reported yet), or its socket readable
+        (a FIN, RST or stray bytes the loop has not read yet). One ``poll`` call."""
+        transport = self._transport
+        if self.closed or transport is None or transport.is_closing():
+            return True
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        fd = sock.fileno()
+        if fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(fd, _IDLE_TROUBLE)
+        return bool(poller.poll(0))
 
     async def roundtrip(self, request: bytes, timeouts: PoolTimeouts) -> Response:
         """Write ``request``, await its response (raises a :class:`TransportError`)."""
+        # A fresh parser first: response_started then speaks of this request only, so a
+        # connection found closed here is resent, whatever its last response was.
+        parser = self._parser
+        self._parser = self._new_parser() if parser is None else parser.renew()
         transport = self._transport
         if self.closed or transport is None or transport.is_closing():
             raise ReadError("connection closed")
-        parser = self._parser
-        self._parser = self._new_parser() if parser is None else parser.renew()
         waiter: asyncio.Future[Response] = self._loop.create_future()
         self._waiter = waiter
         try:
@@ -837,8 +866,9 @@ class _Connection(asyncio.BufferedProtocol):
 class ConnectionPool:
     """Keep-alive HTTP/1.1 connections to one :class:`Origin`; see the module's guarantees.
 
-    Bound to the event loop of its first request. ``connects`` and
-    ``stale_retries`` count new connections and resends after a server-side close.
+    Bound to the event loop of its first request. ``connects``, ``stale_checkouts``
+    and ``stale_retries`` count new connections, idle connections found dead at
+    checkout (dropped unused), and resends after a server-side close.
     """
 
     def __init__(
@@ -871,6 +901,7 @@ class ConnectionPool:
         self._connections: set[_Connection] = set()
         self._closed = False
         self.connects = 0
+        self.stale_checkouts = 0
         self.stale_retries = 0
 
     @property
@@ -958,9 +989,13 @@ class ConnectionPool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self._expiry_s:
+            if now - conn.idle_since >= self._expiry_s:
+                conn.close()
+            elif conn.stale():
+                self.stale_checkouts += 1
+                conn.abort()  # reset or closed by the server: nothing of ours to flush
+            else:
                 return conn
-            conn.close()
         return None
 
     def _expire(self, now: float) -> None:

@@ -2,6 +2,11 @@
 
 All three run on one asyncio event loop; SIGTERM stops the consumer (which
 drains in-flight deliveries and commits), then the server and scheduler.
+The consumer's parks use a parking-lot connection of their own; the admin API
+and the scheduler share another: a park waiting on a locked
+``failed_sync_events`` never queues an admin request, and every wait on
+either is bounded (:mod:`sinks.parking.lot`), so the admin API answers 503,
+never hangs.
 uvicorn's own log lines go through the process's logging set-up
 (``log_config=None``), so ``LOG_FORMAT=json`` applies to them too.
 """
@@ -23,7 +28,7 @@ from sinks.consumer import Sink
 from sinks.engine import EngineClient
 from sinks.parking.admin import create_app
 from sinks.parking.guard import MAX_HEADER_BYTES
-from sinks.parking.lot import ParkingLot
+from sinks.parking.lot import LotTimeouts, ParkingLot
 from sinks.parking.retrier import Retrier, Scheduler
 
 log = logging.getLogger(__name__)
@@ -42,9 +47,13 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
     registry = CollectorRegistry()
     liveness = Liveness()
     engine = EngineClient.from_settings(settings)
-    lot = ParkingLot(settings.pg_dsn.get_secret_value())
+    dsn = settings.pg_dsn.get_secret_value()
+    lot = ParkingLot(dsn)  # the admin API's and the scheduler's
+    # The consumer's parks: a flood of bad input is many batches at once, each queued
+    # behind the ones before it (each bounded) - a long queue of our own is not "busy".
+    park_lot = ParkingLot(dsn, timeouts=LotTimeouts(queue_s=None))
     retrier = Retrier(lot=lot, engine=engine, settings=settings)
-    sink = Sink(settings, engine=engine, lot=lot, registry=registry, liveness=liveness)
+    sink = Sink(settings, engine=engine, lot=park_lot, registry=registry, liveness=liveness)
     stop = asyncio.Event()
     scheduler = Scheduler(
         retrier, interval_s=settings.scheduler_interval_s, enabled=settings.scheduler_enabled
@@ -87,6 +96,7 @@ async def run_sink(settings: Settings, *, install_signals: bool = True) -> int:
         await asyncio.gather(*tasks, return_exceptions=True)
         await engine.aclose()
         await lot.close()
+        await park_lot.close()
     log.info(
         "sink stopped: %d delivered, %d parked",
         sink.delivered_count,

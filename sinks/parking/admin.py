@@ -16,7 +16,9 @@ Guarantees:
   rows; ``POST .../retry`` answers the reference design's envelope
   ``{"success", "message", "data": {"processed_count", "done_count", "failed_count"}}``;
   failures inside a retry are counted, never a 5xx;
-* no request gets a 5xx other than 503 (no token configured, database unreachable);
+* no request gets a 5xx other than 503 (no token configured, or the parking lot
+  cannot answer: a lock on ``failed_sync_events``, a hung or unreachable
+  database - within the lot's bounded waits, :mod:`sinks.parking.lot`, never a hang);
 * ``/openapi.json`` describes all of it: the bearer scheme, every status code of
   every admin operation with its body model.
 """
@@ -49,7 +51,7 @@ from sinks.parking.guard import (
     checked_body_limit,
     error_response,
 )
-from sinks.parking.lot import ParkedEvent, ParkingLot
+from sinks.parking.lot import ParkedEvent, ParkingLot, ParkingLotUnavailable
 from sinks.parking.retrier import Retrier, retry_message
 
 log = logging.getLogger("sinks.admin")
@@ -238,7 +240,10 @@ def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
             f"The header section is larger than {MAX_HEADER_BYTES} bytes"
             f" or has more than {MAX_HEADER_COUNT} fields."
         ),
-        503: "No `ADMIN_API_TOKEN` is configured, or the database is unreachable.",
+        503: (
+            "No `ADMIN_API_TOKEN` is configured, or the parking lot cannot answer now"
+            " (a lock on failed_sync_events, a database that is down or hangs)."
+        ),
     }
     out: dict[int | str, dict[str, Any]] = {}
     for code in codes:
@@ -290,6 +295,26 @@ def _openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
     return build
 
 
+def _error_handlers(app: FastAPI) -> None:
+    """Errors as the reference envelope: HTTP errors as they are, the parking lot's as 503."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """404, 405 (with its Allow header) and the like, in the same envelope."""
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(ParkingLotUnavailable)
+    async def lot_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        """A lock on the table, a hung or unreachable database: 503 within the lot's bounds."""
+        log.warning("admin request %s %s failed: %s", request.method, request.url.path, exc)
+        return error_response(503, str(exc))
+
+    @app.exception_handler(psycopg.OperationalError)
+    async def database_unreachable(_: Request, exc: Exception) -> JSONResponse:
+        log.warning("admin request failed: database unreachable: %s", type(exc).__name__)
+        return error_response(503, "parking lot unavailable: database unreachable")
+
+
 def create_app(
     *,
     lot: ParkingLot,
@@ -316,16 +341,7 @@ def create_app(
         public_paths=PUBLIC_PATHS,
     )
     app.openapi = _openapi(app)  # type: ignore[method-assign]
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        """404, 405 (with its Allow header) and the like, in the same envelope."""
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
-
-    @app.exception_handler(psycopg.OperationalError)
-    async def database_unreachable(_: Request, exc: Exception) -> JSONResponse:
-        log.warning("admin request failed: database unreachable: %s", type(exc).__name__)
-        return error_response(503, "parking lot unavailable: database unreachable")
+    _error_handlers(app)
 
     @app.get(
         LIST_PATH,

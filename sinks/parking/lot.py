@@ -15,6 +15,22 @@ Guarantees:
 * statuses: ``FAILED`` (waiting for its ``next_retry_at``), ``PENDING``
   (claimed: a retrier holds its lease), ``DONE`` (the engine accepted it).
 
+Bounded waits (issue 35: a stuck parking lot never hangs its callers):
+
+* the connection has a connect timeout, TCP keepalives and
+  ``tcp_user_timeout`` (a dead path fails it), a server-side
+  ``statement_timeout`` and ``lock_timeout`` (a ``LOCK TABLE failed_sync_events``
+  held by someone else fails a statement in :attr:`LotTimeouts.lock_ms`), and
+  every statement a client-side deadline (a server that stopped answering);
+* one statement at a time runs on the connection; a caller waits at most
+  :attr:`LotTimeouts.queue_s` for its turn (or, without that bound, as many
+  statement deadlines as there are statements ahead of it);
+* every such failure is one :class:`ParkingLotUnavailable` whose message is a
+  line for ``/readyz``, an admin API 503 or the CLI: ``parking lot
+  unavailable: ...``. A statement cut by ``lock_timeout`` or
+  ``statement_timeout`` leaves the connection in use; any other failure
+  drops it (the next statement reconnects).
+
 Times default to the database's ``now()`` (one clock for every sink
 instance); tests pass ``now`` to drive the clock.
 """
@@ -31,12 +47,81 @@ from typing import Any
 
 import orjson
 import psycopg
+from psycopg import errors as pgerrors
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
 from sinks.core.retry import retry_delay_s
+from sinks.errors import SinkError
 from sinks.parking.claims import CLAIM_LEASE_S, AttemptResult, RowStatus
 
 log = logging.getLogger("sinks.parking")
+
+#: libpq settings of the parking lot's connection unless its DSN sets them: an
+#: idle path is probed after 10 s, every 5 s, given up after 3 lost probes; data
+#: sent and not acknowledged fails it after 15 s.
+KEEPALIVE_DEFAULTS = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "15000",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LotTimeouts:
+    """The bounds of the parking lot's waits (defaults for production; tests shorten them)."""
+
+    #: libpq's connect_timeout (whole seconds, at least 2): a connect that hangs.
+    connect_s: int = 5
+    #: Server-side statement_timeout: a park batch of 500 rows takes milliseconds.
+    statement_ms: int = 15_000
+    #: Server-side lock_timeout: a lock someone else holds longer is their
+    #: maintenance, not ours to wait for (the records are parked again later).
+    lock_ms: int = 2_000
+    #: Client-side bound of one statement (a server that stopped answering, when
+    #: its own timeouts cannot fire): statement_timeout plus a margin.
+    deadline_s: float = 20.0
+    #: Longest wait for the connection while other statements run on it; ``None``:
+    #: wait for its turn (each statement ahead is bounded by the deadline) - for a
+    #: caller that only queues behind its own statements, as the consumer's parks.
+    queue_s: float | None = 5.0
+
+    def options(self) -> str:
+        """The ``options`` of the connection: the server-side timeouts."""
+        return f"-c statement_timeout={self.statement_ms} -c lock_timeout={self.lock_ms}"
+
+
+class ParkingLotUnavailable(SinkError):  # noqa: N818 - named after the condition, as its peers
+    """The parking lot could not run a statement now; the message is one line.
+
+    ``parking lot unavailable: ...`` names what failed (a lock not granted, a
+    timeout, a connection that failed). Nothing was written: try again later.
+    """
+
+    retriable = True
+    spends_attempt = False
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"parking lot unavailable: {what}")
+
+
+def lot_conninfo(dsn: str, timeouts: LotTimeouts) -> str:
+    """``dsn`` with :data:`KEEPALIVE_DEFAULTS`, the connect timeout and the server-side
+    timeouts merged in (what the DSN sets wins; its own ``options`` are kept first)."""
+    params = conninfo_to_dict(dsn)
+    for name, value in KEEPALIVE_DEFAULTS.items():
+        params.setdefault(name, value)
+    params.setdefault("connect_timeout", str(max(2, timeouts.connect_s)))
+    theirs = str(params.get("options") or "")
+    params["options"] = f"{timeouts.options()} {theirs}".strip()  # later -c settings win
+    return make_conninfo("", **params)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 #: The row statuses (one enum for the rules and the repository).
@@ -183,33 +268,65 @@ def _uuid_or_none(value: str | None) -> str | None:
 
 
 class ParkingLot:
-    """Async repository of ``failed_sync_events`` over one connection (reconnects)."""
+    """Async repository of ``failed_sync_events`` over one connection (reconnects).
 
-    def __init__(self, dsn: str) -> None:
-        self._dsn = dsn
+    Every wait is bounded by ``timeouts`` (see the module docstring); a statement
+    that cannot run raises :class:`ParkingLotUnavailable`.
+    """
+
+    def __init__(self, dsn: str, *, timeouts: LotTimeouts | None = None) -> None:
+        self.timeouts = timeouts or LotTimeouts()
+        self._conninfo = lot_conninfo(dsn, self.timeouts)
         self._conn: psycopg.AsyncConnection[dict[str, Any]] | None = None
         self._lock = asyncio.Lock()
 
     async def _connection(self) -> psycopg.AsyncConnection[dict[str, Any]]:
         if self._conn is None or self._conn.closed or self._conn.broken:
             self._conn = await psycopg.AsyncConnection.connect(
-                self._dsn, autocommit=True, row_factory=dict_row, connect_timeout=10
+                self._conninfo, autocommit=True, row_factory=dict_row
             )
         return self._conn
 
     async def _fetch(self, query: str, params: Any = None) -> list[dict[str, Any]]:
-        async with self._lock:
-            conn = await self._connection()
-            try:
+        timeouts = self.timeouts
+        try:
+            async with asyncio.timeout(timeouts.queue_s):
+                await self._lock.acquire()
+        except TimeoutError:
+            raise ParkingLotUnavailable(
+                f"busy: other statements have held its connection for over {timeouts.queue_s:g} s"
+            ) from None
+        try:
+            async with asyncio.timeout(timeouts.deadline_s):
+                conn = await self._connection()
                 cur = await conn.execute(query, params)
                 return await cur.fetchall() if cur.description else []
-            except psycopg.OperationalError:
-                await conn.close()
-                raise
+        except TimeoutError:
+            await self._drop()
+            raise ParkingLotUnavailable(
+                f"no answer from PostgreSQL within {timeouts.deadline_s:g} s"
+            ) from None
+        except pgerrors.LockNotAvailable as exc:
+            raise ParkingLotUnavailable(
+                f"failed_sync_events is locked by another session (lock_timeout"
+                f" {timeouts.lock_ms / 1000:g} s)"
+            ) from exc
+        except pgerrors.QueryCanceled as exc:
+            raise ParkingLotUnavailable(f"statement cancelled: {_first_line(exc)}") from exc
+        except psycopg.OperationalError as exc:
+            await self._drop()
+            raise ParkingLotUnavailable(f"{type(exc).__name__}: {_first_line(exc)}") from exc
+        finally:
+            self._lock.release()
+
+    async def _drop(self) -> None:
+        """Forget the connection (its state is unknown); the next statement reconnects."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.close()
 
     async def close(self) -> None:
-        if self._conn is not None:
-            await self._conn.close()
+        await self._drop()
 
     async def park(self, req: ParkRequest) -> int:
         """Insert (or refresh) the row of this event; return its ``event_id``."""

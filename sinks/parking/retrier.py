@@ -15,7 +15,10 @@ Guarantees (Sink invariants 6 and 7):
   the routing configuration changed; explicit retries (ids or ``retry_all``)
   are an operator's decision and ignore ``next_retry_at``, the attempt limit
   and the routing (never a live lease: such ids are reported as busy);
-* a row whose type the routing now ignores is marked DONE without a request.
+* a row whose type the routing now ignores is marked DONE without a request;
+* a parking lot that cannot answer (:class:`~sinks.parking.lot.ParkingLotUnavailable`,
+  within its bounded waits) fails the run or the request, never hangs it; the
+  scheduler logs one line and tries again next period (a claimed row's lease expires).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from sinks.dispatch import deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineUnavailable, SinkError
 from sinks.parking.claims import AttemptResult
-from sinks.parking.lot import ParkedEvent, ParkingLot
+from sinks.parking.lot import ParkedEvent, ParkingLot, ParkingLotUnavailable
 from sinks.routes import Routing
 from sinks.tracing import engine_trace_headers
 
@@ -222,6 +225,8 @@ class Scheduler:
                 pass
             try:
                 await self._retrier.run_scheduled()
+            except ParkingLotUnavailable as exc:  # bounded waits: one line, no traceback
+                log.warning("scheduler run failed: %s; trying again next period", exc)
             except Exception:
                 log.exception("scheduler run failed; trying again next period")
             self.runs += 1

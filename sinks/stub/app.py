@@ -20,7 +20,8 @@ Control API (JSON; never behind the API key)::
     POST   /_stub/faults                  add a fault instruction (object or list of objects):
                                           rules, latency_ms, refuse_connections_s,
                                           rate_limit (429 + Retry-After), drip,
-                                          path_latency_ms (one route slow)
+                                          path_latency_ms (one route slow),
+                                          reset_after_response (RST idle keep-alives)
     DELETE /_stub/faults                  clear rules and latency
 """
 
@@ -47,6 +48,7 @@ from sinks.stub.faults import (
     parse_fault_rule,
     parse_path_latency,
     parse_rate_limit,
+    parse_reset_after_response,
     rule_part,
 )
 
@@ -65,6 +67,15 @@ class Listener(Protocol):
     def reopen_now(self) -> None: ...
 
     async def closed(self) -> None: ...
+
+
+class Connections(Protocol):
+    """What the engine endpoints ask of the open connections
+    (:class:`sinks.stub.server.Connections`): reset one after an answer."""
+
+    resets: int
+
+    def reset_when_idle(self, client: object, delay_s: float) -> None: ...
 
 
 #: A control handler: the query and the body -> the reply (ValueError: 400).
@@ -130,9 +141,11 @@ class _Endpoint:
         self,
         answer: Callable[[Scope, bytes], Awaitable[Reply]],
         drip: Callable[[], Drip | None] = lambda: None,
+        after: Callable[[Scope], None] = lambda _scope: None,
     ) -> None:
         self._answer = answer
         self._drip = drip
+        self._after = after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await _read_body(receive)
@@ -141,6 +154,7 @@ class _Endpoint:
         else:
             reply = await self._answer(scope, body)
         await _send_reply(send, reply, self._drip())
+        self._after(scope)
 
 
 class StubApp:
@@ -150,6 +164,8 @@ class StubApp:
         self.engine = engine
         #: the listener an outage closes (set by the server that serves this app)
         self.listener: Listener | None = None
+        #: the open connections, for reset_after_response (set by the server too)
+        self.connections: Connections | None = None
         self._control: dict[tuple[str, str], ControlHandler] = {
             ("GET", "/healthz"): lambda _q, _b: json_reply(200, {"status": "ok"}),
             ("GET", "/_stub/applied"): self._get_applied,
@@ -160,7 +176,7 @@ class StubApp:
             ("POST", "/_stub/faults"): self._post_faults,
             ("DELETE", "/_stub/faults"): self._delete_faults,
         }
-        engine_call = _Endpoint(self._engine_call, engine.faults.dripping)
+        engine_call = _Endpoint(self._engine_call, engine.faults.dripping, self._answered)
         control_call = _Endpoint(self._control_call)
         routes = [Route(path, engine_call) for path in sorted(ENGINE_PATHS)]
         routes += [Route(path, control_call) for path in sorted({p for _, p in self._control})]
@@ -174,6 +190,12 @@ class StubApp:
         if latency_ms > 0:
             await asyncio.sleep(latency_ms / 1000)
         return self.engine.handle(scope["path"], dict(scope["headers"]), body)
+
+    def _answered(self, scope: Scope) -> None:
+        """An engine answer was sent: reset its connection later, if asked to."""
+        mode = self.engine.faults.resetting()
+        if mode is not None and self.connections is not None:
+            self.connections.reset_when_idle(scope.get("client"), mode.delay_s)
 
     async def _control_call(self, scope: Scope, body: bytes) -> Reply:
         handler = self._control.get((scope["method"], scope["path"]))
@@ -196,6 +218,7 @@ class StubApp:
     def _get_stats(self, _query: Mapping[str, str], _body: bytes) -> Reply:
         stats = self.engine.stats_view()
         stats["refusing_connections"] = self.listener is not None and self.listener.refusing
+        stats["connections_reset"] = self.connections.resets if self.connections else 0
         return json_reply(200, stats)
 
     def _get_requests(self, _query: Mapping[str, str], _body: bytes) -> Reply:
@@ -219,11 +242,15 @@ class StubApp:
         instructions = fault_instructions(body)
         rules = [parse_fault_rule(rule_part(i)) for i in instructions if set(i) & FAULT_KEYS]
         latency_ms, outage_s = control_values(instructions)
-        modes = [i for i in instructions if "rate_limit" in i or "drip" in i]
-        limiters = [parse_rate_limit(i["rate_limit"]) for i in modes if "rate_limit" in i]
-        drips = [parse_drip(i["drip"]) for i in modes if "drip" in i]
+        limiters = [parse_rate_limit(i["rate_limit"]) for i in instructions if "rate_limit" in i]
+        drips = [parse_drip(i["drip"]) for i in instructions if "drip" in i]
         slow = [
             parse_path_latency(i["path_latency_ms"]) for i in instructions if "path_latency_ms" in i
+        ]
+        resets = [
+            parse_reset_after_response(i["reset_after_response"])
+            for i in instructions
+            if "reset_after_response" in i
         ]
         if outage_s is not None and self.listener is None:
             raise ValueError("this stub has no listener to close")
@@ -233,6 +260,8 @@ class StubApp:
             self.engine.faults.drip = drips[-1]
         for value in slow:
             self.engine.faults.set_path_latency(value)
+        if resets:
+            self.engine.faults.reset_after_response = resets[-1]
         self.engine.faults.rules.extend(rules)
         if latency_ms is not None:
             self.engine.faults.latency_ms = latency_ms

@@ -6,7 +6,7 @@ unknown key, a status outside 100-599, a malformed header map raise
 (an event-id rule, then a path rule, then a catch-all; the first added wins a
 tie); a rule used up is removed.
 
-Two modes shape every engine request rather than chosen ones:
+Three modes shape every engine request rather than chosen ones:
 
 - ``rate_limit`` (:class:`TokenBucket`): ``{"rate_per_s": r, "burst": b}``
   admits ``r`` requests a second with bursts of ``b``; a request finding the
@@ -16,6 +16,12 @@ Two modes shape every engine request rather than chosen ones:
 - ``drip`` (:class:`Drip`): ``{"bytes": n, "interval_s": t, "for_s": d}``:
   for ``d`` seconds every answer's body is sent ``n`` bytes every ``t``
   seconds (the request is applied first), as an engine trickling its answers.
+- ``reset_after_response`` (:class:`ResetAfterResponse`): ``{"delay_ms": m,
+  "for_s": d}``: for ``d`` seconds the connection of every engine answer is
+  reset (RST) ``m`` milliseconds after the answer was sent, unless another
+  request came on it meanwhile - a keep-alive connection the engine (or a
+  load balancer in front) drops between requests. The answer is complete
+  and the request applied; only the idle connection dies.
 
 One mode shapes one engine route (path): ``path_latency_ms``
 (``{"/api/internal/quiz-attempts/sync": 5000}``) makes every request to that
@@ -49,7 +55,14 @@ FAULT_KEYS = frozenset(
 
 
 CONTROL_KEYS = frozenset(
-    {"latency_ms", "refuse_connections_s", "rate_limit", "drip", "path_latency_ms"}
+    {
+        "latency_ms",
+        "refuse_connections_s",
+        "rate_limit",
+        "drip",
+        "path_latency_ms",
+        "reset_after_response",
+    }
 )
 
 
@@ -114,6 +127,30 @@ class Drip:
             "interval_s": self.interval_s,
             "remaining_s": max(0.0, self.until - time.monotonic()),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ResetAfterResponse:
+    """Engine answers' connections are reset ``delay_s`` after the answer, until ``until``."""
+
+    delay_s: float
+    until: float
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "delay_ms": self.delay_s * 1000,
+            "remaining_s": max(0.0, self.until - time.monotonic()),
+        }
+
+
+def parse_reset_after_response(value: object) -> ResetAfterResponse | None:
+    """``{"delay_ms": m, "for_s": d}`` or ``None``; ValueError else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"delay_ms", "for_s"}:
+        raise ValueError('reset_after_response is {"delay_ms": m, "for_s": d}')
+    delay_s = _non_negative(value["delay_ms"]) / 1000
+    return ResetAfterResponse(delay_s, time.monotonic() + _non_negative(value["for_s"]))
 
 
 def parse_rate_limit(value: object) -> TokenBucket | None:
@@ -318,6 +355,14 @@ class Faults:
         self.path_latency_ms: dict[str, float] = {}  # one route slower than the others
         self.limiter: TokenBucket | None = None
         self.drip: Drip | None = None
+        self.reset_after_response: ResetAfterResponse | None = None
+
+    def resetting(self) -> ResetAfterResponse | None:
+        """The reset-after-response mode, while it lasts."""
+        mode = self.reset_after_response
+        if mode is not None and time.monotonic() >= mode.until:
+            self.reset_after_response = mode = None
+        return mode
 
     def latency_for(self, path: str) -> float:
         """Milliseconds a request to ``path`` waits before it is processed."""
@@ -357,12 +402,13 @@ class Faults:
         return reply
 
     def clear(self) -> None:
-        """No rules, no latency (per path either), no rate limit, no drip."""
+        """No rules, no latency (per path either), no rate limit, no drip, no resets."""
         self.rules.clear()
         self.latency_ms = 0.0
         self.path_latency_ms.clear()
         self.limiter = None
         self.drip = None
+        self.reset_after_response = None
 
     def describe(self) -> dict[str, object]:
         """The faults as JSON."""
@@ -377,6 +423,9 @@ class Faults:
             described["rate_limit"] = self.limiter.describe()
         if drip is not None:
             described["drip"] = drip.describe()
+        resetting = self.resetting()
+        if resetting is not None:
+            described["reset_after_response"] = resetting.describe()
         return described
 
 

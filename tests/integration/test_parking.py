@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc.settings import Settings
 from sinks.engine import EngineClient
-from sinks.parking.lot import ParkingLot, ParkRequest
+from sinks.parking.lot import (
+    LotTimeouts,
+    ParkingLot,
+    ParkingLotUnavailable,
+    ParkRequest,
+    lot_conninfo,
+)
 from sinks.parking.retrier import Retrier, Scheduler
 from sinks.stub.server import StubServer
+from tests.tcpfault import TcpFaultProxy
 
 pytestmark = pytest.mark.integration
 
@@ -193,3 +202,113 @@ def test_engine_outage_during_a_retry_spends_no_attempt(db_dsn: str) -> None:
 
     row_id = asyncio.run(scenario())
     assert _row(db_dsn, row_id)[:2] == ("FAILED", 0)
+
+
+# -- a stuck parking lot: every wait bounded (issue 35) ------------------------------------
+
+#: Short bounds so the tests wait seconds, not the production defaults.
+QUICK = LotTimeouts(lock_ms=1_000, statement_ms=5_000, deadline_s=3.0, queue_s=0.5)
+#: The longest any call below may take: a hang fails the test instead of the suite's timeout.
+HANG_S = 60.0
+
+
+@contextlib.contextmanager
+def _table_locked(dsn: str) -> Iterator[None]:
+    """``LOCK TABLE failed_sync_events IN ACCESS EXCLUSIVE MODE`` held by another session."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute("LOCK TABLE failed_sync_events IN ACCESS EXCLUSIVE MODE")
+        yield
+        conn.rollback()
+
+
+def test_a_park_on_a_locked_table_fails_within_its_lock_timeout_and_succeeds_after(
+    db_dsn: str,
+) -> None:
+    """Edge: a LOCK TABLE held by someone else - the park fails with one line, never hangs,
+    and the same lot parks once the lock is gone (the connection survives lock_timeout)."""
+
+    async def scenario() -> tuple[str, int]:
+        lot = ParkingLot(db_dsn, timeouts=QUICK)
+        with _table_locked(db_dsn), pytest.raises(ParkingLotUnavailable) as failed:
+            async with asyncio.timeout(HANG_S):
+                await lot.park(_request(str(uuid.uuid4())))
+        row_id = await lot.park(_request(str(uuid.uuid4())))
+        await lot.close()
+        return str(failed.value), row_id
+
+    message, row_id = asyncio.run(scenario())
+    assert message == (
+        "parking lot unavailable: failed_sync_events is locked by another session"
+        " (lock_timeout 1 s)"
+    )
+    assert _row(db_dsn, row_id)[0] == "FAILED"
+
+
+def test_a_caller_waits_for_a_busy_lot_connection_at_most_its_queue_bound(db_dsn: str) -> None:
+    """Edge: a park waiting on the lock holds the lot's connection - another caller (the
+    admin API, the scheduler) is told "busy" after queue_s instead of queueing behind it."""
+    slow = LotTimeouts(lock_ms=4_000, statement_ms=10_000, deadline_s=15.0, queue_s=0.5)
+
+    async def scenario() -> tuple[str, str]:
+        lot = ParkingLot(db_dsn, timeouts=slow)
+        await lot.counts()  # connected: the park below waits on the lock, not the connect
+        with _table_locked(db_dsn):
+            park = asyncio.create_task(lot.park(_request(str(uuid.uuid4()))))
+            await asyncio.sleep(0.2)  # the park holds the connection, waiting for the lock
+            with pytest.raises(ParkingLotUnavailable) as busy:
+                async with asyncio.timeout(HANG_S):
+                    await lot.list_open()
+            with pytest.raises(ParkingLotUnavailable) as locked:
+                async with asyncio.timeout(HANG_S):
+                    await park
+        await lot.close()
+        return str(busy.value), str(locked.value)
+
+    busy, locked = asyncio.run(scenario())
+    assert busy == (
+        "parking lot unavailable: busy: other statements have held its connection for over 0.5 s"
+    )
+    assert "is locked by another session" in locked
+
+
+def test_a_silent_database_fails_a_statement_at_its_deadline_and_the_lot_reconnects(
+    db_dsn: str,
+) -> None:
+    """Edge: a hung server (bytes stop both ways, the TCP connection stays up, so neither
+    keepalives nor the server's own timeouts can end the wait) - the client-side deadline
+    does, and the next statement runs on a new connection."""
+    params = conninfo_to_dict(db_dsn)
+
+    async def scenario(proxy: TcpFaultProxy) -> str:
+        dsn = make_conninfo(db_dsn, host="127.0.0.1", port=str(proxy.port))
+        lot = ParkingLot(dsn, timeouts=QUICK)
+        await lot.counts()
+        proxy.silence()
+        await asyncio.sleep(0.2)  # the proxy's pumps look at the flag every 0.05 s
+        with pytest.raises(ParkingLotUnavailable) as silent:
+            async with asyncio.timeout(HANG_S):
+                await lot.park(_request(str(uuid.uuid4())))
+        proxy.resume()
+        proxy.reset()
+        assert sum((await lot.counts()).values()) >= 0  # a new connection answers
+        await lot.close()
+        return str(silent.value)
+
+    with TcpFaultProxy(str(params.get("host", "127.0.0.1")), int(params["port"])) as proxy:
+        message = asyncio.run(scenario(proxy))
+    assert message == "parking lot unavailable: no answer from PostgreSQL within 3 s"
+
+
+def test_the_lot_connection_carries_timeouts_and_keepalives_unless_the_dsn_sets_them() -> None:
+    """Edge: the DSN's own settings win; its own options are kept (ours first, theirs override)."""
+    info = conninfo_to_dict(
+        lot_conninfo(
+            "postgresql://u:p@db:5432/x?keepalives_idle=60&options=-c%20work_mem%3D64MB",
+            LotTimeouts(),
+        )
+    )
+    assert info["keepalives"] == "1"
+    assert info["keepalives_idle"] == "60"
+    assert info["tcp_user_timeout"] == "15000"
+    assert info["connect_timeout"] == "5"
+    assert info["options"] == "-c statement_timeout=15000 -c lock_timeout=2000 -c work_mem=64MB"

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
 import shutil
 import socket
 import ssl
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -715,6 +717,145 @@ def test_an_expired_idle_connection_is_closed_not_reused() -> None:
             assert pool.connects == 2
             await asyncio.sleep(0.05)
             assert server.closed_by_client == 1
+            await pool.aclose()
+
+    run(go())
+
+
+class BlockingServer:
+    """A loopback HTTP/1.1 server on threads of its own, so it acts while the client's event
+    loop is blocked: it answers every request 200 (keep-alive), and :meth:`end` closes the
+    connections open now - with a reset or a FIN - and returns once they are closed."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        port = self._listener.getsockname()[1]
+        self.origin = http1.parse_origin(f"http://127.0.0.1:{port}")
+        self.keys: list[str] = []
+        self._stop = threading.Event()
+        self._open: dict[threading.Thread, threading.Event] = {}
+        self._lock = threading.Lock()
+        self._reset = False
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+
+    def __enter__(self) -> BlockingServer:
+        self._acceptor.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self.end(reset=False)
+        self._acceptor.join(5)
+        self._listener.close()
+
+    def end(self, *, reset: bool) -> None:
+        self._reset = reset
+        with self._lock:
+            ending, self._open = self._open, {}
+        for thread, event in ending.items():
+            event.set()
+            thread.join(5)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._listener], [], [], 0.02)
+            if ready:
+                conn, _ = self._listener.accept()
+                end = threading.Event()
+                thread = threading.Thread(target=self._serve, args=(conn, end), daemon=True)
+                with self._lock:
+                    self._open[thread] = end
+                thread.start()
+
+    def _serve(self, conn: socket.socket, end: threading.Event) -> None:
+        buffer = b""
+        try:
+            while not end.is_set():
+                ready, _, _ = select.select([conn], [], [], 0.02)
+                if not ready:
+                    continue
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buffer += data
+                while b"\r\n\r\n" in buffer:
+                    head, _, rest = buffer.partition(b"\r\n\r\n")
+                    length = _content_length(head)
+                    if len(rest) < length:
+                        break
+                    buffer = rest[length:]
+                    self.keys.append(Received(0, 0, head, b"").key)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            if self._reset:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("reset", [True, False], ids=["rst", "fin"])
+def test_an_idle_connection_closed_unseen_by_the_loop_is_dropped_at_checkout(reset: bool) -> None:
+    """Edge: the server's RST or FIN waits unread in the socket (the loop was busy) when the
+    next request checks the connection out - it is dropped unused, nothing is resent."""
+
+    async def go(server: BlockingServer) -> None:
+        pool = ConnectionPool(server.origin, timeouts=PoolTimeouts(connect_s=1, read_s=2))
+        await post(pool, "a")
+        server.end(reset=reset)  # blocking: the loop cannot read what the server sends
+        time.sleep(0.05)  # (blocking on purpose) the RST or FIN reaches our socket
+        assert pool.idle_connections == 1, "precondition: asyncio has not seen the close"
+        response = await post(pool, "b")
+        assert response.status == 200
+        assert (pool.connects, pool.stale_checkouts, pool.stale_retries) == (2, 1, 0)
+        assert server.keys == ["a", "b"], "sent once, on a new connection"
+        await pool.aclose()
+
+    with BlockingServer() as server:
+        run(go(server))
+
+
+def test_a_reset_asyncio_read_but_did_not_report_yet_is_dropped_at_checkout() -> None:
+    """Edge (the bug of issue 35, item 5): asyncio read the RST and closes the transport, but
+    connection_lost is still queued - the connection is not closed yet, its transport is.
+    Before the fix the request failed ReadError('connection closed') without a resend."""
+
+    async def go(server: BlockingServer) -> None:
+        pool = ConnectionPool(server.origin, timeouts=PoolTimeouts(connect_s=1, read_s=2))
+        await post(pool, "a")
+        server.end(reset=True)
+        time.sleep(0.05)  # (blocking on purpose) the RST waits in our socket
+        # One loop turn: this task's step runs first, the read that meets the RST after it
+        # (asyncio's selector loop runs what was ready before what the poll found) ...
+        await asyncio.sleep(0)
+        # ... and now the read has run: the transport is closing, connection_lost is queued.
+        await asyncio.sleep(0)
+        conn = pool._idle[-1]
+        assert conn._transport is not None and conn._transport.is_closing(), "precondition"
+        assert not conn.closed, "precondition: connection_lost not called yet"
+        response = await post(pool, "b")
+        assert response.status == 200
+        assert (pool.connects, pool.stale_checkouts, pool.stale_retries) == (2, 1, 0)
+        assert server.keys == ["a", "b"]
+        await pool.aclose()
+
+    with BlockingServer() as server:
+        run(go(server))
+
+
+def test_a_connection_found_closed_at_send_says_no_response_started() -> None:
+    """Edge: whatever the connection's last response was, a request refused because the
+    connection is closed has no response begun - the pool may resend it."""
+
+    async def go() -> None:
+        async with Server() as server:
+            pool = pool_for(server)
+            await post(pool, "a")
+            conn = pool._idle.pop()
+            assert conn.response_started, "the last response's bytes"
+            assert conn._transport is not None
+            conn._transport.close()  # closing; connection_lost comes on a later loop turn
+            with pytest.raises(ReadError, match="connection closed"):
+                await conn.roundtrip(b"POST /x HTTP/1.1\r\n\r\n", PoolTimeouts())
+            assert not conn.response_started
             await pool.aclose()
 
     run(go())
