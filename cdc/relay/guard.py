@@ -45,7 +45,7 @@ from cdc import gaps
 from cdc.errors import CdcError
 from cdc.lineage import LastRecord, Owner, origin_value
 from cdc.relay import recovery
-from cdc.relay.gap import Action, Verdict
+from cdc.relay.gap import Action, GapCause, Verdict
 from cdc.relay.ledger import SlotLedger
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import RelayState
@@ -172,6 +172,10 @@ class SlotGuard:
     def _close_gap(self, gap: gaps.HistoryRow) -> str:
         s = self.settings
         reason = f"{gap.cause}: {gap.detail}"
+        if gap.cause == GapCause.FIRST_START:  # (chosen explicitly: not a gap to report)
+            log.info("%s: slot %s: publishing them now (gap %d)", gap.detail, s.slot, gap.id)
+            self._set_state(RelayState.GAP, reason)
+            return self._recover(gap)
         if gap.unrecoverable:
             todo = (
                 "publishing nothing until an operator accepts the loss"
@@ -185,6 +189,10 @@ class SlotGuard:
         self._set_state(RelayState.GAP, reason)
         if gap.unrecoverable or s.gap_recovery == "manual":
             raise SlotGapError(reason)
+        return self._recover(gap)
+
+    def _recover(self, gap: gaps.HistoryRow) -> str:
+        s = self.settings
         done = recovery.recover(s, gap, topics=self._topics)
         window_s = (
             (done.window_end - done.window_start).total_seconds() if done.window_start else 0.0

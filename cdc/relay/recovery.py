@@ -468,11 +468,24 @@ class _Publisher:
 
 
 def topic_manager(settings: Settings) -> TopicManager:
+    """The topics of a recovery run outside the relay (the CLI): each recorded as the
+    relay's before its first record (the relay's own manager does it through its ledger)."""
+
+    def note(topics: list[str]) -> None:
+        with connect(settings) as conn:
+            gaps.note_output(
+                conn,
+                settings.slot,
+                gaps.OUTPUT_TOPIC,
+                [t for t in topics if t != settings.dlq_topic],
+            )
+
     return TopicManager(
         bootstrap=settings.kafka_bootstrap_servers,
         overrides=settings.kafka_config,
         partitions=settings.topic_partitions,
         replication_factor=settings.topic_replication_factor,
+        before_first_use=note,
     )
 
 
