@@ -16,7 +16,8 @@ Guarantees:
   ``confirmed_flush_lsn`` is past it was moved by someone else;
 * at most one gap of a slot is open (a unique partial index, migration 007):
   :func:`record_gap` of a second relay finds the first one's row instead of
-  writing its own;
+  writing its own, and a gap found before the history moved on (another process
+  closed it, or made the slot) is not written (:class:`HistoryChangedError`);
 * a recovery's progress (:func:`record_progress`) only moves forward: every row
   of the window before ``resume_from`` is acknowledged by Kafka;
 * :func:`note_output` records, once each, the topics the relay published to and
@@ -34,7 +35,7 @@ import psycopg
 from psycopg import errors as pgerrors
 from psycopg.rows import dict_row
 
-from cdc.errors import DatabaseSetupError
+from cdc.errors import CdcError, DatabaseSetupError
 
 Conn = psycopg.Connection[Any]
 
@@ -249,14 +250,25 @@ class NewGap:
     unrecoverable: bool
 
 
-def record_gap(conn: Conn, gap: NewGap) -> HistoryRow:
-    """Write ``gap`` as ``open`` unless the slot has an open gap already (another relay
-    wrote it first: at most one is open); the open row."""
+class HistoryChangedError(CdcError):
+    """The slot history moved on since the gap check read it (another relay or the CLI
+    recovered, accepted or made the slot): the check is done again."""
+
+    retriable = True
+
+
+def record_gap(conn: Conn, gap: NewGap, *, seen_latest: int | None) -> HistoryRow:
+    """Write ``gap`` as ``open``, unless the slot has an open gap already (another relay
+    wrote it first: at most one is open) - its open row. ``seen_latest``: the slot's
+    newest history row when the gap was found; if a newer one was written since, nothing
+    is written and :class:`HistoryChangedError` raised (the finding is stale)."""
     try:
         conn.execute(
             "INSERT INTO outbox_cdc_slot_history (slot, event, cause, detail, state,"
             " last_published_ts, last_published_origin, window_start, unrecoverable)"
-            " VALUES (%s, 'gap', %s, %s, 'open', %s, %s, %s, %s)"
+            " SELECT %s, 'gap', %s, %s, 'open', %s, %s, %s, %s"
+            " WHERE NOT EXISTS (SELECT 1 FROM outbox_cdc_slot_history"
+            " WHERE slot = %s AND id > %s)"
             " ON CONFLICT (slot) WHERE state = 'open' DO NOTHING",
             (
                 gap.slot,
@@ -266,13 +278,18 @@ def record_gap(conn: Conn, gap: NewGap) -> HistoryRow:
                 gap.last_published_origin,
                 gap.window_start,
                 gap.unrecoverable,
+                gap.slot,
+                -1 if seen_latest is None else seen_latest,
             ),
         )
     except (pgerrors.UndefinedTable, pgerrors.InvalidColumnReference) as exc:
         # (no table, or no unique index to conflict on: migration 007 not applied)
         raise _unmigrated(exc) from exc
     opened = open_gaps(conn, gap.slot)
-    assert opened, "an open gap was written or found"
+    if not opened:
+        raise HistoryChangedError(
+            f"the history of slot {gap.slot} changed since the gap check: checking again"
+        )
     return opened[0]
 
 

@@ -38,6 +38,7 @@ import threading
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+import psycopg
 from confluent_kafka import KafkaException
 
 from cdc import constants as c
@@ -284,7 +285,7 @@ class SlotGuard:
                 return
             self._start_check_window(window, owner, origin)
             self._start_checked = True
-        except (CdcError, KafkaException, OSError, ValueError) as exc:
+        except (CdcError, KafkaException, psycopg.Error, OSError, ValueError) as exc:
             log.warning(
                 "start-up check of slot %s failed (tried again at the next session): %s",
                 self.settings.slot,

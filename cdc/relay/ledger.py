@@ -15,17 +15,20 @@ Guarantees (the relay's side of :mod:`cdc.gaps`, migration 007):
   of them** (:meth:`note_topics`, :meth:`note_form`; once per process each): the
   next start reads the tails of exactly those topics, and knows whether the
   relay ever published logical messages (which the table cannot give back);
-* a failed write never ends the session: a raise is tried again later (the
-  confirmation waits meanwhile: duplicates after a crash, never a loss); a topic
-  or form that cannot be recorded raises :class:`cdc.errors.StreamError`
-  (nothing is produced to it before it is recorded).
+* a raise that fails (tried twice, the second time on a new connection) ends the
+  session (:class:`cdc.errors.StreamError`; the next one checks the slot again):
+  a server shutting down terminates ordinary connections first, and its
+  walsender waits for the relay to confirm the end of the WAL before it exits -
+  which a capped relay never would; closing the replication connection lets the
+  shutdown go on. At the relay's own shutdown (:meth:`settle`) a failure is only
+  logged. A topic or form that cannot be recorded raises :class:`StreamError`
+  too (nothing is produced to it before it is recorded).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -66,7 +69,6 @@ class SlotLedger:
         self._raised_at = 0.0
         self._topics: set[str] = set()
         self._forms: set[str] = set()
-        self._warned_at = 0.0
 
     def vouch(self, maker_id: int, limit: str) -> None:
         """The session streams the slot made by history row ``maker_id`` (limit ``limit``)."""
@@ -80,39 +82,51 @@ class SlotLedger:
         return lsn if lsn <= self.limit or self.maker_id is None else self.limit
 
     def cap(self, lsn: int, now: float) -> int:
-        """``lsn`` as far as the slot may confirm it, the limit raised first when due."""
+        """``lsn`` as far as the slot may confirm it, the limit raised first when due
+        (:class:`StreamError` when it cannot be: see the module docstring)."""
         if lsn <= self.limit or self.maker_id is None:
             return lsn
         wait_s = RAISE_MIN_S if lsn > self.own_end else RAISE_IDLE_S
         if now - self._raised_at >= wait_s:
             self._raised_at = now
-            self._raise()
+            failed = self._raise()
+            if failed is not None:
+                raise StreamError(
+                    f"slot {self.settings.slot}: its confirm limit cannot be raised ({failed}):"
+                    " closing the replication connection (a server shutting down waits for it)"
+                )
         return min(lsn, self.limit)
 
     def settle(self) -> None:
         """Raise the limit now (at shutdown: the last confirmation goes as far as it can)."""
-        if self.maker_id is not None:
-            self._raise()
-
-    def _raise(self) -> None:
-        assert self.maker_id is not None
-        try:
-            limit, end = gaps.raise_confirm_limit(self._connection(), self.maker_id)
-        except (psycopg.Error, CdcError) as exc:
-            self._drop()
-            now = time.monotonic()
-            if now - self._warned_at >= RAISE_IDLE_S:
-                self._warned_at = now
-                log.warning(
-                    "slot %s: its confirm limit was not raised (%s); confirming no further"
-                    " than %s meanwhile",
-                    self.settings.slot,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
-                    lsn_to_str(self.limit),
-                )
+        if self.maker_id is None:
             return
-        self.limit = max(self.limit, str_to_lsn(limit))
-        self.own_end = str_to_lsn(end)
+        failed = self._raise()
+        if failed is not None:
+            log.warning(
+                "slot %s: its confirm limit was not raised at shutdown (%s): it confirms no"
+                " further than %s (those events are read again at the next start)",
+                self.settings.slot,
+                failed,
+                lsn_to_str(self.limit),
+            )
+
+    def _raise(self) -> str | None:
+        """Raise the recorded limit; None, or why it failed (after a second try on a new
+        connection: the first may have been closed by the server while idle)."""
+        assert self.maker_id is not None
+        why = ""
+        for _ in range(2):
+            try:
+                limit, end = gaps.raise_confirm_limit(self._connection(), self.maker_id)
+            except (psycopg.Error, CdcError) as exc:
+                self._drop()
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                continue
+            self.limit = max(self.limit, str_to_lsn(limit))
+            self.own_end = str_to_lsn(end)
+            return None
+        return why
 
     def note_topics(self, topics: Iterable[str]) -> None:
         """Record ``topics`` as the relay's (before its first record to them)."""

@@ -53,7 +53,13 @@ from psycopg import sql
 
 from cdc import constants as c
 from cdc import gaps
-from cdc.errors import CdcError, DatabaseSetupError, KafkaUnavailableError, SlotInUseError
+from cdc.errors import (
+    CdcError,
+    DatabaseSetupError,
+    KafkaUnavailableError,
+    SlotInUseError,
+    StreamError,
+)
 from cdc.lineage import (
     LastRecord,
     Owner,
@@ -212,8 +218,10 @@ def open_gap(settings: Settings, found: Inspection) -> gaps.HistoryRow:
     with connect(settings) as conn:
         if verdict.gap_id is not None:
             row = gaps.latest(conn, settings.slot)
-            if row is not None and row.is_open:
-                return row
+            if row is None or row.id != verdict.gap_id or not row.is_open:
+                # (recovered or accepted by another process since the check read it)
+                raise StreamError(f"gap {verdict.gap_id} was closed meanwhile: checking again")
+            return row
         reason = why_unrecoverable(conn, settings, found.last)
         last = found.last
         return gaps.record_gap(
@@ -227,6 +235,7 @@ def open_gap(settings: Settings, found: Inspection) -> gaps.HistoryRow:
                 window_start=verdict.window_start,
                 unrecoverable=reason is not None,
             ),
+            seen_latest=found.history.id if found.history is not None else None,
         )
 
 
@@ -245,6 +254,7 @@ def open_first_start(settings: Settings) -> gaps.HistoryRow:
                 window_start=None,
                 unrecoverable=False,
             ),
+            seen_latest=None,
         )
 
 

@@ -35,6 +35,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,9 @@ from tests.records import RawProducer, RawRecord
 pytestmark = pytest.mark.integration
 
 AGG = "evidence"
+#: Records of another cluster, and records without origin, per partition (more than the
+#: 20 of a tail read's first round).
+FOREIGN_PER_KIND = 15
 #: The gap margin of these tests (the session's database is shared: keep windows short).
 MARGIN_S = 2
 
@@ -230,8 +234,9 @@ def test_records_of_another_cluster_and_without_origin_are_not_the_relays_memory
     published = _first_run(cfg, tmp_path)
     future = datetime.now(UTC) + timedelta(hours=1)
     producer = Producer({"bootstrap.servers": cfg.kafka})
+    foreign = [f"6999999999999999999/1/{cfg.slot}".encode(), None] * FOREIGN_PER_KIND
     for partition in range(cfg.partitions):
-        for origin in (f"6999999999999999999/1/{cfg.slot}".encode(), None):
+        for origin in foreign:
             headers = [
                 ("id", str(uuid.uuid4()).encode()),
                 ("commit_ts", future.isoformat().encode()),
@@ -248,15 +253,23 @@ def test_records_of_another_cluster_and_without_origin_are_not_the_relays_memory
                 timestamp=int(future.timestamp() * 1000),
             )
     assert producer.flush(30) == 0
+    shallow = {**cfg.extra, "CDC_GAP_TAIL_MAX_RECORDS": str(2 * FOREIGN_PER_KIND - 5)}
+    buried = _cli(replace(cfg, extra=shallow), "slot", "recover", check=False)
+    assert buried.returncode == 1, buried  # (the relay's records lie deeper: it says so)
+    assert len(buried.stderr.strip().splitlines()) == 1, buried.stderr
+    assert "CDC_GAP_TAIL_MAX_RECORDS" in buried.stderr
     while_down = _write(cfg.db_dsn, 5)
     relay, port = start_relay(cfg, tmp_path, name="second")
     try:
-        msgs = read_topics(cfg.kafka, [_topic(cfg)], expect=8 + 2 * cfg.partitions)
+        msgs = read_topics(cfg.kafka, [_topic(cfg)], expect=8 + len(foreign) * cfg.partitions)
         assert set(published + while_down) <= _ids(msgs)
         assert not _recovered_ids(msgs), "no gap: nothing re-published"
         labels = ('reason="foreign_origin"', 'reason="no_origin"')
         name = "outbox_relay_tail_records_skipped_total"
-        assert [_metric(port, name, label) for label in labels] == [cfg.partitions] * 2
+        # (the tails grew past the 20 records of the first round to find the relay's own)
+        assert [_metric(port, name, label) for label in labels] == [
+            FOREIGN_PER_KIND * cfg.partitions
+        ] * 2
     finally:
         relay.close()
     log = relay.log_path.read_text()
@@ -505,6 +518,7 @@ def test_two_writers_cannot_both_open_a_gap(db_dsn: str, unique: str) -> None:
                 gaps.record_gap(
                     conn,
                     gaps.NewGap(slot, "slot_missing", "test", None, None, None, False),
+                    seen_latest=None,
                 )
             )
 
