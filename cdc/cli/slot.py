@@ -189,9 +189,13 @@ def slot_init_cmd(source: str, as_json: bool) -> None:
     verdict = found.verdict
     resuming = verdict.action is Action.GAP and verdict.cause is GapCause.FIRST_START
     if not resuming and (found.history is not None or found.last is not None):
+        since = (
+            f"its history has row {found.history.id} ({found.history.event}, {found.history.state})"
+            if found.history is not None
+            else "the relay's records are in Kafka"
+        )
         fail(
-            f"slot {settings.slot} is not at its first start ({verdict.reason}):"
-            " `outbox-cdc slot status`"
+            f"slot {settings.slot} is not at its first start: {since}; see `outbox-cdc slot status`"
         )
     if found.slot is not None and found.slot.active:
         fail(f"slot {settings.slot} is active: stop the relay streaming it first")

@@ -529,3 +529,41 @@ def test_two_writers_cannot_both_open_a_gap(db_dsn: str, unique: str) -> None:
         t.join(60)
     assert len(rows) == 2 and rows[0].id == rows[1].id
     assert [h[:3] for h in _history(db_dsn, slot)] == [("gap", "slot_missing", "open")]
+
+
+def test_migration_007_keeps_one_open_gap_per_slot_with_the_earliest_window(
+    empty_db_dsn: str, tmp_path: Path
+) -> None:
+    """Edge: upgrading a database where two relays had both opened a gap (before 007):
+    the unique index needs one open row per slot; the oldest is kept, with the earliest
+    window of them all (nothing of either window is left out), the other superseded."""
+    before_007 = tmp_path / "sql"
+    before_007.mkdir()
+    for path in sorted((ROOT / "sql").glob("00[1-6]_*.sql")):
+        (before_007 / path.name).write_text(path.read_text())
+    migrate(empty_db_dsn, directory=before_007)
+    with psycopg.connect(empty_db_dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox_cdc_slot_history (slot, event, cause, state, window_start)"
+            " VALUES ('a', 'gap', 'slot_lost', 'open', now() - interval '1 hour'),"
+            " ('a', 'gap', 'slot_missing', 'open', now() - interval '2 hours'),"
+            " ('b', 'gap', 'slot_lost', 'open', NULL), ('b', 'gap', 'slot_lost', 'open', now())"
+        )
+    assert migrate(empty_db_dsn) == ["007"]
+    with psycopg.connect(empty_db_dsn) as conn:
+        rows = conn.execute(
+            "SELECT slot, state, window_start IS NULL,"
+            " window_start < now() - interval '90 minutes'"
+            " FROM outbox_cdc_slot_history ORDER BY id"
+        ).fetchall()
+        assert rows == [
+            ("a", "open", False, True),
+            ("a", "superseded", False, True),
+            ("b", "open", True, None),
+            ("b", "superseded", False, False),
+        ]
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute(
+                "INSERT INTO outbox_cdc_slot_history (slot, event, cause, state)"
+                " VALUES ('a', 'gap', 'slot_lost', 'open')"
+            )
