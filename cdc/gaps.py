@@ -160,6 +160,21 @@ def maker(conn: Conn, slot: str) -> HistoryRow | None:
     return rows[0] if rows else None
 
 
+def responsible_since(conn: Conn, slot: str) -> datetime | None:
+    """When the relay's first start made (or took over) ``slot``, choosing not to publish
+    the rows already in the table (``first_start``, ``init_now``); None otherwise (its
+    history is older, or ``slot init --from table`` published them)."""
+    rows = _rows(
+        conn,
+        f"SELECT {_COLUMNS} FROM {TABLE} WHERE slot = %s ORDER BY id LIMIT 1",  # noqa: S608
+        (slot,),
+    )
+    first = rows[0] if rows else None
+    if first is None or first.event == EVENT_GAP:
+        return None
+    return first.detected_at if first.cause in ("first_start", "init_now") else None
+
+
 @dataclass(frozen=True)
 class SlotMade:
     """A slot the relay just made (or adopted), as it is recorded."""

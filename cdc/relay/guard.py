@@ -25,7 +25,8 @@ Guarantees:
   per start at INFO;
 * **the start-up check**: once a session has confirmed past the WAL position of
   its start, the rows committed between the relay's last record in Kafka (minus
-  the margin) and that start (minus the margin) are checked against the
+  the margin; never before its first start when that chose not to publish the
+  rows already there) and that start (minus the margin) are checked against the
   relay's records in its topics (:func:`cdc.verify.missing_rows`); missing ones
   are re-published, marked ``recovered: verify``. It runs in a thread, once per
   process (again at the next session if it failed), and never stops the stream.
@@ -126,11 +127,12 @@ class SlotGuard:
             start = conn.execute(
                 "SELECT pg_current_wal_lsn()::text, statement_timestamp()"
             ).fetchone()
+            since = gaps.responsible_since(conn, s.slot)
         if maker is None or maker.confirm_limit_lsn is None:
             raise SlotGapError(f"slot {s.slot} has no recorded identity after the gap check")
         self._ledger.vouch(maker.id, maker.confirm_limit_lsn)
         assert start is not None
-        self._arm_start_check(found.last, found.server, origin, str(start[0]), start[1])
+        self._arm_start_check(found.last, found.server, origin, str(start[0]), start[1], since)
         return (c.HEADER_ORIGIN, origin.encode())
 
     def _first_start_choice(self, verdict: Verdict) -> Verdict:
@@ -258,16 +260,20 @@ class SlotGuard:
         origin: str,
         start_lsn: str,
         start_at: datetime,
+        since: datetime | None,
     ) -> None:
-        """Check (in a thread) the window since ``last`` once the slot confirmed past
-        ``start_lsn``; once per process (again at the next session if it failed)."""
+        """Check (in a thread) the window since ``last`` (never before ``since``: the rows
+        committed before the relay's first start are not its own) once the slot
+        confirmed past ``start_lsn``; once per process (again at the next session if it
+        failed)."""
         if self._start_checked or (self._start_check is not None and self._start_check.is_alive()):
             return
         if last is None:  # nothing of the relay's in Kafka: nothing published to check
             self._start_checked = True
             return
         margin = timedelta(seconds=self.settings.gap_margin_s)
-        window = Window(last.commit_ts - margin, start_at - margin)
+        begin = last.commit_ts - margin
+        window = Window(begin if since is None else max(begin, since), start_at - margin)
         if window.end <= window.start:
             self._start_checked = True
             return
