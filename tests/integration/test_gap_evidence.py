@@ -19,8 +19,10 @@ afterwards. Every one failed on the code before issue 34:
   (before: the slot made silently, the rows never published);
 * the start-up check re-publishes rows missing from Kafka (a database migrated
   before 007 whose slot was re-created: adopted, the window checked);
+* the start-up check leaves alone the rows a `--from now` first start chose not
+  to publish;
 * a recovery that died half-way resumes from its recorded progress; two
-  writers cannot both open a gap.
+  writers cannot both open a gap; migration 007 merges duplicate open gaps.
 """
 
 from __future__ import annotations
@@ -567,3 +569,39 @@ def test_migration_007_keeps_one_open_gap_per_slot_with_the_earliest_window(
                 "INSERT INTO outbox_cdc_slot_history (slot, event, cause, state)"
                 " VALUES ('a', 'gap', 'slot_lost', 'open')"
             )
+
+
+def test_the_start_check_leaves_alone_the_rows_a_first_start_chose_not_to_publish(
+    private_db: str, kafka_bootstrap: str, unique: str, tmp_path: Path
+) -> None:
+    """Edge: `slot init --from now` said the rows already in the table are not published;
+    a later start's check of the window since the last record (minus the margin) must not
+    reach back before that first start and publish them after all."""
+    margin_s = 8
+    cfg = RelayConfig(
+        db_dsn=private_db,
+        kafka=kafka_bootstrap,
+        unique=unique,
+        extra={"CDC_SLOT_INIT": "refuse", "CDC_GAP_MARGIN_S": str(margin_s)},
+    )
+    existing = _write(private_db, 3)
+    _cli(cfg, "slot", "init", "--from", "now")
+    relay, _ = start_relay(cfg, tmp_path, name="first")
+    try:
+        later = _write(private_db, 2)  # (within the margin of the rows before the init)
+        read_topics(kafka_bootstrap, [_topic(cfg)], expect=2, idle_s=0.5)
+        assert relay.terminate() == 0
+    finally:
+        relay.close()
+    time.sleep(margin_s + 1)  # (the check's window ends at the start minus the margin)
+    relay2, _ = start_relay(cfg, tmp_path, name="second")
+    try:
+        wait_until(
+            lambda: "start-up check of slot" in relay2.log_path.read_text(), 120, "the check"
+        )
+        msgs = read_topics(kafka_bootstrap, [_topic(cfg)], expect=2)
+    finally:
+        relay2.close()
+    assert _ids(msgs) == set(later), "the rows the first start left are still not published"
+    assert not set(existing) & _ids(msgs)
+    assert "are in Kafka" in relay2.log_path.read_text()
