@@ -158,12 +158,18 @@ def _no_slot(e: Evidence, margin: timedelta, first_start: bool) -> Verdict:
     )
 
 
+#: ... and when a slot of that name exists (made outside the relay, or by a relay from
+#: before slot histories and the `origin` header).
+REFUSE_EXISTING = "; slot {slot} exists: `--from now` takes it over (what it holds is published)"
+
+
 def _first_start(e: Evidence, action: Action, detail: str) -> Verdict:
     if e.outbox_empty:
         return Verdict(
             action, detail=f"{detail}, no slot history, no record in Kafka, an empty outbox table)"
         )
-    return Verdict(Action.REFUSE, detail=REFUSE_DETAIL.format(slot=e.slot_name))
+    refusal = REFUSE_DETAIL + (REFUSE_EXISTING if e.slot is not None else "")
+    return Verdict(Action.REFUSE, detail=refusal.format(slot=e.slot_name))
 
 
 def _adopt_unrecorded(e: Evidence, margin: timedelta, survives: bool) -> Verdict:

@@ -308,6 +308,7 @@ def test_decide(
         assert cause is not None and verdict.reason.startswith(cause.value)
     if action is Action.REFUSE:
         assert "slot init --from now" in verdict.detail and "CDC_SLOT_INIT" in verdict.detail
+        assert ("takes it over" in verdict.detail) == (evidence.slot is not None)
 
 
 def test_a_failover_slot_carried_to_the_promoted_server_is_trusted_up_to_the_switch() -> None:
