@@ -25,8 +25,14 @@ HEADER_TRACEPARENT = "traceparent"
 #: ``<system_identifier>/<timeline>/<slot>`` of the session that published the
 #: record: the relay's memory of where it streamed from (cdc.lineage).
 HEADER_ORIGIN = "origin"
-#: On records re-published from the outbox table after a slot gap: the gap's id.
+#: On records re-published from the outbox table after a slot gap: the gap's id
+#: (``verify`` when the start-up check re-published a row missing from Kafka).
 HEADER_RECOVERED = "recovered"
+#: On records made from a logical message (``pg_logical_emit_message``): ``message``.
+#: Rows of the outbox table carry no ``form``. The relay's evidence of which events
+#: the table can give back after a slot gap (cdc.relay.gap).
+HEADER_FORM = "form"
+FORM_MESSAGE = b"message"
 #: Dead-letter headers: why Kafka refused the record and where it came from.
 HEADER_DLQ_REASON = "dlq.reason"
 HEADER_DLQ_TOPIC = "dlq.original.topic"

@@ -49,7 +49,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
@@ -213,7 +213,10 @@ class TopicManager:
         replication_factor: int,
         timeout_s: float = 30.0,
         events: KafkaClientEvents | None = None,
+        before_first_use: Callable[[list[str]], None] | None = None,
     ) -> None:
+        """``before_first_use``: called with the topics :meth:`ensure` is about to make
+        known, before any record is produced to them (the relay records its topics)."""
         config: dict[str, Any] = {
             k: v for k, v in overrides.items() if k.startswith(("security.", "sasl.", "ssl."))
         }
@@ -223,6 +226,7 @@ class TopicManager:
         self._partitions = partitions
         self._replication_factor = replication_factor
         self._timeout_s = timeout_s
+        self._before_first_use = before_first_use
         self.known: set[str] = set()
 
     def serve(self) -> None:
@@ -241,6 +245,8 @@ class TopicManager:
         wanted = [t for t in topics if t not in self.known]
         if not wanted:
             return
+        if self._before_first_use is not None:
+            self._before_first_use(wanted)
         try:
             existing = self._admin.list_topics(timeout=self._timeout_s).topics
         except KafkaException as exc:

@@ -11,9 +11,11 @@ Guarantees (:func:`retention_for`):
 * while a gap is open, rows from its window's start are kept; a gap whose
   window starts at the first row refuses the prune;
 * with the slot missing or lost and no open gap (the relay has not looked yet),
-  rows from the last record of the slot in Kafka minus ``CDC_GAP_MARGIN_S`` are
-  kept; when Kafka is not configured or holds no record of the slot, the prune
-  is refused (:class:`PruneRefusedError`): nothing says what was published.
+  rows from the relay's last record in Kafka minus ``CDC_GAP_MARGIN_S`` are
+  kept - only records whose ``origin`` names this server's system, timeline
+  lineage and the slot count (:mod:`cdc.lineage`, read defensively); when Kafka
+  is not configured or holds no record of the relay's, the prune is refused
+  (:class:`PruneRefusedError`): nothing says what was published.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from confluent_kafka import KafkaException
 
 from cdc import gaps
 from cdc.errors import CdcError
-from cdc.lineage import last_published
+from cdc.lineage import Owner, list_topics, read_tails, relay_topics
 from cdc.outbox import Retention
 from cdc.settings import Settings
-from cdc.wal.slots import read_slot
+from cdc.wal.slots import identify_system, read_slot
 
 Conn = psycopg.Connection[Any]
 
@@ -60,9 +62,11 @@ def retention_for(conn: Conn, settings: Settings) -> Retention:
             " says which rows were published, nothing pruned"
         )
     try:
-        last = last_published(settings)
-    except KafkaException as exc:
-        raise PruneRefusedError(f"slot {settings.slot} is {state} and Kafka: {exc}") from exc
+        server = identify_system(settings.pg_dsn.get_secret_value())
+        topics, _ = relay_topics(conn, settings, list_topics(settings))
+        last = read_tails(settings, Owner.of(server, settings.slot), topics).last
+    except (KafkaException, CdcError) as exc:
+        raise PruneRefusedError(f"slot {settings.slot} is {state} and: {exc}") from exc
     if last is None:
         raise PruneRefusedError(
             f"slot {settings.slot} is {state} and Kafka holds no record of it: nothing pruned"

@@ -10,7 +10,8 @@ Pure. The record is the contract any topic consumer relies on (DESIGN.md):
   re-encoded: no number, string or space of it is changed
 * headers ``id`` (event uuid = idempotency key), ``type``, ``aggregatetype``,
   ``lsn`` (commit LSN), ``commit_ts`` (ISO-8601 UTC), ``origin`` (the relay's
-  session: system identifier / timeline / slot), ``traceparent`` when present
+  session: system identifier / timeline / slot), ``traceparent`` when present,
+  ``form: message`` on a record made from a logical message (none on a row's)
 * timestamp = the transaction's commit time in milliseconds
 
 An event that cannot become a record (a missing field, a payload that is not a
@@ -364,7 +365,7 @@ def route_message(content: bytes, tx: TxContext, *, topic_prefix: str) -> KafkaR
             key=key,
             topic=topic,
         )
-    return _record(
+    record = _record(
         event_id=event_id,
         aggregate_type=aggregate_type,
         aggregate_id=aggregate_id,
@@ -374,6 +375,8 @@ def route_message(content: bytes, tx: TxContext, *, topic_prefix: str) -> KafkaR
         tx=tx,
         topic_prefix=topic_prefix,
     )
+    record.headers.append((c.HEADER_FORM, c.FORM_MESSAGE))  # (cdc.lineage: not in the table)
+    return record
 
 
 def _record(

@@ -80,6 +80,8 @@ POSITIVE = frozenset(
         "engine_connect_timeout_s",
         "engine_read_timeout_s",
         "scheduler_interval_s",
+        "gap_tail_records",
+        "gap_tail_max_records",
     }
 )
 #: Highest TCP port number.
@@ -172,8 +174,22 @@ class Settings(BaseSettings):
     #: purpose (sharding across relays); a gap recovery then re-publishes only that share.
     #: `false`: a row filter is refused at start.
     publication_filtered: bool = env("CDC_PUBLICATION_FILTERED", False)
-    #: Records read from the end of each outbox partition to find the relay's last one.
+    #: Records read first from the end of each partition of the relay's topics to find
+    #: its newest record (only records whose `origin` names this relay count).
     gap_tail_records: int = env("CDC_GAP_TAIL_RECORDS", 20)
+    #: A partition whose tail holds none of the relay's records is read 8 times deeper
+    #: per round, up to this many records; with none of its records found and more
+    #: before them, the start stops with an error naming this setting.
+    gap_tail_max_records: int = env("CDC_GAP_TAIL_MAX_RECORDS", 100_000)
+    #: A first start (no slot, no slot history, no record of this relay in Kafka) on an
+    #: outbox table that holds rows: `refuse` (wait for `outbox-cdc slot init --from now`
+    #: or `--from table`), `now` (create the slot: the rows already there are not
+    #: published) or `table` (publish the table's rows, marked `recovered`, then stream).
+    slot_init: Literal["refuse", "now", "table"] = env("CDC_SLOT_INIT", "refuse")
+    #: Every start checks the outbox rows committed since the relay's last record in
+    #: Kafka against the records there and re-publishes the missing ones; a window of
+    #: more rows than this is skipped with a warning (`outbox-cdc audit` covers it).
+    start_verify_max_rows: int = env("CDC_START_VERIFY_MAX_ROWS", 1_000_000)
     #: Records handed to Kafka but not yet acknowledged before the relay stops
     #: reading WAL (back-pressure); bounds memory while Kafka is slow or away
     #: (~1.5 KB a record over ~75 MB: 20,000 keeps the relay near 100 MB).

@@ -87,8 +87,15 @@ GROUPS: tuple[Group, ...] = (
     ),
     Group(
         "Relay: slot gaps and recovery",
-        ("CDC_GAP_", "CDC_RECOVERY_", "CDC_OUTBOX_KEEPS_ROWS"),
-        "A lost, dropped or failed-over slot ([When the slot is lost](../relay/slot-gaps.md)).",
+        (
+            "CDC_GAP_",
+            "CDC_RECOVERY_",
+            "CDC_OUTBOX_KEEPS_ROWS",
+            "CDC_SLOT_INIT",
+            "CDC_START_VERIFY_",
+        ),
+        "A lost, dropped, replaced or failed-over slot, a first start, the start-up check"
+        " ([When the slot is lost](../relay/slot-gaps.md)).",
     ),
     Group(
         "Relay: standby-safe mode",

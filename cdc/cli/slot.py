@@ -1,7 +1,9 @@
-"""``outbox-cdc slot``: the replication slot's status, dropping it, closing a gap.
+"""``outbox-cdc slot``: the replication slot's status, dropping it, closing a gap, a first start.
 
-Calls :mod:`cdc.ops`; the views are in :mod:`cdc.cli.render`. ``drop`` is
-refused while a relay streams the slot, and asks before losing events.
+Calls :mod:`cdc.ops` and :mod:`cdc.relay.recovery`; the views are in
+:mod:`cdc.cli.render`. ``drop`` is refused while a relay streams the slot, and
+asks before losing events. ``init`` is the explicit first start the relay asks
+for when the outbox table already holds rows.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
 
 @click.group()
 def slot() -> None:
-    """The replication slot: status, drop, and closing a gap (recover, accept-gap)."""
+    """The replication slot: status, drop, first start (init), gaps (recover, accept-gap)."""
 
 
 @slot.command("status")
@@ -157,6 +159,67 @@ def slot_accept_gap_cmd(by: str, yes: bool, as_json: bool) -> None:
         "origin": origin,
     }
     _answer(as_json, result, f"gap {gap.id} accepted by {by}; slot {settings.slot} created")
+
+
+@slot.command("init")
+@click.option(
+    "--from",
+    "source",
+    type=click.Choice(["now", "table"]),
+    required=True,
+    help="now: the rows already in the outbox table are not published; table: they are",
+)
+@click.option("--json", "as_json", is_flag=True, help="the result as JSON on stdout")
+def slot_init_cmd(source: str, as_json: bool) -> None:
+    """The relay's first start, made explicit (it refuses one on a non-empty outbox).
+
+    --from now makes the slot (or takes over the one of that name, unused) and
+    records it as the relay's: events committed from then on are published, the
+    rows already in the table are not. --from table publishes every row of the
+    table (the publication's share), marked `recovered`, from a new slot's
+    snapshot, then the relay streams from that slot; a run that dies half-way is
+    resumed by the next run or by the relay. Refused once the slot has a history
+    or the relay has records in Kafka: that is not a first start.
+    """
+    from cdc.relay import recovery
+    from cdc.relay.gap import Action, GapCause
+
+    settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    found = recovery.inspect(settings)
+    verdict = found.verdict
+    resuming = verdict.action is Action.GAP and verdict.cause is GapCause.FIRST_START
+    if not resuming and (found.history is not None or found.last is not None):
+        since = (
+            f"its history has row {found.history.id} ({found.history.event}, {found.history.state})"
+            if found.history is not None
+            else "the relay's records are in Kafka"
+        )
+        fail(
+            f"slot {settings.slot} is not at its first start: {since}; see `outbox-cdc slot status`"
+        )
+    if found.slot is not None and found.slot.active:
+        fail(f"slot {settings.slot} is active: stop the relay streaming it first")
+    if source == "now":
+        if resuming:
+            fail(f"slot {settings.slot} has a `--from table` start under way: run it again")
+        made = recovery.make_slot(
+            settings,
+            found,
+            cause="init_now",
+            detail="slot init --from now: the rows already in the outbox table are not published",
+        )
+        doc: dict[str, object] = {"from": "now", "slot": settings.slot, "lsn": made.lsn}
+        _answer(as_json, doc, f"slot {settings.slot} made the relay's at {made.lsn}")
+        return
+    gap = recovery.open_gap(settings, found) if resuming else recovery.open_first_start(settings)
+    done = recovery.recover(settings, gap)
+    result = {"from": "table", "slot": settings.slot, "gap_id": gap.id, **_recovered_json(done)}
+    _answer(
+        as_json,
+        result,
+        f"slot {settings.slot} made at {done.consistent_lsn}: {done.rows} rows of the outbox"
+        f" table published in {done.seconds:.1f}s",
+    )
 
 
 def _answer(as_json: bool, doc: dict[str, object], text: str) -> None:

@@ -27,9 +27,11 @@ from cdc.constants import PG_EPOCH_OFFSET_US
 from cdc.errors import (
     DecodeError,
 )
+from cdc.gaps import FORM_MESSAGE
 from cdc.producer import (
     TopicManager,
 )
+from cdc.relay.ledger import SlotLedger
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import PoisonIds, RefusedStep, SendRowStep, SendStep, Session
 from cdc.router import (
@@ -128,6 +130,7 @@ class FastPath:
         _topic_of: dict[bytes, str]
         _utf8: bool
         _table: tuple[str, ...] | tuple[None, str]
+        _ledger: SlotLedger
 
         def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None: ...
 
@@ -384,4 +387,5 @@ class FastPath:
         except RouteError as exc:
             self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
             return
+        self._ledger.note_form(FORM_MESSAGE)  # (recorded before the first: cdc.relay.gap)
         self._produce(sess, sess.tx_id, record)

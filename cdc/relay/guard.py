@@ -1,36 +1,60 @@
-"""The relay's slot guard: the gap check before every session, and the recovery behind it.
+"""The relay's slot guard: the gap check before every session, the recovery behind it, and the
+start-up check of what the last start published.
 
 Guarantees:
 
 * a session streams only after :func:`cdc.relay.gap.decide` said so, or after
-  the slot was created at a first start (recorded in the slot history), or
-  after a gap was closed - recovered from the outbox table with every record
-  acknowledged, or the loss accepted by an operator;
-* a gap is logged once (per gap) at ERROR, saying what happened and what the
-  relay will do, counted in ``outbox_relay_gaps_total{cause}``; the relay is in
-  state ``gap`` (``/readyz`` 503 ``gap: <cause>: <detail>``) until it is closed;
-* ``CDC_GAP_RECOVERY=manual``, or a gap the table cannot replay, keeps the relay
-  in ``gap``: it checks again every :data:`GAP_RECHECK_S` and goes on once an
-  operator ran ``outbox-cdc slot recover --execute`` or ``slot accept-gap``.
+  the slot was made (first start on an empty outbox, ``CDC_SLOT_INIT``) or
+  adopted (no identity recorded, nothing against it) and its identity recorded
+  in the slot history, or after a gap was closed - recovered from the outbox
+  table with every record acknowledged, or the loss accepted by an operator;
+  every session then confirms no further than the slot's confirm limit
+  (:class:`cdc.relay.ledger.SlotLedger`);
+* a slot another process streams is not inspected (no tail read): the relay
+  waits as a standby;
+* a gap is logged once (per gap) at ERROR, saying what happened, which kinds of
+  events the table cannot give back (if any) and what the relay will do,
+  counted in ``outbox_relay_gaps_total{cause}``; the relay is in state ``gap``
+  (``/readyz`` 503 ``gap: <cause>: <detail>``) until it is closed;
+* ``CDC_GAP_RECOVERY=manual``, a gap the table cannot replay, or a first start on a
+  non-empty outbox with ``CDC_SLOT_INIT=refuse`` keeps the relay in ``gap``: it
+  checks again every :data:`GAP_RECHECK_S` and goes on once an operator ran
+  ``outbox-cdc slot recover --execute``, ``slot accept-gap`` or ``slot init``;
+* records the tail read passed by (another producer's, unreadable ones) are
+  counted in ``outbox_relay_tail_records_skipped_total{reason}`` and logged once
+  per start at INFO;
+* **the start-up check**: once a session has confirmed past the WAL position of
+  its start, the rows committed between the relay's last record in Kafka (minus
+  the margin; never before its first start when that chose not to publish the
+  rows already there) and that start (minus the margin) are checked against the
+  relay's records in its topics (:func:`cdc.verify.missing_rows`); missing ones
+  are re-published, marked ``recovered: verify``. It runs in a thread, once per
+  process (again at the next session if it failed), and never stops the stream.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
+
+import psycopg
+from confluent_kafka import KafkaException
 
 from cdc import constants as c
 from cdc import gaps
 from cdc.errors import CdcError
-from cdc.lineage import origin_value
+from cdc.lineage import LastRecord, Owner, origin_value
 from cdc.relay import recovery
-from cdc.relay.gap import Action
+from cdc.relay.gap import Action, GapCause, Verdict
+from cdc.relay.ledger import SlotLedger
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import RelayState
 from cdc.settings import Settings
-from cdc.wal.replproto import lsn_to_str
-from cdc.wal.slots import SlotRow
-from cdc.wal.stream import ensure_slot
+from cdc.verify import Window, missing_rows
+from cdc.wal.replproto import str_to_lsn
+from cdc.wal.slots import ServerIdentity, SlotRow, read_slot
 
 if TYPE_CHECKING:
     from cdc.producer import TopicManager
@@ -39,6 +63,8 @@ log = logging.getLogger("cdc.relay")
 
 #: A relay waiting in `gap` checks the slot and the history again this often.
 GAP_RECHECK_S = 5.0
+#: The start-up check polls the slot's confirmed LSN this often until it passes the start.
+START_CHECK_POLL_S = 2.0
 
 
 class SlotGapError(CdcError):
@@ -55,27 +81,90 @@ class SlotGuard:
         metrics: RelayMetrics
         _topics: TopicManager
         _gaps_reported: set[int]
+        _stop: threading.Event
 
         def _set_state(self, state: RelayState, reason: str = "") -> None: ...
 
+    #: the relay's records of its slot (made in :meth:`_init_guard`)
+    _ledger: SlotLedger
+    #: the start-up check: running or done (once per process)
+    _start_check: threading.Thread | None = None
+    _start_checked = False
+    _refusal_reported = False
+
+    def _init_guard(self) -> None:
+        self._ledger = SlotLedger(self.settings)
+
     def _guard_slot(self) -> tuple[str, bytes]:
-        """Check the slot; create it (first start) or close a gap; the session's
-        ``origin`` header. Raises :class:`SlotGapError` while a gap stays open."""
+        """Check the slot; make it (first start), adopt it or close a gap; the session's
+        ``origin`` header. Raises :class:`SlotGapError` while a gap stays open, and
+        :class:`cdc.errors.SlotInUseError` when another process streams the slot."""
         s = self.settings
-        found = recovery.inspect(s, slot_survives_failover=self._slot_survives_failover())
+        found = recovery.inspect(
+            s, slot_survives_failover=self._slot_survives_failover(), standby=True
+        )
         self._observe_slot(found.slot)
+        self._count_passed_by(found)
         verdict = found.verdict
         origin = origin_value(found.server, s.slot)
-        if verdict.action is Action.CREATE:
-            with recovery.connect(s) as conn:
-                info = ensure_slot(conn, s.slot)
-                gaps.record_created(
-                    conn, s.slot, origin=origin, consistent_lsn=lsn_to_str(info.confirmed_flush_lsn)
-                )
-            log.info("first start: slot %s created (no record of it in Kafka)", s.slot)
+        if verdict.action is Action.REFUSE:
+            verdict = self._first_start_choice(verdict)
+        if verdict.action in (Action.CREATE, Action.ADOPT):
+            self._make_slot(found, verdict)
         elif verdict.action is Action.GAP:
-            origin = self._close_gap(recovery.open_gap(s, found))
+            gap = (
+                recovery.open_gap(s, found)
+                if verdict.cause is not None
+                else recovery.open_first_start(s)
+            )
+            origin = self._close_gap(gap)
+        with recovery.connect(s) as conn:
+            maker = gaps.maker(conn, s.slot)
+            if not found.topics_recorded and found.tails.topics_with_ours:
+                gaps.note_output(
+                    conn, s.slot, gaps.OUTPUT_TOPIC, list(found.tails.topics_with_ours)
+                )
+            start = conn.execute(
+                "SELECT pg_current_wal_lsn()::text, statement_timestamp()"
+            ).fetchone()
+            since = gaps.responsible_since(conn, s.slot)
+        if maker is None or maker.confirm_limit_lsn is None:
+            raise SlotGapError(f"slot {s.slot} has no recorded identity after the gap check")
+        self._ledger.vouch(maker.id, maker.confirm_limit_lsn)
+        assert start is not None
+        self._arm_start_check(found.last, found.server, origin, str(start[0]), start[1], since)
         return (c.HEADER_ORIGIN, origin.encode())
+
+    def _first_start_choice(self, verdict: Verdict) -> Verdict:
+        """A first start on a non-empty outbox: what ``CDC_SLOT_INIT`` chose, else wait."""
+        choice = self.settings.slot_init
+        if choice == "now":
+            return Verdict(
+                Action.CREATE,
+                detail="first start (CDC_SLOT_INIT=now: the rows already in the outbox table"
+                " are not published)",
+            )
+        if choice == "table":
+            return Verdict(Action.GAP)  # (cause None: a first_start gap over the table)
+        if not self._refusal_reported:
+            self._refusal_reported = True
+            log.error("relay refuses to start: %s", verdict.detail)
+        self._set_state(RelayState.GAP, verdict.reason)
+        raise SlotGapError(verdict.reason)
+
+    def _make_slot(self, found: recovery.Inspection, verdict: Verdict) -> None:
+        s = self.settings
+        first = found.history is None and found.last is None
+        cause = "first_start" if first else "upgrade"
+        if found.verdict.action is Action.REFUSE:  # (CDC_SLOT_INIT=now chose)
+            cause = "init_now"
+        made = recovery.make_slot(s, found, cause=cause, detail=verdict.detail)
+        if found.slot is None:
+            log.info("%s: slot %s created at %s", verdict.detail, s.slot, made.lsn)
+        elif first or cause == "init_now":
+            log.info("%s: slot %s adopted at %s", verdict.detail, s.slot, made.lsn)
+        else:
+            log.warning("%s (at %s)", verdict.detail, made.lsn)
 
     def _slot_survives_failover(self) -> bool:
         """True when the slot is a failover slot (PostgreSQL 17+, synchronised to the
@@ -86,6 +175,10 @@ class SlotGuard:
     def _close_gap(self, gap: gaps.HistoryRow) -> str:
         s = self.settings
         reason = f"{gap.cause}: {gap.detail}"
+        if gap.cause == GapCause.FIRST_START:  # (chosen explicitly: not a gap to report)
+            log.info("%s: slot %s: publishing them now (gap %d)", gap.detail, s.slot, gap.id)
+            self._set_state(RelayState.GAP, reason)
+            return self._recover(gap)
         if gap.unrecoverable:
             todo = (
                 "publishing nothing until an operator accepts the loss"
@@ -99,6 +192,10 @@ class SlotGuard:
         self._set_state(RelayState.GAP, reason)
         if gap.unrecoverable or s.gap_recovery == "manual":
             raise SlotGapError(reason)
+        return self._recover(gap)
+
+    def _recover(self, gap: gaps.HistoryRow) -> str:
+        s = self.settings
         done = recovery.recover(s, gap, topics=self._topics)
         window_s = (
             (done.window_end - done.window_start).total_seconds() if done.window_start else 0.0
@@ -141,6 +238,113 @@ class SlotGuard:
     def _observe_slot(self, slot: SlotRow | None) -> None:
         """wal_status and safe_wal_size gauges (also refreshed by the monitor thread)."""
         observe_slot(self.metrics, slot)
+
+    def _count_passed_by(self, found: recovery.Inspection) -> None:
+        reader = found.tails.reader
+        for reason, count in reader.skipped.items():
+            self.metrics.tail_records_skipped.labels(reason.value).inc(count)
+        if reader.skipped:
+            log.info(
+                "slot %s: the tails of %d topic(s) held records of others, passed by: %s",
+                self.settings.slot,
+                len(found.tails.topics),
+                reader.summary(),
+            )
+
+    # -- the start-up check ----------------------------------------------------------
+
+    def _arm_start_check(
+        self,
+        last: LastRecord | None,
+        server: ServerIdentity,
+        origin: str,
+        start_lsn: str,
+        start_at: datetime,
+        since: datetime | None,
+    ) -> None:
+        """Check (in a thread) the window since ``last`` (never before ``since``: the rows
+        committed before the relay's first start are not its own) once the slot
+        confirmed past ``start_lsn``; once per process (again at the next session if it
+        failed)."""
+        if self._start_checked or (self._start_check is not None and self._start_check.is_alive()):
+            return
+        if last is None:  # nothing of the relay's in Kafka: nothing published to check
+            self._start_checked = True
+            return
+        margin = timedelta(seconds=self.settings.gap_margin_s)
+        begin = last.commit_ts - margin
+        window = Window(begin if since is None else max(begin, since), start_at - margin)
+        if window.end <= window.start:
+            self._start_checked = True
+            return
+        self._start_check = threading.Thread(
+            target=self._start_check_run,
+            args=(window, Owner.of(server, self.settings.slot), origin, str_to_lsn(start_lsn)),
+            name="start-check",
+            daemon=True,
+        )
+        self._start_check.start()
+
+    def _start_check_run(self, window: Window, owner: Owner, origin: str, start_lsn: int) -> None:
+        try:
+            if not self._wait_confirmed(start_lsn):
+                return
+            self._start_check_window(window, owner, origin)
+            self._start_checked = True
+        except (CdcError, KafkaException, psycopg.Error, OSError, ValueError) as exc:
+            log.warning(
+                "start-up check of slot %s failed (tried again at the next session): %s",
+                self.settings.slot,
+                exc,
+            )
+        except Exception as exc:  # (a thread's error would only be printed)
+            log.exception("start-up check of slot %s failed: %s", self.settings.slot, exc)
+
+    def _wait_confirmed(self, lsn: int) -> bool:
+        """Until the slot confirmed past ``lsn`` (every earlier transaction is in Kafka)."""
+        while not self._stop.is_set():
+            with recovery.connect(self.settings) as conn:
+                slot = read_slot(conn, self.settings.slot)
+            if slot is not None and slot.confirmed_flush_lsn >= lsn:
+                return True
+            self._stop.wait(START_CHECK_POLL_S)
+        return False
+
+    def _start_check_window(self, window: Window, owner: Owner, origin: str) -> None:
+        s = self.settings
+        with recovery.connect(s) as conn:
+            topics = gaps.outputs(conn, s.slot, gaps.OUTPUT_TOPIC)
+        found = missing_rows(
+            s,
+            window,
+            topics=[*topics, s.dlq_topic],
+            owner=owner,
+            trusted_topics=[s.dlq_topic],
+            max_rows=s.start_verify_max_rows,
+        )
+        span = f"{window.start.isoformat()} .. {window.end.isoformat()}"
+        if found.skipped:
+            log.warning("start-up check of slot %s skipped (%s): %s", s.slot, span, found.skipped)
+            return
+        if not found.missing:
+            log.info(
+                "start-up check of slot %s: the %d outbox rows committed in %s are in Kafka",
+                s.slot,
+                found.table_rows,
+                span,
+            )
+            return
+        sent = recovery.republish(s, found.missing, origin=origin)
+        self.metrics.start_check_republished.inc(sent)
+        log.warning(
+            "start-up check of slot %s: %d of the %d outbox rows committed in %s were not in"
+            " Kafka: re-published (header recovered=verify)",
+            s.slot,
+            len(found.missing),
+            found.table_rows,
+            span,
+            extra={"state": RelayState.STREAMING.value},
+        )
 
 
 def observe_slot(metrics: RelayMetrics, slot: SlotRow | None) -> None:

@@ -161,12 +161,14 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         self._rebuild_backoff = Backoff(
             min_s=REBUILD_MIN_S, max_s=REBUILD_MAX_S, calm_s=REBUILD_CALM_S
         )
+        self._init_guard()  # (the slot ledger: records topics, forms, the confirm limit)
         self._topics = TopicManager(
             bootstrap=settings.kafka_bootstrap_servers,
             overrides=settings.kafka_config,
             partitions=settings.topic_partitions,
             replication_factor=settings.topic_replication_factor,
             events=KafkaClientEvents("admin", count=self._count_kafka_error),
+            before_first_use=self._ledger.note_topics,
         )
         table = settings.outbox_table
         self._table = tuple(table.split(".", 1)) if "." in table else (None, table)
@@ -252,6 +254,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             if server:
                 server.stop()
             guard.close()
+            self._ledger.close()
         return 0
 
     def _run_sessions(self) -> None:
@@ -402,7 +405,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
                     " keepalives included, though the relay asked for one):"
                     " reopening it (CDC_REPLICATION_SILENCE_S)"
                 )
-            advanced = sess.tracker.confirmable != sess.last_confirmed
+            advanced = self._ledger.bound(sess.tracker.confirmable) != sess.last_confirmed
             if (
                 now >= next_status
                 or sess.reply_requested
@@ -464,7 +467,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         for topic, count in sess.acked.items():
             self.metrics.relayed_in(topic).inc(count)
         sess.acked.clear()
-        lsn = sess.tracker.confirmable
+        lsn = self._ledger.cap(sess.tracker.confirmable, time.monotonic())  # (the slot's limit)
         sess.stream.send_status(lsn, reply_requested=ask_reply)
         sess.reply_requested = False
         if lsn != sess.last_confirmed:
@@ -483,6 +486,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         ):
             self._poll(0.05)
             self._drain_dlq(sess)
+        self._ledger.settle()  # (the last confirmation goes as far as Kafka acknowledged)
         self._send_status(sess)
         log.info(
             "relay stopped at %s with %d records unacknowledged",

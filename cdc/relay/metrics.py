@@ -154,6 +154,18 @@ class RelayMetrics:
             "How long the last gap recovery took",
             registry=registry,
         )
+        self.tail_records_skipped = Counter(
+            "outbox_relay_tail_records_skipped_total",
+            "Records the gap check's tail read passed by (not the relay's own, or unreadable),"
+            " by reason (cdc.records.Skip)",
+            ["reason"],
+            registry=registry,
+        )
+        self.start_check_republished = Counter(
+            "outbox_relay_start_check_republished_total",
+            "Outbox rows the start-up check found missing from Kafka and re-published",
+            registry=registry,
+        )
         self.slot_wal_status = Gauge(
             "outbox_relay_slot_wal_status",
             "1 for the slot's pg_replication_slots.wal_status (reserved/extended/unreserved/lost)",

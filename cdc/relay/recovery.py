@@ -2,31 +2,48 @@
 
 Guarantees:
 
-* :func:`inspect` reads only (the slot, ``IDENTIFY_SYSTEM``, the tails of the
-  outbox topics, the slot history) and gives :func:`cdc.relay.gap.decide`'s verdict;
+* :func:`inspect` reads only (the slot, ``IDENTIFY_SYSTEM`` with the timeline's
+  ancestors, the slot history with the row that made the slot, the tails of the
+  topics the relay published to - only its own records count, :mod:`cdc.lineage`
+  - and, at a first start, whether the outbox is empty) and gives
+  :func:`cdc.relay.gap.decide`'s verdict. A slot of another plugin or database
+  is refused before anything else; with ``standby=True`` a slot another process
+  streams ends the check at once (:class:`SlotInUseError`: no tail read);
 * :func:`open_gap` writes the gap ``open`` in the slot history before anything
-  is done about it (so a recovery that dies half-way is done again);
+  is done about it (so a recovery that dies half-way is done again); at most one
+  gap of a slot is open, whoever writes it;
 * :func:`recover` creates the new slot **with an exported snapshot**, reads in
   that snapshot every outbox row of the gap's window (``created_at`` - or the
   commit time when ``track_commit_timestamp`` is on - at or after the window's
-  start), in commit order as far as the table knows it (commit time, else
-  ``created_at``, then id: one aggregate's rows keep their order), publishes them
-  through the router (the streaming path's record, plus the ``recovered``
-  header), waits for Kafka to acknowledge every one, and only then marks the
-  gap recovered. The slot then streams from its consistent point: every
-  transaction committed before it is in the snapshot, every later one in the
-  slot. A row that cannot become a record is dead-lettered, never dropped. Any
-  Kafka error raises; the gap stays open and the next attempt starts over
-  (re-publishing is harmless: consumers dedupe on ``id``);
+  start, or after the gap's recorded progress), in commit order as far as the
+  table knows it (commit time, else ``created_at``, then id: one aggregate's
+  rows keep their order), publishes them through the router (the streaming
+  path's record, plus the ``recovered`` header), waits for Kafka to acknowledge
+  every one, and only then marks the gap recovered, recording the new slot's
+  identity. The slot then streams from its consistent point: every transaction
+  committed before it is in the snapshot, every later one in the slot. A row
+  that cannot become a record is dead-lettered, never dropped. Any Kafka error
+  raises; the gap stays open;
+* progress: every :data:`PROGRESS_EVERY_ROWS` rows or :data:`PROGRESS_EVERY_S`
+  the rows sent so far are acknowledged and ``resume_from`` recorded: the next
+  attempt starts there, or at this attempt's start minus the margin if that is
+  earlier (rows committed after this snapshot were created after it, less the
+  margin), so a retry re-publishes at most what was not acknowledged;
 * :func:`accept_loss` creates the slot without recovering and records who accepted
-  which window; it is the only way out of an unrecoverable gap.
+  which window; it is the only way out of an unrecoverable gap;
+* :func:`make_slot` (a first start, ``slot init --from now``) makes or adopts the
+  slot and records its identity; ``slot init --from table`` opens a gap of cause
+  ``first_start`` over the whole table (:func:`open_first_start`) and recovers it;
+* :func:`republish` publishes chosen rows of the table (the start-up check's
+  missing ones), marked ``recovered``, through the same router and publisher.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -36,11 +53,25 @@ from psycopg import sql
 
 from cdc import constants as c
 from cdc import gaps
-from cdc.errors import CdcError, KafkaUnavailableError, SlotInUseError
-from cdc.lineage import LastRecord, last_published, origin_value
+from cdc.errors import (
+    CdcError,
+    DatabaseSetupError,
+    KafkaUnavailableError,
+    SlotInUseError,
+    StreamError,
+)
+from cdc.lineage import (
+    LastRecord,
+    Owner,
+    TailRead,
+    list_topics,
+    origin_value,
+    read_tails,
+    relay_topics,
+)
 from cdc.outbox import table_identifier
 from cdc.producer import IdsInFlight, TopicManager, is_record_error, make_producer
-from cdc.relay.gap import Action, Verdict, decide, unrecoverable_reason
+from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide, unrecoverable_reason
 from cdc.relay.standby_safe import wait_standby_flushed
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
@@ -53,7 +84,7 @@ from cdc.wal.slots import (
     in_snapshot,
     read_slot,
 )
-from cdc.wal.stream import publication_row_filter, resolve_table
+from cdc.wal.stream import ensure_slot, publication_row_filter, resolve_table
 
 log = logging.getLogger("cdc.relay")
 
@@ -68,6 +99,12 @@ POLL_EVERY = 100
 ACK_TIMEOUT_S = 120.0
 #: A dead letter's value above this is replaced by a note (as the streaming path does).
 DLQ_MAX_VALUE_BYTES = 512 * 1024
+#: A recovery records its progress (after Kafka acknowledged every row sent) at
+#: least this often: a retry re-publishes at most this many rows, or this long's worth.
+PROGRESS_EVERY_ROWS = 50_000
+PROGRESS_EVERY_S = 15.0
+#: Rows per query of :func:`republish` (ids passed as one array).
+REPUBLISH_CHUNK = 1_000
 
 
 class GapUnrecoverableError(CdcError):
@@ -78,82 +115,171 @@ class GapUnrecoverableError(CdcError):
 class Inspection:
     """Everything the gap check read, and its verdict."""
 
-    slot: SlotRow | None
-    server: ServerIdentity
-    last: LastRecord | None
-    history: gaps.HistoryRow | None
+    evidence: Evidence
     verdict: Verdict
+    #: the tail read behind ``evidence.last`` (what it read and skipped)
+    tails: TailRead
+    #: the topics read came from the relay's record of them (else: the prefix's)
+    topics_recorded: bool
+
+    @property
+    def slot(self) -> SlotRow | None:
+        return self.evidence.slot
+
+    @property
+    def server(self) -> ServerIdentity:
+        return self.evidence.server
+
+    @property
+    def last(self) -> LastRecord | None:
+        return self.evidence.last
+
+    @property
+    def history(self) -> gaps.HistoryRow | None:
+        return self.evidence.history
 
 
 def connect(settings: Settings) -> Conn:
     return psycopg.connect(settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10)
 
 
-def inspect(settings: Settings, *, slot_survives_failover: bool = False) -> Inspection:
-    """Read the slot, the server, Kafka and the history; decide (reads only)."""
+def check_slot_kind(slot: SlotRow | None, dbname: str) -> None:
+    """Refuse a slot of the relay's name that is not a pgoutput slot of this database:
+    it is nobody's gap to close (never dropped by a recovery)."""
+    if slot is None:
+        return
+    if slot.plugin != "pgoutput":
+        raise DatabaseSetupError(
+            f"slot {slot.name} uses plugin {slot.plugin!r}, not 'pgoutput': drop it "
+            f"(outbox-cdc slot drop) or set CDC_SLOT to another name"
+        )
+    if slot.database != dbname:
+        raise DatabaseSetupError(
+            f"slot {slot.name} belongs to database {slot.database}, not {dbname}"
+        )
+
+
+def inspect(
+    settings: Settings, *, slot_survives_failover: bool = False, standby: bool = False
+) -> Inspection:
+    """Read the slot, the server, the history and Kafka; decide (reads only).
+
+    ``standby``: a slot another process streams raises :class:`SlotInUseError`
+    before Kafka is read (the relay then waits as a standby)."""
     dsn = settings.pg_dsn.get_secret_value()
-    try:
-        last = last_published(settings)
-    except KafkaException as exc:
-        raise KafkaUnavailableError(f"cannot read the outbox topics' tails: {exc}") from exc
-    server = identify_system(dsn)
     with connect(settings) as conn:
         slot = read_slot(conn, settings.slot)
+        check_slot_kind(slot, conn.info.dbname)
+        if standby and slot is not None and slot.active:
+            raise SlotInUseError(f"slot {settings.slot} is active: another process streams it")
         history = gaps.latest(conn, settings.slot)
-    verdict = decide(
+        maker = gaps.maker(conn, settings.slot)
+        server = identify_system(dsn)
+        try:
+            topics, recorded = relay_topics(conn, settings, list_topics(settings))
+            tails = read_tails(settings, Owner.of(server, settings.slot), topics)
+        except KafkaException as exc:
+            raise KafkaUnavailableError(f"cannot read the outbox topics' tails: {exc}") from exc
+        last = tails.last
+        empty = outbox_is_empty(conn, settings) if history is None and last is None else None
+    evidence = Evidence(
         slot_name=settings.slot,
         slot=slot,
         server=server,
         last=last,
         history=history,
-        margin_s=settings.gap_margin_s,
-        slot_survives_failover=slot_survives_failover,
+        maker=maker,
+        outbox_empty=empty,
     )
-    return Inspection(slot, server, last, history, verdict)
+    verdict = decide(
+        evidence, margin_s=settings.gap_margin_s, slot_survives_failover=slot_survives_failover
+    )
+    return Inspection(evidence, verdict, tails, recorded)
+
+
+def outbox_is_empty(conn: Conn, settings: Settings) -> bool:
+    """The outbox table (the publication's share of it) holds no row."""
+    schema, name = resolve_table(conn, settings.outbox_table)
+    row_filter = publication_row_filter(conn, settings.publication, schema, name)
+    where = sql.SQL(" WHERE (" + row_filter + ")") if row_filter is not None else sql.SQL("")
+    row = conn.execute(
+        sql.SQL("SELECT NOT EXISTS (SELECT 1 FROM {}{})").format(
+            sql.Identifier(schema, name), where
+        )
+    ).fetchone()
+    return bool(row and row[0])
 
 
 def open_gap(settings: Settings, found: Inspection) -> gaps.HistoryRow:
-    """The gap's history row: the open one found, or a new one written now."""
+    """The gap's history row: the open one found, or a new one written now (unless
+    another relay wrote one first: that one is returned)."""
     verdict = found.verdict
     assert verdict.action is Action.GAP and verdict.cause is not None
     with connect(settings) as conn:
-        if verdict.gap_id is None:
-            reason = why_unrecoverable(conn, settings, found.last)
-            last = found.last
-            gaps.record_gap(
-                conn,
-                gaps.NewGap(
-                    slot=settings.slot,
-                    cause=verdict.cause.value,
-                    detail=verdict.detail + (f"; {reason}" if reason else ""),
-                    last_published_ts=last.commit_ts if last else None,
-                    last_published_origin=str(last.origin) if last and last.origin else None,
-                    window_start=verdict.window_start,
-                    unrecoverable=reason is not None,
-                ),
-            )
-        row = gaps.latest(conn, settings.slot)
-    assert row is not None and row.is_open
-    return row
+        if verdict.gap_id is not None:
+            row = gaps.latest(conn, settings.slot)
+            if row is None or row.id != verdict.gap_id or not row.is_open:
+                # (recovered or accepted by another process since the check read it)
+                raise StreamError(f"gap {verdict.gap_id} was closed meanwhile: checking again")
+            return row
+        reason = why_unrecoverable(conn, settings, found.last)
+        last = found.last
+        return gaps.record_gap(
+            conn,
+            gaps.NewGap(
+                slot=settings.slot,
+                cause=verdict.cause.value,
+                detail=verdict.detail + (f"; {reason}" if reason else ""),
+                last_published_ts=last.commit_ts if last else None,
+                last_published_origin=str(last.origin) if last and last.origin else None,
+                window_start=verdict.window_start,
+                unrecoverable=reason is not None,
+            ),
+            seen_latest=found.history.id if found.history is not None else None,
+        )
+
+
+def open_first_start(settings: Settings) -> gaps.HistoryRow:
+    """A gap of cause ``first_start`` over the whole table (``slot init --from table``):
+    the relay, or the command, recovers it; it resumes like any gap."""
+    with connect(settings) as conn:
+        return gaps.record_gap(
+            conn,
+            gaps.NewGap(
+                slot=settings.slot,
+                cause=GapCause.FIRST_START.value,
+                detail="first start: the table's rows are published (`slot init --from table`)",
+                last_published_ts=None,
+                last_published_origin=None,
+                window_start=None,
+                unrecoverable=False,
+            ),
+            seen_latest=None,
+        )
 
 
 def why_unrecoverable(conn: Conn, settings: Settings, last: LastRecord | None) -> str | None:
-    """Why the table cannot replay a gap after ``last`` (None: it can)."""
-    ids_in_table = 0
-    if last is not None and last.newest_ids and settings.outbox_keeps_rows:
+    """Which kinds of events a gap after ``last`` may hold that the table cannot give
+    back (None: it can give back every one), from the relay's own evidence."""
+    messages = last is not None and last.saw_messages
+    if not messages:
+        messages = gaps.FORM_MESSAGE in gaps.outputs(conn, settings.slot, gaps.OUTPUT_FORM)
+    horizon_us = (datetime.now(UTC) - timedelta(seconds=settings.recovery_horizon_s)).timestamp()
+    ids = [i for i, ts in (last.newest_rows if last else ()) if ts >= horizon_us * 1_000_000]
+    gone = 0
+    if ids and settings.outbox_keeps_rows:
         row = conn.execute(
             sql.SQL("SELECT count(*) FROM {} WHERE id::text = ANY(%s)").format(
                 table_identifier(settings.outbox_table)
             ),
-            (list(last.newest_ids),),
+            (ids,),
         ).fetchone()
-        ids_in_table = int(row[0]) if row else 0
-    horizon = datetime.now(UTC) - timedelta(seconds=settings.recovery_horizon_s)
+        gone = len(set(ids)) - (int(row[0]) if row else 0)
     return unrecoverable_reason(
         keeps_rows=settings.outbox_keeps_rows,
-        last=last,
-        ids_in_table=ids_in_table,
-        horizon_start=horizon,
+        published_messages=messages,
+        newest_rows=len(set(ids)),
+        rows_gone=gone,
     )
 
 
@@ -352,11 +478,24 @@ class _Publisher:
 
 
 def topic_manager(settings: Settings) -> TopicManager:
+    """The topics of a recovery run outside the relay (the CLI): each recorded as the
+    relay's before its first record (the relay's own manager does it through its ledger)."""
+
+    def note(topics: list[str]) -> None:
+        with connect(settings) as conn:
+            gaps.note_output(
+                conn,
+                settings.slot,
+                gaps.OUTPUT_TOPIC,
+                [t for t in topics if t != settings.dlq_topic],
+            )
+
     return TopicManager(
         bootstrap=settings.kafka_bootstrap_servers,
         overrides=settings.kafka_config,
         partitions=settings.topic_partitions,
         replication_factor=settings.topic_replication_factor,
+        before_first_use=note,
     )
 
 
@@ -401,7 +540,7 @@ def recover(
     started = time.monotonic()
     with connect(settings) as lock:
         _lock_recovery(lock, settings)
-        done = _recover(settings, gap, topics, started)
+        done = _recover(settings, gap, topics, started, lock)
         gaps.mark_recovered(lock, gap.id, done)
     return done
 
@@ -415,19 +554,69 @@ def _lock_recovery(conn: Conn, settings: Settings) -> None:
         raise SlotInUseError(f"another process is recovering slot {settings.slot}")
 
 
+@dataclass
+class _Progress:
+    """Records how far a recovery got (:func:`cdc.gaps.record_progress`), now and then.
+
+    ``floor``: this attempt's start (the server's clock, before its slot was made)
+    minus the margin - rows committed after the snapshot were created (or
+    committed) after it, so the next attempt never starts later than this."""
+
+    conn: Conn
+    gap_id: int
+    floor: datetime
+    #: rows re-published by earlier attempts
+    base_rows: int
+    publisher: _Publisher
+    rows_then: int = 0
+    at: float = field(default_factory=time.monotonic)
+
+    def before(self, ts: datetime) -> None:
+        """Every row sent so far is older than ``ts`` (the next one's): when due, wait
+        for their acks and record that the window is done up to ``ts``."""
+        sent = self.publisher.sent
+        if sent - self.rows_then < PROGRESS_EVERY_ROWS and (
+            time.monotonic() - self.at < PROGRESS_EVERY_S or sent == self.rows_then
+        ):
+            return
+        self.publisher.wait_acked()
+        gaps.record_progress(
+            self.conn,
+            self.gap_id,
+            resume_from=min(ts, self.floor),
+            rows=self.base_rows + self.publisher.sent,
+        )
+        self.rows_then, self.at = self.publisher.sent, time.monotonic()
+
+
+def _db_now(conn: Conn) -> datetime:
+    row = conn.execute("SELECT statement_timestamp()").fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
 def _recover(
-    settings: Settings, gap: gaps.HistoryRow, topics: TopicManager | None, started: float
+    settings: Settings,
+    gap: gaps.HistoryRow,
+    topics: TopicManager | None,
+    started: float,
+    lock: Conn,
 ) -> gaps.Recovered:
     dsn = settings.pg_dsn.get_secret_value()
     _clear_slot(settings)
     server = identify_system(dsn)
     origin = origin_value(server, settings.slot)
+    since = gap.resume_from or gap.window_start  # (the recorded progress of earlier attempts)
+    if since is not None and gap.resume_from is not None:
+        log.info("gap %d: resuming its recovery from %s", gap.id, since.isoformat())
+    floor = _db_now(lock) - timedelta(seconds=settings.gap_margin_s)
     acks = _Acks()
     # Delivered records call nothing (a _Run per RUN_RECORDS finds a refused one's id).
     producer = make_producer(
         settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
     )
     publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks)
+    progress = _Progress(lock, gap.id, floor, gap.rows_recovered or 0, publisher)
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
     try:
@@ -437,8 +626,8 @@ def _recover(
                 wait_standby_flushed(settings, made.consistent_lsn)
             window_end = datetime.now(UTC)
             lsn = lsn_to_str(made.consistent_lsn)
-            query = _window_query(conn, settings, gap.window_start)
-            params = (gap.window_start,) if gap.window_start is not None else ()
+            query = _window_query(conn, settings, since)
+            params = (since,) if since is not None else ()
             # Streamed (chunks of FETCH_ROWS as the server sends them): the server
             # keeps sending while the rows are published; a server-side cursor waited
             # for a round trip per FETCH (half the loop's time, docs/performance.md).
@@ -447,6 +636,7 @@ def _recover(
                 for row in cur.stream(query, params, size=FETCH_ROWS):
                     if row[6] != tx_ts:  # rows of one transaction share its commit time
                         tx_ts = row[6]
+                        progress.before(tx_ts)
                         tx = TxContext(lsn, _epoch_us(tx_ts), origin_header)
                     assert tx is not None
                     publisher.send(_record(row, tx, settings, mark))
@@ -454,13 +644,16 @@ def _recover(
         publisher.wait_acked()
     finally:
         producer.flush(0)
+    with connect(settings) as conn:
+        slot = read_slot(conn, settings.slot)
     return gaps.Recovered(
         window_start=gap.window_start,
         window_end=window_end,
         origin=origin,
         consistent_lsn=lsn,
-        rows=publisher.sent,
+        rows=(gap.rows_recovered or 0) + publisher.sent,
         seconds=time.monotonic() - started,
+        catalog_xmin=slot.catalog_xmin if slot is not None else None,
     )
 
 
@@ -471,7 +664,69 @@ def accept_loss(settings: Settings, gap: gaps.HistoryRow, *, by: str) -> str:
     server = identify_system(dsn)
     origin = origin_value(server, settings.slot)
     with exported_slot(dsn, settings.slot) as made, connect(settings) as conn:
+        slot = read_slot(conn, settings.slot)
         gaps.mark_accepted(
-            conn, gap.id, by=by, origin=origin, consistent_lsn=lsn_to_str(made.consistent_lsn)
+            conn,
+            gap.id,
+            by=by,
+            origin=origin,
+            consistent_lsn=lsn_to_str(made.consistent_lsn),
+            catalog_xmin=slot.catalog_xmin if slot is not None else None,
         )
     return origin
+
+
+def make_slot(settings: Settings, found: Inspection, *, cause: str, detail: str) -> gaps.SlotMade:
+    """Make the slot (missing) or adopt it (there, with no recorded identity) and record
+    its identity: the row that vouches for it from now on."""
+    origin = origin_value(found.server, settings.slot)
+    with connect(settings) as conn:
+        event = gaps.EVENT_ADOPTED if found.slot is not None else gaps.EVENT_CREATED
+        if found.slot is None:
+            ensure_slot(conn, settings.slot)
+        slot = read_slot(conn, settings.slot)
+        assert slot is not None
+        check_slot_kind(slot, conn.info.dbname)
+        if slot.active:
+            raise SlotInUseError(f"slot {settings.slot} is active: another process streams it")
+        made = gaps.SlotMade(
+            slot=settings.slot,
+            origin=origin,
+            lsn=lsn_to_str(slot.confirmed_flush_lsn),
+            catalog_xmin=slot.catalog_xmin,
+            cause=cause,
+            detail=detail,
+        )
+        gaps.record_created(conn, made, event=event)
+    return made
+
+
+def republish(
+    settings: Settings, ids: list[uuid.UUID], *, origin: str, mark: bytes = b"verify"
+) -> int:
+    """Publish the outbox rows ``ids`` again (header ``recovered``: ``mark``), each with
+    its own commit time (or ``created_at``); the rows published, once Kafka acknowledged
+    every one. Rows no longer in the table are skipped."""
+    if not ids:
+        return 0
+    producer = make_producer(
+        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
+    )
+    publisher = _Publisher(settings, producer, topic_manager(settings), _Acks())
+    origin_header = (c.HEADER_ORIGIN, origin.encode())
+    try:
+        with connect(settings) as conn:
+            when = _order_column(conn)
+            query = sql.SQL(
+                "SELECT id::text, aggregatetype, aggregateid, type, payload::text,"
+                " tracingspancontext, {when} AS ts FROM {table} WHERE id = ANY(%s)"
+                " ORDER BY ts, created_at, id"
+            ).format(when=when, table=table_identifier(settings.outbox_table))
+            for at in range(0, len(ids), REPUBLISH_CHUNK):
+                for row in conn.execute(query, (ids[at : at + REPUBLISH_CHUNK],)).fetchall():
+                    tx = TxContext("", _epoch_us(row[6]), origin_header)
+                    publisher.send(_record(row, tx, settings, mark))
+        publisher.wait_acked()
+    finally:
+        producer.flush(0)
+    return publisher.sent

@@ -4,7 +4,9 @@ Guarantees:
 
 * :func:`identify_system` asks ``IDENTIFY_SYSTEM`` on a replication connection:
   the system identifier and the *current* timeline (``pg_control_checkpoint()``
-  lags a promotion until the next checkpoint; this does not);
+  lags a promotion until the next checkpoint; this does not), and the timeline's
+  ancestors with the LSN where each ended (``TIMELINE_HISTORY``): the lineage
+  whose records are the relay's own (:mod:`cdc.lineage`);
 * :func:`read_slot` reads ``pg_replication_slots`` with ``wal_status`` and
   ``safe_wal_size`` (PostgreSQL 13+); it only reads;
 * :func:`exported_slot` creates the logical slot with ``SNAPSHOT 'export'`` and
@@ -36,6 +38,17 @@ class ServerIdentity:
 
     system_id: str
     timeline: int
+    #: the current timeline's ancestors, oldest first: (timeline, LSN where it ended)
+    ancestors: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def lineage(self) -> frozenset[int]:
+        """The current timeline and its ancestors."""
+        return frozenset({self.timeline, *(tli for tli, _ in self.ancestors)})
+
+    def switch_after(self, timeline: int) -> int | None:
+        """The LSN where ``timeline`` (an ancestor) ended; None when it is not one."""
+        return next((end for tli, end in self.ancestors if tli == timeline), None)
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,7 @@ class SlotRow:
     #: bytes of WAL that may still be written before the slot is invalidated
     #: (None when max_slot_wal_keep_size is -1, i.e. never)
     safe_wal_size: int | None
+    catalog_xmin: int | None = None
 
 
 @dataclass(frozen=True)
@@ -83,17 +97,41 @@ def _replication(dsn: str) -> Conn:
 
 
 def identify_system(dsn: str) -> ServerIdentity:
-    """The server's system identifier and current timeline (``IDENTIFY_SYSTEM``)."""
+    """The server's system identifier, current timeline and its ancestors
+    (``IDENTIFY_SYSTEM``, ``TIMELINE_HISTORY``)."""
     with _replication(dsn) as conn:
         row = _simple(conn.pgconn, "IDENTIFY_SYSTEM")[0]
-    return ServerIdentity(system_id=(row[0] or b"").decode(), timeline=int(row[1] or b"0"))
+        timeline = int(row[1] or b"0")
+        history = b""
+        if timeline > 1:  # (timeline 1 has no history file)
+            history = _simple(conn.pgconn, f"TIMELINE_HISTORY {timeline}")[0][1] or b""
+    return ServerIdentity(
+        system_id=(row[0] or b"").decode(),
+        timeline=timeline,
+        ancestors=parse_timeline_history(history),
+    )
+
+
+def parse_timeline_history(content: bytes) -> tuple[tuple[int, int], ...]:
+    """A timeline history file's ``<parent tli> <switch LSN> <reason>`` lines as
+    (timeline, LSN where it ended), oldest first; comments and blank lines skipped.
+    (The replication protocol sends the file as ``bytea``: hex text ``\\x..`` is undone.)"""
+    if content.startswith(b"\\x"):
+        content = bytes.fromhex(content[2:].decode())
+    out = []
+    for line in content.decode(errors="replace").splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[0].isdigit() and "/" in fields[1]:
+            out.append((int(fields[0]), str_to_lsn(fields[1])))
+    return tuple(out)
 
 
 def read_slot(conn: Conn, slot: str) -> SlotRow | None:
     """The slot's row, or None when it does not exist."""
     row = conn.execute(
         "SELECT slot_name, plugin, database, active, confirmed_flush_lsn::text,"
-        " wal_status, safe_wal_size FROM pg_replication_slots WHERE slot_name = %s",
+        " wal_status, safe_wal_size, catalog_xmin::text::bigint"
+        " FROM pg_replication_slots WHERE slot_name = %s",
         (slot,),
     ).fetchone()
     if row is None:
@@ -106,6 +144,7 @@ def read_slot(conn: Conn, slot: str) -> SlotRow | None:
         confirmed_flush_lsn=str_to_lsn(row[4]) if row[4] else 0,
         wal_status=row[5],
         safe_wal_size=row[6],
+        catalog_xmin=row[7],
     )
 
 

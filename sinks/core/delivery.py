@@ -24,7 +24,6 @@ Neither talks to Kafka or HTTP: the consumer loop drives them.
 
 from __future__ import annotations
 
-import operator
 from collections import Counter, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
@@ -39,6 +38,12 @@ from cdc.constants import (
     HEADER_TYPE,
 )
 
+# Re-exported: the one defensive reader lives in cdc, the ground floor.
+from cdc.records import UNREADABLE_HEADERS as UNREADABLE_HEADERS  # noqa: PLC0414
+from cdc.records import HeaderList as HeaderList  # noqa: PLC0414
+from cdc.records import HeaderRead as HeaderRead  # noqa: PLC0414
+from cdc.records import read_headers as read_headers  # noqa: PLC0414
+
 #: (topic, partition, offset): where a record sits in Kafka; unique per record.
 Position = tuple[str, int, int]
 #: (topic, partition)
@@ -46,70 +51,6 @@ TopicPartition = tuple[str, int]
 
 #: confluent-kafka's TIMESTAMP_NOT_AVAILABLE timestamp type.
 _KAFKA_TIMESTAMP_NOT_AVAILABLE = 0
-#: The reason prefix of a record whose headers could not be read (parking lot, dead letters).
-UNREADABLE_HEADERS = "unreadable_headers"
-
-#: Kafka headers in record order: duplicates kept, a null value as None.
-HeaderList = tuple[tuple[str, bytes | None], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class HeaderRead:
-    """What :func:`read_headers` found: the headers, or why there are none to show."""
-
-    headers: HeaderList
-    #: ``""`` when the headers were read; else ``unreadable_headers: <why>``.
-    problem: str = ""
-
-
-#: ``message.headers()`` called through the C API, which always checks a call's result.
-#: Written as a plain method call on a hot path, CPython 3.11+ specialises the call
-#: site (PEP 659: ``PRECALL_NO_KW_METHOD_DESCRIPTOR_NOARGS``, ``CALL_METHOD_DESCRIPTOR_NOARGS``
-#: later) and the specialised instruction does *not* check that a C function returning
-#: a value left no exception set: the broken list of a non-UTF-8 header name then comes
-#: back as if it were fine - no SystemError - and the next unpacking of its NULL is a
-#: SIGSEGV. The generic call path (``_Py_CheckFunctionResult``) turns it into SystemError.
-_HEADERS = operator.methodcaller("headers")
-
-
-def read_headers(message: Any) -> HeaderRead:
-    """The headers of a confluent-kafka ``Message``, read once and defensively.
-
-    confluent-kafka (through 2.16 at least) decodes header *names* as UTF-8
-    inside ``Message.headers()``; a name that is not valid UTF-8 (any producer
-    can write one: the protocol carries bytes) makes it leave a NULL in the
-    header tuple and return the list with the ``UnicodeDecodeError`` still set,
-    which Python turns into ``SystemError`` - on the generic call path only
-    (see :data:`_HEADERS`: a specialised call site returns the broken list). The
-    broken list stays cached in the message: a *second* ``headers()`` call (or
-    its repr, pickle, iteration) dereferences the NULL and kills the process
-    with SIGSEGV. So this is the only place that calls ``headers()``, once per
-    message, through :data:`_HEADERS`, catching whatever it raises; the
-    message's headers are never touched again - the envelope carries them.
-    """
-    try:
-        raw = _HEADERS(message)  # not message.headers(): see _HEADERS
-    except Exception as exc:  # SystemError(UnicodeDecodeError), or whatever a fix raises
-        cause = exc.__cause__ or exc.__context__ or exc
-        return HeaderRead((), f"{UNREADABLE_HEADERS}: {_describe(cause)}")
-    if not raw:
-        return HeaderRead(())
-    out: list[tuple[str, bytes | None]] = []
-    for item in raw:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header is a {type(item).__name__}")
-        name, value = item
-        if not isinstance(name, str) or not isinstance(value, bytes | None):
-            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header of unexpected types")
-        out.append((name, value))
-    return HeaderRead(tuple(out))
-
-
-def _describe(exc: BaseException) -> str:
-    """One line about why the headers could not be read (never the bytes themselves)."""
-    if isinstance(exc, UnicodeDecodeError):
-        return f"a header name is not UTF-8 (byte 0x{exc.object[exc.start]:02x} at {exc.start})"
-    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,7 +2,8 @@
 -- `outbox-cdc migrate`): it may open a replication connection, read the
 -- outbox (the publication needs SELECT for the initial table sync check),
 -- emit heartbeat messages, and keep its slot history (outbox_cdc_slot_history:
--- gaps it found and recovered). It owns nothing and writes no other table.
+-- the slots it made, gaps it found and recovered) and what it published to
+-- (outbox_cdc_slot_output). It owns nothing and writes no other table.
 --
 --   psql "$ADMIN_DSN" -v relay_password="'...'" -f sql/roles/relay_role.sql
 --
@@ -21,3 +22,4 @@ GRANT USAGE ON SCHEMA public TO outbox_relay;
 GRANT SELECT ON outbox TO outbox_relay;
 GRANT SELECT, INSERT, UPDATE ON outbox_cdc_slot_history TO outbox_relay;
 GRANT USAGE ON SEQUENCE outbox_cdc_slot_history_id_seq TO outbox_relay;
+GRANT SELECT, INSERT ON outbox_cdc_slot_output TO outbox_relay;

@@ -1,45 +1,63 @@
-"""The gap decision (cdc.relay.gap.decide) as a table: slot x server x last record x history."""
+"""The gap decision (cdc.relay.gap.decide) as a table: slot x server x the relay's last record x
+history x the row that made the slot x an empty outbox; and the evidence behind it: whose
+records count (cdc.lineage.Owner), which kinds of events a gap cannot give back."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from cdc.backlog import BacklogLimits, BacklogState, SlotMeasures, judge
 from cdc.gaps import HistoryRow
-from cdc.lineage import LastRecord, Origin, origin_value
-from cdc.relay.gap import Action, GapCause, decide, unrecoverable_reason
-from cdc.router import TxContext, route_fields
-from cdc.wal.slots import ServerIdentity, SlotRow
+from cdc.lineage import LastRecord, Origin, Owner, origin_value
+from cdc.records import Record, RecordReader, Skip
+from cdc.relay.gap import Action, Evidence, GapCause, decide, unrecoverable_reason
+from cdc.router import TxContext, route_fields, route_message
+from cdc.wal.replproto import str_to_lsn
+from cdc.wal.slots import ServerIdentity, SlotRow, parse_timeline_history
 
 SLOT = "outbox_slot"
 SERVER = ServerIdentity("7301", 1)
+#: the same cluster after a promotion: timeline 2, branched from 1 at 0/5000000
+PROMOTED = ServerIdentity("7301", 2, ((1, str_to_lsn("0/5000000")),))
 NOW = datetime(2026, 12, 1, 7, 0, tzinfo=UTC)
 MARGIN_S = 300.0
 
 
-def _slot(wal_status: str | None = "reserved") -> SlotRow:
-    return SlotRow(SLOT, "pgoutput", "db", False, 100, wal_status, None)
+def _slot(
+    wal_status: str | None = "reserved", *, confirmed: str = "0/3000000", active: bool = False
+) -> SlotRow:
+    return SlotRow(SLOT, "pgoutput", "db", active, str_to_lsn(confirmed), wal_status, None, 7_700)
 
 
-def _last(origin: str | None = "7301/1/outbox_slot", at: datetime = NOW) -> LastRecord:
+def _last(origin: str = "7301/1/outbox_slot", at: datetime = NOW) -> LastRecord:
+    parsed = Origin.parse(origin)
     return LastRecord(
         commit_ts_us=int(at.timestamp() * 1_000_000),
-        origin=Origin.parse(origin) if origin else None,
+        origin=parsed,
         topic="outbox.event.user",
         partition=0,
         offset=41,
-        newest_ids=("e1",),
+        newest_rows=(("e1", int(at.timestamp() * 1_000_000)),),
     )
 
 
-def _history(state: str, origin: str | None = None, at: datetime = NOW) -> HistoryRow:
+def _history(
+    state: str,
+    origin: str | None = "7301/1/outbox_slot",
+    at: datetime = NOW - timedelta(days=1),
+    *,
+    limit: str | None = "0/4000000",
+    cause: str | None = None,
+) -> HistoryRow:
+    made = state in ("created", "recovered", "accepted")
     return HistoryRow(
         id=7,
         slot=SLOT,
         event="created" if state == "created" else "gap",
-        cause="first_start" if state == "created" else "slot_lost",
+        cause=cause or ("first_start" if state == "created" else "slot_lost"),
         detail="d",
         state=state,
         detected_at=at,
@@ -47,181 +65,346 @@ def _history(state: str, origin: str | None = None, at: datetime = NOW) -> Histo
         last_published_origin=None,
         window_start=NOW - timedelta(hours=1) if state == "open" else None,
         window_end=None,
-        origin=origin,
-        consistent_lsn=None,
+        origin=origin if made else None,
+        consistent_lsn="0/1000000" if made else None,
         rows_recovered=None,
         seconds=None,
         unrecoverable=False,
         accepted_by=None,
         resolved_at=None,
+        slot_catalog_xmin=700 if made and limit else None,
+        confirm_limit_lsn=limit if made else None,
     )
 
 
-LATER = NOW + timedelta(minutes=5)
+#: the row that made the slot (post-007: with its identity)
+MADE = _history("created")
+#: a 'created' row of a relay before migration 007 (no identity recorded)
+MADE_BEFORE_007 = _history("created", limit=None)
 WINDOW = NOW - timedelta(seconds=MARGIN_S)
+MADE_WINDOW = MADE.detected_at - timedelta(seconds=MARGIN_S)
+
+
+def _evidence(
+    slot: SlotRow | None,
+    server: ServerIdentity = SERVER,
+    last: LastRecord | None = None,
+    history: HistoryRow | None = None,
+    *,
+    maker: HistoryRow | None = None,
+    empty: bool | None = None,
+) -> Evidence:
+    if maker is None and history is not None and history.made_slot:
+        maker = history
+    return Evidence(SLOT, slot, server, last, history, maker, empty)
+
 
 CASES = [
-    # (name, slot, server, last, history, action, cause, window start)
-    ("first start: no slot, nothing in Kafka", None, SERVER, None, None, Action.CREATE, None, None),
-    ("slot fine, same origin", _slot(), SERVER, _last(), None, Action.STREAM, None, None),
-    ("slot fine, empty topics", _slot(), SERVER, None, None, Action.STREAM, None, None),
+    # (name, evidence, action, cause, window start)
+    # -- first starts: silent only on an empty outbox
     (
-        "records of a relay before `origin`",
-        _slot(),
-        SERVER,
-        _last(None),
+        "first start: no slot, nothing anywhere, empty outbox",
+        _evidence(None, empty=True),
+        Action.CREATE,
         None,
+        None,
+    ),
+    (
+        "first start on a non-empty outbox refuses (slot init)",
+        _evidence(None, empty=False),
+        Action.REFUSE,
+        None,
+        None,
+    ),
+    (
+        "first start, a slot made outside the relay, empty outbox: adopted",
+        _evidence(_slot(), empty=True),
+        Action.ADOPT,
+        None,
+        None,
+    ),
+    (
+        "first start, a slot made outside the relay, rows in the outbox: refused",
+        _evidence(_slot(), empty=False),
+        Action.REFUSE,
+        None,
+        None,
+    ),
+    # -- the slot the relay made, as it made it
+    ("slot made here, untouched", _evidence(_slot(), history=MADE), Action.STREAM, None, None),
+    (
+        "slot made here, records of ours in Kafka",
+        _evidence(_slot(), last=_last(), history=MADE),
         Action.STREAM,
         None,
         None,
     ),
-    ("slot dropped", None, SERVER, _last(), None, Action.GAP, GapCause.SLOT_MISSING, WINDOW),
+    (
+        "slot confirmed exactly to its limit",
+        _evidence(_slot(confirmed="0/4000000"), history=MADE),
+        Action.STREAM,
+        None,
+        None,
+    ),
+    # -- a slot of the same name that is not the one made (issue 34, item 3)
+    (
+        "slot dropped and re-created under the same name (past the confirm limit)",
+        _evidence(_slot(confirmed="0/4000001"), last=_last(), history=MADE),
+        Action.GAP,
+        GapCause.SLOT_REPLACED,
+        WINDOW,
+    ),
+    (
+        "slot re-created, topics expired: window from the slot's making",
+        _evidence(_slot(confirmed="0/9000000"), history=MADE),
+        Action.GAP,
+        GapCause.SLOT_REPLACED,
+        MADE_WINDOW,
+    ),
+    (
+        "the maker row names another slot's origin",
+        _evidence(_slot(), history=_history("created", "7301/1/other")),
+        Action.GAP,
+        GapCause.SLOT_REPLACED,
+        MADE_WINDOW,
+    ),
+    # -- dropped, lost, moved
+    (
+        "slot dropped",
+        _evidence(None, last=_last(), history=MADE),
+        Action.GAP,
+        GapCause.SLOT_MISSING,
+        WINDOW,
+    ),
     (
         "slot dropped, topics empty, history known",
-        None,
-        SERVER,
-        None,
-        _history("created"),
+        _evidence(None, history=MADE),
+        Action.GAP,
+        GapCause.SLOT_MISSING,
+        MADE_WINDOW,
+    ),
+    (
+        "slot dropped, empty history (before 006), records of ours: a gap, not a first start",
+        _evidence(None, last=_last(), empty=False),
         Action.GAP,
         GapCause.SLOT_MISSING,
         WINDOW,
     ),
     (
         "slot invalidated",
-        _slot("lost"),
-        SERVER,
-        _last(),
-        None,
+        _evidence(_slot("lost"), last=_last(), history=MADE),
         Action.GAP,
         GapCause.SLOT_LOST,
         WINDOW,
     ),
     (
-        "slot invalidated, topics empty",
-        _slot("lost"),
-        SERVER,
-        None,
-        None,
+        "slot invalidated, topics empty, no history",
+        _evidence(_slot("lost")),
         Action.GAP,
         GapCause.SLOT_LOST,
         None,
     ),
     (
         "unreserved is not lost yet",
-        _slot("unreserved"),
-        SERVER,
-        _last(),
-        None,
+        _evidence(_slot("unreserved"), last=_last(), history=MADE),
         Action.STREAM,
         None,
         None,
     ),
+    # -- another system, another timeline
     (
-        "failover: promoted standby without the slot",
-        None,
-        ServerIdentity("7301", 2),
-        _last(),
-        None,
+        "another cluster's database under the slot name (the maker names another system)",
+        _evidence(_slot(), ServerIdentity("9999", 1), history=MADE),
+        Action.GAP,
+        GapCause.SYSTEM_CHANGED,
+        MADE_WINDOW,
+    ),
+    (
+        "failover: promoted standby without the slot (records on the parent timeline count)",
+        _evidence(None, PROMOTED, last=_last(), history=MADE),
         Action.GAP,
         GapCause.SLOT_MISSING,
         WINDOW,
     ),
     (
-        "a slot of the same name after a promotion",
-        _slot(),
-        ServerIdentity("7301", 2),
-        _last(),
-        None,
+        "a slot of the same name after a promotion (not a failover slot)",
+        _evidence(_slot(), PROMOTED, last=_last(), history=MADE),
         Action.GAP,
         GapCause.TIMELINE_CHANGED,
         WINDOW,
     ),
     (
-        "another cluster under the slot name",
-        _slot(),
-        ServerIdentity("9999", 1),
-        _last(),
-        None,
-        Action.GAP,
-        GapCause.SYSTEM_CHANGED,
-        WINDOW,
-    ),
-    (
-        "slot made here by a recovery after the last record",
-        _slot(),
-        ServerIdentity("7301", 2),
-        _last(),
-        _history("recovered", "7301/2/outbox_slot", LATER),
+        "slot made here by a recovery on the new timeline",
+        _evidence(
+            _slot(),
+            PROMOTED,
+            last=_last(),
+            history=_history("recovered", "7301/2/outbox_slot", NOW + timedelta(minutes=5)),
+        ),
         Action.STREAM,
         None,
         None,
     ),
     (
-        "history of another origin does not vouch",
-        _slot(),
-        ServerIdentity("7301", 2),
-        _last(),
-        _history("recovered", "7301/1/outbox_slot", LATER),
+        "a maker of a timeline that is no ancestor (another branch)",
+        _evidence(_slot(), PROMOTED, history=_history("created", "7301/3/outbox_slot")),
+        Action.GAP,
+        GapCause.TIMELINE_CHANGED,
+        MADE_WINDOW,
+    ),
+    # -- databases migrated before 007 (no identity recorded): adopted when nothing disagrees
+    (
+        "before 007: a 'created' row without identity, the slot there",
+        _evidence(_slot(), last=_last(), history=MADE_BEFORE_007),
+        Action.ADOPT,
+        None,
+        None,
+    ),
+    (
+        "before 006: records of ours, no history, the slot there",
+        _evidence(_slot(), last=_last()),
+        Action.ADOPT,
+        None,
+        None,
+    ),
+    (
+        "before 007, a slot after a promotion: the old checks still hold",
+        _evidence(_slot(), PROMOTED, last=_last(), history=MADE_BEFORE_007),
         Action.GAP,
         GapCause.TIMELINE_CHANGED,
         WINDOW,
     ),
+    # -- open gaps
     (
         "an open gap is the same gap again, with its window",
-        _slot(),
-        SERVER,
-        _last(),
-        _history("open"),
+        _evidence(_slot(), last=_last(), history=_history("open"), maker=MADE),
         Action.GAP,
         GapCause.SLOT_LOST,
+        NOW - timedelta(hours=1),
+    ),
+    (
+        "an open first start (`slot init --from table` died half-way) goes on",
+        _evidence(_slot(), history=_history("open", cause="first_start")),
+        Action.GAP,
+        GapCause.FIRST_START,
         NOW - timedelta(hours=1),
     ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("slot", "server", "last", "history", "action", "cause", "window"),
+    ("evidence", "action", "cause", "window"),
     [case[1:] for case in CASES],
     ids=[case[0] for case in CASES],
 )
-def test_decide(slot, server, last, history, action, cause, window) -> None:  # type: ignore[no-untyped-def]
-    verdict = decide(
-        slot_name=SLOT, slot=slot, server=server, last=last, history=history, margin_s=MARGIN_S
-    )
+def test_decide(
+    evidence: Evidence, action: Action, cause: GapCause | None, window: datetime | None
+) -> None:
+    verdict = decide(evidence, margin_s=MARGIN_S)
     assert (verdict.action, verdict.cause, verdict.window_start) == (action, cause, window)
+    if action in (Action.GAP, Action.REFUSE, Action.ADOPT):
+        assert verdict.detail
     if action is Action.GAP:
-        assert verdict.detail and verdict.reason.startswith(cause.value)
+        assert cause is not None and verdict.reason.startswith(cause.value)
+    if action is Action.REFUSE:
+        assert "slot init --from now" in verdict.detail and "CDC_SLOT_INIT" in verdict.detail
+        assert ("takes it over" in verdict.detail) == (evidence.slot is not None)
 
 
-def test_a_failover_slot_under_a_new_timeline_is_trusted_when_the_mode_says_so() -> None:
-    verdict = decide(
-        slot_name=SLOT,
-        slot=_slot(),
-        server=ServerIdentity("7301", 2),
-        last=_last(),
-        history=None,
-        margin_s=MARGIN_S,
-        slot_survives_failover=True,
-    )
+def test_a_failover_slot_carried_to_the_promoted_server_is_trusted_up_to_the_switch() -> None:
+    made_on_1 = _history("created", limit="0/4000000")
+    synced = _evidence(_slot(confirmed="0/5000000"), PROMOTED, last=_last(), history=made_on_1)
+    assert decide(synced, margin_s=MARGIN_S, slot_survives_failover=True).action is Action.STREAM
+    past = replace(synced, slot=_slot(confirmed="0/5000001"))
+    verdict = decide(past, margin_s=MARGIN_S, slot_survives_failover=True)
+    assert verdict.cause is GapCause.SLOT_REPLACED
+    assert decide(synced, margin_s=MARGIN_S).cause is GapCause.TIMELINE_CHANGED
+
+
+def test_a_standby_slot_held_elsewhere_is_not_decided_here() -> None:
+    """(recovery.inspect(standby=True) stops before reading Kafka; decide never sees it)"""
+    verdict = decide(_evidence(_slot(active=True), history=MADE), margin_s=MARGIN_S)
     assert verdict.action is Action.STREAM
 
 
-def test_unrecoverable_when_rows_are_not_kept_or_the_newest_ids_are_gone() -> None:
-    horizon = NOW - timedelta(days=1)
-    assert unrecoverable_reason(keeps_rows=False, last=None, ids_in_table=0, horizon_start=horizon)
-    gone = unrecoverable_reason(
-        keeps_rows=True, last=_last(), ids_in_table=0, horizon_start=horizon
+# -- whose records count ---------------------------------------------------------------
+
+
+def _record(headers: dict[str, bytes]) -> Record:
+    return Record("outbox.event.user", 0, 5, 1_000, headers)
+
+
+@pytest.mark.parametrize(
+    ("origin", "counts", "reason"),
+    [
+        (b"7301/1/outbox_slot", True, None),
+        (b"7301/2/outbox_slot", True, None),  # the current timeline
+        (None, False, Skip.NO_ORIGIN),  # Debezium, another team's producer, an old relay
+        (b"garbage", False, Skip.BAD_ORIGIN),
+        (b"7301//outbox_slot", False, Skip.BAD_ORIGIN),
+        (b"9999/1/outbox_slot", False, Skip.FOREIGN_ORIGIN),  # another cluster, same slot name
+        (b"7301/3/outbox_slot", False, Skip.FOREIGN_ORIGIN),  # a sibling branch of the history
+        (b"7301/2/shard_b", False, Skip.FOREIGN_ORIGIN),  # another relay of this cluster
+    ],
+)
+def test_only_records_of_this_system_lineage_and_slot_are_the_relays(
+    origin: bytes | None, counts: bool, reason: Skip | None
+) -> None:
+    owner = Owner.of(PROMOTED, SLOT)
+    reader = RecordReader()
+    headers = {"id": b"e"} if origin is None else {"id": b"e", "origin": origin}
+    judged = owner.judge(_record(headers), reader)
+    assert (judged is not None) == counts
+    assert dict(reader.skipped) == ({} if reason is None else {reason: 1})
+
+
+def test_timeline_history_files_give_the_ancestors_and_where_each_ended() -> None:
+    content = b"1\t0/3000060\tno recovery target specified\n\n2\t0/5000000\tbefore 2026\n"
+    assert parse_timeline_history(content) == (
+        (1, str_to_lsn("0/3000060")),
+        (2, str_to_lsn("0/5000000")),
     )
-    assert gone and "newest event ids" in gone
+    assert parse_timeline_history(b"\\x" + content.hex().encode()) == parse_timeline_history(
+        content
+    )
+    server = ServerIdentity("7301", 3, parse_timeline_history(content))
+    assert server.lineage == {1, 2, 3}
+    assert server.switch_after(2) == str_to_lsn("0/5000000") and server.switch_after(3) is None
+
+
+# -- which kinds a gap cannot give back ---------------------------------------------------
+
+
+def test_unrecoverable_kinds_come_from_the_relays_own_evidence() -> None:
     assert (
-        unrecoverable_reason(keeps_rows=True, last=_last(), ids_in_table=1, horizon_start=horizon)
+        unrecoverable_reason(keeps_rows=True, published_messages=False, newest_rows=20, rows_gone=0)
         is None
     )
-    old_last = _last(at=NOW - timedelta(days=2))  # idle past the horizon: pruned, not deleted
-    assert (
-        unrecoverable_reason(keeps_rows=True, last=old_last, ids_in_table=0, horizon_start=horizon)
-        is None
+    messages = unrecoverable_reason(
+        keeps_rows=True, published_messages=True, newest_rows=20, rows_gone=0
     )
+    assert messages and "logical messages" in messages and "deleted" not in messages
+    deleted = unrecoverable_reason(
+        keeps_rows=True, published_messages=False, newest_rows=20, rows_gone=1
+    )
+    assert deleted and "1 of the relay's 20 newest row events" in deleted
+    both = unrecoverable_reason(
+        keeps_rows=True, published_messages=True, newest_rows=3, rows_gone=3
+    )
+    assert both and "logical messages" in both and "deleted after insert" in both
+    configured = unrecoverable_reason(
+        keeps_rows=False, published_messages=False, newest_rows=0, rows_gone=0
+    )
+    assert configured and "CDC_OUTBOX_KEEPS_ROWS=false" in configured
+
+
+def test_records_made_from_logical_messages_say_so_and_rows_do_not() -> None:
+    tx = TxContext("0/10", 1_796_036_361_123_456, ("origin", b"7301/1/outbox_slot"))
+    row = route_fields("e1", "user", "k", "T", "{}", None, tx, "p.")
+    doc = b'{"id":"e2","aggregatetype":"user","aggregateid":"k","type":"T","payload":{}}'
+    message = route_message(doc, tx, topic_prefix="p.")
+    assert "form" not in dict(row.headers)
+    assert dict(message.headers)["form"] == b"message"
 
 
 def test_origin_round_trips_and_rides_on_every_record_of_the_transaction() -> None:

@@ -1,0 +1,177 @@
+"""The one defensive reader of consumed Kafka records, for the relay, the ops commands and the sink.
+
+Every record is data: any producer on a shared topic can write any bytes
+(header names that are not UTF-8, null values, duplicate names, no headers at
+all). Guarantees:
+
+* :func:`read_headers` calls a message's ``headers()`` exactly once, through
+  the generic call path, and never raises: a record whose headers cannot be
+  read comes back with the reason in :attr:`HeaderRead.problem` (the message's
+  headers must not be touched again afterwards - see the function);
+* :class:`RecordReader` reads a record into a :class:`Record` (topic,
+  partition, offset, timestamp, headers by name) or skips it, counting the
+  skip under a reason from a fixed set (:class:`Skip`): a reason is a metric
+  label and a log word, never the record's bytes. Nothing it reads is fatal;
+* the ``id`` header is parsed as a uuid into its 16 bytes
+  (:meth:`Record.event_id_bytes`), so callers that hold many ids keep 16 bytes
+  each, not a Python string per record.
+
+The sink (:mod:`sinks.core.delivery`) re-exports :func:`read_headers` and
+:class:`HeaderRead`; they live here because ``cdc`` is the ground floor.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cdc import constants as c
+
+#: The reason prefix of a record whose headers could not be read (parking lot, dead letters).
+UNREADABLE_HEADERS = "unreadable_headers"
+
+#: Kafka headers in record order: duplicates kept, a null value as None.
+HeaderList = tuple[tuple[str, bytes | None], ...]
+
+#: confluent-kafka's TIMESTAMP_NOT_AVAILABLE timestamp type.
+_KAFKA_TIMESTAMP_NOT_AVAILABLE = 0
+
+
+@dataclass(frozen=True, slots=True)
+class HeaderRead:
+    """What :func:`read_headers` found: the headers, or why there are none to show."""
+
+    headers: HeaderList
+    #: ``""`` when the headers were read; else ``unreadable_headers: <why>``.
+    problem: str = ""
+
+
+#: ``message.headers()`` called through the C API, which always checks a call's result.
+#: Written as a plain method call on a hot path, CPython 3.11+ specialises the call
+#: site (PEP 659: ``PRECALL_NO_KW_METHOD_DESCRIPTOR_NOARGS``, ``CALL_METHOD_DESCRIPTOR_NOARGS``
+#: later) and the specialised instruction does *not* check that a C function returning
+#: a value left no exception set: the broken list of a non-UTF-8 header name then comes
+#: back as if it were fine - no SystemError - and the next unpacking of its NULL is a
+#: SIGSEGV. The generic call path (``_Py_CheckFunctionResult``) turns it into SystemError.
+_HEADERS = operator.methodcaller("headers")
+
+
+def read_headers(message: Any) -> HeaderRead:
+    """The headers of a confluent-kafka ``Message``, read once and defensively.
+
+    confluent-kafka (through 2.16 at least) decodes header *names* as UTF-8
+    inside ``Message.headers()``; a name that is not valid UTF-8 (any producer
+    can write one: the protocol carries bytes) makes it leave a NULL in the
+    header tuple and return the list with the ``UnicodeDecodeError`` still set,
+    which Python turns into ``SystemError`` - on the generic call path only
+    (see :data:`_HEADERS`: a specialised call site returns the broken list). The
+    broken list stays cached in the message: a *second* ``headers()`` call (or
+    its repr, pickle, iteration) dereferences the NULL and kills the process
+    with SIGSEGV. So this is the only place that calls ``headers()``, once per
+    message, through :data:`_HEADERS`, catching whatever it raises; the
+    message's headers are never touched again - the caller keeps what it got.
+    """
+    try:
+        raw = _HEADERS(message)  # not message.headers(): see _HEADERS
+    except Exception as exc:  # SystemError(UnicodeDecodeError), or whatever a fix raises
+        cause = exc.__cause__ or exc.__context__ or exc
+        return HeaderRead((), f"{UNREADABLE_HEADERS}: {_describe(cause)}")
+    if not raw:
+        return HeaderRead(())
+    out: list[tuple[str, bytes | None]] = []
+    for item in raw:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header is a {type(item).__name__}")
+        name, value = item
+        if not isinstance(name, str) or not isinstance(value, bytes | None):
+            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header of unexpected types")
+        out.append((name, value))
+    return HeaderRead(tuple(out))
+
+
+def _describe(exc: BaseException) -> str:
+    """One line about why the headers could not be read (never the bytes themselves)."""
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a header name is not UTF-8 (byte 0x{exc.object[exc.start]:02x} at {exc.start})"
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+class Skip(enum.StrEnum):
+    """Why a reader passed a record by (a fixed set: metric labels, log words)."""
+
+    UNREADABLE_HEADERS = "unreadable_headers"  # headers() failed (a non-UTF-8 name...)
+    NO_ORIGIN = "no_origin"  # no `origin` header: not written by a relay that says who it is
+    BAD_ORIGIN = "bad_origin"  # an `origin` header that does not parse
+    FOREIGN_ORIGIN = "foreign_origin"  # another system, timeline branch or slot
+    BAD_ID = "bad_id"  # no `id` header, or one that is not a uuid
+    BROKER_ERROR = "broker_error"  # the consumer handed over an error instead of a record
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A consumed record as the relay's readers use it (no key or value: they are not read)."""
+
+    topic: str
+    partition: int
+    offset: int
+    #: the record's timestamp (commit time for the relay's records); None when the
+    #: broker has none
+    timestamp_ms: int | None
+    #: by name, the last of duplicates winning (Kafka's ``lastHeader``); None values as b""
+    headers: Mapping[str, bytes]
+
+    def header(self, name: str) -> bytes | None:
+        return self.headers.get(name)
+
+    def event_id_bytes(self) -> bytes | None:
+        """The ``id`` header as the uuid's 16 bytes; None when missing or not a uuid."""
+        return uuid_bytes(self.headers.get(c.HEADER_ID))
+
+
+def uuid_bytes(raw: bytes | None) -> bytes | None:
+    """A uuid's text (any form :class:`uuid.UUID` reads) as its 16 bytes; None when not one."""
+    if not raw or len(raw) > 64:
+        return None
+    try:
+        return uuid.UUID(raw.decode("ascii")).bytes
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+class RecordReader:
+    """Reads consumed messages into :class:`Record` s; counts the ones it skips.
+
+    ``skipped`` maps a :class:`Skip` reason to a count; callers add their own
+    reasons through :meth:`skip` (a record that is not theirs) so one counter
+    tells what a read passed by.
+    """
+
+    def __init__(self) -> None:
+        self.skipped: Counter[Skip] = Counter()
+
+    def skip(self, reason: Skip) -> None:
+        self.skipped[reason] += 1
+
+    def read(self, message: Any) -> Record | None:
+        """The record of a consumed ``message`` (not an error event), or None (counted)."""
+        read = read_headers(message)  # first: the only call of headers()
+        if read.problem:
+            self.skip(Skip.UNREADABLE_HEADERS)
+            return None
+        ts_type, ts_ms = message.timestamp()
+        return Record(
+            topic=str(message.topic()),
+            partition=int(message.partition()),
+            offset=int(message.offset()),
+            timestamp_ms=None if ts_type == _KAFKA_TIMESTAMP_NOT_AVAILABLE else int(ts_ms),
+            headers={name: value or b"" for name, value in read.headers},
+        )
+
+    def summary(self) -> str:
+        """``reason=count, ...`` of the skipped records (empty when none)."""
+        return ", ".join(f"{reason.value}={n}" for reason, n in sorted(self.skipped.items()))
