@@ -6,6 +6,10 @@ Guarantees:
   the slot was created at a first start (recorded in the slot history), or
   after a gap was closed - recovered from the outbox table with every record
   acknowledged, or the loss accepted by an operator;
+* a gap is recorded (``open`` in the slot history) and recovered only under the
+  slot's recovery lock (:mod:`cdc.relay.recovery_lock`), after checking that the
+  history did not move since the gap check: a relay that does not get the lock
+  waits as a standby and records nothing;
 * a gap is logged once (per gap) at ERROR, saying what happened and what the
   relay will do, counted in ``outbox_relay_gaps_total{cause}``; the relay is in
   state ``gap`` (``/readyz`` 503 ``gap: <cause>: <detail>``) until it is closed;
@@ -21,11 +25,12 @@ from typing import TYPE_CHECKING
 
 from cdc import constants as c
 from cdc import gaps
-from cdc.errors import CdcError
+from cdc.errors import CdcError, StreamError
 from cdc.lineage import origin_value
 from cdc.relay import recovery
 from cdc.relay.gap import Action
 from cdc.relay.metrics import RelayMetrics
+from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.state import RelayState
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
@@ -62,6 +67,7 @@ class SlotGuard:
         """Check the slot; create it (first start) or close a gap; the session's
         ``origin`` header. Raises :class:`SlotGapError` while a gap stays open."""
         s = self.settings
+        self.metrics.gap_checks.inc()
         found = recovery.inspect(s, slot_survives_failover=self._slot_survives_failover())
         self._observe_slot(found.slot)
         verdict = found.verdict
@@ -74,7 +80,10 @@ class SlotGuard:
                 )
             log.info("first start: slot %s created (no record of it in Kafka)", s.slot)
         elif verdict.action is Action.GAP:
-            origin = self._close_gap(recovery.open_gap(s, found))
+            # SlotInUseError: another process recovers: a standby, recording nothing
+            with RecoveryLock(s) as lock:
+                _check_history_unmoved(lock, found)
+                origin = self._close_gap(recovery.open_gap(s, found), lock)
         return (c.HEADER_ORIGIN, origin.encode())
 
     def _slot_survives_failover(self) -> bool:
@@ -83,7 +92,7 @@ class SlotGuard:
         standby-safe mode decides it."""
         return False
 
-    def _close_gap(self, gap: gaps.HistoryRow) -> str:
+    def _close_gap(self, gap: gaps.HistoryRow, lock: RecoveryLock) -> str:
         s = self.settings
         reason = f"{gap.cause}: {gap.detail}"
         if gap.unrecoverable:
@@ -99,7 +108,7 @@ class SlotGuard:
         self._set_state(RelayState.GAP, reason)
         if gap.unrecoverable or s.gap_recovery == "manual":
             raise SlotGapError(reason)
-        done = recovery.recover(s, gap, topics=self._topics)
+        done = recovery.recover(s, gap, topics=self._topics, lock=lock)
         window_s = (
             (done.window_end - done.window_start).total_seconds() if done.window_start else 0.0
         )
@@ -141,6 +150,17 @@ class SlotGuard:
     def _observe_slot(self, slot: SlotRow | None) -> None:
         """wal_status and safe_wal_size gauges (also refreshed by the monitor thread)."""
         observe_slot(self.metrics, slot)
+
+
+def _check_history_unmoved(lock: RecoveryLock, found: recovery.Inspection) -> None:
+    """Under the recovery lock: the slot history is as the gap check saw it (else another
+    process recorded or closed a gap meanwhile, and the check is done again)."""
+    now = gaps.latest(lock.conn, lock.slot)
+    seen = found.history
+    if (now is None) != (seen is None) or (
+        now is not None and seen is not None and (now.id, now.state) != (seen.id, seen.state)
+    ):
+        raise StreamError(f"the history of slot {lock.slot} moved during the gap check: again")
 
 
 def observe_slot(metrics: RelayMetrics, slot: SlotRow | None) -> None:

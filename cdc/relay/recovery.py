@@ -39,8 +39,11 @@ from cdc import gaps
 from cdc.errors import CdcError, KafkaUnavailableError, SlotInUseError
 from cdc.lineage import LastRecord, last_published, origin_value
 from cdc.outbox import table_identifier
+from cdc.pgconn import Use
+from cdc.pgconn import connect as pg_connect
 from cdc.producer import IdsInFlight, TopicManager, is_record_error, make_producer
 from cdc.relay.gap import Action, Verdict, decide, unrecoverable_reason
+from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.standby_safe import wait_standby_flushed
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
@@ -86,7 +89,8 @@ class Inspection:
 
 
 def connect(settings: Settings) -> Conn:
-    return psycopg.connect(settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10)
+    """A connection for the gap check's and the recovery's work (:data:`Use.WORK`)."""
+    return pg_connect(settings.pg_dsn.get_secret_value(), Use.WORK)
 
 
 def inspect(settings: Settings, *, slot_survives_failover: bool = False) -> Inspection:
@@ -391,34 +395,59 @@ def _record(row: tuple[Any, ...], tx: TxContext, settings: Settings, mark: bytes
 
 
 def recover(
-    settings: Settings, gap: gaps.HistoryRow, *, topics: TopicManager | None = None
+    settings: Settings,
+    gap: gaps.HistoryRow,
+    *,
+    topics: TopicManager | None = None,
+    lock: RecoveryLock | None = None,
 ) -> gaps.Recovered:
-    """Close ``gap`` from the outbox table (see the module docstring)."""
+    """Close ``gap`` from the outbox table (see the module docstring). ``lock``: the
+    recovery lock the caller holds (else it is taken here: one recovery of a slot at a
+    time, two relays or a relay and the CLI); it is checked before every step that
+    depends on it (:meth:`RecoveryLock.ensure`)."""
     if gap.unrecoverable:
         raise GapUnrecoverableError(
             f"gap {gap.id} cannot be recovered ({gap.detail}): `outbox-cdc slot accept-gap`"
         )
     started = time.monotonic()
-    with connect(settings) as lock:
-        _lock_recovery(lock, settings)
-        done = _recover(settings, gap, topics, started)
-        gaps.mark_recovered(lock, gap.id, done)
+    held = lock or RecoveryLock(settings).take()
+    try:
+        done = _recover(settings, gap, topics, started, held)
+        held.ensure()
+        _check_still_ours(held.conn, settings, gap, done)
+        gaps.mark_recovered(held.conn, gap.id, done)
+    finally:
+        if lock is None:
+            held.close()
     return done
 
 
-def _lock_recovery(conn: Conn, settings: Settings) -> None:
-    """One recovery of a slot at a time (two relays, or a relay and the CLI)."""
-    row = conn.execute(
-        "SELECT pg_try_advisory_lock(hashtext(%s))", (f"outbox_cdc_recovery:{settings.slot}",)
-    ).fetchone()
-    if not row or not row[0]:
-        raise SlotInUseError(f"another process is recovering slot {settings.slot}")
+def _check_still_ours(
+    conn: Conn, settings: Settings, gap: gaps.HistoryRow, done: gaps.Recovered
+) -> None:
+    """Before the gap is marked: it is still open, and the slot is still the one this
+    recovery made (not streamed, not replaced) - whatever happened while the lock's
+    connection was away. Else :class:`SlotInUseError`: the next session checks again."""
+    latest = gaps.latest(conn, settings.slot)
+    slot = read_slot(conn, settings.slot)
+    if latest is None or latest.id != gap.id or not latest.is_open:
+        why = f"gap {gap.id} was closed by another process meanwhile"
+    elif slot is None or slot.active or lsn_to_str(slot.confirmed_flush_lsn) != done.consistent_lsn:
+        why = f"slot {settings.slot} is no longer the one this recovery made"
+    else:
+        return
+    raise SlotInUseError(f"recovery of gap {gap.id} not marked: {why}")
 
 
 def _recover(
-    settings: Settings, gap: gaps.HistoryRow, topics: TopicManager | None, started: float
+    settings: Settings,
+    gap: gaps.HistoryRow,
+    topics: TopicManager | None,
+    started: float,
+    lock: RecoveryLock,
 ) -> gaps.Recovered:
     dsn = settings.pg_dsn.get_secret_value()
+    lock.ensure()  # (the slot is dropped and made again under it)
     _clear_slot(settings)
     server = identify_system(dsn)
     origin = origin_value(server, settings.slot)
@@ -431,6 +460,7 @@ def _recover(
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
     try:
+        lock.ensure()
         with exported_slot(dsn, settings.slot) as made, connect(settings) as conn:
             in_snapshot(conn, made.snapshot)
             if settings.standby_safe:  # every row of the snapshot on the standby first
