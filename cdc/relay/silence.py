@@ -19,16 +19,16 @@ Guarantees (pure; :mod:`cdc.relay.loop` listens, asks, looks and acts):
   look on (at the latest);
 * a working walsender is left alone (:attr:`Silence.LEAVE`), however long the
   silence: one on the CPU (no wait event) or waiting for anything but its
-  client (spilling, reading WAL or spill files, a lock), or one whose
-  ``sent_lsn`` moved since the last look while it had not yet read a reply
-  request of this silence;
+  client (spilling, reading WAL or spill files, a lock), unless it had read a
+  reply request of this silence and went on since (below);
 * a session is ended (:attr:`Silence.END`) only on evidence that the path to
   its walsender is dead: the walsender is gone; it had read a reply request of
   this silence at the last look and finished a WAL record since (``sent_lsn``
   moved: its answer was sent, and never arrived); it waits for its client -
-  idle waiting for WAL (it answers a reply request at once), or blocked
-  writing to the relay (``WalSenderWriteData``) - the same way at two looks at
-  least :data:`LOOK_EVERY_S` apart with no progress between them; or it cannot
+  idle waiting for WAL (it has read and answered every request that reached
+  it), or blocked writing to the relay (``WalSenderWriteData``) - the same way
+  at two looks at least :data:`LOOK_EVERY_S` apart (the relay asked for a reply
+  meanwhile; ``sent_lsn`` may have moved: it reads WAL into the void); or it cannot
   be seen at all and the silence outlasted what the server promises
   (:func:`silence_bound_s`: never, when its ``wal_sender_timeout`` is 0). The
   loop gives it one last chance (a reply request, :data:`LAST_CHANCE_S`) before
@@ -179,8 +179,8 @@ def judge(
             " never arrived: the path between them is dead",
         )
     waits = _waits_for_client(now)
-    if waits is None or moved:
-        doing = f"it {moved}" if moved else _wait(now)
+    if waits is None:
+        doing = f"{_wait(now)}, it {moved}" if moved else _wait(now)
         return Judgement(
             Silence.LEAVE,
             f"is working (decoding a large transaction?): {doing}{_decoded(now, before)}",
@@ -198,7 +198,7 @@ def judge(
         return Judgement(Silence.WAIT, f"{stuck}: looking again")
     return Judgement(
         Silence.END,
-        f"{stuck}, with no progress for {now.at_s - before.at_s:.0f}s:"
+        f"{stuck}, at two looks {now.at_s - before.at_s:.0f}s apart:"
         " the path between it and the relay is dead",
     )
 
