@@ -10,7 +10,10 @@
 * A recovery whose lock connection dies half-way (killed, or an
   ``idle_session_timeout`` shorter than the recovery) still finishes: the lock
   is taken again and re-checked, the gap is marked recovered once and the
-  window is published once, not for ever.
+  window is published once, not for ever. The lock itself: another process
+  sees it held (the standby's cheap look) and cannot take it; lost with its
+  connection, it is taken again; a recovery whose slot was replaced, or whose
+  gap another process closed, is not marked.
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ import re
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from cdc import gaps
+from cdc.errors import SlotInUseError
 from cdc.outbox import OutboxEvent, write_event
+from cdc.relay import recovery
+from cdc.relay.recovery_lock import RecoveryLock, recovery_in_progress
+from cdc.settings import Settings
 from tests.harness import (
     Proc,
     RelayConfig,
@@ -296,3 +305,50 @@ def _recovery_lock_holder(dsn: str) -> int | None:
             " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
         ).fetchone()
     return None if row is None else int(row[0])
+
+
+# --- the recovery lock and its re-check, against the real server ------------------------
+
+
+def test_a_lost_recovery_lock_is_taken_again_and_seen_by_other_processes(
+    cfg: RelayConfig,
+) -> None:
+    settings = Settings(pg_dsn=cfg.db_dsn, slot=cfg.slot)
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as other:
+        assert not recovery_in_progress(other, cfg.slot)
+        with RecoveryLock(settings) as lock:
+            assert recovery_in_progress(other, cfg.slot), "another process sees it"
+            with pytest.raises(SlotInUseError, match="another process is recovering"):
+                RecoveryLock(settings).take()
+            first = lock.conn.info.backend_pid
+            other.execute("SELECT pg_terminate_backend(%s)", (first,))
+            lock.ensure()
+            assert lock.retaken and lock.conn.info.backend_pid != first
+            assert recovery_in_progress(other, cfg.slot)
+        assert not recovery_in_progress(other, cfg.slot), "released with its connection"
+
+
+def test_a_recovery_is_not_marked_when_its_slot_or_gap_changed_meanwhile(
+    cfg: RelayConfig,
+) -> None:
+    settings = Settings(pg_dsn=cfg.db_dsn, slot=cfg.slot)
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        gap_id = gaps.record_gap(
+            conn,
+            gaps.NewGap(cfg.slot, "slot_missing", "test", None, None, None, False),
+        )
+        gap = gaps.latest(conn, cfg.slot)
+        assert gap is not None and gap.id == gap_id
+        row = conn.execute(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')",
+            (cfg.slot,),
+        ).fetchone()
+        assert row is not None
+        ours = gaps.Recovered(None, datetime.now(UTC), "o", str(row[0]), 0, 0.0)
+        recovery._check_still_ours(conn, settings, gap, ours)  # the slot it made: fine
+        replaced = gaps.Recovered(None, datetime.now(UTC), "o", "0/1", 0, 0.0)
+        with pytest.raises(SlotInUseError, match="no longer the one this recovery made"):
+            recovery._check_still_ours(conn, settings, gap, replaced)
+        gaps.mark_recovered(conn, gap.id, ours)  # (another process closed it)
+        with pytest.raises(SlotInUseError, match="closed by another process"):
+            recovery._check_still_ours(conn, settings, gap, ours)
