@@ -196,7 +196,7 @@ def test_a_standby_reads_no_topic_tail_for_a_minute_and_takes_over(
         ids = _write(cfg.db_dsn, "takeover", 20)
         active.kill()
         wait_for_ready(standby, standby_port, timeout_s=60)
-        assert metric(standby_port, "outbox_relay_gap_checks_total") == 1, "one, once free"
+        assert metric(standby_port, "outbox_relay_gap_checks_total") >= 1, "once it was free"
         found = _ids_in_kafka(cfg, "takeover", len(ids))
         assert set(ids) <= set(found), "every event arrived through the new active relay"
     finally:
