@@ -87,13 +87,15 @@ def postgres(settings: Settings) -> Iterator[Finding]:
     """Reachable, ``wal_level``, the role's privileges, the outbox, publication and slot."""
     import psycopg  # noqa: PLC0415 - this module is imported with the CLI: keep --help fast
 
+    from cdc.pgconn import Use, connect  # noqa: PLC0415 - (the same)
+
     if not settings.pg_dsn.get_secret_value():
         yield fail("postgresql", "CDC_PG_DSN is not set")
         return
     try:
-        conn = psycopg.connect(
+        conn = connect(
             settings.pg_dsn.get_secret_value(),
-            autocommit=True,
+            Use.CLI,
             connect_timeout=max(1, int(PROBE_TIMEOUT_S)),
         )
     except psycopg.Error as exc:

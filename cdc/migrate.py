@@ -34,6 +34,7 @@ import psycopg
 
 from cdc.constants import MIGRATION_LOCK_KEY
 from cdc.errors import DatabaseSetupError, MigrationError
+from cdc.pgconn import Use, connect
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ def migrate(dsn: str, *, directory: Path | None = None, demo: bool = False) -> l
     """
     migrations = discover(directory, demo=demo)
     applied_now: list[str] = []
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connect(dsn, Use.CLI) as conn:
         check_wal_level(conn)
         conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
         try:
@@ -198,7 +199,7 @@ def status(dsn: str, *, directory: Path | None = None, demo: bool = False) -> li
     Demo files are listed when applied, or with ``demo`` when pending.
     """
     files = {m.version: m for m in discover(directory, demo=True)}
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connect(dsn, Use.CLI) as conn:
         row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (HISTORY_TABLE,)).fetchone()
         ledger = (
             conn.execute(

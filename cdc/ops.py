@@ -41,6 +41,7 @@ from cdc import gaps
 from cdc.constants import OUTBOX_MESSAGE_PREFIX
 from cdc.errors import CdcError, DatabaseSetupError
 from cdc.outbox import user_registered_event, write_event
+from cdc.pgconn import Use, connect
 from cdc.settings import Settings
 from cdc.wal import pgoutput
 
@@ -132,9 +133,7 @@ FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, {_PEEK_ARGS})
 
 def _connect(settings: Settings) -> Conn:
     try:
-        return psycopg.connect(
-            settings.require("pg_dsn").pg_dsn.get_secret_value(), autocommit=True
-        )
+        return connect(settings.require("pg_dsn").pg_dsn.get_secret_value(), Use.CLI)
     except psycopg.OperationalError as exc:
         raise CdcError(f"PostgreSQL connection failed: {exc}") from exc
 

@@ -194,10 +194,10 @@ class Settings(BaseSettings):
     #: reading WAL (back-pressure); bounds memory while Kafka is slow or away
     #: (~1.5 KB a record over ~75 MB: 20,000 keeps the relay near 100 MB).
     relay_max_in_flight: int = env("CDC_MAX_IN_FLIGHT", 20_000)
-    #: No message from the server (keepalives included) for this long while the relay reads:
-    #: the replication connection is taken as dead and reopened
-    #: (`outbox_relay_replication_silences_total`). The relay asks the server for a reply after
-    #: 5 s of quiet, so a live server is never silent this long.
+    #: No message from the server (keepalives included) for this long while the relay
+    #: reads: the relay looks at its walsender (pg_stat_activity, pg_stat_replication) and
+    #: reopens the connection only when the path is dead; a walsender busy decoding a large
+    #: transaction is left alone (cdc.relay.silence).
     replication_silence_s: float = env("CDC_REPLICATION_SILENCE_S", 35.0)
     #: Records in flight (or dead letters pending) and none acknowledged for this
     #: long: the relay reports itself stalled (`/readyz` 503 `stalled: ...`,

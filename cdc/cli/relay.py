@@ -78,14 +78,13 @@ def prune(older_than_s: float, as_json: bool) -> None:
     window; refused when the slot is missing or lost and nothing says what was
     published (see docs/relay/slot-gaps.md).
     """
-    import psycopg
-
     from cdc.cli import render
     from cdc.outbox import prune_outbox
+    from cdc.pgconn import Use, connect
     from cdc.retention import retention_for
 
     settings = load_settings("pg_dsn")
-    with psycopg.connect(settings.pg_dsn.get_secret_value(), autocommit=True) as conn:
+    with connect(settings.pg_dsn.get_secret_value(), Use.CLI) as conn:
         keep = retention_for(conn, settings)
         deleted = prune_outbox(
             conn, older_than_s=older_than_s, table=settings.outbox_table, keep=keep

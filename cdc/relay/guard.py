@@ -12,6 +12,10 @@ Guarantees:
   (:class:`cdc.relay.ledger.SlotLedger`);
 * a slot another process streams is not inspected (no tail read): the relay
   waits as a standby;
+* a gap is recorded (``open`` in the slot history) and recovered only under the
+  slot's recovery lock (:mod:`cdc.relay.recovery_lock`), after checking that the
+  history did not move since the gap check: a relay that does not get the lock
+  waits as a standby and records nothing;
 * a gap is logged once (per gap) at ERROR, saying what happened, which kinds of
   events the table cannot give back (if any) and what the relay will do,
   counted in ``outbox_relay_gaps_total{cause}``; the relay is in state ``gap``
@@ -44,12 +48,13 @@ from confluent_kafka import KafkaException
 
 from cdc import constants as c
 from cdc import gaps
-from cdc.errors import CdcError
+from cdc.errors import CdcError, StreamError
 from cdc.lineage import LastRecord, Owner, origin_value
 from cdc.relay import recovery
 from cdc.relay.gap import Action, GapCause, Verdict
 from cdc.relay.ledger import SlotLedger
 from cdc.relay.metrics import RelayMetrics
+from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.state import RelayState
 from cdc.settings import Settings
 from cdc.verify import Window, missing_rows
@@ -100,6 +105,7 @@ class SlotGuard:
         ``origin`` header. Raises :class:`SlotGapError` while a gap stays open, and
         :class:`cdc.errors.SlotInUseError` when another process streams the slot."""
         s = self.settings
+        self.metrics.gap_checks.inc()
         found = recovery.inspect(
             s, slot_survives_failover=self._slot_survives_failover(), standby=True
         )
@@ -112,12 +118,15 @@ class SlotGuard:
         if verdict.action in (Action.CREATE, Action.ADOPT):
             self._make_slot(found, verdict)
         elif verdict.action is Action.GAP:
-            gap = (
-                recovery.open_gap(s, found)
-                if verdict.cause is not None
-                else recovery.open_first_start(s)
-            )
-            origin = self._close_gap(gap)
+            # SlotInUseError: another process recovers: a standby, recording nothing
+            with RecoveryLock(s) as lock:
+                _check_history_unmoved(lock, found)
+                gap = (
+                    recovery.open_gap(s, found)
+                    if verdict.cause is not None
+                    else recovery.open_first_start(s)
+                )
+                origin = self._close_gap(gap, lock)
         with recovery.connect(s) as conn:
             maker = gaps.maker(conn, s.slot)
             if not found.topics_recorded and found.tails.topics_with_ours:
@@ -172,13 +181,13 @@ class SlotGuard:
         standby-safe mode decides it."""
         return False
 
-    def _close_gap(self, gap: gaps.HistoryRow) -> str:
+    def _close_gap(self, gap: gaps.HistoryRow, lock: RecoveryLock) -> str:
         s = self.settings
         reason = f"{gap.cause}: {gap.detail}"
         if gap.cause == GapCause.FIRST_START:  # (chosen explicitly: not a gap to report)
             log.info("%s: slot %s: publishing them now (gap %d)", gap.detail, s.slot, gap.id)
             self._set_state(RelayState.GAP, reason)
-            return self._recover(gap)
+            return self._recover(gap, lock)
         if gap.unrecoverable:
             todo = (
                 "publishing nothing until an operator accepts the loss"
@@ -192,11 +201,11 @@ class SlotGuard:
         self._set_state(RelayState.GAP, reason)
         if gap.unrecoverable or s.gap_recovery == "manual":
             raise SlotGapError(reason)
-        return self._recover(gap)
+        return self._recover(gap, lock)
 
-    def _recover(self, gap: gaps.HistoryRow) -> str:
+    def _recover(self, gap: gaps.HistoryRow, lock: RecoveryLock) -> str:
         s = self.settings
-        done = recovery.recover(s, gap, topics=self._topics)
+        done = recovery.recover(s, gap, topics=self._topics, lock=lock)
         window_s = (
             (done.window_end - done.window_start).total_seconds() if done.window_start else 0.0
         )
@@ -345,6 +354,17 @@ class SlotGuard:
             span,
             extra={"state": RelayState.STREAMING.value},
         )
+
+
+def _check_history_unmoved(lock: RecoveryLock, found: recovery.Inspection) -> None:
+    """Under the recovery lock: the slot history is as the gap check saw it (else another
+    process recorded or closed a gap meanwhile, and the check is done again)."""
+    now = gaps.latest(lock.conn, lock.slot)
+    seen = found.history
+    if (now is None) != (seen is None) or (
+        now is not None and seen is not None and (now.id, now.state) != (seen.id, seen.state)
+    ):
+        raise StreamError(f"the history of slot {lock.slot} moved during the gap check: again")
 
 
 def observe_slot(metrics: RelayMetrics, slot: SlotRow | None) -> None:

@@ -10,11 +10,16 @@ Invariants (DESIGN.md, "Relay invariants"):
 3. When Kafka is slow or away the in-flight count reaches its bound and the
    relay stops reading WAL, but keeps sending status updates, so the
    walsender does not time it out; it resumes where it stopped.
-4. A second relay on the same slot waits as a hot standby and takes over when
-   the first one's walsender goes away.
+4. A second relay on the same slot waits as a hot standby - cheaply, reading
+   nothing but the slot's holder (:mod:`cdc.relay.standby_wait`) - and takes over
+   when the first one's walsender goes away; a slot held by this relay's own
+   previous walsender (a dead path left it behind) is taken back at once.
 5. SIGTERM: stop reading, flush the producer, confirm, exit 0.
 6. A record Kafka refuses for itself goes to the dead-letter topic with the
    reason in headers; the stream never stalls on one row, never drops one.
+12. A silent replication connection is ended only when its walsender is not
+   working (:mod:`cdc.relay.silence`: the relay looks at it first); a working
+   one is left alone, and the relay says so.
 
 No error path ends the process: a stream or Kafka error reconnects after a
 back-off; a librdkafka fatal error rebuilds the producer after a back-off
@@ -49,6 +54,7 @@ from cdc.errors import (
 from cdc.health import HealthServer, Liveness
 from cdc.kafkalog import KafkaClientEvents
 from cdc.migrate import check_wal_level
+from cdc.pgconn import connect
 from cdc.producer import (
     TopicManager,
     discard_producer,
@@ -60,8 +66,10 @@ from cdc.relay.guard import GAP_RECHECK_S, SlotGapError, SlotGuard
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
+from cdc.relay.silence import LAST_CHANCE_S, Silence, SilenceWatch, silence_bound_s
 from cdc.relay.stall import StallWatch
 from cdc.relay.standby_safe import StandbySafe
+from cdc.relay.standby_wait import StandbyWait
 from cdc.relay.state import PoisonIds, RelayState, Session
 from cdc.settings import Settings
 from cdc.tracing import relay_tracing
@@ -73,8 +81,8 @@ from cdc.wal.stream import (
     end_walsender,
     ensure_publication,
     ensure_slot,
+    look_at_walsender,
     server_is_utf8,
-    with_connection_defaults,
 )
 
 log = logging.getLogger("cdc.relay")
@@ -139,7 +147,7 @@ SHUTDOWN_FLUSH_S = 15.0
 _XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
 
 
-class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuard):
+class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuard, StandbyWait):
     def __init__(
         self,
         settings: Settings,
@@ -302,43 +310,23 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         self._wait(delay_s)
         self._events.clear_fatal()
 
-    def _standby(self, reason: str) -> None:
-        if self._state is not RelayState.STANDBY:
-            log.info("slot %s busy (%s): waiting as hot standby", self.settings.slot, reason)
-        self._set_state(RelayState.STANDBY)
-        deadline = time.monotonic() + c.STANDBY_RETRY_S
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            self.liveness.tick()
-            if self._producer is not None:  # (kept from an earlier session)
-                try:
-                    self._poll(0)  # librdkafka queues log lines and errors until served
-                except ProducerFatalError as exc:
-                    self._rebuild_producer(str(exc))
-                    return
-                except KafkaUnavailableError as exc:
-                    log.warning("standby: %s", exc)
-            self._stop.wait(0.2)
-
     def _session(self) -> None:
         s = self.settings
-        with psycopg.connect(
-            with_connection_defaults(s.pg_dsn.get_secret_value()), autocommit=True
-        ) as conn:
+        dsn = s.pg_dsn.get_secret_value()
+        with connect(dsn) as conn:
             self._table = ensure_publication(
                 conn, s.publication, s.outbox_table, filtered=s.publication_filtered
             )
             check_wal_level(conn)  # (set-up errors first: the gap check needs both)
             check_replication_privilege(conn)
+            self._claim_slot(conn)  # a standby stops here, before any tail read
         origin = self._guard_slot()  # first start, a gap, or a slot that holds everything
-        with psycopg.connect(
-            with_connection_defaults(s.pg_dsn.get_secret_value()), autocommit=True
-        ) as conn:
+        with connect(dsn) as conn:
             info = ensure_slot(conn, s.slot, create=False)
             self._utf8 = server_is_utf8(conn)
         self._topics.ensure([s.dlq_topic])
-        stream = ReplicationStream(
-            s.pg_dsn.get_secret_value(), slot=s.slot, publication=s.publication
-        )
+        stream = ReplicationStream(dsn, slot=s.slot, publication=s.publication)
+        self._own_walsender = stream.walsender  # (recognised if a dead path orphans it)
         try:
             stream.start(0)  # a standby stops here (SlotInUseError), without a producer
             if self._producer is None:
@@ -369,6 +357,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         next_status = 0.0
         stall = StallWatch(self.settings.relay_stall_after_s, time.monotonic())
         heard_at = time.monotonic()  # the server's last message (or: we were not listening)
+        silence = self._silence_watch(sess)
         while not self._stop.is_set():
             self.liveness.tick()
             sess.reports = None  # (what the last batch added may now be acknowledged)
@@ -393,38 +382,91 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             now = time.monotonic()
             if heard:
                 heard_at = now
+                silence.heard()
             stalled = self._stalled(sess, stall, now)
             if stalled and state is not RelayState.HELD:  # (HELD already names its cause)
                 state, reason = RelayState.STALLED, stalled
             self._set_state(state, reason)
             silent_s = now - heard_at
-            if silent_s > self.settings.replication_silence_s:
-                self._end_silent(sess, silent_s)
-                raise StreamError(
-                    f"replication connection silent for {silent_s:.0f}s (no message,"
-                    " keepalives included, though the relay asked for one):"
-                    " reopening it (CDC_REPLICATION_SILENCE_S)"
-                )
+            if silence.due(silent_s, now):
+                self._judge_silence(sess, silence, silent_s)
             advanced = self._ledger.bound(sess.tracker.confirmable) != sess.last_confirmed
             if (
                 now >= next_status
                 or sess.reply_requested
                 or (advanced and now >= next_status - c.STATUS_INTERVAL_S + STATUS_MIN_INTERVAL_S)
             ):
-                self._send_status(sess, ask_reply=silent_s >= REPLY_REQUEST_AFTER_S)
+                self._send_status(sess, ask_reply=self._asking(silence, silent_s))
                 next_status = now + c.STATUS_INTERVAL_S
 
-    def _end_silent(self, sess: Session, silent_s: float) -> None:
-        """Count and log a silent replication connection; end its walsender (which a
+    @staticmethod
+    def _asking(silence: SilenceWatch, silent_s: float) -> bool:
+        """Whether this status update asks the server for a reply (noted by the watch)."""
+        ask = silent_s >= silence.ask_after_s(REPLY_REQUEST_AFTER_S)
+        if ask:
+            silence.asking(time.time_ns() // 1000)
+        return ask
+
+    def _silence_watch(self, sess: Session) -> SilenceWatch:
+        """The session's silence detector: it looks after CDC_REPLICATION_SILENCE_S; an
+        unseen walsender is ended after what its wal_sender_timeout promises."""
+        configured_s = self.settings.replication_silence_s
+        timeout_ms = sess.stream.wal_sender_timeout_ms
+        return SilenceWatch(
+            look_after_s=configured_s, bound_s=silence_bound_s(configured_s, timeout_ms)
+        )
+
+    def _judge_silence(self, sess: Session, watch: SilenceWatch, silent_s: float) -> None:
+        """Look at the silent session's walsender over an ordinary connection; leave a
+        working one alone (and say so, at most once per interval); end the session (and
+        its walsender) only when the path to it is dead: raises StreamError then."""
+        stream = sess.stream
+        dsn = stream.server_dsn(self.settings.pg_dsn.get_secret_value())
+        pid = stream.backend_pid
+        look, unseen = None, ""
+        try:
+            look = look_at_walsender(dsn, self.settings.slot, pid)
+        except psycopg.Error as exc:
+            unseen = _first_line(exc)
+        verdict = watch.judge(silent_s, time.monotonic(), look, unseen)
+        if verdict.action is Silence.END and self._answers_at_last(sess):
+            watch.heard()  # (the next turn reads what came)
+            return
+        self.metrics.walsender_looks.labels(verdict.action.value).inc()
+        if verdict.action is Silence.END:
+            self._end_silent(dsn, pid, silent_s, verdict.reason)
+            raise StreamError(
+                f"replication connection silent for {silent_s:.0f}s (no message, keepalives"
+                f" included, though the relay asked for one) and its walsender {pid}"
+                f" {verdict.reason}: reopening it (CDC_REPLICATION_SILENCE_S)"
+            )
+        if verdict.log:
+            log.info(
+                "replication connection silent for %.0fs, but its walsender %d %s:"
+                " leaving it alone",
+                silent_s,
+                pid,
+                verdict.reason,
+            )
+
+    def _answers_at_last(self, sess: Session) -> bool:
+        """One last reply request before a session is ended: True when something
+        arrives within LAST_CHANCE_S (a walsender just out of a long replay)."""
+        sess.stream.send_status(sess.tracker.confirmable, reply_requested=True)
+        return sess.stream.wait_readable(LAST_CHANCE_S)
+
+    def _end_silent(self, dsn: str, pid: int, silent_s: float, why: str) -> None:
+        """Count and log a dead replication connection; end its walsender (which a
         half-open path keeps holding the slot), so the next session can start."""
         self.metrics.replication_silences.inc()
-        pid = sess.stream.backend_pid
-        ended = end_walsender(self.settings.pg_dsn.get_secret_value(), self.settings.slot, pid)
+        ended = end_walsender(dsn, self.settings.slot, pid)
         log.warning(
-            "replication connection silent for %.0fs (CDC_REPLICATION_SILENCE_S=%.0f):"
-            " closing it%s",
+            "replication connection silent for %.0fs (CDC_REPLICATION_SILENCE_S=%.0f) and"
+            " its walsender %d %s: closing it%s",
             silent_s,
             self.settings.replication_silence_s,
+            pid,
+            why,
             f"; its walsender {pid} ended" if ended else "",
         )
 
@@ -493,3 +535,8 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             lsn_to_str(sess.tracker.confirmable),
             sess.tracker.in_flight,
         )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

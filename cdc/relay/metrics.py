@@ -130,6 +130,23 @@ class RelayMetrics:
             "Replication connections reopened after CDC_REPLICATION_SILENCE_S without a message",
             registry=registry,
         )
+        self.walsender_looks = Counter(
+            "outbox_relay_walsender_looks_total",
+            "Looks at the walsender of a silent replication connection, by verdict"
+            " (leave: working, left alone; end: the path is dead; wait: look again)",
+            ["verdict"],
+            registry=registry,
+        )
+        self.slot_takebacks = Counter(
+            "outbox_relay_slot_takebacks_total",
+            "Slots taken back from the relay's own previous walsender (orphaned by a dead path)",
+            registry=registry,
+        )
+        self.gap_checks = Counter(
+            "outbox_relay_gap_checks_total",
+            "Gap checks run (each reads the tails of the outbox topics); none while a standby",
+            registry=registry,
+        )
         self.state = Gauge(
             "outbox_relay_state", "1 for the current state", ["state"], registry=registry
         )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from cdc import constants as c
+from cdc.pgconn import connect
 from cdc.producer import (
     TopicManager,
 )
@@ -25,10 +26,7 @@ from cdc.relay.guard import observe_slot
 from cdc.relay.metrics import RelayMetrics
 from cdc.settings import Settings
 from cdc.wal.slots import read_slot
-from cdc.wal.stream import (
-    slot_info,
-    with_connection_defaults,
-)
+from cdc.wal.stream import slot_info
 
 log = logging.getLogger("cdc.relay")
 
@@ -58,11 +56,7 @@ class SlotMonitor:
         ):
             self._topics.serve()
             try:
-                with psycopg.connect(
-                    with_connection_defaults(s.pg_dsn.get_secret_value()),
-                    autocommit=True,
-                    connect_timeout=5,
-                ) as conn:
+                with connect(s.pg_dsn.get_secret_value()) as conn:
                     info = slot_info(conn, s.slot)
                     if info is not None and info.lag_bytes is not None:
                         self.metrics.slot_lag.set(info.lag_bytes)

@@ -70,8 +70,11 @@ from cdc.lineage import (
     relay_topics,
 )
 from cdc.outbox import table_identifier
+from cdc.pgconn import Use
+from cdc.pgconn import connect as pg_connect
 from cdc.producer import IdsInFlight, TopicManager, is_record_error, make_producer
 from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide, unrecoverable_reason
+from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.standby_safe import wait_standby_flushed
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
@@ -140,7 +143,8 @@ class Inspection:
 
 
 def connect(settings: Settings) -> Conn:
-    return psycopg.connect(settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=10)
+    """A connection for the gap check's and the recovery's work (:data:`Use.WORK`)."""
+    return pg_connect(settings.pg_dsn.get_secret_value(), Use.WORK)
 
 
 def check_slot_kind(slot: SlotRow | None, dbname: str) -> None:
@@ -530,28 +534,48 @@ def _record(row: tuple[Any, ...], tx: TxContext, settings: Settings, mark: bytes
 
 
 def recover(
-    settings: Settings, gap: gaps.HistoryRow, *, topics: TopicManager | None = None
+    settings: Settings,
+    gap: gaps.HistoryRow,
+    *,
+    topics: TopicManager | None = None,
+    lock: RecoveryLock | None = None,
 ) -> gaps.Recovered:
-    """Close ``gap`` from the outbox table (see the module docstring)."""
+    """Close ``gap`` from the outbox table (see the module docstring). ``lock``: the
+    recovery lock the caller holds (else it is taken here: one recovery of a slot at a
+    time, two relays or a relay and the CLI); it is checked before every step that
+    depends on it (:meth:`RecoveryLock.ensure`)."""
     if gap.unrecoverable:
         raise GapUnrecoverableError(
             f"gap {gap.id} cannot be recovered ({gap.detail}): `outbox-cdc slot accept-gap`"
         )
     started = time.monotonic()
-    with connect(settings) as lock:
-        _lock_recovery(lock, settings)
-        done = _recover(settings, gap, topics, started, lock)
-        gaps.mark_recovered(lock, gap.id, done)
+    held = lock or RecoveryLock(settings).take()
+    try:
+        done = _recover(settings, gap, topics, started, held)
+        held.ensure()
+        _check_still_ours(held.conn, settings, gap, done)
+        gaps.mark_recovered(held.conn, gap.id, done)
+    finally:
+        if lock is None:
+            held.close()
     return done
 
 
-def _lock_recovery(conn: Conn, settings: Settings) -> None:
-    """One recovery of a slot at a time (two relays, or a relay and the CLI)."""
-    row = conn.execute(
-        "SELECT pg_try_advisory_lock(hashtext(%s))", (f"outbox_cdc_recovery:{settings.slot}",)
-    ).fetchone()
-    if not row or not row[0]:
-        raise SlotInUseError(f"another process is recovering slot {settings.slot}")
+def _check_still_ours(
+    conn: Conn, settings: Settings, gap: gaps.HistoryRow, done: gaps.Recovered
+) -> None:
+    """Before the gap is marked: it is still open, and the slot is still the one this
+    recovery made (not streamed, not replaced) - whatever happened while the lock's
+    connection was away. Else :class:`SlotInUseError`: the next session checks again."""
+    latest = gaps.latest(conn, settings.slot)
+    slot = read_slot(conn, settings.slot)
+    if latest is None or latest.id != gap.id or not latest.is_open:
+        why = f"gap {gap.id} was closed by another process meanwhile"
+    elif slot is None or slot.active or lsn_to_str(slot.confirmed_flush_lsn) != done.consistent_lsn:
+        why = f"slot {settings.slot} is no longer the one this recovery made"
+    else:
+        return
+    raise SlotInUseError(f"recovery of gap {gap.id} not marked: {why}")
 
 
 @dataclass
@@ -562,7 +586,7 @@ class _Progress:
     minus the margin - rows committed after the snapshot were created (or
     committed) after it, so the next attempt never starts later than this."""
 
-    conn: Conn
+    lock: RecoveryLock
     gap_id: int
     floor: datetime
     #: rows re-published by earlier attempts
@@ -580,8 +604,9 @@ class _Progress:
         ):
             return
         self.publisher.wait_acked()
+        self.lock.ensure()  # (its connection may have been taken again)
         gaps.record_progress(
-            self.conn,
+            self.lock.conn,
             self.gap_id,
             resume_from=min(ts, self.floor),
             rows=self.base_rows + self.publisher.sent,
@@ -600,16 +625,17 @@ def _recover(
     gap: gaps.HistoryRow,
     topics: TopicManager | None,
     started: float,
-    lock: Conn,
+    lock: RecoveryLock,
 ) -> gaps.Recovered:
     dsn = settings.pg_dsn.get_secret_value()
+    lock.ensure()  # (the slot is dropped and made again under it)
     _clear_slot(settings)
     server = identify_system(dsn)
     origin = origin_value(server, settings.slot)
     since = gap.resume_from or gap.window_start  # (the recorded progress of earlier attempts)
     if since is not None and gap.resume_from is not None:
         log.info("gap %d: resuming its recovery from %s", gap.id, since.isoformat())
-    floor = _db_now(lock) - timedelta(seconds=settings.gap_margin_s)
+    floor = _db_now(lock.conn) - timedelta(seconds=settings.gap_margin_s)
     acks = _Acks()
     # Delivered records call nothing (a _Run per RUN_RECORDS finds a refused one's id).
     producer = make_producer(
@@ -620,6 +646,7 @@ def _recover(
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
     try:
+        lock.ensure()
         with exported_slot(dsn, settings.slot) as made, connect(settings) as conn:
             in_snapshot(conn, made.snapshot)
             if settings.standby_safe:  # every row of the snapshot on the standby first

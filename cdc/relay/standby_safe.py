@@ -42,6 +42,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from cdc.errors import CdcError
+from cdc.pgconn import Use, connect
 from cdc.relay.standby_gate import (
     FAILOVER_SLOTS_MIN_VERSION,
     SafeMode,
@@ -285,7 +286,7 @@ class StandbySafe:
                 target_session_attrs="any",
             )
             try:
-                with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+                with connect(dsn) as conn:
                     last_error = ""
                     self._poll_on(safe, conn, target)
             except psycopg.Error as exc:
@@ -353,8 +354,8 @@ class StandbySafe:
         if row is None:
             return False  # not created yet: the next check finds it
         if not row[0]:
-            with psycopg.connect(
-                s.pg_dsn.get_secret_value(), autocommit=True, replication="database"
+            with connect(
+                s.pg_dsn.get_secret_value(), Use.REPLICATION, replication="database"
             ) as repl:
                 repl.execute(alter_failover_command(s.slot).as_string(repl))
             log.info("slot %s is now a failover slot", s.slot)
@@ -372,9 +373,7 @@ def wait_standby_flushed(settings: Settings, lsn: int) -> None:
     for its snapshot's consistent point before publishing rows of it); raise
     :class:`StandbyBehindError` after ``CDC_STANDBY_SAFE_MAX_WAIT_S``."""
     deadline = time.monotonic() + settings.standby_safe_max_wait_s
-    with psycopg.connect(
-        settings.pg_dsn.get_secret_value(), autocommit=True, connect_timeout=5
-    ) as conn:
+    with connect(settings.pg_dsn.get_secret_value()) as conn:
         while True:
             row = conn.execute(
                 FLUSHED_SQL_SLOT, {"name": settings.standby_safe, "slot": settings.slot}

@@ -27,6 +27,7 @@ import psycopg
 from psycopg import pq, sql
 
 from cdc.errors import StreamError
+from cdc.pgconn import Use, connect
 from cdc.wal.replproto import str_to_lsn
 
 Conn = psycopg.Connection[Any]
@@ -91,7 +92,7 @@ def _simple(pgconn: pq.abc.PGconn, command: str) -> list[list[bytes | None]]:
 
 def _replication(dsn: str) -> Conn:
     try:
-        return psycopg.connect(dsn, replication="database", autocommit=True, connect_timeout=10)
+        return connect(dsn, Use.REPLICATION, replication="database")
     except psycopg.OperationalError as exc:
         raise StreamError(f"replication connection failed: {exc}") from exc
 

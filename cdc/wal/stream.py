@@ -13,18 +13,28 @@ Guarantees:
   blocking longer than asked, and sends standby status updates;
 * a slot held by another walsender raises :class:`SlotInUseError` (the caller
   waits as a hot standby); a lost connection raises :class:`StreamError`;
-* every connection gets :data:`CONNECTION_DEFAULTS` (connect timeout, TCP
-  keepalives, ``tcp_user_timeout``) unless its DSN sets them
-  (:func:`with_connection_defaults`); :func:`end_walsender` ends the walsender
-  of a replication connection the caller gave up as silent (half-open).
+* every connection is opened by :func:`cdc.pgconn.connect` (connect timeout,
+  TCP keepalives and ``tcp_user_timeout`` on both ends, bounded waits, unless
+  its DSN says otherwise);
+* a stream knows, from the moment it connected, the server's
+  ``wal_sender_timeout`` for its walsender (:attr:`ReplicationStream.wal_sender_timeout_ms`)
+  and the walsender as the server sees it (:attr:`ReplicationStream.walsender`:
+  its pid, and the client address and port of the stream's own socket), so
+  the relay can look at that walsender (:func:`look_at_walsender`), end it
+  (:func:`end_walsender`) when the path to it is dead, and later recognise it
+  as its own orphan (:func:`slot_holder`, :meth:`Walsender.holds`).
 
 No protocol parsing happens here (see :mod:`cdc.wal.replproto`, :mod:`cdc.wal.pgoutput`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import select
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,10 +43,11 @@ from typing import Any
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg import pq, sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
 from cdc.errors import DatabaseSetupError, SlotInUseError, StreamError
 from cdc.migrate import check_wal_level
+from cdc.pgconn import Use, connect, conninfo
 from cdc.router import ROUTED_COLUMNS, BrokenOutbox, outbox_layout
 from cdc.wal.replproto import lsn_to_str, pg_now_us, standby_status_update, str_to_lsn
 
@@ -45,25 +56,9 @@ log = logging.getLogger("cdc.stream")
 Conn = psycopg.Connection[Any]
 
 
-#: libpq settings of every relay connection unless its DSN sets them: a connect
-#: that hangs fails after 10 s; an idle path is probed after 10 s, every 5 s, and
-#: given up after 3 lost probes; unacknowledged sent data fails it after 30 s.
-CONNECTION_DEFAULTS = {
-    "connect_timeout": "10",
-    "keepalives": "1",
-    "keepalives_idle": "10",
-    "keepalives_interval": "5",
-    "keepalives_count": "3",
-    "tcp_user_timeout": "30000",
-}
-
-
 def with_connection_defaults(dsn: str) -> str:
-    """``dsn`` with :data:`CONNECTION_DEFAULTS` merged in (what it sets wins)."""
-    params = conninfo_to_dict(dsn)
-    for name, value in CONNECTION_DEFAULTS.items():
-        params.setdefault(name, value)
-    return make_conninfo("", **params)
+    """``dsn`` with the defaults of an operator's connection (:data:`cdc.pgconn.Use.CLI`)."""
+    return conninfo(dsn, Use.CLI)
 
 
 @dataclass(frozen=True)
@@ -289,25 +284,198 @@ def ensure_slot(conn: Conn, slot: str, *, create: bool = True) -> SlotInfo:
     return info
 
 
+#: After ending its own orphaned walsender, the relay waits this long at most for the
+#: server to release the slot (a backend ends within milliseconds of the signal; one
+#: blocked writing to a dead client notices at its next wait, well inside this).
+TAKE_BACK_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Walsender:
+    """A walsender as the server sees it: its pid and its client's address and port
+    (``pg_stat_activity.client_addr`` / ``client_port``: None and -1 over a Unix socket)."""
+
+    pid: int
+    client_addr: str | None
+    client_port: int
+
+    def same_as(self, other: Walsender) -> bool:
+        """True when ``other`` is this very walsender: same pid, same client address
+        and port (so a pid the server reused for another connection never matches)."""
+        return (
+            self.pid == other.pid
+            and self.client_port == other.client_port
+            and _address(self.client_addr) == _address(other.client_addr)
+        )
+
+    def __str__(self) -> str:
+        where = (
+            "a Unix socket"
+            if self.client_addr is None
+            else (f"{self.client_addr}:{self.client_port}")
+        )
+        return f"walsender {self.pid} (client {where})"
+
+
+def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | str | None:
+    """An address in one form (an IPv4-mapped IPv6 address as the IPv4 one)."""
+    if text is None:
+        return None
+    try:
+        addr = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return text
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+@dataclass(frozen=True)
+class SlotHolder:
+    """A slot and who holds it."""
+
+    exists: bool
+    #: the walsender streaming it (None: inactive or missing)
+    walsender: Walsender | None
+
+
+#: The slot and its active walsender's client address (host() drops the /32).
+_HOLDER_SQL = (
+    "SELECT s.active_pid, host(a.client_addr), a.client_port FROM pg_replication_slots s"
+    " LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s"
+)
+
+
+def slot_holder(conn: Conn, slot: str) -> SlotHolder:
+    """Who holds ``slot`` now (one cheap catalog query)."""
+    row = conn.execute(_HOLDER_SQL, (slot,)).fetchone()
+    if row is None:
+        return SlotHolder(exists=False, walsender=None)
+    pid, addr, port = row
+    if pid is None:
+        return SlotHolder(exists=True, walsender=None)
+    return SlotHolder(True, Walsender(int(pid), addr, -1 if port is None else int(port)))
+
+
 def end_walsender(dsn: str, slot: str, pid: int) -> bool:
     """End the walsender ``pid`` if it still holds ``slot``; whether one was ended.
 
-    For a replication connection the relay gave up as silent: behind a half-open
-    path (and with ``wal_sender_timeout`` off) the server keeps that walsender,
-    and so the slot, until it hears of the end; a new session would find the
-    slot busy. Only our own abandoned walsender is ended (slot and pid must match).
+    ``dsn`` reaches the server the walsender runs on. For a replication connection
+    the relay gave up (its path is dead): behind a half-open path (and with
+    ``wal_sender_timeout`` off) the server keeps that walsender, and so the slot,
+    until it hears of the end; a new session would find the slot busy. Only our own
+    abandoned walsender is ended (slot and pid must match).
     """
     try:
-        with psycopg.connect(with_connection_defaults(dsn), autocommit=True) as conn:
+        with connect(dsn) as conn:
             row = conn.execute(
                 "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
                 " WHERE slot_name = %s AND active_pid = %s",
                 (slot, pid),
             ).fetchone()
     except psycopg.Error as exc:
-        log.warning("could not end the silent walsender %d of slot %s: %s", pid, slot, exc)
+        log.warning("could not end the walsender %d of slot %s: %s", pid, slot, exc)
         return False
     return bool(row and row[0])
+
+
+def take_back(conn: Conn, slot: str, orphan: Walsender) -> bool:
+    """End ``orphan`` (the relay's own previous walsender, still holding ``slot``) and
+    wait until the slot is free; whether it is (False: someone else holds it now, or
+    it was not released within :data:`TAKE_BACK_WAIT_S`)."""
+    holder = slot_holder(conn, slot)
+    if holder.walsender is None:
+        return True
+    if not holder.walsender.same_as(orphan):
+        return False
+    conn.execute(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
+        " WHERE slot_name = %s AND active_pid = %s",
+        (slot, orphan.pid),
+    )
+    deadline = time.monotonic() + TAKE_BACK_WAIT_S
+    while time.monotonic() < deadline:
+        holder = slot_holder(conn, slot)
+        if holder.walsender is None:
+            return True
+        if not holder.walsender.same_as(orphan):
+            return False
+        time.sleep(0.1)
+    return False
+
+
+@dataclass(frozen=True)
+class WalsenderSample:
+    """What the server shows of a walsender at one moment (for the silence decision)."""
+
+    #: when it was taken (monotonic seconds)
+    at_s: float
+    #: the walsender still exists
+    found: bool
+    #: pg_stat_activity.state (``active`` while it streams)
+    state: str | None = None
+    wait_event_type: str | None = None
+    wait_event: str | None = None
+    #: pg_stat_replication.sent_lsn: how far it has read WAL
+    sent_lsn: int | None = None
+    #: pg_stat_replication_slots total_bytes + spill_bytes of its slot (decoded so far)
+    decoded_bytes: int | None = None
+    #: pg_stat_replication.reply_time: the send time (the relay's clock, Unix
+    #: microseconds) of the last status update the walsender read from the relay
+    reply_time_us: int | None = None
+
+
+_LOOK_SQL = (
+    "SELECT a.state, a.wait_event_type, a.wait_event, r.sent_lsn::text,"
+    " (SELECT st.total_bytes + st.spill_bytes FROM pg_stat_replication_slots st"
+    "  WHERE st.slot_name = %(slot)s),"
+    " (extract(epoch FROM r.reply_time) * 1000000)::bigint"
+    " FROM pg_stat_activity a LEFT JOIN pg_stat_replication r ON r.pid = a.pid"
+    " WHERE a.pid = %(pid)s"
+)
+
+
+def look_at_walsender(dsn: str, slot: str, pid: int) -> WalsenderSample:
+    """The walsender ``pid`` of ``slot`` as the server (``dsn``) shows it now, read over
+    an ordinary connection; raises :class:`psycopg.Error` when it cannot be read."""
+    with connect(dsn) as conn:
+        row = conn.execute(_LOOK_SQL, {"slot": slot, "pid": pid}).fetchone()
+    now = time.monotonic()
+    if row is None:
+        return WalsenderSample(at_s=now, found=False)
+    state, wait_type, wait_event, sent, decoded, reply_us = row
+    return WalsenderSample(
+        at_s=now,
+        found=True,
+        state=state,
+        wait_event_type=wait_type,
+        wait_event=wait_event,
+        sent_lsn=str_to_lsn(sent) if sent else None,
+        decoded_bytes=None if decoded is None else int(decoded),
+        reply_time_us=None if reply_us is None else int(reply_us),
+    )
+
+
+def _client_address(fd: int) -> tuple[str | None, int]:
+    """The local address and port of socket ``fd``: the client address and port the
+    server shows for this connection (None and -1 for a Unix socket)."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        if sock.family == socket.AF_UNIX:
+            return None, -1
+        name = sock.getsockname()
+        return str(name[0]), int(name[1])
+    finally:
+        sock.close()
+
+
+def _wal_sender_timeout_ms(pgconn: pq.abc.PGconn) -> int | None:
+    """This walsender's ``wal_sender_timeout`` (0: off), None when it cannot be read."""
+    result = pgconn.exec_(b"SELECT setting FROM pg_settings WHERE name = 'wal_sender_timeout'")
+    if result.status != pq.ExecStatus.TUPLES_OK or result.ntuples != 1:
+        return None
+    value = result.get_value(0, 0)
+    return int(value) if value is not None and value.isdigit() else None
 
 
 class ReplicationStream:
@@ -317,12 +485,18 @@ class ReplicationStream:
         self.slot = slot
         self.publication = publication
         try:
-            self._conn: Conn = psycopg.connect(
-                with_connection_defaults(dsn), replication="database", autocommit=True
-            )
+            self._conn: Conn = connect(dsn, Use.REPLICATION, replication="database")
         except psycopg.OperationalError as exc:
             raise StreamError(f"replication connection failed: {exc}") from exc
         self._pg = self._conn.pgconn
+        try:
+            #: this stream's walsender as the server shows it (pid, our socket's address)
+            self.walsender = Walsender(self._pg.backend_pid, *_client_address(self._pg.socket))
+            #: the server's wal_sender_timeout for this walsender (0: off; None: unknown)
+            self.wal_sender_timeout_ms = _wal_sender_timeout_ms(self._pg)
+        except (OSError, psycopg.Error) as exc:
+            self._conn.close()
+            raise StreamError(f"replication connection failed: {exc}") from exc
         #: ``() -> (size, payload)`` of a CopyData message already received: size 0
         #: when none is buffered, negative when the stream ended (then :meth:`read`
         #: raises). The relay's hot path; a bound C call, no Python frame.
@@ -364,6 +538,12 @@ class ReplicationStream:
             self._raise_end()
         return data
 
+    def wait_readable(self, timeout_s: float) -> bool:
+        """True when bytes arrive within ``timeout_s`` (nothing is consumed: the next
+        :meth:`read` hands them out). For a caller that drained what was buffered."""
+        ready, _, _ = select.select([self._pg.socket], [], [], timeout_s)
+        return bool(ready)
+
     def _consume(self) -> None:
         try:
             self._pg.consume_input()
@@ -396,6 +576,13 @@ class ReplicationStream:
         """Host, address and port of the server this stream reads (one of a multi-host DSN)."""
         info = self._conn.info
         return info.host, info.hostaddr, info.port
+
+    def server_dsn(self, dsn: str) -> str:
+        """``dsn`` narrowed to the server this stream reads (for looking at its walsender)."""
+        host, hostaddr, port = self.server
+        return make_conninfo(
+            dsn, host=host, hostaddr=hostaddr, port=port, target_session_attrs="any"
+        )
 
     def close(self) -> None:
         self._conn.close()

@@ -8,6 +8,13 @@
 * Kafka stopped with records in flight: ``/readyz`` answers 503 ``stalled: ...``
   and ``outbox_relay_stalled`` is 1 after ``CDC_RELAY_STALL_AFTER_S``; both
   clear when Kafka is back, and nothing is lost.
+* A real dropped path (issue 34, item 7: every packet of the replication
+  connection dropped in the kernel, :mod:`tests.netfault`; no user-space proxy
+  ACKing for it) with ``wal_sender_timeout=0`` and the server's own socket
+  timeouts off: ``tcp_user_timeout`` ends the relay's side, the server keeps the
+  orphaned walsender holding the slot for ever, and the relay - recognising
+  its own previous walsender by pid, client address and port - ends it and
+  takes the slot back at once instead of waiting as a standby; nothing is lost.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from tests.harness import (
     wait_until,
 )
 from tests.integration.test_relay_errors import metric, readyz
+from tests.netfault import DroppedPath, NetFaultUnavailableError, ensure_nft
 from tests.tcpfault import TcpFaultProxy
 
 pytestmark = pytest.mark.integration
@@ -123,6 +131,75 @@ def test_a_silent_replication_connection_is_reopened_and_nothing_is_lost(
             assert relay.alive(), relay.log_tail()
         finally:
             relay.close()
+
+
+@pytest.fixture
+def nft() -> None:
+    """nftables usable here (installed with apt-get on a fresh root machine: CI)."""
+    try:
+        ensure_nft()
+    except NetFaultUnavailableError as exc:
+        if IN_CI:
+            pytest.fail(f"the dropped-path test needs nftables: {exc}")
+        pytest.skip(f"the dropped-path test needs nftables: {exc}")
+
+
+def _walsender_client_port(dsn: str, slot: str) -> tuple[int, int] | None:
+    """The slot's walsender pid and its client's port (None: the slot is not active)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT a.pid, a.client_port FROM pg_replication_slots s"
+            " JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s",
+            (slot,),
+        ).fetchone()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
+@pytest.mark.fault
+def test_behind_a_dropped_path_the_relay_takes_its_slot_back_from_its_own_orphan(
+    cfg: RelayConfig, tmp_path: Path, nft: None
+) -> None:
+    target = conninfo_to_dict(cfg.db_dsn)
+    assert target.get("host", "127.0.0.1") in ("127.0.0.1", "localhost"), "a loopback stack"
+    pg_port = int(target.get("port", 5432))
+    # The server never gives up on the orphan: wal_sender_timeout off, and its own side of
+    # the socket unbounded (the relay's defaults would end it after ~30 s).
+    forever = "-c wal_sender_timeout=0 -c tcp_user_timeout=0 -c tcp_keepalives_idle=0"
+    cfg.extra = {
+        "CDC_PG_DSN": make_conninfo(cfg.db_dsn, options=forever),
+        "CDC_REPLICATION_SILENCE_S": "600",  # (the path under test: tcp_user_timeout)
+    }
+    relay, port = start_relay(cfg, tmp_path)
+    try:
+        with Writer(cfg.db_dsn, "dropped", every_s=0.1) as writer:
+            relayed = "outbox_relay_events_total"
+            labels = f'topic="{cfg.topic_prefix}dropped"'
+            wait_until(lambda: metric(port, relayed, labels) >= 10, 60, "events relayed")
+            walsender = _walsender_client_port(cfg.db_dsn, cfg.slot)
+            assert walsender is not None
+            orphan, client_port = walsender
+            with DroppedPath(client_port, pg_port):
+                wait_until(
+                    lambda: metric(port, "outbox_relay_slot_takebacks_total") >= 1,
+                    150,
+                    "the relay to take its slot back from its orphaned walsender",
+                )
+                after = metric(port, relayed, labels)
+                wait_until(
+                    lambda: metric(port, relayed, labels) >= after + 10,
+                    90,
+                    "a new session streaming while writers go on",
+                )
+                now = _walsender_client_port(cfg.db_dsn, cfg.slot)
+                assert now is not None and now[0] != orphan, "a new walsender streams"
+        _assert_all_arrived(cfg, "dropped", writer.ids)
+        log = relay.log_path.read_text()
+        assert f"held by this relay's own previous walsender {orphan}" in log
+        assert "waiting as hot standby" not in log, "it never waited behind its own orphan"
+        assert metric(port, "outbox_relay_replication_silences_total") == 0
+        assert relay.alive(), relay.log_tail()
+    finally:
+        relay.close()
 
 
 @pytest.fixture

@@ -103,6 +103,8 @@ class ScriptedProducer:
 class ReadNothing:
     """A replication stream that must not be read (the relay is HELD)."""
 
+    wal_sender_timeout_ms = 60_000
+
     def __init__(self) -> None:
         self.statuses: list[int] = []
 

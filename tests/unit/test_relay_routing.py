@@ -159,6 +159,8 @@ class FakeTopics:
 
 
 class FakeStream:
+    wal_sender_timeout_ms = 60_000
+
     def send_status(self, lsn: int, *, reply_requested: bool = False) -> None:
         pass
 

@@ -3,13 +3,15 @@ defaults, the outbox layout by column name, exact JSON checks."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from cdc.jsontext import object_error, object_members
+from cdc.pgconn import CLIENT_DEFAULTS, Use, conninfo
 from cdc.relay.stall import StallWatch
 from cdc.router import BrokenOutbox, OutboxLayout, outbox_layout
-from cdc.wal.stream import CONNECTION_DEFAULTS, with_connection_defaults
 
 
 def test_a_stall_shows_only_after_the_threshold_with_work_waiting_and_clears_on_an_ack() -> None:
@@ -29,11 +31,11 @@ def test_a_stall_shows_only_after_the_threshold_with_work_waiting_and_clears_on_
 
 def test_connection_defaults_fill_in_without_overriding_the_dsn() -> None:
     dsn = "postgresql://u:p%40ss@db:5433/app?keepalives_idle=3&connect_timeout=2"
-    params = conninfo_to_dict(with_connection_defaults(dsn))
+    params = conninfo_to_dict(conninfo(dsn, Use.CLI))
     assert params["keepalives_idle"] == "3" and params["connect_timeout"] == "2"
     assert params["password"] == "p@ss" and params["host"] == "db" and params["port"] == "5433"
     for name in ("keepalives", "keepalives_interval", "keepalives_count", "tcp_user_timeout"):
-        assert params[name] == CONNECTION_DEFAULTS[name]
+        assert params[name] == CLIENT_DEFAULTS[name]
 
 
 COLS = [
@@ -93,18 +95,28 @@ def test_members_keep_their_exact_text() -> None:
 def test_a_silent_stream_ends_the_session_counted_with_its_cause(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No message while listening for CDC_REPLICATION_SILENCE_S: StreamError (the
-    session loop then reconnects, /readyz saying ``reconnecting: <this reason>``),
-    the silence counted, the abandoned walsender ended; status updates asked for a reply."""
+    """No message while listening for CDC_REPLICATION_SILENCE_S and the walsender seen
+    idle at two looks: StreamError (the session loop then reconnects, /readyz saying
+    ``reconnecting: <this reason>``), the silence counted, the abandoned walsender
+    ended; status updates asked for a reply."""
     from cdc.errors import StreamError
     from cdc.relay import loop as relay_mod
+    from cdc.relay import silence as silence_mod
     from cdc.relay.loop import Relay
     from cdc.settings import Settings
     from cdc.wal.lsn import LsnTracker
+    from cdc.wal.stream import WalsenderSample
     from tests.unit.test_relay_routing import FakeTopics, RecordingProducer
 
     class Silent:
         backend_pid = 4242
+        wal_sender_timeout_ms = 0
+
+        def server_dsn(self, dsn: str) -> str:
+            return dsn
+
+        def wait_readable(self, timeout_s: float) -> bool:
+            return False  # (the last chance: nothing arrives)
 
         def __init__(self) -> None:
             self.replies: list[bool] = []
@@ -119,6 +131,21 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
             return None
 
     ended: list[int] = []
+    looks: list[int] = []
+
+    def look(dsn: str, slot: str, pid: int) -> WalsenderSample:
+        looks.append(pid)
+        return WalsenderSample(
+            at_s=time.monotonic(),
+            found=True,
+            state="active",
+            wait_event_type="Client",
+            wait_event="WalSenderWaitForWAL",
+            sent_lsn=100,
+        )
+
+    monkeypatch.setattr(relay_mod, "look_at_walsender", look)
+    monkeypatch.setattr(silence_mod, "LOOK_EVERY_S", 0.3)
     monkeypatch.setattr(relay_mod, "TopicManager", lambda **_: FakeTopics())
     monkeypatch.setattr(
         relay_mod, "end_walsender", lambda dsn, slot, pid: ended.append(pid) or True
@@ -140,5 +167,10 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
     with pytest.raises(StreamError, match="replication connection silent for"):
         relay._stream_loop(sess)
     assert ended == [4242]
+    assert looks == [4242, 4242], "ended only when seen idle at two looks"
+    assert (
+        relay.registry.get_sample_value("outbox_relay_walsender_looks_total", {"verdict": "end"})
+        == 1
+    )
     assert relay.registry.get_sample_value("outbox_relay_replication_silences_total") == 1
     assert True in stream.replies, "a quiet stream asks the server for a reply"

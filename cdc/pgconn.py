@@ -1,0 +1,142 @@
+"""Every PostgreSQL connection outbox-cdc opens, with its libpq parameters from one place.
+
+Guarantees:
+
+* every connection made through :func:`connect` (or whose DSN went through
+  :func:`conninfo`) has a connect timeout, TCP keepalives and
+  ``tcp_user_timeout`` on the client's side of the socket, and - as session
+  settings, on every connection of the relay (not an operator's: :data:`Use.CLI`)
+  - the same on the server's side (``tcp_keepalives_*``,
+  ``tcp_user_timeout``): a dead path (a NAT that forgot the mapping, a cable
+  pulled, a half-open TCP connection) is noticed by both ends within
+  :data:`DEAD_PATH_S`, an idle path is kept alive (probes every
+  :data:`KEEPALIVES_INTERVAL_S` after :data:`KEEPALIVES_IDLE_S` of quiet), and a
+  server never keeps the backend of a vanished client (its locks, its
+  walsender, the slot) for the kernel's two hours;
+* the :class:`Use` of a connection bounds its waits: the relay's short queries
+  end after :data:`STATEMENT_TIMEOUT_MS` and wait for a lock at most
+  :data:`LOCK_TIMEOUT_MS`; work of unknown size (a recovery's window, a
+  history write) waits for locks at most that long but may run; a connection
+  that holds something while idle by design (the recovery's advisory lock, an
+  exported snapshot) is exempt from ``idle_session_timeout`` and
+  ``idle_in_transaction_session_timeout``;
+* what the DSN says wins over every default: a libpq parameter it sets (or
+  libpq's ``PGCONNECT_TIMEOUT`` / ``PGOPTIONS`` when it does not), and a
+  ``-c name=value`` in its ``options`` over the same session setting of ours.
+
+:func:`connect` is the only way ``cdc`` opens a PostgreSQL connection; the
+numbers are constants with their reasons, below.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+Conn = psycopg.Connection[Any]
+
+#: A connect that hangs (a server that accepts nothing, a black-holed route) fails
+#: after this and the caller's retry starts over.
+CONNECT_TIMEOUT_S = 10
+#: An idle path is probed after this quiet: shorter than any NAT or firewall idle
+#: timeout in use (the shortest common ones are 30-60 s), so the mapping never expires.
+KEEPALIVES_IDLE_S = 10
+#: Between probes of a path that did not answer the last one.
+KEEPALIVES_INTERVAL_S = 5
+#: Probes lost before the path is given up: 10 + 3 x 5 = 25 s for an idle path.
+KEEPALIVES_COUNT = 3
+#: Data sent and not acknowledged for this long fails the connection (keepalives
+#: only cover an idle path; the relay sends a status update every second, so this is
+#: what ends a replication connection behind a dropped path).
+TCP_USER_TIMEOUT_MS = 30_000
+#: The longest a dead path goes unnoticed by either end of a connection.
+DEAD_PATH_S = max(
+    KEEPALIVES_IDLE_S + KEEPALIVES_INTERVAL_S * KEEPALIVES_COUNT, TCP_USER_TIMEOUT_MS / 1000
+)
+#: The relay's own queries (catalog lookups, a slot's row, one history row) take
+#: milliseconds; a minute only trips on a server that cannot answer, and the caller's
+#: retry starts over.
+STATEMENT_TIMEOUT_MS = 60_000
+#: Longest wait for a lock (a DDL or a long transaction holding the outbox, the
+#: publication or the history table): an error the caller retries, never a hang.
+LOCK_TIMEOUT_MS = 30_000
+
+
+class Use(enum.Enum):
+    """What a connection is for: which of its waits are bounded, and how."""
+
+    #: the relay's short reads and writes: statement and lock timeouts
+    QUERY = "query"
+    #: holds something while idle by design (the recovery's advisory lock): as QUERY,
+    #: and exempt from the server's idle timeouts
+    HOLD = "hold"
+    #: work of unknown size (a recovery's window, an exported snapshot read): lock
+    #: timeout, no statement timeout, exempt from the idle timeouts
+    WORK = "work"
+    #: a replication connection (the stream, IDENTIFY_SYSTEM, the exported snapshot's
+    #: CREATE_REPLICATION_SLOT): exempt from the idle timeouts (statement timeouts do
+    #: not apply to replication commands)
+    REPLICATION = "replication"
+    #: an operator's command (the CLI): keepalives only; its operations take what they take
+    CLI = "cli"
+
+
+#: libpq parameters of every connection unless its DSN sets them.
+CLIENT_DEFAULTS: dict[str, str] = {
+    "connect_timeout": str(CONNECT_TIMEOUT_S),
+    "keepalives": "1",
+    "keepalives_idle": str(KEEPALIVES_IDLE_S),
+    "keepalives_interval": str(KEEPALIVES_INTERVAL_S),
+    "keepalives_count": str(KEEPALIVES_COUNT),
+    "tcp_user_timeout": str(TCP_USER_TIMEOUT_MS),
+}
+
+#: libpq's environment variables that stand for a parameter the DSN leaves out.
+_ENV_OF = {"connect_timeout": "PGCONNECT_TIMEOUT", "options": "PGOPTIONS"}
+
+#: The server's side of the socket, as session settings (every use).
+_SERVER_SOCKET = {
+    "tcp_keepalives_idle": str(KEEPALIVES_IDLE_S),
+    "tcp_keepalives_interval": str(KEEPALIVES_INTERVAL_S),
+    "tcp_keepalives_count": str(KEEPALIVES_COUNT),
+    "tcp_user_timeout": str(TCP_USER_TIMEOUT_MS),
+}
+_NOT_IDLE = {"idle_session_timeout": "0", "idle_in_transaction_session_timeout": "0"}
+_BOUNDED = {"statement_timeout": str(STATEMENT_TIMEOUT_MS), "lock_timeout": str(LOCK_TIMEOUT_MS)}
+
+#: Session settings per use (before what the DSN's ``options`` says).
+SESSION_SETTINGS: dict[Use, dict[str, str]] = {
+    Use.QUERY: {**_SERVER_SOCKET, **_BOUNDED},
+    Use.HOLD: {**_SERVER_SOCKET, **_BOUNDED, **_NOT_IDLE},
+    Use.WORK: {**_SERVER_SOCKET, "lock_timeout": str(LOCK_TIMEOUT_MS), **_NOT_IDLE},
+    Use.REPLICATION: {**_SERVER_SOCKET, **_NOT_IDLE},
+    # (none: an operator's connection may go through a pooler that refuses ``options``)
+    Use.CLI: {},
+}
+
+
+def conninfo(dsn: str, use: Use = Use.QUERY) -> str:
+    """``dsn`` with the defaults of ``use`` merged in (see the module docstring)."""
+    params: dict[str, Any] = conninfo_to_dict(dsn)
+    for name, value in CLIENT_DEFAULTS.items():
+        if name not in params and not os.environ.get(_ENV_OF.get(name, "")):
+            params[name] = value
+    ours = " ".join(f"-c {name}={value}" for name, value in SESSION_SETTINGS[use].items())
+    if ours:
+        theirs = params.get("options") or os.environ.get("PGOPTIONS", "")
+        params["options"] = f"{ours} {theirs}".strip()  # (a later -c wins: theirs)
+    return make_conninfo("", **params)
+
+
+def connect(dsn: str, use: Use = Use.QUERY, **kwargs: Any) -> Conn:
+    """``psycopg.connect`` with :func:`conninfo`'s defaults; autocommit unless told.
+
+    ``kwargs`` are psycopg's (``replication``, ``row_factory``, ...); libpq
+    parameters belong in the DSN, where the user's win.
+    """
+    kwargs.setdefault("autocommit", True)
+    return psycopg.connect(conninfo(dsn, use), **kwargs)
