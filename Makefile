@@ -29,8 +29,15 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# PG=15|16|17|18 chooses the PostgreSQL server of `make up` (OUTBOX_PG_VERSION): the
+# system's packages when they are that version, else fetched into .dev/pg-bin by the
+# project's own files (compose/postgres/); without PG the stack keeps the server it ran
+# last (at first: the system's). `make status` says which one runs.
+PG ?=
+PG_ENV := $(if $(PG),OUTBOX_PG_VERSION=$(PG))
+
 up:
-	@bash compose/stack.sh up
+	@$(PG_ENV) bash compose/stack.sh up
 
 down:
 	@bash compose/stack.sh down
