@@ -6,9 +6,13 @@ Guarantees:
   the newest record of this slot found in Kafka (:mod:`cdc.lineage`) and the
   slot's latest history row (:mod:`cdc.gaps`); its cases are a unit-tested table;
 * a slot is created without a gap only at a **first start**: no record of the
-  slot in Kafka and no history of it. A missing slot after that, a slot whose
-  ``wal_status`` is ``lost``, or a server whose system identifier or timeline
-  differs from the ``origin`` of the last record is a :class:`GapCause`;
+  slot in Kafka and no history of it. A missing slot after that, an invalidated
+  slot (``wal_status`` ``lost``; the server's reason decides the cause: WAL
+  removed, PostgreSQL 18's ``idle_replication_slot_timeout``, a recovery
+  conflict), or a server whose system identifier or timeline differs from the
+  ``origin`` of the last record is a :class:`GapCause` - except a failover slot
+  the promoted server holds as ``synced`` (PostgreSQL 17+ slot synchronization:
+  the same slot, carried over; streamed on without a gap);
 * a gap found earlier and not closed (``open`` in the history: waiting for an
   operator, or a recovery that died half-way) is the same gap again, with its
   window;
@@ -29,7 +33,7 @@ from datetime import datetime, timedelta
 
 from cdc.gaps import OPEN, HistoryRow
 from cdc.lineage import LastRecord, Origin
-from cdc.wal.slots import ServerIdentity, SlotRow
+from cdc.wal.slots import WAL_REMOVED, ServerIdentity, SlotRow
 
 
 class GapCause(enum.StrEnum):
@@ -37,6 +41,8 @@ class GapCause(enum.StrEnum):
 
     SLOT_MISSING = "slot_missing"  # dropped, or not carried over by a failover
     SLOT_LOST = "slot_lost"  # invalidated: max_slot_wal_keep_size removed its WAL
+    SLOT_IDLE_TIMEOUT = "slot_idle_timeout"  # PostgreSQL 18: idle_replication_slot_timeout
+    SLOT_INVALIDATED = "slot_invalidated"  # another reason (rows_removed, wal_level, conflict)
     SYSTEM_CHANGED = "system_changed"  # another cluster (system identifier) under the name
     TIMELINE_CHANGED = "timeline_changed"  # the server was promoted since the last record
 
@@ -86,7 +92,8 @@ def decide(
     """What the relay does with its slot (see the module docstring).
 
     ``slot_survives_failover``: the slot is a failover slot (PostgreSQL 17+), so an
-    existing slot under a new timeline is trusted.
+    existing slot under a new timeline is trusted; so is a slot the server says it
+    synchronized (``failover`` and ``synced``: carried over by the failover).
     """
     margin = timedelta(seconds=margin_s)
     if history is not None and history.state == OPEN:
@@ -107,14 +114,33 @@ def decide(
             f"slot {slot_name} does not exist but {since} shows it published before",
             _window(last, history, margin),
         )
-    if slot.wal_status == "lost":
+    if slot.invalidated is not None or slot.wal_status == "lost":
+        cause, why = _invalidation(slot.invalidated or WAL_REMOVED)
         return Verdict(
             Action.GAP,
-            GapCause.SLOT_LOST,
-            f"slot {slot_name} was invalidated (wal_status lost: max_slot_wal_keep_size)",
+            cause,
+            f"slot {slot_name} was invalidated ({why})",
             _window(last, history, margin),
         )
-    return _check_origin(slot_name, server, last, history, margin, slot_survives_failover)
+    # A failover slot the server synchronized to the promoted standby (PostgreSQL 17+:
+    # ``synced`` stays true there) is the relay's slot carried over: its confirmed
+    # position never passes what that standby had, so it holds every event since.
+    carried_over = slot.failover and slot.synced
+    return _check_origin(
+        slot_name, server, last, history, margin, slot_survives_failover or carried_over
+    )
+
+
+def _invalidation(reason: str) -> tuple[GapCause, str]:
+    """The cause and the words for a slot invalidated for ``reason`` (the server's)."""
+    if reason == WAL_REMOVED:
+        return GapCause.SLOT_LOST, "wal_status lost: max_slot_wal_keep_size removed its WAL"
+    if reason == "idle_timeout":
+        return (
+            GapCause.SLOT_IDLE_TIMEOUT,
+            "idle_timeout: inactive longer than idle_replication_slot_timeout",
+        )
+    return GapCause.SLOT_INVALIDATED, f"invalidation_reason {reason}"
 
 
 def _check_origin(

@@ -11,7 +11,12 @@ Guarantees:
   state ``gap`` (``/readyz`` 503 ``gap: <cause>: <detail>``) until it is closed;
 * ``CDC_GAP_RECOVERY=manual``, or a gap the table cannot replay, keeps the relay
   in ``gap``: it checks again every :data:`GAP_RECHECK_S` and goes on once an
-  operator ran ``outbox-cdc slot recover --execute`` or ``slot accept-gap``.
+  operator ran ``outbox-cdc slot recover --execute`` or ``slot accept-gap``;
+* every slot the guard creates (first start, recovery) is a failover slot when
+  ``CDC_FAILOVER_SLOT`` asks for one on this server (auto: PostgreSQL 17+), and a
+  slot it streams on is altered to match before the session starts; after a
+  failover, the slot the server synchronized to the promoted standby is streamed
+  on without a gap (:func:`cdc.relay.gap.decide`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from cdc import constants as c
 from cdc import gaps
-from cdc.errors import CdcError
+from cdc.errors import CdcError, DatabaseSetupError, StreamError
 from cdc.lineage import origin_value
 from cdc.relay import recovery
 from cdc.relay.gap import Action
@@ -29,7 +34,7 @@ from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import RelayState
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
-from cdc.wal.slots import SlotRow
+from cdc.wal.slots import FAILOVER_SLOTS_MIN_VERSION, SlotRow, alter_failover, failover_wanted
 from cdc.wal.stream import ensure_slot
 
 if TYPE_CHECKING:
@@ -68,14 +73,39 @@ class SlotGuard:
         origin = origin_value(found.server, s.slot)
         if verdict.action is Action.CREATE:
             with recovery.connect(s) as conn:
-                info = ensure_slot(conn, s.slot)
+                info = ensure_slot(conn, s.slot, failover=s.failover_slot)
                 gaps.record_created(
                     conn, s.slot, origin=origin, consistent_lsn=lsn_to_str(info.confirmed_flush_lsn)
                 )
             log.info("first start: slot %s created (no record of it in Kafka)", s.slot)
         elif verdict.action is Action.GAP:
             origin = self._close_gap(recovery.open_gap(s, found))
+        elif found.slot is not None:
+            self._match_failover(found.slot)
         return (c.HEADER_ORIGIN, origin.encode())
+
+    def _match_failover(self, slot: SlotRow) -> None:
+        """PostgreSQL 17+: make the slot's ``failover`` property what ``CDC_FAILOVER_SLOT``
+        asks (a slot of an older relay, or made before the setting changed). An active slot
+        (another relay streams it) is left to that relay; ``auto`` carries on with a warning
+        when the server refuses, ``on`` stops the session."""
+        s = self.settings
+        dsn = s.pg_dsn.get_secret_value()
+        with recovery.connect(s) as conn:
+            version = conn.info.server_version
+        wanted = failover_wanted(s.failover_slot, version)
+        if version < FAILOVER_SLOTS_MIN_VERSION or slot.failover == wanted or slot.active:
+            return
+        try:
+            alter_failover(dsn, s.slot, wanted)
+        except StreamError as exc:
+            if s.failover_slot == "on":
+                raise DatabaseSetupError(
+                    f"slot {s.slot} could not be made a failover slot: {exc}"
+                ) from exc
+            log.warning("slot %s: failover property left %s: %s", s.slot, slot.failover, exc)
+            return
+        log.info("slot %s is now %sa failover slot", s.slot, "" if wanted else "not ")
 
     def _slot_survives_failover(self) -> bool:
         """True when the slot is a failover slot (PostgreSQL 17+, synchronised to the

@@ -431,7 +431,10 @@ def _recover(
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
     try:
-        with exported_slot(dsn, settings.slot) as made, connect(settings) as conn:
+        with (
+            exported_slot(dsn, settings.slot, failover=settings.failover_slot) as made,
+            connect(settings) as conn,
+        ):
             in_snapshot(conn, made.snapshot)
             if settings.standby_safe:  # every row of the snapshot on the standby first
                 wait_standby_flushed(settings, made.consistent_lsn)
@@ -470,7 +473,10 @@ def accept_loss(settings: Settings, gap: gaps.HistoryRow, *, by: str) -> str:
     _clear_slot(settings)
     server = identify_system(dsn)
     origin = origin_value(server, settings.slot)
-    with exported_slot(dsn, settings.slot) as made, connect(settings) as conn:
+    with (
+        exported_slot(dsn, settings.slot, failover=settings.failover_slot) as made,
+        connect(settings) as conn,
+    ):
         gaps.mark_accepted(
             conn, gap.id, by=by, origin=origin, consistent_lsn=lsn_to_str(made.consistent_lsn)
         )
