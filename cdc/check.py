@@ -214,10 +214,15 @@ def _slot(conn: Any, settings: Settings) -> Iterator[Finding]:
             f"belongs to another plugin ({plugin}) or database: choose another CDC_SLOT",
         )
     elif wal_status == "lost":
+        from cdc.wal.slots import read_slot  # noqa: PLC0415 - see postgres()
+
+        found = read_slot(conn, settings.slot)
+        reason = found.invalidated if found is not None else None
         yield fail(
             item,
-            "wal_status lost: the WAL it needs is gone; `outbox-cdc slot drop`, restart the"
-            " relay, then `outbox-cdc resync users`",
+            f"invalidated ({reason or 'wal_status lost'}): the relay cannot stream it; at its"
+            " next start it reports a gap and recovers it from the outbox table"
+            " (CDC_GAP_RECOVERY=manual: `outbox-cdc slot recover --execute`)",
         )
     elif wal_status not in WAL_KEPT:
         yield warn(item, f"wal_status {wal_status}: WAL is about to be removed; start the relay")
@@ -292,6 +297,18 @@ def _standbys_carry_slot(conn: Any, settings: Settings) -> Iterator[Finding]:
     """Each standby of this primary: will it carry the slot through a failover?"""
     listed = str(_one(conn, "SHOW synchronized_standby_slots") or "")
     names = {part.strip().strip('"') for part in listed.split(",") if part.strip()}
+    active = {
+        str(name)
+        for (name,) in conn.execute(
+            "SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' AND active"
+        )
+    }
+    for name in sorted(names - active):
+        yield warn(
+            "synchronized_standby_slots",
+            f"names {name}, which no standby streams from now: the relay's failover slot gets"
+            " nothing until it is back; bring that standby up or remove it from the list",
+        )
     standbys = conn.execute(STANDBYS_SQL).fetchall()
     if not standbys:
         yield ok(

@@ -7,9 +7,9 @@ Guarantees:
   lags a promotion until the next checkpoint; this does not);
 * :func:`read_slot` reads ``pg_replication_slots`` by the server's version (it
   only reads): ``wal_status`` and ``safe_wal_size`` everywhere (15+),
-  ``conflicting`` from 16, ``invalidation_reason``, ``failover``, ``synced`` and
-  ``inactive_since`` from 17; :attr:`SlotRow.invalidated` is the one answer to
-  "why is this slot unusable" on every version;
+  ``conflicting`` from 16, ``invalidation_reason``, ``failover`` and ``synced``
+  from 17 (``inactive_since``, 17+, is not needed); :attr:`SlotRow.invalidated`
+  is the one answer to "why is this slot unusable" on every version;
 * :func:`failover_wanted` turns ``CDC_FAILOVER_SLOT`` and the server's version
   into the slot's ``failover`` property (``on`` before PostgreSQL 17 is one
   :class:`DatabaseSetupError`); every slot the relay creates - first start
