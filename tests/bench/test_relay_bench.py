@@ -237,7 +237,8 @@ class _Drain:
     @property
     def relay_per_cpu_s(self) -> float:
         """Events per CPU-second of the relay: comparable even when the machine is busy."""
-        return self.relay_per_s / (self.cpu_pct.get("relay", math.nan) / 100.0)
+        share = self.cpu_pct.get("relay", math.nan) / 100.0
+        return self.relay_per_s / share if share > 0 else math.nan  # (a drain too short to meter)
 
 
 def _relay_drain(cfg: RelayConfig, tmp: Path, *, slot: str, topic: str, run: int) -> _Drain:
