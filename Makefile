@@ -32,8 +32,9 @@ venv: $(STAMP)
 
 # PG=15|16|17|18 chooses the PostgreSQL server of `make up` (OUTBOX_PG_VERSION): the
 # system's packages when they are that version, else fetched into .dev/pg-bin by the
-# project's own files (compose/postgres/); without PG the stack keeps the server it ran
-# last (at first: the system's). `make status` says which one runs.
+# project's own files (compose/postgres/); PG=system the machine's packages; without PG
+# the stack keeps the server it ran last (at first: the system's). `make status` says
+# which one runs.
 PG ?=
 PG_ENV := $(if $(PG),OUTBOX_PG_VERSION=$(PG))
 
@@ -143,7 +144,9 @@ test-pg-smoke-lane: venv lint stack-and-rules
 
 # promtool's package is fetched with apt-get, as the stack's server may be: one after
 # the other, never both at once.
-stack-and-rules: up
+# `make test`'s main stack runs the system's server (PG=system) unless PG says otherwise.
+stack-and-rules:
+	@OUTBOX_PG_VERSION=$(or $(PG),system) bash compose/stack.sh up
 	@bash compose/prometheus/promtool.sh check
 
 bench: venv up

