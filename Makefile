@@ -10,15 +10,16 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: help venv up down status lint rules docs test test-unit test-unit-lane test-integration-lane \
-	test-integration-lane-b stack-and-rules bench demo clean lock wheel
+	test-integration-lane-b test-pg18-lane test-pg-smoke-lane stack-and-rules bench bench-pg18 \
+	demo clean lock wheel
 
 help:
 	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
 	@echo "make test    venv, stack up, ruff + mypy, pytest (unit, integration, fault)"
-	@echo "make bench   benchmarks under tests/bench (print figures)"
+	@echo "make bench   benchmarks under tests/bench (print figures); the relay's again on PostgreSQL 18"
 	@echo "make rules   promtool: check the Prometheus config and alert rules, run their unit tests"
+	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/); make up PG=15|16|17|18"
 	@echo "make docs    build the documentation site into site/ (mkdocs --strict: no broken link, no orphan page)"
-	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/)"
 	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
 	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
 
@@ -30,12 +31,23 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# PG=15|16|17|18 chooses the PostgreSQL server of `make up` (OUTBOX_PG_VERSION): the
+# system's packages when they are that version, else fetched into .dev/pg-bin by the
+# project's own files (compose/postgres/); PG=system the machine's packages; without PG
+# the stack keeps the server it ran last (at first: the system's). `make status` says
+# which one runs.
+PG ?=
+PG_ENV := $(if $(PG),OUTBOX_PG_VERSION=$(PG))
+
 up:
-	@bash compose/stack.sh up
+	@$(PG_ENV) bash compose/stack.sh up
 
 down:
 	@bash compose/stack.sh down
 	@if [ -d "$(LANE_B_DEV)" ]; then export $(LANE_B_ENV) && bash compose/stack.sh down; fi
+	@if [ -d "$(LANE_PG18_DEV)" ]; then export $(LANE_PG18_ENV) && bash compose/stack.sh down; fi
+	@if [ -d "$(LANE_SMOKE_DEV)" ]; then export $(LANE_SMOKE_ENV) && bash compose/stack.sh down; fi
+	@if [ -d "$(BENCH_PG18_DEV)" ]; then export $(BENCH_PG18_ENV) && bash compose/stack.sh down pg; fi
 
 status:
 	@bash compose/stack.sh status
@@ -60,23 +72,46 @@ docs: venv
 test-unit: venv
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-# Three lanes, all of them must pass:
+# Five lanes, all of them must pass:
 # - the unit tests need no service: they run beside everything else at the lowest CPU
 #   priority (nice 19), taking only CPU the other lanes leave idle;
 # - the integration tests that mostly wait (a two-minute engine outage, a minute
 #   without Kafka, a minute at the engine's rate limit) run against a second local
 #   stack of their own (LANE_B_DEV, other ports): they stop and start its Kafka and
 #   PostgreSQL, never the ones the other integration tests use;
-# - the other integration tests, against the stack of `make up`; they print as they go.
-# The two side lanes print their reports when they end (also kept under .dev/).
+# - the other integration tests, against the stack of `make up` (the system's PostgreSQL,
+#   15 here); they print as they go;
+# - the relay's own suites (slot gap, failover, fidelity, relay faults) again on
+#   PostgreSQL 18, with the failover-slot tests, on a third stack (LANE_PG18_DEV);
+# - a smoke of PostgreSQL 16, then 17 (migrate, stream, a gap, its recovery) on a fourth
+#   stack whose Kafka both share (LANE_SMOKE_DEV).
+# The version lanes fetch their servers through compose/postgres into .dev/pg-bin (once,
+# under a lock, shared by every stack). The side lanes print their reports when they end
+# (also kept under .dev/).
 LANE_B_TESTS := tests/integration/test_observability.py tests/integration/test_first_hour.py \
 	tests/integration/test_sink_hostile_engine.py
 LANE_B_DEV   := $(CURDIR)/.dev/lane-b
 LANE_B_ENV   := OUTBOX_DEV_DIR=$(LANE_B_DEV) OUTBOX_PG_PORT=25542 OUTBOX_KAFKA_PORT=29192 \
 	OUTBOX_KAFKA_CONTROLLER_PORT=29193
 
+#: the relay's suites that run on PostgreSQL 18 too, and the tests that need 17+
+RELAY_SUITES := tests/integration/test_slot_gap.py tests/integration/test_slot_failover.py \
+	tests/integration/test_record_fidelity.py tests/integration/test_relay_faults.py
+PG18_ONLY    := tests/integration/test_failover_slots.py
+LANE_PG18_TESTS := $(RELAY_SUITES) $(PG18_ONLY) tests/integration/test_pg_versions.py
+LANE_PG18_DEV := $(CURDIR)/.dev/lane-pg18
+LANE_PG18_ENV := OUTBOX_DEV_DIR=$(LANE_PG18_DEV) OUTBOX_PG_VERSION=18 OUTBOX_PG_PORT=25552 \
+	OUTBOX_KAFKA_PORT=29292 OUTBOX_KAFKA_CONTROLLER_PORT=29293
+SMOKE_VERSIONS := 16 17
+SMOKE_TESTS  := tests/integration/test_pg_versions.py tests/integration/test_migrations.py \
+	tests/integration/test_slot_gap.py::test_first_start_then_a_dropped_slot_is_recovered_with_writers_going_on
+LANE_SMOKE_DEV := $(CURDIR)/.dev/lane-smoke
+LANE_SMOKE_ENV := OUTBOX_DEV_DIR=$(LANE_SMOKE_DEV) OUTBOX_PG_PORT=25562 OUTBOX_KAFKA_PORT=29392 \
+	OUTBOX_KAFKA_CONTROLLER_PORT=29393
+
 test: venv
-	@$(MAKE) --no-print-directory -j4 docs test-unit-lane test-integration-lane test-integration-lane-b
+	@$(MAKE) --no-print-directory -j6 docs test-unit-lane test-integration-lane test-integration-lane-b \
+		test-pg18-lane test-pg-smoke-lane
 
 test-unit-lane: venv
 	@mkdir -p .dev
@@ -86,7 +121,7 @@ test-unit-lane: venv
 		printf "\n[test] unit tests ended (exit %s):\n" $$rc; cat .dev/unit-tests.log; exit $$rc
 
 test-integration-lane: venv lint stack-and-rules
-	. ./.dev/env && $(BIN)/pytest tests/integration $(addprefix --ignore=,$(LANE_B_TESTS)) \
+	. ./.dev/env && $(BIN)/pytest tests/integration $(addprefix --ignore=,$(LANE_B_TESTS) $(PG18_ONLY)) \
 		--durations=25 $(PYTEST_ARGS)
 
 test-integration-lane-b: venv lint stack-and-rules
@@ -96,13 +131,48 @@ test-integration-lane-b: venv lint stack-and-rules
 		rc=$$?; (export $(LANE_B_ENV) && bash compose/stack.sh down) >>.dev/lane-b-tests.log 2>&1; \
 		printf "\n[test] lane B ended (exit %s):\n" $$rc; cat .dev/lane-b-tests.log; exit $$rc
 
+test-pg18-lane: venv lint stack-and-rules
+	@echo "[test] PostgreSQL 18 lane (the relay's suites, failover slots) started on a third stack; report in .dev/lane-pg18-tests.log"
+	@start=$$(date +%s); (export $(LANE_PG18_ENV) && bash compose/stack.sh up && . "$(LANE_PG18_DEV)/env" && \
+		$(BIN)/pytest $(LANE_PG18_TESTS) --durations=10 $(PYTEST_ARGS)) >.dev/lane-pg18-tests.log 2>&1; \
+		rc=$$?; (export $(LANE_PG18_ENV) && bash compose/stack.sh down) >>.dev/lane-pg18-tests.log 2>&1; \
+		printf "\n[test] PostgreSQL 18 lane ended (exit %s, %ss):\n" $$rc $$(( $$(date +%s) - start )); \
+		cat .dev/lane-pg18-tests.log; exit $$rc
+
+test-pg-smoke-lane: venv lint stack-and-rules
+	@echo "[test] smoke lane (PostgreSQL $(SMOKE_VERSIONS), one Kafka) started; report in .dev/lane-smoke-tests.log"
+	@start=$$(date +%s); (set -e; export $(LANE_SMOKE_ENV); for v in $(SMOKE_VERSIONS); do \
+		bash compose/stack.sh down pg; OUTBOX_PG_VERSION=$$v bash compose/stack.sh up; \
+		. "$(LANE_SMOKE_DEV)/env"; echo "[smoke] PostgreSQL $$v"; \
+		OUTBOX_PG_VERSION=$$v $(BIN)/pytest $(SMOKE_TESTS) --durations=5 $(PYTEST_ARGS); \
+		done) >.dev/lane-smoke-tests.log 2>&1; \
+		rc=$$?; (export $(LANE_SMOKE_ENV) && bash compose/stack.sh down) >>.dev/lane-smoke-tests.log 2>&1; \
+		printf "\n[test] smoke lane ended (exit %s, %ss):\n" $$rc $$(( $$(date +%s) - start )); \
+		cat .dev/lane-smoke-tests.log; exit $$rc
+
 # promtool's package is fetched with apt-get, as the stack's server may be: one after
 # the other, never both at once.
-stack-and-rules: up
+# `make test`'s main stack runs the system's server (PG=system) unless PG says otherwise.
+stack-and-rules:
+	@OUTBOX_PG_VERSION=$(or $(PG),system) bash compose/stack.sh up
 	@bash compose/prometheus/promtool.sh check
 
 bench: venv up
 	. ./.dev/env && $(BIN)/pytest tests/bench -s -p no:randomly $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory bench-pg18
+
+# The relay's drain bench (relay / pg_recvlogical, 1- and 100-event transactions) again on
+# PostgreSQL 18, after the others (benchmarks never share the machine): an 18 server of its
+# own beside the stack's, the stack's Kafka (warm, the same broker as the 15 figures), the
+# 18 build's own pg_recvlogical. Its tables name the server version.
+BENCH_PG18_DEV := $(CURDIR)/.dev/bench-pg18
+BENCH_PG18_ENV := OUTBOX_DEV_DIR=$(BENCH_PG18_DEV) OUTBOX_PG_VERSION=18 \
+	OUTBOX_PG_PORT=$(or $(OUTBOX_BENCH_PG18_PORT),25582) OUTBOX_KAFKA_PORT=$(or $(OUTBOX_KAFKA_PORT),29092)
+
+bench-pg18: venv up
+	@(export $(BENCH_PG18_ENV) && bash compose/stack.sh up pg && . "$(BENCH_PG18_DEV)/env" && \
+		$(BIN)/pytest tests/bench/test_relay_bench.py -k drains -s -p no:randomly $(PYTEST_ARGS)); \
+		rc=$$?; (export $(BENCH_PG18_ENV) && bash compose/stack.sh down pg); exit $$rc
 
 demo: venv up
 	. ./.dev/env && $(BIN)/outbox-cdc demo

@@ -111,6 +111,7 @@ def postgres(settings: Settings) -> Iterator[Finding]:
         yield from _privileges(conn)
         yield from _outbox_and_publication(conn, settings)
         yield from _slot(conn, settings)
+        yield from failover_slots(conn, settings)
 
 
 def _one(conn: Any, query: str, params: tuple[object, ...] = ()) -> Any:
@@ -215,15 +216,191 @@ def _slot(conn: Any, settings: Settings) -> Iterator[Finding]:
             f"belongs to another plugin ({plugin}) or database: choose another CDC_SLOT",
         )
     elif wal_status == "lost":
+        from cdc.wal.slots import read_slot  # noqa: PLC0415 - see postgres()
+
+        found = read_slot(conn, settings.slot)
+        reason = found.invalidated if found is not None else None
         yield fail(
             item,
-            "wal_status lost: the WAL it needs is gone; `outbox-cdc slot drop`, restart the"
-            " relay, then `outbox-cdc resync users`",
+            f"invalidated ({reason or 'wal_status lost'}): the relay cannot stream it; at its"
+            " next start it reports a gap and recovers it from the outbox table"
+            " (CDC_GAP_RECOVERY=manual: `outbox-cdc slot recover --execute`)",
         )
     elif wal_status not in WAL_KEPT:
         yield warn(item, f"wal_status {wal_status}: WAL is about to be removed; start the relay")
     else:
         yield ok(item, f"{'active' if active else 'inactive'}, wal_status {wal_status}")
+
+
+# --- failover slots (PostgreSQL 17+) ----------------------------------------------------------
+
+#: ``server_version_num`` of the first server with failover slots (PostgreSQL 17).
+FAILOVER_MIN_VERSION = 170_000
+
+#: The primary's standbys: each walsender of a physical standby, its physical slot (when it
+#: streams through one), whether it sends hot_standby_feedback (an xmin on its walsender or
+#: its slot), and whether a non-replication connection of the same application_name and
+#: address is open - the standby's slot synchronization (sync_replication_slots, connecting
+#: with primary_conninfo, which must name a database for it).
+STANDBYS_SQL = """
+SELECT r.application_name, s.slot_name,
+       r.backend_xmin IS NOT NULL OR s.xmin IS NOT NULL OR s.catalog_xmin IS NOT NULL,
+       EXISTS (SELECT 1 FROM pg_stat_activity a
+               WHERE a.backend_type = 'client backend' AND a.datname IS NOT NULL
+                 AND a.client_addr IS NOT DISTINCT FROM r.client_addr
+                 AND (a.application_name = r.application_name
+                      OR a.application_name LIKE '%%slotsync%%'))
+FROM pg_stat_replication r
+LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid AND s.slot_type = 'physical'
+ORDER BY 1
+"""
+
+
+def failover_slots(conn: Any, settings: Settings) -> Iterator[Finding]:
+    """Whether the relay's slot is a failover slot, and whether a standby will carry it."""
+    version = conn.info.server_version
+    major = version // 10_000
+    setting = settings.failover_slot
+    item = "failover slot"
+    if version < FAILOVER_MIN_VERSION:
+        if setting == "on":
+            yield fail(
+                item,
+                f"CDC_FAILOVER_SLOT=on but PostgreSQL {major} has no failover slots (17+):"
+                " set CDC_FAILOVER_SLOT=auto or off",
+            )
+        else:
+            yield ok(
+                item,
+                f"PostgreSQL {major} has none (17+): after a failover the relay recovers the"
+                " gap from the outbox table (duplicates, no loss)",
+            )
+        return
+    if setting == "off":
+        yield ok(item, "CDC_FAILOVER_SLOT=off: after a failover the relay recovers the gap")
+        return
+    is_failover = _one(
+        conn, "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (settings.slot,)
+    )
+    if is_failover is False:
+        yield warn(
+            item,
+            f"slot {settings.slot} is not a failover slot yet: the relay makes it one at its"
+            " next start (CDC_FAILOVER_SLOT)",
+        )
+    elif is_failover is None:
+        yield ok(item, f"the relay creates slot {settings.slot} as a failover slot")
+    else:
+        yield ok(item, f"slot {settings.slot} is a failover slot (CDC_FAILOVER_SLOT={setting})")
+    yield from _standbys_carry_slot(conn, settings)
+
+
+def _standbys_carry_slot(conn: Any, settings: Settings) -> Iterator[Finding]:
+    """Each standby of this primary: will it carry the slot through a failover?"""
+    listed = str(_one(conn, "SHOW synchronized_standby_slots") or "")
+    names = {part.strip().strip('"') for part in listed.split(",") if part.strip()}
+    active = {
+        str(name)
+        for (name,) in conn.execute(
+            "SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' AND active"
+        )
+    }
+    for name in sorted(names - active):
+        yield warn(
+            "synchronized_standby_slots",
+            f"names {name}, which no standby streams from now: the relay's failover slot gets"
+            " nothing until it is back; bring that standby up or remove it from the list",
+        )
+    standbys = conn.execute(STANDBYS_SQL).fetchall()
+    if not standbys:
+        yield ok(
+            "standby",
+            "no standby streams from this server: a failover would be recovered as a gap",
+        )
+    for app, slot, feedback, syncing in standbys:
+        item = f"standby {app or '(no application_name)'}"
+        fixes = []
+        if not syncing:
+            fixes.append(
+                "sync_replication_slots = on, and a dbname in primary_conninfo (on the standby)"
+            )
+        if not feedback:
+            fixes.append("hot_standby_feedback = on (on the standby)")
+        if slot is None:
+            fixes.append("primary_slot_name (the standby streams without a physical slot)")
+        elif slot not in names:
+            fixes.append(
+                f"synchronized_standby_slots = '{slot}' (on this primary: the relay then gets"
+                " nothing that standby has not)"
+            )
+        if fixes:
+            yield warn(
+                item,
+                "will not carry the slot through a failover (a gap recovery would): set "
+                + "; ".join(fixes),
+            )
+        else:
+            yield ok(
+                item,
+                f"carries slot {settings.slot}: synchronizes slots, sends feedback, physical"
+                f" slot {slot} in synchronized_standby_slots",
+            )
+    yield from _standby_hosts(settings)
+
+
+def _standby_hosts(settings: Settings) -> Iterator[Finding]:
+    """A multi-host CDC_PG_DSN: read each standby's own settings and its copy of the slot."""
+    import psycopg  # noqa: PLC0415 - see postgres()
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: PLC0415
+
+    dsn = settings.pg_dsn.get_secret_value()
+    params = conninfo_to_dict(dsn)
+    hosts = str(params.get("host") or "").split(",")
+    if len(hosts) < 2:
+        return
+    ports = str(params.get("port") or "").split(",")
+    for i, host in enumerate(hosts):
+        port = ports[i] if len(ports) == len(hosts) else ports[0]
+        where = f"{host}:{port}" if port else host
+        one = make_conninfo(
+            dsn,
+            host=host,
+            port=port or None,
+            hostaddr=None,
+            target_session_attrs="standby",
+            connect_timeout=max(1, int(PROBE_TIMEOUT_S)),
+        )
+        try:
+            with psycopg.connect(one, autocommit=True) as standby:
+                yield from _standby_settings(standby, settings, where)
+        except psycopg.Error:
+            continue  # the primary, or a host that does not answer: nothing to read here
+
+
+def _standby_settings(conn: Any, settings: Settings, where: str) -> Iterator[Finding]:
+    from psycopg import errors  # noqa: PLC0415 - see postgres()
+
+    item = f"standby {where}"
+    wrong = []
+    for name, want in (("sync_replication_slots", "on"), ("hot_standby_feedback", "on")):
+        if _one(conn, f"SHOW {name}") != want:
+            wrong.append(f"{name} = {want}")
+    try:
+        conninfo = str(_one(conn, "SHOW primary_conninfo") or "")
+        if "dbname" not in conninfo:
+            wrong.append("a dbname in primary_conninfo")
+    except errors.InsufficientPrivilege:  # shown to superusers and pg_read_all_settings
+        pass
+    row = conn.execute(
+        "SELECT synced, failover, NOT temporary FROM pg_replication_slots WHERE slot_name = %s",
+        (settings.slot,),
+    ).fetchone()
+    if wrong:
+        yield warn(item, "will not carry the slot (a gap recovery would): set " + "; ".join(wrong))
+    elif row is None or not (row[0] and row[2]):
+        yield warn(item, f"set up to carry slots, but holds no synchronized {settings.slot} yet")
+    else:
+        yield ok(item, f"holds slot {settings.slot}, synchronized: a failover keeps it")
 
 
 # --- Kafka ---------------------------------------------------------------------------------

@@ -217,8 +217,16 @@ class Settings(BaseSettings):
     #: Standby-safe: a transaction held longer makes the relay `held` (`/readyz` 503 naming
     #: the standby; no WAL read) until the standby catches up.
     standby_safe_max_wait_s: float = env("CDC_STANDBY_SAFE_MAX_WAIT_S", 30.0)
-    #: Standby-safe on PostgreSQL 17+: let the server guard (failover slot +
-    #: `synchronized_standby_slots`); older servers keep the relay's gate.
+    #: Whether the relay's slot is a failover slot (PostgreSQL 17+: the server synchronizes
+    #: it to a standby set up for it, so a failover keeps the slot and needs no gap
+    #: recovery). auto: on 17+, off before; on: required (a server before 17 stops the
+    #: start with one error); off: never. The slot is created this way, re-created this way
+    #: after a gap, and an existing slot is altered to match at the relay's start.
+    failover_slot: Literal["auto", "on", "off"] = env("CDC_FAILOVER_SLOT", "auto")
+    #: Deprecated (the server's guard is now used whenever it can be): standby-safe mode
+    #: lets the server guard (PostgreSQL 17+) as soon as the slot is a failover slot and
+    #: the standby's physical slot is in the primary's synchronized_standby_slots. true
+    #: with CDC_FAILOVER_SLOT=off is refused; otherwise it changes nothing.
     standby_safe_failover_slots: bool = env("CDC_STANDBY_SAFE_FAILOVER_SLOTS", False)
     #: Kafka bootstrap servers, `host:port[,host:port...]` (required by every process).
     kafka_bootstrap_servers: str = env("KAFKA_BOOTSTRAP_SERVERS", "")
@@ -368,6 +376,17 @@ class Settings(BaseSettings):
         """librdkafka itself checks every ``KAFKA_CONFIG_*`` (names and values)."""
         if value:
             check_kafka_config(value)
+        return value
+
+    @field_validator("standby_safe_failover_slots")
+    @classmethod
+    def _failover_slots_agree(cls, value: bool, info: ValidationInfo) -> bool:
+        """The deprecated switch may not ask for what CDC_FAILOVER_SLOT=off forbids."""
+        if value and info.data.get("failover_slot") == "off":
+            raise ValueError(
+                "asks the server to guard through a failover slot, but CDC_FAILOVER_SLOT=off:"
+                " unset CDC_STANDBY_SAFE_FAILOVER_SLOTS (deprecated) or set CDC_FAILOVER_SLOT=auto"
+            )
         return value
 
     @field_validator("pg_dsn")

@@ -2,7 +2,8 @@
 
 Built once per test session (fixture ``cluster_pair`` in
 ``tests/integration/conftest.py``) with the server binaries ``compose/stack.sh``
-uses (the newest ``/usr/lib/postgresql/*/bin``), run as the ``postgres`` user
+runs (:func:`bindir`: ``OUTBOX_PG_BIN``, the stack's ``pg.current`` - ``make up PG=18``
+- or the newest ``/usr/lib/postgresql/*/bin``), run as the ``postgres`` user
 when the tests run as root (the server refuses root). Data lives under
 ``.dev/clusters/<session>`` (or a private directory in ``/tmp`` when ``postgres``
 cannot reach the checkout) and is removed afterwards. Ports come from
@@ -23,6 +24,8 @@ What a test can do to them:
   :meth:`ClusterPair.heal` makes the pair whole again for the next test (the old
   primary's data is dropped and re-cloned as a standby of the new primary, on
   the same port, so DSNs stay valid);
+* :meth:`ClusterPair.sync_slots` (PostgreSQL 17+) sets the pair up to carry failover
+  slots to the standby; :meth:`ClusterPair.heal` resets it;
 * :meth:`ClusterPair.dsn` is the multi-host DSN relays and writers use:
   ``host=127.0.0.1,127.0.0.1 port=<a>,<b> target_session_attrs=read-write``.
 """
@@ -30,8 +33,10 @@ What a test can do to them:
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -74,12 +79,49 @@ log_line_prefix = '%m [%p] %q%u@%d '
 """
 
 
+def stack_bindir() -> Path | None:
+    """The server binaries the stack runs (``pg.current`` of its ``.dev``, written by
+    ``compose/stack.sh up``; ``OUTBOX_DEV_DIR`` names another stack's), or None."""
+    dev = Path(os.environ.get("OUTBOX_DEV_DIR") or ROOT / ".dev")
+    current = dev / "pg.current"
+    if not current.exists():
+        return None
+    for line in current.read_text().splitlines():
+        if line.startswith("bin="):
+            return Path(line[len("bin=") :])
+    return None
+
+
+@functools.cache
 def bindir() -> Path:
-    """The newest installed server binaries (the ones compose/stack.sh runs)."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
-    if not found:
-        raise RuntimeError("no PostgreSQL server under /usr/lib/postgresql/*/bin: run make up")
-    return Path(found[-1]).parent
+    """The server binaries of the tests' clusters: ``OUTBOX_PG_BIN``, else those the stack
+    runs (``make up PG=18`` gives 18 to both), else the newest under /usr/lib/postgresql.
+    They must carry pg_basebackup (zonky's 16/17 builds do not: their lane needs no pair)."""
+    chosen = os.environ.get("OUTBOX_PG_BIN")
+    found = Path(chosen) if chosen else stack_bindir()
+    if found is None:
+        system = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"))
+        if not system:
+            raise RuntimeError("no PostgreSQL server under /usr/lib/postgresql/*/bin: run make up")
+        found = Path(system[-1]).parent
+    if not (found / "pg_basebackup").exists():
+        raise RuntimeError(
+            f"{found} has no pg_basebackup: the primary+standby clusters need a server build"
+            " with it (the system's, or make up PG=18)"
+        )
+    return found
+
+
+@functools.cache
+def server_version_num() -> int:
+    """``server_version_num`` of :func:`bindir`'s server (e.g. 180006)."""
+    out = subprocess.run(
+        [str(bindir() / "postgres"), "-V"], capture_output=True, text=True, check=True
+    ).stdout
+    found = re.search(r"\(PostgreSQL\) (\d+)(?:\.(\d+))?", out)
+    if found is None:
+        raise RuntimeError(f"cannot read the server's version from {out!r}")
+    return int(found[1]) * 10_000 + int(found[2] or 0)
 
 
 def as_postgres(args: Sequence[str], *, timeout_s: float = START_TIMEOUT_S) -> str:
@@ -193,8 +235,10 @@ class PgNode:
                 "-R",
             ]
         )
+        # dbname: what a standby's slot synchronization (PostgreSQL 17+) connects to
         conninfo = (
-            f"host=127.0.0.1 port={link_port} user={SUPERUSER} application_name={STANDBY_SLOT}"
+            f"host=127.0.0.1 port={link_port} user={SUPERUSER}"
+            f" application_name={STANDBY_SLOT} dbname=postgres"
         )
         with (self.data / "postgresql.auto.conf").open("a") as conf:
             conf.write(f"primary_conninfo = '{conninfo}'\nprimary_slot_name = '{STANDBY_SLOT}'\n")
@@ -243,6 +287,20 @@ class PgNode:
         with psycopg.connect(self.dsn(dbname), autocommit=True) as conn:
             row = conn.execute(query, params).fetchone()  # type: ignore[arg-type]
         return None if row is None else row[0]
+
+    def alter_system(self, **settings: str | None) -> None:
+        """ALTER SYSTEM SET (a value) or RESET (None) each setting, then reload."""
+        with psycopg.connect(self.dsn(), autocommit=True) as conn:
+            for name, value in settings.items():
+                if value is None:
+                    conn.execute(sql.SQL("ALTER SYSTEM RESET {}").format(sql.Identifier(name)))
+                else:
+                    conn.execute(
+                        sql.SQL("ALTER SYSTEM SET {} = {}").format(
+                            sql.Identifier(name), sql.Literal(value)
+                        )
+                    )
+            conn.execute("SELECT pg_reload_conf()")
 
     # -- WAL retention ---------------------------------------------------------
 
@@ -294,6 +352,8 @@ class ClusterPair:
 
     #: False: the standby streams straight from the primary (no pausable link; benchmarks)
     proxied_link: bool = True
+    #: the standby carries failover slots (:meth:`sync_slots`); reset by :meth:`heal`
+    slots_synced: bool = False
 
     @classmethod
     def create(cls, root: Path, *, proxied_link: bool = True) -> ClusterPair:
@@ -352,6 +412,34 @@ class ClusterPair:
         wait_until(lambda: not self.standby.in_recovery(), 60, "promotion", interval_s=0.2)
         self.primary, self.standby = self.standby, old
 
+    def sync_slots(self, on: bool = True) -> None:
+        """PostgreSQL 17+: the standby carries failover slots - ``sync_replication_slots``
+        and ``hot_standby_feedback`` on it (its ``primary_conninfo`` names a database), the
+        primary's ``synchronized_standby_slots`` naming its physical slot - or, ``on``
+        False, none of it (every setting reset on the nodes that run)."""
+        if on:
+            self.standby.alter_system(sync_replication_slots="on", hot_standby_feedback="on")
+            self.primary.alter_system(synchronized_standby_slots=STANDBY_SLOT)
+            self.slots_synced = True
+            return
+        for node in self.nodes:
+            if node.running():
+                names = ["sync_replication_slots", "hot_standby_feedback"]
+                if not node.in_recovery():
+                    names.append("synchronized_standby_slots")
+                node.alter_system(**dict.fromkeys(names))
+        self.slots_synced = False
+
+    def synced_slot(self, slot: str) -> tuple[str, bool] | None:
+        """The standby's copy of ``slot``: (confirmed_flush_lsn, persistent), or None."""
+        with psycopg.connect(self.standby.dsn(), autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT confirmed_flush_lsn::text, NOT temporary FROM pg_replication_slots"
+                " WHERE slot_name = %s AND synced",
+                (slot,),
+            ).fetchone()
+        return None if row is None else (str(row[0]), bool(row[1]))
+
     def healthy(self) -> bool:
         return (
             self.primary.running()
@@ -364,6 +452,8 @@ class ClusterPair:
     def heal(self) -> None:
         """A running primary with a streaming standby again (after a failover or a pause)."""
         self.wal_link.resume()
+        if self.slots_synced:  # a clone would copy the settings: the next test starts plain
+            self.sync_slots(on=False)
         if self.healthy():
             return
         if not self.primary.running():

@@ -23,9 +23,14 @@ Guarantees (DESIGN "Relay invariants" 7 and 11):
 * a first start (no slot history, no record of the relay in Kafka) is silent
   only on an empty outbox; otherwise :attr:`Action.REFUSE`: ``outbox-cdc slot
   init --from now|table`` (or ``CDC_SLOT_INIT``) makes the choice explicit;
-* a missing slot after a start, a slot whose ``wal_status`` is ``lost``, another
-  system identifier or timeline is a :class:`GapCause`; a gap found earlier and
-  not closed (``open`` in the history) is the same gap again, with its window;
+* a missing slot after a start, an invalidated slot (``wal_status`` ``lost``;
+  the server's reason decides the cause: WAL removed, PostgreSQL 18's
+  ``idle_replication_slot_timeout``, a recovery conflict), another system
+  identifier or timeline is a :class:`GapCause` - except a failover slot the
+  promoted server holds as ``synced`` (PostgreSQL 17+ slot synchronization: the
+  same slot, carried over from an ancestor timeline; streamed on without a gap);
+  a gap found earlier and not closed (``open`` in the history) is the same gap
+  again, with its window;
 * the gap's window starts at the relay's last record's commit time minus the
   margin (``CDC_GAP_MARGIN_S``), or - with no record of its own in Kafka - at
   the time the current slot was made (else the history's last row) minus the
@@ -47,7 +52,7 @@ from datetime import datetime, timedelta
 from cdc.gaps import OPEN, HistoryRow
 from cdc.lineage import LastRecord, Origin
 from cdc.wal.replproto import lsn_to_str, str_to_lsn
-from cdc.wal.slots import ServerIdentity, SlotRow
+from cdc.wal.slots import WAL_REMOVED, ServerIdentity, SlotRow
 
 
 class GapCause(enum.StrEnum):
@@ -55,6 +60,8 @@ class GapCause(enum.StrEnum):
 
     SLOT_MISSING = "slot_missing"  # dropped, or not carried over by a failover
     SLOT_LOST = "slot_lost"  # invalidated: max_slot_wal_keep_size removed its WAL
+    SLOT_IDLE_TIMEOUT = "slot_idle_timeout"  # PostgreSQL 18: idle_replication_slot_timeout
+    SLOT_INVALIDATED = "slot_invalidated"  # another reason (rows_removed, wal_level, conflict)
     SYSTEM_CHANGED = "system_changed"  # another cluster (system identifier) under the name
     TIMELINE_CHANGED = "timeline_changed"  # the server was promoted since the slot was made
     SLOT_REPLACED = "slot_replaced"  # the slot under the name is not the one the relay made
@@ -116,7 +123,8 @@ def decide(evidence: Evidence, *, margin_s: float, slot_survives_failover: bool 
 
     ``slot_survives_failover``: the slot is a failover slot (PostgreSQL 17+), so a
     slot carried over to a promoted standby (the made one, confirmed no further
-    than the LSN where the maker's timeline ended) is trusted.
+    than the LSN where the maker's timeline ended) is trusted; so is a slot the
+    server says it synchronized (``failover`` and ``synced``).
     """
     e = evidence
     margin = timedelta(seconds=margin_s)
@@ -132,18 +140,35 @@ def decide(evidence: Evidence, *, margin_s: float, slot_survives_failover: bool 
     first_start = e.last is None and history is None
     if e.slot is None:
         return _no_slot(e, margin, first_start)
-    if e.slot.wal_status == "lost":
+    if e.slot.invalidated is not None or e.slot.wal_status == "lost":
+        cause, why = _invalidation(e.slot.invalidated or WAL_REMOVED)
         return Verdict(
             Action.GAP,
-            GapCause.SLOT_LOST,
-            f"slot {e.slot_name} was invalidated (wal_status lost: max_slot_wal_keep_size)",
+            cause,
+            f"slot {e.slot_name} was invalidated ({why})",
             _window(e, margin),
         )
+    # A failover slot the server synchronized to the promoted standby (PostgreSQL 17+:
+    # ``synced`` stays true there) is the relay's slot carried over: its confirmed
+    # position never passes what that standby had, so it holds every event since.
+    survives = slot_survives_failover or (e.slot.failover and e.slot.synced)
     if e.maker is None:
         if first_start:
             return _first_start(e, Action.ADOPT, "first start (the slot made outside the relay")
-        return _adopt_unrecorded(e, margin, slot_survives_failover)
-    return _check_identity(e, e.maker, margin, slot_survives_failover)
+        return _adopt_unrecorded(e, margin, survives)
+    return _check_identity(e, e.maker, margin, survives)
+
+
+def _invalidation(reason: str) -> tuple[GapCause, str]:
+    """The cause and the words for a slot invalidated for ``reason`` (the server's)."""
+    if reason == WAL_REMOVED:
+        return GapCause.SLOT_LOST, "wal_status lost: max_slot_wal_keep_size removed its WAL"
+    if reason == "idle_timeout":
+        return (
+            GapCause.SLOT_IDLE_TIMEOUT,
+            "idle_timeout: inactive longer than idle_replication_slot_timeout",
+        )
+    return GapCause.SLOT_INVALIDATED, f"invalidation_reason {reason}"
 
 
 def _no_slot(e: Evidence, margin: timedelta, first_start: bool) -> Verdict:

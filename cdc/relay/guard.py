@@ -34,6 +34,11 @@ Guarantees:
   relay's records in its topics (:func:`cdc.verify.missing_rows`); missing ones
   are re-published, marked ``recovered: verify``. It runs in a thread, once per
   process (again at the next session if it failed), and never stops the stream.
+* every slot the guard creates (first start, recovery) is a failover slot when
+  ``CDC_FAILOVER_SLOT`` asks for one on this server (auto: PostgreSQL 17+), and a
+  slot it streams on is altered to match before the session starts; after a
+  failover, the slot the server synchronized to the promoted standby is streamed
+  on without a gap (:func:`cdc.relay.gap.decide`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from confluent_kafka import KafkaException
 
 from cdc import constants as c
 from cdc import gaps
-from cdc.errors import CdcError, StreamError
+from cdc.errors import CdcError, DatabaseSetupError, StreamError
 from cdc.lineage import LastRecord, Owner, origin_value
 from cdc.relay import recovery
 from cdc.relay.gap import Action, GapCause, Verdict
@@ -59,7 +64,14 @@ from cdc.relay.state import RelayState
 from cdc.settings import Settings
 from cdc.verify import Window, missing_rows
 from cdc.wal.replproto import str_to_lsn
-from cdc.wal.slots import ServerIdentity, SlotRow, read_slot
+from cdc.wal.slots import (
+    FAILOVER_SLOTS_MIN_VERSION,
+    ServerIdentity,
+    SlotRow,
+    alter_failover,
+    failover_wanted,
+    read_slot,
+)
 
 if TYPE_CHECKING:
     from cdc.producer import TopicManager
@@ -127,6 +139,8 @@ class SlotGuard:
                     else recovery.open_first_start(s)
                 )
                 origin = self._close_gap(gap, lock)
+        if verdict.action in (Action.STREAM, Action.ADOPT) and found.slot is not None:
+            self._match_failover(found.slot)
         with recovery.connect(s) as conn:
             maker = gaps.maker(conn, s.slot)
             if not found.topics_recorded and found.tails.topics_with_ours:
@@ -174,6 +188,29 @@ class SlotGuard:
             log.info("%s: slot %s adopted at %s", verdict.detail, s.slot, made.lsn)
         else:
             log.warning("%s (at %s)", verdict.detail, made.lsn)
+
+    def _match_failover(self, slot: SlotRow) -> None:
+        """PostgreSQL 17+: make the slot's ``failover`` property what ``CDC_FAILOVER_SLOT``
+        asks (a slot of an older relay, or made before the setting changed). An active slot
+        (another relay streams it) is left to that relay; ``auto`` carries on with a warning
+        when the server refuses, ``on`` stops the session."""
+        s = self.settings
+        dsn = s.pg_dsn.get_secret_value()
+        with recovery.connect(s) as conn:
+            version = conn.info.server_version
+        wanted = failover_wanted(s.failover_slot, version)
+        if version < FAILOVER_SLOTS_MIN_VERSION or slot.failover == wanted or slot.active:
+            return
+        try:
+            alter_failover(dsn, s.slot, wanted)
+        except StreamError as exc:
+            if s.failover_slot == "on":
+                raise DatabaseSetupError(
+                    f"slot {s.slot} could not be made a failover slot: {exc}"
+                ) from exc
+            log.warning("slot %s: failover property left %s: %s", s.slot, slot.failover, exc)
+            return
+        log.info("slot %s is now %sa failover slot", s.slot, "" if wanted else "not ")
 
     def _slot_survives_failover(self) -> bool:
         """True when the slot is a failover slot (PostgreSQL 17+, synchronised to the

@@ -647,7 +647,10 @@ def _recover(
     origin_header = (c.HEADER_ORIGIN, origin.encode())
     try:
         lock.ensure()
-        with exported_slot(dsn, settings.slot) as made, connect(settings) as conn:
+        with (
+            exported_slot(dsn, settings.slot, failover=settings.failover_slot) as made,
+            connect(settings) as conn,
+        ):
             in_snapshot(conn, made.snapshot)
             if settings.standby_safe:  # every row of the snapshot on the standby first
                 wait_standby_flushed(settings, made.consistent_lsn)
@@ -690,7 +693,10 @@ def accept_loss(settings: Settings, gap: gaps.HistoryRow, *, by: str) -> str:
     _clear_slot(settings)
     server = identify_system(dsn)
     origin = origin_value(server, settings.slot)
-    with exported_slot(dsn, settings.slot) as made, connect(settings) as conn:
+    with (
+        exported_slot(dsn, settings.slot, failover=settings.failover_slot) as made,
+        connect(settings) as conn,
+    ):
         slot = read_slot(conn, settings.slot)
         gaps.mark_accepted(
             conn,
@@ -710,7 +716,7 @@ def make_slot(settings: Settings, found: Inspection, *, cause: str, detail: str)
     with connect(settings) as conn:
         event = gaps.EVENT_ADOPTED if found.slot is not None else gaps.EVENT_CREATED
         if found.slot is None:
-            ensure_slot(conn, settings.slot)
+            ensure_slot(conn, settings.slot, failover=settings.failover_slot)
         slot = read_slot(conn, settings.slot)
         assert slot is not None
         check_slot_kind(slot, conn.info.dbname)

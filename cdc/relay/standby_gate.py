@@ -15,10 +15,13 @@ Guarantees (pure; no I/O - :mod:`cdc.relay.standby_safe` drives it):
   bounds the memory of everything held (back-pressure stops reading WAL).
 
 Which mechanism guards (:func:`choose_mode`): the relay's own gate (any
-supported server), or - PostgreSQL 17 and later, when asked - the server's
-failover slots (the slot created or altered with ``failover``, the standby's
+supported server), or - PostgreSQL 17 and later, unless ``CDC_FAILOVER_SLOT=off``
+- the server's failover slots (the slot is a failover slot, the standby's
 physical slot listed in ``synchronized_standby_slots``): the walsender then
 sends nothing the standby has not confirmed, and the relay's gate stands aside.
+:mod:`cdc.relay.standby_safe` checks both on the server before it lets the
+server guard, and again every 30 s; until then, and whenever one is missing,
+the relay's gate guards.
 
 States of one held transaction::
 
@@ -36,9 +39,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from cdc.wal.slots import FAILOVER_SLOTS_MIN_VERSION as _FAILOVER_MIN
+
 #: ``server_version_num`` from which slots can be failover slots and the server has
 #: ``synchronized_standby_slots`` (PostgreSQL 17).
-FAILOVER_SLOTS_MIN_VERSION = 170_000
+FAILOVER_SLOTS_MIN_VERSION = _FAILOVER_MIN
 
 R = TypeVar("R")
 
@@ -57,19 +62,23 @@ class ModeChoice:
     note: str = ""
 
 
-def choose_mode(standby: str, *, failover_slots: bool, server_version_num: int) -> ModeChoice:
+def choose_mode(standby: str, *, failover_slot: str, server_version_num: int) -> ModeChoice:
     """Which mechanism keeps Kafka free of events the standby may not have.
 
-    ``standby`` empty: off. Failover slots asked on a server older than
-    PostgreSQL 17: the relay's own gate, with a note saying so (never less safe
-    than asked).
+    ``standby`` empty: off. ``failover_slot`` (``CDC_FAILOVER_SLOT``) ``off``, or a
+    server older than PostgreSQL 17: the relay's own gate (with a note when ``on``
+    asked for more than the server has: never less safe than asked). Otherwise the
+    server may guard: the caller still checks that the slot is a failover slot and
+    that ``synchronized_standby_slots`` names the standby.
     """
     if not standby:
         return ModeChoice(SafeMode.OFF)
-    if not failover_slots:
+    if failover_slot == "off":
         return ModeChoice(SafeMode.RELAY)
     if server_version_num >= FAILOVER_SLOTS_MIN_VERSION:
         return ModeChoice(SafeMode.SERVER)
+    if failover_slot == "auto":
+        return ModeChoice(SafeMode.RELAY)
     return ModeChoice(
         SafeMode.RELAY,
         f"failover slots need PostgreSQL 17 (server_version_num {server_version_num}): "

@@ -17,10 +17,14 @@ Guarantees, with ``CDC_STANDBY_SAFE`` naming a physical standby (its
   ``CDC_STANDBY_SAFE_MAX_WAIT_S`` makes the relay HELD (no WAL read, ``/readyz``
   503 naming the standby) until it catches up; an unknown position (standby
   not connected, side connection lost) releases nothing;
-* PostgreSQL 17+ with ``CDC_STANDBY_SAFE_FAILOVER_SLOTS``: when the slot is a
-  failover slot and the standby's slot is in ``synchronized_standby_slots`` the
-  server guards and held transactions are released at their commit; otherwise
-  the relay's own gate guards (never less safe than asked);
+* PostgreSQL 17+ (unless ``CDC_FAILOVER_SLOT=off``): when the slot is a failover
+  slot and the standby's physical slot is in the primary's
+  ``synchronized_standby_slots``, the server guards (its walsender sends nothing
+  that standby has not confirmed) and held transactions are released at their
+  commit, without polling; otherwise the relay's own gate guards (never less
+  safe than asked). Checked when the poller connects and every
+  :data:`SERVER_GUARD_RECHECK_S`; ``CDC_STANDBY_SAFE_FAILOVER_SLOTS`` is no
+  longer needed for it (deprecated);
 * a gap recovery (:mod:`cdc.relay.recovery`) publishes rows of its snapshot only
   after the standby flushed the snapshot's consistent point
   (:func:`wait_standby_flushed`);
@@ -38,11 +42,10 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from confluent_kafka import KafkaException
 from prometheus_client import CollectorRegistry, Gauge
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from cdc.errors import CdcError
-from cdc.pgconn import Use, connect
+from cdc.pgconn import connect
 from cdc.relay.standby_gate import (
     FAILOVER_SLOTS_MIN_VERSION,
     SafeMode,
@@ -53,6 +56,7 @@ from cdc.relay.standby_gate import (
 from cdc.relay.state import Headers, RefusedStep, SendStep, Session
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str, str_to_lsn
+from cdc.wal.slots import alter_failover_command
 
 log = logging.getLogger("cdc.relay")
 
@@ -322,7 +326,7 @@ class StandbySafe:
         row = conn.execute("SHOW server_version_num").fetchone()
         version = int(row[0]) if row else 0
         choice = choose_mode(
-            s.standby_safe, failover_slots=s.standby_safe_failover_slots, server_version_num=version
+            s.standby_safe, failover_slot=s.failover_slot, server_version_num=version
         )
         mode = choice.mode
         if mode is SafeMode.SERVER and not self._server_guards(conn):
@@ -335,15 +339,16 @@ class StandbySafe:
             safe.metrics.mode.labels(mode.value).set(1)
             safe.mode = mode
 
-    def _server_guards(self, conn: psycopg.Connection[Any]) -> bool:  # pragma: no cover - PG 17
-        """PostgreSQL 17+: make the slot a failover slot; True when the server then guards."""
+    def _server_guards(self, conn: psycopg.Connection[Any]) -> bool:
+        """PostgreSQL 17+: True when the server guards - the slot is a failover slot (the
+        relay's slot guard made it one at the session's start, ``CDC_FAILOVER_SLOT``) and
+        the primary's ``synchronized_standby_slots`` names the standby."""
         s = self.settings
         row = conn.execute("SHOW synchronized_standby_slots").fetchone()
         if not listed_in_synchronized_standby_slots(str(row[0]) if row else "", s.standby_safe):
-            log.error(
-                "standby-safe: %s is not in synchronized_standby_slots: add the standby's "
-                "physical slot there (ALTER SYSTEM SET synchronized_standby_slots = '%s'); "
-                "the relay guards meanwhile",
+            log.info(
+                "standby-safe: %s is not in synchronized_standby_slots, so the relay guards"
+                " (ALTER SYSTEM SET synchronized_standby_slots = '%s' lets the server guard)",
                 s.standby_safe,
                 s.standby_safe,
             )
@@ -351,15 +356,7 @@ class StandbySafe:
         row = conn.execute(
             "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (s.slot,)
         ).fetchone()
-        if row is None:
-            return False  # not created yet: the next check finds it
-        if not row[0]:
-            with connect(
-                s.pg_dsn.get_secret_value(), Use.REPLICATION, replication="database"
-            ) as repl:
-                repl.execute(alter_failover_command(s.slot).as_string(repl))
-            log.info("slot %s is now a failover slot", s.slot)
-        return True
+        return bool(row and row[0])  # not created yet, or not a failover slot: the relay
 
 
 class StandbyBehindError(CdcError):
@@ -388,11 +385,6 @@ def wait_standby_flushed(settings: Settings, lsn: int) -> None:
                     f"(its flushed LSN: {where}) within {settings.standby_safe_max_wait_s:.0f}s"
                 )
             time.sleep(settings.standby_safe_poll_s)
-
-
-def alter_failover_command(slot: str) -> sql.Composed:
-    """The replication command that makes ``slot`` a failover slot (PostgreSQL 17+)."""
-    return sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER true)").format(sql.Identifier(slot))
 
 
 __all__ = [

@@ -7,8 +7,17 @@ Guarantees:
   lags a promotion until the next checkpoint; this does not), and the timeline's
   ancestors with the LSN where each ended (``TIMELINE_HISTORY``): the lineage
   whose records are the relay's own (:mod:`cdc.lineage`);
-* :func:`read_slot` reads ``pg_replication_slots`` with ``wal_status`` and
-  ``safe_wal_size`` (PostgreSQL 13+); it only reads;
+* :func:`read_slot` reads ``pg_replication_slots`` by the server's version (it
+  only reads): ``wal_status`` and ``safe_wal_size`` everywhere (15+),
+  ``conflicting`` from 16, ``invalidation_reason``, ``failover`` and ``synced``
+  from 17 (``inactive_since``, 17+, is not needed); :attr:`SlotRow.invalidated`
+  is the one answer to "why is this slot unusable" on every version;
+* :func:`failover_wanted` turns ``CDC_FAILOVER_SLOT`` and the server's version
+  into the slot's ``failover`` property (``on`` before PostgreSQL 17 is one
+  :class:`DatabaseSetupError`); every slot the relay creates - first start
+  (:func:`cdc.wal.stream.ensure_slot`), gap recovery and accepted loss
+  (:func:`exported_slot`) - is created with it, and :func:`alter_failover`
+  makes an existing slot match;
 * :func:`exported_slot` creates the logical slot with ``SNAPSHOT 'export'`` and
   keeps its replication connection open while the caller reads inside the
   snapshot (``SET TRANSACTION SNAPSHOT``): every transaction committed before the
@@ -26,11 +35,26 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
-from cdc.errors import StreamError
+from cdc.errors import DatabaseSetupError, StreamError
 from cdc.pgconn import Use, connect
 from cdc.wal.replproto import str_to_lsn
 
 Conn = psycopg.Connection[Any]
+
+#: ``server_version_num`` from which a logical slot can be a failover slot (``failover``
+#: of pg_create_logical_replication_slot and CREATE/ALTER_REPLICATION_SLOT), synchronized
+#: to standbys with ``sync_replication_slots`` (PostgreSQL 17).
+FAILOVER_SLOTS_MIN_VERSION = 170_000
+#: From 16 ``pg_replication_slots.conflicting``; from 17 ``invalidation_reason``,
+#: ``failover``, ``synced``, ``inactive_since``; 18 adds the ``idle_timeout`` reason
+#: (``idle_replication_slot_timeout``).
+CONFLICTING_MIN_VERSION = 160_000
+#: What PostgreSQL 15 calls nothing: a slot with ``wal_status = 'lost'`` lost its WAL
+#: (its only way of being invalidated there); 17+ names it the same way.
+WAL_REMOVED = "wal_removed"
+#: PostgreSQL 16 says only ``conflicting``: invalidated by recovery on a standby (rows
+#: removed, or wal_level lowered on the primary); 17+ names which.
+CONFLICT = "conflict"
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,16 @@ class SlotRow:
     #: (None when max_slot_wal_keep_size is -1, i.e. never)
     safe_wal_size: int | None
     catalog_xmin: int | None = None
+    #: why the slot can no longer be used (None: it can): PostgreSQL 17+'s
+    #: ``invalidation_reason`` (wal_removed, rows_removed, wal_level_insufficient,
+    #: 18: idle_timeout), 16's ``conflicting`` (:data:`CONFLICT`), or 15's
+    #: ``wal_status = 'lost'`` (:data:`WAL_REMOVED`)
+    invalidated: str | None = None
+    #: PostgreSQL 17+: a failover slot (synchronized to standbys set up for it)
+    failover: bool = False
+    #: PostgreSQL 17+: the slot was synchronized from a primary (on a standby, or left
+    #: so on a promoted one: the slot a failover carried over)
+    synced: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,12 +161,34 @@ def parse_timeline_history(content: bytes) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def slot_columns(server_version_num: int) -> str:
+    """The select list of :func:`read_slot` for a server of that version."""
+    base = (
+        "slot_name, plugin, database, active, confirmed_flush_lsn::text, wal_status, safe_wal_size"
+    )
+    if server_version_num >= FAILOVER_SLOTS_MIN_VERSION:
+        more = ", invalidation_reason, failover, synced"
+    elif server_version_num >= CONFLICTING_MIN_VERSION:
+        more = ", CASE WHEN conflicting THEN 'conflict' END, false, false"
+    else:
+        more = ", NULL::text, false, false"
+    return base + more + ", catalog_xmin::text::bigint"
+
+
+def invalidated(wal_status: str | None, reason: str | None) -> str | None:
+    """Why a slot is unusable, on every version: the server's reason when it gives one,
+    else :data:`WAL_REMOVED` for ``wal_status = 'lost'`` (PostgreSQL 15, or 16+ where
+    every invalidated slot reads ``lost``)."""
+    if reason:
+        return reason
+    return WAL_REMOVED if wal_status == "lost" else None
+
+
 def read_slot(conn: Conn, slot: str) -> SlotRow | None:
     """The slot's row, or None when it does not exist."""
+    columns = slot_columns(conn.info.server_version)
     row = conn.execute(
-        "SELECT slot_name, plugin, database, active, confirmed_flush_lsn::text,"
-        " wal_status, safe_wal_size, catalog_xmin::text::bigint"
-        " FROM pg_replication_slots WHERE slot_name = %s",
+        f"SELECT {columns} FROM pg_replication_slots WHERE slot_name = %s",  # noqa: S608
         (slot,),
     ).fetchone()
     if row is None:
@@ -145,19 +201,57 @@ def read_slot(conn: Conn, slot: str) -> SlotRow | None:
         confirmed_flush_lsn=str_to_lsn(row[4]) if row[4] else 0,
         wal_status=row[5],
         safe_wal_size=row[6],
-        catalog_xmin=row[7],
+        catalog_xmin=row[10],
+        invalidated=invalidated(row[5], row[7]),
+        failover=bool(row[8]),
+        synced=bool(row[9]),
+    )
+
+
+def failover_wanted(setting: str, server_version_num: int) -> bool:
+    """Whether the relay's slot is to be a failover slot (``CDC_FAILOVER_SLOT``):
+    ``auto`` on PostgreSQL 17+, ``on`` always (a server before 17 raises
+    :class:`DatabaseSetupError` naming the fix), ``off`` never."""
+    supported = server_version_num >= FAILOVER_SLOTS_MIN_VERSION
+    if setting == "on" and not supported:
+        raise DatabaseSetupError(
+            f"CDC_FAILOVER_SLOT=on but the server is PostgreSQL {server_version_num // 10_000}:"
+            " failover slots need PostgreSQL 17 or later; set CDC_FAILOVER_SLOT=auto or off"
+        )
+    return setting != "off" and supported
+
+
+def alter_failover_command(slot: str, failover: bool = True) -> sql.Composed:
+    """The replication command that sets ``slot``'s failover property (PostgreSQL 17+)."""
+    return sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER {})").format(
+        sql.Identifier(slot), sql.SQL("true" if failover else "false")
+    )
+
+
+def alter_failover(dsn: str, slot: str, failover: bool) -> None:
+    """Set ``slot``'s failover property (PostgreSQL 17+; the slot must not be in use)."""
+    with _replication(dsn) as conn:
+        _simple(conn.pgconn, alter_failover_command(slot, failover).as_string(conn))
+
+
+def create_slot_command(slot: str, *, failover: bool) -> sql.Composed:
+    """``CREATE_REPLICATION_SLOT`` of a pgoutput slot exporting its snapshot (``FAILOVER``
+    only when asked: servers before 17 do not know the option)."""
+    options = "SNAPSHOT 'export', FAILOVER true" if failover else "SNAPSHOT 'export'"
+    return sql.SQL("CREATE_REPLICATION_SLOT {} LOGICAL pgoutput ({})").format(
+        sql.Identifier(slot), sql.SQL(options)
     )
 
 
 @contextmanager
-def exported_slot(dsn: str, slot: str) -> Iterator[ExportedSlot]:
-    """Create logical slot ``slot`` (pgoutput) exporting its snapshot; the snapshot
+def exported_slot(dsn: str, slot: str, *, failover: str = "off") -> Iterator[ExportedSlot]:
+    """Create logical slot ``slot`` (pgoutput) exporting its snapshot - a failover slot
+    when ``failover`` (``CDC_FAILOVER_SLOT``) asks for one on this server; the snapshot
     stays importable until the block ends (its connection is then closed, the slot stays)."""
     with _replication(dsn) as conn:
-        name = sql.Identifier(slot).as_string(conn)
-        row = _simple(
-            conn.pgconn, f"CREATE_REPLICATION_SLOT {name} LOGICAL pgoutput (SNAPSHOT 'export')"
-        )[0]
+        wanted = failover_wanted(failover, conn.info.server_version)
+        command = create_slot_command(slot, failover=wanted).as_string(conn)
+        row = _simple(conn.pgconn, command)[0]
         yield ExportedSlot(
             name=slot,
             consistent_lsn=str_to_lsn((row[1] or b"0/0").decode()),

@@ -50,6 +50,7 @@ from cdc.migrate import check_wal_level
 from cdc.pgconn import Use, connect, conninfo
 from cdc.router import ROUTED_COLUMNS, BrokenOutbox, outbox_layout
 from cdc.wal.replproto import lsn_to_str, pg_now_us, standby_status_update, str_to_lsn
+from cdc.wal.slots import failover_wanted
 
 log = logging.getLogger("cdc.stream")
 
@@ -253,12 +254,14 @@ def server_is_utf8(conn: Conn) -> bool:
     return row is not None and str(row[0]).upper() in ("UTF8", "UTF-8")
 
 
-def ensure_slot(conn: Conn, slot: str, *, create: bool = True) -> SlotInfo:
+def ensure_slot(conn: Conn, slot: str, *, create: bool = True, failover: str = "off") -> SlotInfo:
     """Create the logical slot (``pgoutput``) when missing; refuse another plugin.
 
     ``create=False`` (the relay after its gap check, :mod:`cdc.relay.gap`): a
     missing slot raises :class:`StreamError` instead - it disappeared since the
-    check, and the next session's check decides what that means.
+    check, and the next session's check decides what that means. ``failover``
+    (``CDC_FAILOVER_SLOT``): a slot created here is a failover slot when
+    :func:`cdc.wal.slots.failover_wanted` says so for this server.
     """
     check_wal_level(conn)
     check_replication_privilege(conn)
@@ -266,9 +269,16 @@ def ensure_slot(conn: Conn, slot: str, *, create: bool = True) -> SlotInfo:
     if info is None and not create:
         raise StreamError(f"slot {slot} disappeared after the gap check")
     if info is None:
+        as_failover = failover_wanted(failover, conn.info.server_version)
         try:
-            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
-            log.info("slot %s created (pgoutput)", slot)
+            if as_failover:  # (temporary, two_phase, failover): PostgreSQL 17+
+                conn.execute(
+                    "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, false, true)",
+                    (slot,),
+                )
+            else:
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+            log.info("slot %s created (pgoutput%s)", slot, ", failover" if as_failover else "")
         except pgerrors.DuplicateObject:
             log.info("slot %s was created concurrently", slot)
         info = slot_info(conn, slot)

@@ -114,24 +114,34 @@ def test_the_server_guard_releases_every_committed_transaction_at_the_head() -> 
 
 
 def test_no_standby_named_is_off_whatever_the_server() -> None:
-    assert choose_mode("", failover_slots=True, server_version_num=170_002).mode is SafeMode.OFF
+    assert choose_mode("", failover_slot="on", server_version_num=170_002).mode is SafeMode.OFF
 
 
 @pytest.mark.parametrize("version", [150_010, 160_004, 169_999])
-def test_failover_slots_before_postgresql_17_fall_back_to_the_relays_gate(version: int) -> None:
-    choice = choose_mode("sb", failover_slots=True, server_version_num=version)
+def test_failover_slots_on_before_postgresql_17_fall_back_to_the_relays_gate(version: int) -> None:
+    choice = choose_mode("sb", failover_slot="on", server_version_num=version)
     assert choice.mode is SafeMode.RELAY
     assert "PostgreSQL 17" in choice.note and str(version) in choice.note
 
 
+@pytest.mark.parametrize("version", [150_010, 160_004])
+def test_auto_before_postgresql_17_is_the_relays_gate_without_a_note(version: int) -> None:
+    assert choose_mode("sb", failover_slot="auto", server_version_num=version) == (
+        choose_mode("sb", failover_slot="off", server_version_num=version)
+    )
+
+
+@pytest.mark.parametrize("setting", ["auto", "on"])
 @pytest.mark.parametrize("version", [FAILOVER_SLOTS_MIN_VERSION, 170_002, 180_000])
-def test_failover_slots_on_postgresql_17_or_later_let_the_server_guard(version: int) -> None:
-    choice = choose_mode("sb", failover_slots=True, server_version_num=version)
+def test_failover_slots_on_postgresql_17_or_later_let_the_server_guard(
+    setting: str, version: int
+) -> None:
+    choice = choose_mode("sb", failover_slot=setting, server_version_num=version)
     assert choice == choice.__class__(SafeMode.SERVER)
 
 
-def test_without_failover_slots_asked_the_relay_guards_even_on_postgresql_17() -> None:
-    assert choose_mode("sb", failover_slots=False, server_version_num=170_000).mode is (
+def test_with_failover_slots_off_the_relay_guards_even_on_postgresql_18() -> None:
+    assert choose_mode("sb", failover_slot="off", server_version_num=180_000).mode is (
         SafeMode.RELAY
     )
 

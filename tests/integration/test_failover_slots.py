@@ -1,0 +1,348 @@
+"""Failover slots used for real (PostgreSQL 17+; run on 18 by ``make test``'s pg18 lane).
+
+Against a primary and a streaming standby of the tests' own (:mod:`tests.clusters`, on
+the stack's server binaries: ``make up PG=18``), the shared Kafka and real relay
+processes on the multi-host DSN, with a writer committing events throughout:
+
+* a failover with the standby set up to carry the slot (``sync_replication_slots``,
+  ``hot_standby_feedback``, a dbname in ``primary_conninfo``; the primary's
+  ``synchronized_standby_slots``): the primary crashes, the standby is promoted, the
+  relay streams on from the synchronized slot - lost 0, phantom 0, no gap recorded,
+  nothing re-published as recovered (edge: slot lifetime across a failover, the
+  server keeping the slot; combined with live writers and a crash);
+* the same failover with a standby that does not synchronize slots: the relay's
+  failover slot is gone on the new primary, today's gap recovery runs - lost 0
+  (edge: a failover slot that was not carried; the fallback path);
+* ``idle_replication_slot_timeout`` (PostgreSQL 18) invalidates the slot while the
+  relay is down: a gap with its own cause (``slot_idle_timeout``), recovered, lost 0
+  (edge: a new invalidation cause, read by version).
+
+Each also runs the preflight's failover-slot probe (:func:`cdc.check.failover_slots`)
+on the primary and asserts its verdict on the standby.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from pydantic import SecretStr
+
+from cdc.check import Finding, Status, failover_slots
+from cdc.settings import Settings
+from tests.bench.report import metric_sum, scrape
+from tests.clusters import STANDBY_SLOT, ClusterPair, server_version_num
+from tests.conftest import IN_CI
+from tests.harness import Proc, RelayConfig, start_relay, wait_for_ready, wait_until
+from tests.integration.test_slot_failover import Writer, _kafka, _table_ids
+
+pytestmark = [pytest.mark.integration, pytest.mark.fault]
+
+#: Events committed in each phase of a test.
+PHASE_EVENTS = 40
+#: PostgreSQL 18 (idle_replication_slot_timeout); failover slots need 17.
+PG18 = 180_000
+PG17 = 170_000
+
+
+def _needs(version: int) -> None:
+    """These tests exist for a newer server: outside CI say so (skip), in CI fail loudly."""
+    have = server_version_num()
+    if have < version:
+        reason = (
+            f"needs PostgreSQL {version // 10_000}+ (the clusters run {have // 10_000}):"
+            " make up PG=18, or make test (its pg18 lane)"
+        )
+        if IN_CI:
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    made: list[Proc] = []
+    yield made
+    for proc in made:
+        if proc.alive():
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.close()
+
+
+@pytest.fixture
+def writers() -> Iterator[list[Writer]]:
+    made: list[Writer] = []
+    yield made
+    for writer in made:
+        writer.stop()
+
+
+@pytest.fixture
+def synced_pair(pair: ClusterPair) -> Iterator[ClusterPair]:
+    """The pair set up to carry failover slots; reset (before the clone) by heal()."""
+    _needs(PG17)
+    pair.sync_slots()
+    yield pair
+    pair.sync_slots(on=False)
+
+
+def _cfg(dsn: str, kafka: str) -> RelayConfig:
+    return RelayConfig(
+        db_dsn=dsn,
+        kafka=kafka,
+        unique=uuid.uuid4().hex[:10],
+        partitions=2,
+        extra={"CDC_GAP_MARGIN_S": "30"},
+    )
+
+
+def _start(cfg: RelayConfig, tmp: Path, procs: list[Proc], name: str) -> tuple[Proc, int]:
+    proc, port = start_relay(cfg, tmp, name=name, wait_ready=False)
+    procs.append(proc)
+    wait_for_ready(proc, port, timeout_s=120)
+    return proc, port
+
+
+def _relayed(port: int, aggregate: str, cfg: RelayConfig) -> float:
+    return metric_sum(scrape(port), "outbox_relay_events_total", topic=cfg.topic_prefix + aggregate)
+
+
+def _gaps(port: int) -> float:
+    return metric_sum(scrape(port), "outbox_relay_gaps_total")
+
+
+def _history(dsn: str, slot: str) -> list[tuple[str, str, str]]:
+    """The slot history's rows: (event, cause, state), oldest first."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT event, cause, state FROM outbox_cdc_slot_history WHERE slot = %s ORDER BY id",
+            (slot,),
+        ).fetchall()
+    return [(str(a), str(b), str(c)) for a, b, c in rows]
+
+
+def _slot_flags(dsn: str, slot: str) -> tuple[bool, bool] | None:
+    """(failover, synced) of ``slot`` on the server ``dsn`` reaches."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT failover, synced FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+    return None if row is None else (bool(row[0]), bool(row[1]))
+
+
+def _preflight(pair: ClusterPair, dbname: str, slot: str) -> dict[str, Finding]:
+    """The preflight's failover-slot findings, on the primary (by item)."""
+    settings = Settings(pg_dsn=SecretStr(pair.primary.dsn(dbname)), slot=slot)
+    with psycopg.connect(pair.primary.dsn(dbname), autocommit=True) as conn:
+        return {f.item: f for f in failover_slots(conn, settings)}
+
+
+def _dbname(dsn: str) -> str:
+    return str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+
+
+@pytest.mark.timeout(600)
+def test_a_failover_with_a_synchronized_failover_slot_is_a_non_event(
+    synced_pair: ClusterPair,
+    pair_db: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    writers: list[Writer],
+    procs: list[Proc],
+) -> None:
+    pair = synced_pair
+    aggregate = "synced"
+    cfg = _cfg(pair_db, kafka_bootstrap)
+    relay, port = _start(cfg, tmp_path, procs, "relay")
+    assert _slot_flags(pair_db, cfg.slot) == (True, False), "the relay made no failover slot"
+    findings = _preflight(pair, _dbname(pair_db), cfg.slot)
+    assert findings["failover slot"].status is Status.OK, findings["failover slot"]
+    carried = findings[f"standby {STANDBY_SLOT}"]
+    assert carried.status is Status.OK and "carries slot" in carried.detail, carried
+
+    writer = Writer(pair_db, aggregate).start()
+    writers.append(writer)
+    wait_until(lambda: _relayed(port, aggregate, cfg) >= PHASE_EVENTS, 120, "events relayed")
+    # the standby's copy of the slot: synchronized and persistent (the slotsync worker)
+    wait_until(
+        lambda: (copy := pair.synced_slot(cfg.slot)) is not None and copy[1],
+        180,
+        "the slot synchronized to the standby",
+        interval_s=0.5,
+    )
+    writer.wait_for(PHASE_EVENTS)
+    pair.fail_over()  # the primary crashes mid-stream; the writer goes on on the new one
+    writer.wait_for(PHASE_EVENTS)
+    wait_until(lambda: _slot_flags(pair_db, cfg.slot) is not None, 60, "slot on the new primary")
+    assert _slot_flags(pair_db, cfg.slot) == (True, True)  # the synchronized copy
+    writer.stop()
+
+    on_new_primary = _table_ids(pair_db, aggregate)
+    ids, recovered = _kafka(cfg, aggregate, on_new_primary)
+    assert relay.alive(), relay.log_tail()
+    assert on_new_primary - ids == set(), f"{len(on_new_primary - ids)} events lost"
+    assert ids - on_new_primary == set(), f"{len(ids - on_new_primary)} phantom events"
+    assert recovered == set(), f"{len(recovered)} events re-published by a recovery"
+    assert _gaps(port) == 0
+    assert "slot gap" not in relay.log_path.read_text(), relay.log_tail()
+    assert [row[0] for row in _history(pair_db, cfg.slot)] == ["created"]
+
+
+@pytest.mark.timeout(600)
+def test_a_failover_slot_the_standby_does_not_carry_is_recovered_as_a_gap(
+    pair: ClusterPair,
+    pair_db: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    writers: list[Writer],
+    procs: list[Proc],
+) -> None:
+    _needs(PG17)
+    aggregate = "unsynced"
+    cfg = _cfg(pair_db, kafka_bootstrap)
+    relay, port = _start(cfg, tmp_path, procs, "relay")
+    assert _slot_flags(pair_db, cfg.slot) == (True, False)
+    standby = _preflight(pair, _dbname(pair_db), cfg.slot)[f"standby {STANDBY_SLOT}"]
+    assert standby.status is Status.WARN, standby
+    assert "sync_replication_slots" in standby.detail
+    assert "synchronized_standby_slots" in standby.detail
+
+    writer = Writer(pair_db, aggregate).start()
+    writers.append(writer)
+    wait_until(lambda: _relayed(port, aggregate, cfg) >= PHASE_EVENTS, 120, "events relayed")
+    writer.wait_for(PHASE_EVENTS)
+    wait_until(pair.standby_caught_up, 60, "standby caught up")
+    pair.fail_over()
+    writer.wait_for(PHASE_EVENTS)
+    wait_for_ready(relay, port, timeout_s=180)  # after its gap recovery
+    writer.stop()
+
+    on_new_primary = _table_ids(pair_db, aggregate)
+    ids, _ = _kafka(cfg, aggregate, on_new_primary)
+    assert on_new_primary - ids == set(), f"{len(on_new_primary - ids)} events lost"
+    history = _history(pair_db, cfg.slot)
+    assert ("gap", "slot_missing", "recovered") in history, history
+    assert _slot_flags(pair_db, cfg.slot) == (True, False), "re-created as a failover slot"
+
+
+@pytest.mark.timeout(600)
+def test_an_idle_timeout_invalidation_is_a_gap_of_its_own_cause_recovered(
+    pair: ClusterPair,
+    pair_db: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    writers: list[Writer],
+    procs: list[Proc],
+) -> None:
+    _needs(PG18)
+    aggregate = "idle"
+    cfg = _cfg(pair_db, kafka_bootstrap)
+    relay, port = _start(cfg, tmp_path, procs, "relay-before")
+    writer = Writer(pair_db, aggregate).start()
+    writers.append(writer)
+    wait_until(lambda: _relayed(port, aggregate, cfg) >= PHASE_EVENTS, 120, "events relayed")
+    assert relay.terminate() == 0, relay.log_tail()
+    down_from = writer.mark()
+
+    pair.primary.alter_system(idle_replication_slot_timeout="1s")
+    try:
+
+        def invalidated() -> bool:
+            with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
+                conn.execute("CHECKPOINT")  # the server invalidates idle slots there
+                row = conn.execute(
+                    "SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = %s",
+                    (cfg.slot,),
+                ).fetchone()
+            return row is not None and row[0] == "idle_timeout"
+
+        time.sleep(1.5)
+        wait_until(invalidated, 120, "the slot invalidated for idle_timeout", interval_s=1.0)
+    finally:
+        pair.primary.alter_system(idle_replication_slot_timeout=None)
+    down_to = writer.wait_for(PHASE_EVENTS)  # the writer goes on while the slot is gone
+
+    relay2, _ = _start(cfg, tmp_path, procs, "relay-after")
+    writer.wait_for(PHASE_EVENTS)
+    writer.stop()
+    expected = _table_ids(pair_db, aggregate)
+    ids, recovered = _kafka(cfg, aggregate, expected)
+    assert expected - ids == set(), f"{len(expected - ids)} committed events missing from Kafka"
+    gap = set(writer.ids[down_from:down_to])
+    assert gap <= recovered, f"{len(gap - recovered)} events of the gap not marked recovered"
+    history = _history(pair_db, cfg.slot)
+    assert ("gap", "slot_idle_timeout", "recovered") in history, history
+    log = relay2.log_path.read_text()
+    assert "slot_idle_timeout" in log and "idle_replication_slot_timeout" in log
+
+
+def _mode(port: int, mode: str) -> float:
+    return metric_sum(scrape(port), "outbox_relay_standby_safe_mode", mode=mode)
+
+
+def _waiting_for_standby(pair: ClusterPair) -> bool:
+    """A logical walsender of the primary waits for the standby's confirmation (the
+    server's guard: synchronized_standby_slots)."""
+    value = pair.primary.scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender'"
+        " AND wait_event = 'WaitForStandbyConfirmation'"
+    )
+    return bool(value)
+
+
+@pytest.mark.timeout(600)
+def test_standby_safe_mode_lets_the_server_guard_and_a_failover_makes_no_phantom(
+    synced_pair: ClusterPair,
+    pair_db: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    procs: list[Proc],
+) -> None:
+    """Edge: standby-safe mode on 17+ without polling - the walsender withholds what the
+    standby has not confirmed; combined with a held-back WAL link and a failover."""
+    pair = synced_pair
+    aggregate = "guarded"
+    cfg = _cfg(pair_db, kafka_bootstrap)
+    cfg.extra.update(CDC_STANDBY_SAFE=STANDBY_SLOT, CDC_STANDBY_SAFE_MAX_WAIT_S="1")
+    relay, port = _start(cfg, tmp_path, procs, "relay-safe")
+
+    def write(n: int) -> set[str]:
+        with psycopg.connect(pair_db, autocommit=True) as conn:
+            return {
+                conn.execute(
+                    "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+                    " VALUES (%s, %s, 'Written', '{}') RETURNING id::text",
+                    (aggregate, f"k{i % 5}"),
+                ).fetchone()[0]  # type: ignore[index]
+                for i in range(n)
+            }
+
+    before = write(PHASE_EVENTS)
+    wait_until(lambda: _relayed(port, aggregate, cfg) >= PHASE_EVENTS, 120, "events relayed")
+    wait_until(lambda: _mode(port, "server") == 1, 120, "the server guarding")
+    wait_until(
+        lambda: (copy := pair.synced_slot(cfg.slot)) is not None and copy[1],
+        180,
+        "the slot synchronized to the standby",
+        interval_s=0.5,
+    )
+    pair.wal_link.pause()  # the standby receives nothing more
+    unseen = write(PHASE_EVENTS)  # committed on the primary only
+    wait_until(lambda: _waiting_for_standby(pair), 60, "the walsender waiting for the standby")
+    assert _relayed(port, aggregate, cfg) == PHASE_EVENTS  # nothing the standby lacks
+    assert metric_sum(scrape(port), "outbox_relay_standby_held_transactions") == 0
+    pair.fail_over()  # what the standby never received is gone
+    after = write(PHASE_EVENTS)
+    wait_until(lambda: _relayed(port, aggregate, cfg) >= 2 * PHASE_EVENTS, 180, "streaming on")
+    on_new_primary = _table_ids(pair_db, aggregate)
+    assert before | after <= on_new_primary
+    assert unseen - on_new_primary, "the standby received events committed after its link paused"
+    ids, recovered = _kafka(cfg, aggregate, on_new_primary)
+    assert ids - on_new_primary == set(), "phantoms published while the server guarded"
+    assert on_new_primary - ids == set(), "events of the new primary missing from Kafka"
+    assert recovered == set() and _gaps(port) == 0, relay.log_tail()
