@@ -40,13 +40,11 @@ def bucket_of(id16: bytes) -> int:
 
 
 def uuid_bytes(raw: bytes | None) -> bytes | None:
-    """The 16 bytes of a uuid's text (``8-4-4-4-12`` or 32 hex digits), else ``None``."""
+    """The 16 bytes of a uuid's text (``8-4-4-4-12`` or 32 hex digits, any case), else ``None``."""
     if raw is None:
         return None
     if len(raw) == UUID_TEXT_LEN:
-        if raw[8:9] != b"-" or raw[13:14] != b"-" or raw[18:19] != b"-" or raw[23:24] != b"-":
-            return None
-        raw = raw.replace(b"-", b"")
+        raw = raw.replace(b"-", b"")  # (4 dashes exactly, or the length check below fails)
     if len(raw) != 2 * ID_BYTES:
         return None
     try:

@@ -47,12 +47,20 @@ KAFKA_TIMEOUT_S = 10.0
 #: The read fails when no record and no end of partition arrived for this long.
 READ_STALL_S = 60.0
 #: Records asked for per consume() call.
-CONSUME_BATCH = 5_000
+CONSUME_BATCH = 1_000
 #: Longest one consume() call waits.
 CONSUME_WAIT_S = 0.5
 #: The consumer's fetch queue, in KB (librdkafka's default is 64 MB; the audit's
 #: memory bound is 200 MB for a 1,000,000-record window).
-QUEUE_KBYTES = 16_384
+QUEUE_KBYTES = 4_096
+#: Messages librdkafka prefetches per partition (its default, 100,000, holds whole
+#: partitions of a window in memory).
+QUEUE_MESSAGES = 2_000
+#: Bytes of one fetch response (librdkafka's default is 52 MB).
+FETCH_MAX_BYTES = 8 * 1024 * 1024
+#: The broker answers a fetch at a partition's end after this (librdkafka's 500 ms
+#: default held the read's last round trip).
+FETCH_WAIT_MS = 50
 #: Distinct origin header values remembered by :class:`OriginJudge` (there are few).
 MAX_ORIGINS = 1_024
 
@@ -127,6 +135,9 @@ def consumer(settings: Settings, *, group: str | None = None, client: str = "aud
             "enable.partition.eof": True,
             "auto.offset.reset": "earliest",
             "queued.max.messages.kbytes": QUEUE_KBYTES,
+            "queued.min.messages": QUEUE_MESSAGES,
+            "fetch.max.bytes": FETCH_MAX_BYTES,
+            "fetch.wait.max.ms": FETCH_WAIT_MS,
             **KafkaClientEvents(client).config(),
             **settings.kafka_config,
         }
@@ -193,8 +204,11 @@ def read(
     reader = _Reader(out, settings.dlq_topic, ours, max(window.since_ms, phantoms_from_ms), window)
     last_progress = time.monotonic()
     while todo:
-        messages = client.consume(CONSUME_BATCH, CONSUME_WAIT_S)
+        # A batch call waits its whole timeout unless the batch fills: wait for the first
+        # record only, then take what is ready.
+        messages = client.consume(1, CONSUME_WAIT_S)
         if messages:
+            messages += client.consume(CONSUME_BATCH - 1, 0)
             last_progress = time.monotonic()
             reader.take(messages, todo)
         elif time.monotonic() - last_progress > READ_STALL_S:
@@ -220,7 +234,7 @@ class _Reader:
 
     def take(self, messages: list[Any], todo: dict[tuple[str, int], int]) -> None:
         out, topics, ours = self.out, self.out.topics, self.ours
-        from_ms, until_ms = self.from_ms, self.until_ms
+        from_ms, until_ms, dlq_topic = self.from_ms, self.until_ms, self.dlq_topic
         for msg in messages:
             topic = msg.topic()
             err = msg.error()
@@ -229,39 +243,28 @@ class _Reader:
                     todo.pop((topic, msg.partition()), None)
                     continue
                 raise KafkaUnavailableError(f"reading {topic}[{msg.partition()}]: {err}")
-            key = (topic, msg.partition())
-            end = todo.get(key)
-            if end is not None and msg.offset() >= end - 1:
-                del todo[key]
+            if todo:
+                key = (topic, msg.partition())
+                end = todo.get(key)
+                if end is not None and msg.offset() >= end - 1:
+                    del todo[key]
             out.records_read += 1
-            id16, origin = _id_and_origin(msg)
+            headers = read_headers(msg)
+            id16 = uuid_bytes(headers.get(c.HEADER_ID)) if headers is not None else None
             if id16 is None:
                 out.without_id[topic] = out.without_id.get(topic, 0) + 1
-                continue
-            if topic == self.dlq_topic:
+            elif topic == dlq_topic:
                 out.dead_letters.add(id16)
-                continue
-            ts_ms = msg.timestamp()[1]
-            candidate = from_ms <= ts_ms < until_ms and ours(origin)
-            side = topics.get(topic)
-            if side is None:
-                side = topics[topic] = KafkaSide()
-            side.add(id16, candidate=candidate)
-
-
-def _id_and_origin(msg: Any) -> tuple[bytes | None, bytes | None]:
-    """The record's id (16 bytes) and origin header; the last of duplicates wins (Kafka's
-    ``lastHeader``); ``(None, None)`` when its headers cannot be read."""
-    headers = read_headers(msg)
-    if headers is None:
-        return None, None
-    raw_id = origin = None
-    for name, value in headers:
-        if name == c.HEADER_ID:
-            raw_id = value
-        elif name == c.HEADER_ORIGIN:
-            origin = value
-    return uuid_bytes(raw_id), origin
+            else:
+                side = topics.get(topic)
+                if side is None:
+                    side = topics[topic] = KafkaSide()
+                assert headers is not None
+                ts_ms = msg.timestamp()[1]
+                if from_ms <= ts_ms < until_ms and ours(headers.get(c.HEADER_ORIGIN)):
+                    side.ours_in_window.add(id16)
+                else:
+                    side.others.add(id16)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ Guarantees (the sink's reader's):
   call path (:data:`_HEADERS`), never again afterwards: confluent-kafka leaves a
   NULL in the list of a header name that is not UTF-8, and a second call, its
   repr or an iteration of it, is a SIGSEGV;
-* whatever that call raises or returns that is not a list of ``(str, bytes|None)``
-  pairs gives ``None`` (the record's headers cannot be read), never an exception.
+* whatever that call raises, or a list that is not of ``(name, value)`` pairs,
+  gives ``None`` (the record's headers cannot be read), never an exception. (On
+  the generic call path a list comes back only whole: a name that is not UTF-8
+  raises there instead of leaving a NULL in it.)
 """
 
 from __future__ import annotations
@@ -24,22 +26,14 @@ from typing import Any
 #: :data:`sinks.core.delivery._HEADERS` for why a plain method call is not used).
 _HEADERS = operator.methodcaller("headers")
 
-Headers = list[tuple[str, bytes | None]]
+Headers = dict[str, bytes | None]
 
 
 def read_headers(message: Any) -> Headers | None:
-    """The headers of a confluent-kafka ``Message``, read once; ``None`` when unreadable."""
+    """The headers of a confluent-kafka ``Message`` by name (the last of duplicates wins,
+    as Kafka's ``lastHeader``), read once; ``None`` when they cannot be read."""
     try:
         raw = _HEADERS(message)
+        return dict(raw) if raw else {}
     except Exception:  # SystemError(UnicodeDecodeError), or whatever a fix raises
         return None
-    if not raw:
-        return []
-    if not isinstance(raw, list):
-        return None
-    for item in raw:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            return None
-        if not isinstance(item[1], bytes | None):
-            return None
-    return raw

@@ -20,10 +20,11 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from cdc.audit import kafka as kf
 from cdc.audit import table as pg
@@ -43,6 +44,7 @@ LIST_LIMIT = 1_000
 PHANTOMS_LISTED = 100
 
 Progress = Callable[[str], None]
+T = TypeVar("T")
 
 
 class AuditBusyError(CdcError):
@@ -165,6 +167,11 @@ class _Clock:
     timings: dict[str, float] = field(default_factory=dict)
     progress: Progress | None = None
 
+    def timed(self, name: str, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``func(*args, **kwargs)`` as stage ``name`` (for a stage run on another thread)."""
+        with self.stage(name):
+            return func(*args, **kwargs)
+
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         if self.progress is not None:
@@ -174,6 +181,25 @@ class _Clock:
             yield
         finally:
             self.timings[name] = time.monotonic() - started
+
+
+def _read_kafka(
+    settings: Settings, window: Window, identity: ServerIdentity | None, horizon_ms: int
+) -> tuple[kf.KafkaRead, list[kf.PartitionPlan]]:
+    client = kf.consumer(settings)
+    try:
+        plans = kf.plan(client, settings, window)
+        records = kf.read(
+            client,
+            settings,
+            plans,
+            window,
+            ours=kf.OriginJudge(identity, settings.slot),
+            phantoms_from_ms=horizon_ms,
+        )
+    finally:
+        client.close()
+    return records, plans
 
 
 def _identity(settings: Settings) -> tuple[ServerIdentity | None, str]:
@@ -229,25 +255,22 @@ def _run(
     run_id = uuid.uuid4().hex[:12]
     identity, identity_note = _identity(settings)
     margin_s = settings.gap_margin_s
-    with clock.stage("table"), pg.connect(settings, autocommit=False) as conn:
-        table = pg.read_window(conn, settings, window, margin_s=margin_s)
-    with clock.stage("slot"):
-        pending = pg.pending_in_slot(settings, table.snapshot_lsn)
     horizon_ms = to_ms(now - timedelta(seconds=settings.recovery_horizon_s))
-    with clock.stage("kafka"):
-        client = kf.consumer(settings)
-        try:
-            plans = kf.plan(client, settings, window)
-            records = kf.read(
-                client,
-                settings,
-                plans,
-                window,
-                ours=kf.OriginJudge(identity, settings.slot),
-                phantoms_from_ms=horizon_ms,
-            )
-        finally:
-            client.close()
+    with (
+        pg.connect(settings, autocommit=False) as conn,
+        ThreadPoolExecutor(1, thread_name_prefix="audit-table") as pool,
+    ):
+        snapshot = pg.open_snapshot(conn, settings)
+        # The table's ids are aggregated by the server while Kafka is read here: the
+        # snapshot's position, all the Kafka side needs of it, is known already.
+        reading = pool.submit(
+            clock.timed, "table", pg.read_ids, snapshot, settings, window, margin_s=margin_s
+        )
+        with clock.stage("slot"):
+            pending = pg.pending_in_slot(settings, snapshot.lsn)
+        with clock.stage("kafka"):
+            records, plans = _read_kafka(settings, window, identity, horizon_ms)
+        table = reading.result()
     judge_phantoms = settings.outbox_keeps_rows and identity is not None
     with clock.stage("compare"):
         comparison = compare(

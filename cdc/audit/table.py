@@ -146,18 +146,38 @@ GROUP BY 1, 2, 3
 """
 
 
-def read_window(conn: Conn, settings: Settings, window: Window, *, margin_s: float) -> TableRead:
-    """The window's ids in one snapshot (see the module docstring); ``conn`` not autocommit."""
+@dataclass(frozen=True)
+class Snapshot:
+    """An open ``REPEATABLE READ READ ONLY`` transaction and the WAL position it was taken at."""
+
+    conn: Conn
+    lsn: int
+    source: _Source
+
+
+def open_snapshot(conn: Conn, settings: Settings) -> Snapshot:
+    """Begin the read on ``conn`` (not autocommit): its first statement fixes the snapshot
+    and reads the WAL insert position. :func:`read_ids` ends the transaction."""
     conn.isolation_level = IsolationLevel.REPEATABLE_READ
     conn.read_only = True
-    with conn.transaction():
-        row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
-        assert row is not None
-        source = _source(conn, settings)
-        read = TableRead(str_to_lsn(row[0]), source.basis, row_filter=source.row_filter)
-        query = sql.SQL(_WINDOW_SQL).format(
-            when=source.when, table=source.table, where=source.where(), bucket=sql.SQL(SQL_BUCKET)
-        )
+    row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+    assert row is not None
+    return Snapshot(conn, str_to_lsn(row[0]), _source(conn, settings))
+
+
+def read_ids(
+    snapshot: Snapshot, settings: Settings, window: Window, *, margin_s: float
+) -> TableRead:
+    """The window's ids in ``snapshot`` (see the module docstring); ends its transaction.
+
+    Only ``snapshot.conn`` is used: this may run on another thread while the caller
+    reads Kafka (the snapshot's position is known already)."""
+    conn, source = snapshot.conn, snapshot.source
+    read = TableRead(snapshot.lsn, source.basis, row_filter=source.row_filter)
+    query = sql.SQL(_WINDOW_SQL).format(
+        when=source.when, table=source.table, where=source.where(), bucket=sql.SQL(SQL_BUCKET)
+    )
+    try:
         with conn.cursor(name=f"outbox_audit_{uuid.uuid4().hex[:8]}") as cur:
             cur.itersize = GROUPS_PER_FETCH
             cur.execute(query, _params(window, margin_s))
@@ -169,7 +189,14 @@ def read_window(conn: Conn, settings: Settings, window: Window, *, margin_s: flo
                     read.judged_rows += int(count)
                 else:
                     read.context_rows += int(count)
+    finally:
+        conn.rollback()  # (read only: nothing to keep)
     return read
+
+
+def read_window(conn: Conn, settings: Settings, window: Window, *, margin_s: float) -> TableRead:
+    """:func:`open_snapshot` then :func:`read_ids` on one thread."""
+    return read_ids(open_snapshot(conn, settings), settings, window, margin_s=margin_s)
 
 
 @dataclass(frozen=True)
