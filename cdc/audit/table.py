@@ -51,6 +51,9 @@ Conn = psycopg.Connection[Any]
 
 #: Groups (topic, judged, bucket) fetched per round trip of the window's cursor.
 GROUPS_PER_FETCH = 64
+#: Longest the window's read may take in the server (a window of tens of millions of
+#: rows reads in minutes; past this the audit fails rather than wait without bound).
+TABLE_READ_TIMEOUT_MS = 30 * 60 * 1000
 #: Longest the slot peek may decode before the audit gives up on telling in-flight events.
 PEEK_TIMEOUT_MS = 60_000
 #: Name prefix of the temporary slot copies the audit peeks (at most 63 chars in all).
@@ -162,6 +165,9 @@ def open_snapshot(conn: Conn, settings: Settings) -> Snapshot:
     conn.read_only = True
     row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
     assert row is not None
+    conn.execute(
+        sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(TABLE_READ_TIMEOUT_MS))
+    )
     return Snapshot(conn, str_to_lsn(row[0]), _source(conn, settings))
 
 

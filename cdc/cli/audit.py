@@ -128,8 +128,9 @@ def _topic_table(report: AuditReport) -> Table:
     from rich.table import Table
 
     table = Table(title="table -> Kafka", title_justify="left")
-    for name in ("topic", "rows", "in Kafka", "dead-lettered", "in flight", "missing", "dup ids"):
-        table.add_column(name, justify="left" if name == "topic" else "right")
+    table.add_column("topic", overflow="fold")
+    for name in ("rows", "in Kafka", "DLQ", "in flight", "missing", "dups"):
+        table.add_column(name, justify="right", no_wrap=True)
     for topic, c in report.comparison.per_topic.items():
         table.add_row(
             topic,
