@@ -231,8 +231,8 @@ def run_audit(
             settings,
             window,
             group=group,
-            repair=repair and repair_unproven,
-            repair_proven=repair,
+            repair=repair,
+            repair_unproven=repair_unproven,
             limit=limit,
             progress=progress,
             now=now,
@@ -245,7 +245,7 @@ def _run(
     *,
     group: str | None,
     repair: bool,
-    repair_proven: bool,
+    repair_unproven: bool,
     limit: int,
     progress: Progress | None,
     now: datetime | None,
@@ -301,8 +301,8 @@ def _run(
         timings_s=clock.timings,
     )
     report.notes = _notes(settings, report, identity_note, horizon_ms)
-    proven = pending.ids is not None
-    if report.missing_count and (repair or (repair_proven and proven)):
+    proven = pending.ids is not None  # in flight told apart from missing
+    if repair and report.missing_count and (proven or repair_unproven):
         with clock.stage("repair"):
             done = republish(
                 settings,

@@ -215,3 +215,69 @@ def test_a_record_in_another_topic_does_not_account_for_a_row() -> None:
     got = compare(table, kafka, dead_letters=IdBuckets(), pending=IdBuckets(), judge_phantoms=True)
     assert list(got.missing) == [row]
     assert not len(got.phantoms)  # it has a row: not a phantom either
+
+
+# --- records read defensively ------------------------------------------------------------------
+
+
+class _Message:
+    """A consumed record as confluent-kafka hands it over (duck-typed)."""
+
+    def __init__(self, topic: str, headers: object, *, ts_ms: int = 1_000, offset: int = 0) -> None:
+        self._topic, self._headers, self._ts, self._offset = topic, headers, ts_ms, offset
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def error(self) -> None:
+        return None
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, self._ts)
+
+    def headers(self) -> object:
+        if isinstance(self._headers, BaseException):
+            raise self._headers
+        return self._headers
+
+
+def test_headers_that_cannot_be_read_are_none_never_an_exception() -> None:
+    from cdc.audit.records import read_headers
+
+    broken = SystemError("<method 'headers'> returned a result with an exception set")
+    assert read_headers(_Message("t", broken)) is None
+    assert read_headers(_Message("t", [("a", b"1"), ("a", b"2")])) == {"a": b"2"}  # last wins
+    assert read_headers(_Message("t", None)) == {}
+    assert read_headers(_Message("t", ["not a pair"])) is None
+
+
+def test_a_record_without_a_readable_id_is_counted_not_trusted() -> None:
+    from cdc.audit.kafka import KafkaRead, OriginJudge, _Reader
+    from cdc.wal.slots import ServerIdentity
+
+    ours = b"42/1/slot"
+    good, other = uuid.uuid4(), uuid.uuid4()
+    out = KafkaRead()
+    reader = _Reader(out, "dlq", OriginJudge(ServerIdentity("42", 1), "slot"), 0, Window(0, 5_000))
+    reader.take(
+        [
+            _Message("t.user", [("id", str(good).encode()), ("origin", ours)]),
+            _Message("t.user", [("id", str(other).encode()), ("origin", b"42/2/slot")]),
+            _Message("t.user", [("id", b"not-an-id")]),
+            _Message("t.user", SystemError("broken header name")),
+            _Message("dlq", [("id", str(good).encode())]),
+        ],
+        {},
+    )
+    assert out.records_read == 5
+    assert out.without_id == {"t.user": 2}
+    side = out.topics["t.user"]
+    assert list(side.ours_in_window) == [good.bytes]
+    assert list(side.others) == [other.bytes]  # a later timeline is not this server's history
+    assert list(out.dead_letters) == [good.bytes]
