@@ -22,6 +22,10 @@ Guarantees:
   start under ``earliest`` (records read again, none skipped) with a WARNING;
 * ``auto.offset.reset=error`` configured on purpose keeps librdkafka's meaning:
   the partition stays stopped, the ERROR names it;
+* the position a skip moved to is committed at once: the group's commit then says
+  what it dealt with, and a restart does not report the same range again (a record
+  of the partition the sink still held from before the skip may commit a lower
+  offset afterwards: the range is then reported once more after a restart - never lost);
 * the partition is restarted at the chosen offset by re-assigning it
   (librdkafka refuses a seek on a partition stopped by the error), keeping it
   paused if the sink had paused it; an eager assignor re-assigns the whole
@@ -168,10 +172,14 @@ class OffsetResets:
             )
             if not restarted:
                 log.info("%s[%d]: no longer assigned, not restarted", topic, partition)
+                return
         except KafkaException as exc:  # the next fetch of a re-assignment tries again
             log.error(
                 "%s[%d]: cannot restart at offset %d: %s", topic, partition, decision.start, exc
             )
+            return
+        if decision.cause in (Cause.EXPIRED, Cause.PAST_END) and decision.start >= 0:
+            commit_position(consumer, topic, partition, decision.start)
 
     def _report(self, topic: str, partition: int, decision: Decision) -> None:
         where = {"topic": topic, "partition": partition, "group": self.group}
@@ -212,6 +220,17 @@ class OffsetResets:
                 self.policy.value,
                 extra=where,
             )
+
+
+def commit_position(consumer: Consumer, topic: str, partition: int, offset: int) -> None:
+    """Commit the position a reset moved to: the group's commit then says what it dealt
+    with (the ERROR), and a restart does not report the same range again."""
+    try:
+        consumer.commit(offsets=[TopicPartition(topic, partition, offset)], asynchronous=False)
+    except KafkaException as exc:  # a rebalance took it: its next owner fetches and reports
+        log.warning(
+            "%s[%d]: commit of the reset position %d failed: %s", topic, partition, offset, exc
+        )
 
 
 def _going(decision: Decision) -> str:

@@ -299,12 +299,22 @@ def test_records_deleted_before_the_group_read_them_are_an_error_listed_and_repa
         assert errors, sink.log_tail()
         assert all(topic in line and re.search(r"offsets \d+\.\.\d+", line) for line in errors)
         assert len(errors) == len(doc["expired_unprocessed"])  # one line per partition
+        wait_until(  # the group's commit says what the sink dealt with
+            lambda: not _audit(env, "--since", since)[1]["expired_unprocessed"],
+            WAIT_S,
+            "the sink to commit the position it skipped to",
+        )
+        assert sink.terminate() == 0
+        sink.close()
+        sink, sink_port = start_sink(sink_cfg, tmp_path, name="sink-3")  # reported once only
 
         code, repaired, _ = _audit(env, "--since", since, "--repair")
         assert repaired["repaired"] == 9
         _wait_applied(stub, unread, sink)
         code, clean, _ = _audit(env, "--since", since)
         assert code == 0, clean
+        assert _metrics(sink_port)["outbox_sink_offsets_expired_total"] == 0  # (sink-3)
+        assert "were removed" not in sink.log_path.read_text()
     finally:
         relay.close()
         sink.close()
@@ -381,7 +391,7 @@ def test_a_clean_run_under_load_with_restarts_audits_clean(
     writers.start()
     try:
         wait_until(lambda: len(writers.ids) > 200, WAIT_S, "writers going")
-        code, during, _ = _audit(env, "--since", "10m")  # the relay streams meanwhile
+        code, during, _ = _audit(env, "--since", "10m", "--until", "0s")  # the relay streams
         assert code == 0, during
         assert during["missing_count"] == 0
         assert during["slot"]["in_flight_known"]  # the active relay's slot was read
@@ -400,7 +410,7 @@ def test_a_clean_run_under_load_with_restarts_audits_clean(
         writers.halt.set()
         writers.join(30)
         _wait_applied(stub, set(writers.ids), sink)
-        code, after, _ = _audit(env, "--since", "10m")
+        code, after, _ = _audit(env, "--since", "10m", "--until", "0s")  # (settle is 1 s here)
         assert code == 0, after
         assert after["table_rows"] == len(writers.ids)
         assert after["missing_count"] == 0 and after["phantoms"]["count"] == 0
