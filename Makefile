@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv up down status lint rules test test-unit test-unit-lane test-integration-lane \
+.PHONY: help venv up down status lint rules docs test test-unit test-unit-lane test-integration-lane \
 	test-integration-lane-b stack-and-rules bench demo clean lock wheel
 
 help:
@@ -17,6 +17,7 @@ help:
 	@echo "make test    venv, stack up, ruff + mypy, pytest (unit, integration, fault)"
 	@echo "make bench   benchmarks under tests/bench (print figures)"
 	@echo "make rules   promtool: check the Prometheus config and alert rules, run their unit tests"
+	@echo "make docs    build the documentation site into site/ (mkdocs --strict: no broken link, no orphan page)"
 	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/)"
 	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
 	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
@@ -24,7 +25,7 @@ help:
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,docs]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -49,6 +50,13 @@ lint: venv
 rules:
 	@bash compose/prometheus/promtool.sh check
 
+# The documentation site (mkdocs.yml, docs/): strict, so a broken link or anchor, a page
+# left out of the nav or an undocumented setting fails; offline (no plugin fetches
+# anything). make test runs it beside its lanes.
+docs: venv
+	@NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+	@echo "[docs] site built: site/index.html"
+
 test-unit: venv
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
@@ -68,7 +76,7 @@ LANE_B_ENV   := OUTBOX_DEV_DIR=$(LANE_B_DEV) OUTBOX_PG_PORT=25542 OUTBOX_KAFKA_P
 	OUTBOX_KAFKA_CONTROLLER_PORT=29193
 
 test: venv
-	@$(MAKE) --no-print-directory -j4 test-unit-lane test-integration-lane test-integration-lane-b
+	@$(MAKE) --no-print-directory -j4 docs test-unit-lane test-integration-lane test-integration-lane-b
 
 test-unit-lane: venv
 	@mkdir -p .dev
@@ -111,4 +119,4 @@ wheel: venv
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
 
 clean: down
-	rm -rf .dev $(VENV) build dist
+	rm -rf .dev $(VENV) build dist site

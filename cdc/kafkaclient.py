@@ -16,14 +16,19 @@ Guarantees:
   makes it look the coordinator up again;
 * :func:`first_contact` asks a client for the cluster's metadata with a short
   timeout (:data:`FIRST_CONTACT_TIMEOUT_S`) so a command pointed at a dead or
-  wrong address fails within seconds, with one line naming the setting:
-  ``Kafka at <bootstrap> unreachable: <reason> (check KAFKA_BOOTSTRAP_SERVERS)``;
+  wrong address fails within seconds, with one line naming the failure:
+  ``Kafka at <bootstrap> unreachable: <what failed>``. What failed is found by
+  :func:`diagnose` (a TCP connect of its own: refused, silent, or connected but
+  mute); the line names ``KAFKA_BOOTSTRAP_SERVERS`` only when the setting itself
+  is the likely fault (an address that does not parse or a host that does not
+  resolve) - a right setting with a stopped broker is not a wrong setting;
 * every client here is built from the caller's configuration, which carries
   :meth:`cdc.kafkalog.KafkaClientEvents.config` (rate-limited errors and logs).
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -36,6 +41,8 @@ from cdc.errors import KafkaUnreachableError
 #: The first metadata request of a command gives up after this: a reachable
 #: broker answers in milliseconds, even one that has just started.
 FIRST_CONTACT_TIMEOUT_S = 5.0
+#: :func:`diagnose`'s own TCP connect gives up after this.
+DIAGNOSE_CONNECT_TIMEOUT_S = 1.0
 #: Group readers kept open at once by one :class:`CommittedReader` (least recent closed).
 MAX_GROUP_READERS = 16
 
@@ -44,7 +51,7 @@ def first_contact(
     client: Any, bootstrap: str, *, timeout_s: float = FIRST_CONTACT_TIMEOUT_S
 ) -> Any:
     """The cluster's metadata from ``client`` (a Consumer, Producer or AdminClient);
-    :class:`KafkaUnreachableError` naming ``KAFKA_BOOTSTRAP_SERVERS`` when none comes."""
+    :class:`KafkaUnreachableError` saying what failed when none comes."""
     try:
         return client.list_topics(timeout=timeout_s)
     except KafkaException as exc:
@@ -52,11 +59,45 @@ def first_contact(
 
 
 def unreachable(bootstrap: str, exc: BaseException) -> KafkaUnreachableError:
-    """The one-line error of a Kafka that did not answer."""
+    """The one-line error of a Kafka that did not answer: what failed, found by :func:`diagnose`."""
     err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
     reason = err.str() if err is not None and hasattr(err, "str") else str(exc)
-    return KafkaUnreachableError(
-        f"Kafka at {bootstrap} unreachable: {reason} (check KAFKA_BOOTSTRAP_SERVERS)"
+    return KafkaUnreachableError(f"Kafka at {bootstrap} unreachable: {diagnose(bootstrap, reason)}")
+
+
+def diagnose(bootstrap: str, reason: str) -> str:
+    """What failed between here and the first bootstrap address, in words.
+
+    librdkafka says only "Broker transport failure" for a stopped broker, a wrong
+    port and a firewall alike: one TCP connect of our own tells them apart. The
+    setting is named only when it is the likely fault.
+    """
+    first = bootstrap.split(",", maxsplit=1)[0].strip()
+    first = first.split("://", 1)[-1]  # SSL://host:port, PLAINTEXT://...
+    host, sep, port_text = first.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return f"{reason} ({first!r} is not host:port: check KAFKA_BOOTSTRAP_SERVERS)"
+    port = int(port_text)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return f"host {host} does not resolve (check KAFKA_BOOTSTRAP_SERVERS)"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.settimeout(DIAGNOSE_CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(address)
+        except ConnectionRefusedError:
+            return f"connection refused at {host}:{port} (is the broker running?)"
+        except TimeoutError:
+            return f"no TCP answer from {host}:{port} in {DIAGNOSE_CONNECT_TIMEOUT_S:g}s"
+        except OSError as exc:
+            return f"{host}:{port}: {exc.strerror or exc}"
+    return (
+        f"{host}:{port} accepts connections but Kafka did not answer ({reason}):"
+        " a broker still starting, another service on that port, or a security protocol"
+        " that differs (KAFKA_CONFIG_SECURITY_PROTOCOL)"
     )
 
 

@@ -13,6 +13,9 @@ Every line of the process goes through the one root handler, in the one
 format: uvicorn's (the HTTP servers are built with ``log_config=None``, so
 its loggers propagate here) and librdkafka's (:mod:`cdc.kafkalog` routes them
 to the ``kafka.<client>`` loggers) included. Every JSON line is one object.
+uvicorn's general logger is named ``uvicorn.error`` for historical reasons
+although it logs "Started server process" at INFO: its lines are shown under
+``uvicorn`` (:data:`_RENAMED_LOGGERS`), so no healthy start reads as an error.
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ _RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None)))
     "asctime",
     "taskName",
 }
+
+
+#: Logger names shown under another name: what the line is about, not a misnomer.
+_RENAMED_LOGGERS = {"uvicorn.error": "uvicorn"}
+
+
+def _rename(record: logging.LogRecord) -> bool:
+    """A handler filter: the record shown under its :data:`_RENAMED_LOGGERS` name."""
+    record.name = _RENAMED_LOGGERS.get(record.name, record.name)
+    return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -58,6 +71,7 @@ def setup_logging(level: str | None = None, fmt: str | None = None) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    handler.addFilter(_rename)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -24,7 +24,7 @@ moving between them on live topics keeps each key on one partition. (The relay
 never sends a NULL key, so the ``_random`` half never applies.) Override with
 ``KAFKA_CONFIG_PARTITIONER`` (``consistent_random`` was librdkafka's CRC32 default).
 
-Tuning (documented in the README, overridable with ``KAFKA_CONFIG_*``):
+Tuning (documented in docs/relay/index.md, overridable with ``KAFKA_CONFIG_*``):
 ``linger.ms=5`` and ``batch.size=1 MB`` batch a burst into few requests while
 an isolated commit waits at most 5 ms; ``compression.type=lz4`` is cheap on
 CPU and halves JSON; ``message.max.bytes=1000000`` stays under the broker's

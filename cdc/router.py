@@ -415,6 +415,11 @@ def dead_letter(
 ) -> KafkaRecord:
     """The dead-letter record of an event: reason and origin in headers.
 
+    Its headers: the record's own (when it had any), the event ``id``, the
+    transaction's lineage (commit LSN, commit time, ``origin``) when the record
+    did not carry it already, ``dlq.reason`` and ``dlq.original.topic`` (empty
+    when no valid topic could be made).
+
     The value is the original bytes when they fit under ``max_value_bytes``,
     else a JSON note with the original size and a prefix (the full row is still
     in the outbox table until pruned, found by the ``id`` header).
@@ -435,8 +440,11 @@ def dead_letter(
             note["original_key_size"] = len(key)
         value = orjson.dumps(note)
     kept = [(k, v) for k, v in headers if k not in (c.HEADER_DLQ_REASON, c.HEADER_DLQ_TOPIC)]
-    if not any(k == c.HEADER_ID for k, _ in kept):
+    names = {k for k, _ in kept}
+    if c.HEADER_ID not in names:
         kept.append((c.HEADER_ID, event_id.encode()))
+    if c.HEADER_LSN not in names and tx.commit_lsn:  # lineage: the transaction it came from
+        kept += tx.headers
     kept += [(c.HEADER_DLQ_REASON, reason.encode()), (c.HEADER_DLQ_TOPIC, original_topic.encode())]
     if max_field_bytes is not None:
         key = key[:max_field_bytes]

@@ -3,7 +3,9 @@
 Guarantees:
 
 * every field's environment variable is its alias (:data:`ENV` lists them);
-  these names and the defaults are the contract documented in the README;
+  these names and the defaults are the contract; the `#:` comment above a field
+  is its description, and the configuration page of the docs is generated from
+  them (:mod:`cdc.settings_doc`): this class is the one source;
 * an optional TOML file (``CDC_CONFIG_FILE``, or ``config_file=``) supplies the
   same settings under their field names (``slot = "x"``) or variable names;
   the environment wins over the file;
@@ -32,8 +34,9 @@ Guarantees:
 that way); :meth:`Settings.from_env` reads the environment and the file.
 
 Adding a setting is one line: ``name: type = env("VARIABLE", default)`` in
-:class:`Settings` (a ``SecretStr`` type for a secret), plus its row in the
-README's configuration table.
+:class:`Settings` (a ``SecretStr`` type for a secret), under a ``#:`` comment
+that describes it for an operator (what it does, its unit, what 0 or empty
+means): the configuration page shows it, and a test refuses a field without one.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def env(variable: str, default: Any) -> Any:
 
 
 class Settings(BaseSettings):
-    """Every knob of relay, sink, engine stub and ops CLI; see the README table."""
+    """Every knob of relay, sink, engine stub and ops CLI; see docs/configuration.md."""
 
     model_config = SettingsConfigDict(
         frozen=True,
@@ -124,116 +127,177 @@ class Settings(BaseSettings):
         hide_input_in_errors=True,
     )
 
+    #: PostgreSQL connection string of the application database (libpq URL or key=value; required
+    #: by every process): the relay opens its replication connection from it. A secret: logged
+    #: with `password=***`. TLS: `sslmode`, `sslrootcert`, `sslcert`, `sslkey` go here.
     pg_dsn: SecretStr = env("CDC_PG_DSN", SecretStr(""))
+    #: The relay's logical replication slot.
     slot: str = env("CDC_SLOT", "outbox_slot")
+    #: The publication the relay streams (created with the outbox by `migrate`; created by the
+    #: relay when missing).
     publication: str = env("CDC_PUBLICATION", "outbox_pub")
+    #: The outbox table, `table` (resolved by the relay role's `search_path` at start) or
+    #: `schema.table`. The relay refuses to start when it lacks a required column or when an
+    #: existing `CDC_PUBLICATION` does not publish its inserts with every routed column and no
+    #: row filter.
     outbox_table: str = env("CDC_OUTBOX_TABLE", "outbox")
+    #: Topic of an event = this prefix + its aggregatetype.
     topic_prefix: str = env("CDC_TOPIC_PREFIX", "outbox.event.")
+    #: Partitions of the topics the relay creates (choose up front: adding partitions later
+    #: moves keys).
     topic_partitions: int = env("CDC_TOPIC_PARTITIONS", 6)
-    #: -1 takes the broker's default.replication.factor.
+    #: Replicas of the topics the relay creates; -1 takes the broker's
+    #: `default.replication.factor` (use 3 with `min.insync.replicas=2` in production).
     topic_replication_factor: int = env("CDC_TOPIC_REPLICATION_FACTOR", -1)
+    #: The dead-letter topic: events that cannot become a record (too large, not JSON, an
+    #: invalid topic name), with `dlq.reason`.
     dlq_topic: str = env("CDC_DLQ_TOPIC", "outbox.dlq")
-    #: 0 disables; else a pg_logical_emit_message heartbeat this often.
+    #: More than 0: the relay emits a heartbeat logical message (`pg_logical_emit_message`)
+    #: this often; 0 disables it.
     heartbeat_interval_s: float = env("CDC_HEARTBEAT_INTERVAL_S", 0.0)
+    #: Port of the relay's `/metrics`, `/healthz`, `/readyz` and `/backlog`.
     relay_http_port: int = env("CDC_RELAY_HTTP_PORT", 9101)
     # Slot gaps (cdc.relay.gap): a lost, dropped or failed-over slot.
-    #: auto: recover a gap from the outbox table at once; manual: wait for `slot recover`.
+    #: What a slot gap does: `auto` recovers it from the outbox table at once; `manual` waits
+    #: for `outbox-cdc slot recover --execute`.
     gap_recovery: Literal["auto", "manual"] = env("CDC_GAP_RECOVERY", "auto")
-    #: Recovery re-reads rows created this long before the last record in Kafka
-    #: (created_at is the transaction's start: covers transactions open this long).
+    #: A recovery re-reads rows created this long before the last record in Kafka
+    #: (`created_at` is the transaction's start: covers transactions open this long).
     gap_margin_s: float = env("CDC_GAP_MARGIN_S", 300.0)
     #: `prune` never deletes rows younger than this: the window a recovery can reach.
     recovery_horizon_s: float = env("CDC_RECOVERY_HORIZON_S", 86_400.0)
-    #: false: events are not kept in the table (delete_after=True writes, emit_event),
-    #: so a gap cannot be recovered and waits for `slot accept-gap`.
+    #: `false`: events are not kept in the table (`delete_after=True` writes, `emit_event`),
+    #: so a gap cannot be recovered and waits for `outbox-cdc slot accept-gap`.
     outbox_keeps_rows: bool = env("CDC_OUTBOX_KEEPS_ROWS", True)
-    #: the publication publishes one share of the outbox through a row filter (sharding
-    #: across relays, README "Scaling"); else a row filter is refused at start
+    #: `true`: `CDC_PUBLICATION` publishes one share of the outbox through a row filter on
+    #: purpose (sharding across relays); a gap recovery then re-publishes only that share.
+    #: `false`: a row filter is refused at start.
     publication_filtered: bool = env("CDC_PUBLICATION_FILTERED", False)
-    #: Records read from the end of each outbox partition to find the last one published.
+    #: Records read from the end of each outbox partition to find the relay's last one.
     gap_tail_records: int = env("CDC_GAP_TAIL_RECORDS", 20)
     #: Records handed to Kafka but not yet acknowledged before the relay stops
     #: reading WAL (back-pressure); bounds memory while Kafka is slow or away
     #: (~1.5 KB a record over ~75 MB: 20,000 keeps the relay near 100 MB).
     relay_max_in_flight: int = env("CDC_MAX_IN_FLIGHT", 20_000)
-    #: No message from the server (keepalives included) for this long while the
-    #: relay reads: the replication connection is taken as dead and reopened.
+    #: No message from the server (keepalives included) for this long while the relay reads:
+    #: the replication connection is taken as dead and reopened
+    #: (`outbox_relay_replication_silences_total`). The relay asks the server for a reply after
+    #: 5 s of quiet, so a live server is never silent this long.
     replication_silence_s: float = env("CDC_REPLICATION_SILENCE_S", 35.0)
     #: Records in flight (or dead letters pending) and none acknowledged for this
-    #: long: the relay reports itself stalled (/readyz 503, outbox_relay_stalled).
+    #: long: the relay reports itself stalled (`/readyz` 503 `stalled: ...`,
+    #: `outbox_relay_stalled` 1).
     relay_stall_after_s: float = env("CDC_RELAY_STALL_AFTER_S", 60.0)
-    #: Address the /metrics, /healthz, /readyz (and admin) servers bind.
+    #: Address the HTTP endpoints (`/metrics`, `/healthz`, `/readyz`, admin API) bind;
+    #: `0.0.0.0` in containers.
     http_host: str = env("CDC_HTTP_HOST", "127.0.0.1")
     # Standby-safe mode (cdc.relay.standby_safe): empty = off.
-    #: A physical standby (its application_name or its physical slot): a transaction is
-    #: published only once that standby has flushed its commit (no phantoms after failover).
+    #: Standby-safe mode, empty = off: a physical standby (its `application_name` or its
+    #: physical slot); a transaction is published only once that standby has flushed its
+    #: commit (no phantoms after a failover).
     standby_safe: str = env("CDC_STANDBY_SAFE", "")
-    #: How often the standby's flushed position is read while transactions are held.
+    #: Standby-safe: how often the standby's flushed position is read while transactions
+    #: are held.
     standby_safe_poll_s: float = env("CDC_STANDBY_SAFE_POLL_S", 0.005)
-    #: Held this long without the standby flushing: the relay is HELD (503), stops reading WAL.
+    #: Standby-safe: a transaction held longer makes the relay `held` (`/readyz` 503 naming
+    #: the standby; no WAL read) until the standby catches up.
     standby_safe_max_wait_s: float = env("CDC_STANDBY_SAFE_MAX_WAIT_S", 30.0)
-    #: PostgreSQL 17+: let the server guard instead (failover slot, synchronized_standby_slots).
+    #: Standby-safe on PostgreSQL 17+: let the server guard (failover slot +
+    #: `synchronized_standby_slots`); older servers keep the relay's gate.
     standby_safe_failover_slots: bool = env("CDC_STANDBY_SAFE_FAILOVER_SLOTS", False)
+    #: Kafka bootstrap servers, `host:port[,host:port...]` (required by every process).
     kafka_bootstrap_servers: str = env("KAFKA_BOOTSTRAP_SERVERS", "")
     #: librdkafka settings from KAFKA_CONFIG_* (no variable of its own).
     kafka_config: dict[str, str] = Field(default_factory=dict, repr=False)
+    #: The sink's consumer group.
     sink_group_id: str = env("SINK_GROUP_ID", "engine-sync")
+    #: The sink's subscription: a regex starting with `^` (librdkafka's rule), e.g.
+    #: `^outbox\.event\.user$`; empty: every topic of `CDC_TOPIC_PREFIX`.
     sink_topics_pattern: str = env("SINK_TOPICS_PATTERN", "")
+    #: Concurrent engine requests per sink (one per key at a time).
     sink_max_in_flight: int = env("SINK_MAX_IN_FLIGHT", 64)
+    #: Port of the sink's `/metrics`, `/healthz`, `/readyz` and admin API.
     sink_http_port: int = env("SINK_HTTP_PORT", 9102)
     #: Longest wait between probes of an engine that is down (jittered, growing).
     sink_backoff_max_s: float = env("SINK_BACKOFF_MAX_S", 15.0)
     #: Attempts a record the healthy engine rejects gets inline before it is parked.
     sink_inline_attempts: int = env("SINK_INLINE_ATTEMPTS", 3)
-    #: More event types routed onto the engine's calls: ``Type=USER_SYNC,Other=QUIZ_SYNC``.
+    #: More event types routed onto the engine's calls: `Type=USER_SYNC,Other=QUIZ_SYNC`.
     sink_routes: str = env("SINK_ROUTES", "")
-    #: Event types the sink skips on purpose: globs, ``Type`` or ``topic:Type``, comma-separated.
+    #: Event types the sink skips on purpose: globs, `Type` or `topic:Type`, comma-separated.
     sink_ignored_types: str = env("SINK_IGNORED_TYPES", "")
-    #: Nothing settled or committed for this long while records wait: /readyz says "stalled".
+    #: Nothing delivered, parked or committed for this long while records wait: `/readyz`
+    #: 503 `stalled: ...`, `outbox_sink_stalled` 1.
     sink_stall_after_s: float = env("SINK_STALL_AFTER_S", 60.0)
+    #: The engine's base URL, `http://` or `https://`.
     engine_base_url: str = env("ENGINE_BASE_URL", "http://localhost:8081")
+    #: Sent to the engine as `x-api-key` (a secret).
     internal_api_key: SecretStr = env("INTERNAL_API_KEY", SecretStr(""))
+    #: Engine client: connect timeout.
     engine_connect_timeout_s: float = env("ENGINE_CONNECT_TIMEOUT_S", 2.0)
+    #: Engine client: read timeout (between bytes of an answer).
     engine_read_timeout_s: float = env("ENGINE_READ_TIMEOUT_S", 3.0)
-    #: A whole engine request (a trickling answer) ends after this: engine-wide trouble.
+    #: A whole engine request (a trickling answer) ends after this: engine-wide trouble,
+    #: no attempt spent.
     engine_request_deadline_s: float = env("ENGINE_REQUEST_DEADLINE_S", 10.0)
-    #: PEM bundle of the CAs trusted for the engine's certificate (instead of the system's).
+    #: PEM bundle of the CAs trusted for an `https://` engine, instead of the system's
+    #: (a private CA).
     engine_ca_file: str = env("ENGINE_CA_FILE", "")
-    #: PEM client certificate (chain) presented to the engine (mTLS), with its key.
+    #: PEM client certificate (chain) presented to the engine (mTLS); set `ENGINE_CLIENT_KEY`
+    #: too.
     engine_client_cert: str = env("ENGINE_CLIENT_CERT", "")
+    #: The unencrypted PEM key of `ENGINE_CLIENT_CERT` (protect it with file permissions).
     engine_client_key: str = env("ENGINE_CLIENT_KEY", "")
-    #: false: the engine's certificate is not verified (logged loudly; never in production).
+    #: `false` skips checking the engine's certificate: logged as a warning at every start;
+    #: never in production.
     engine_tls_verify: bool = env("ENGINE_TLS_VERIFY", True)
-    #: Standard proxy variables (either case); they may carry credentials.
+    #: An `http://[user:password@]host:port` proxy for `https://` engines (a `CONNECT`
+    #: tunnel); `https_proxy` works too. A secret: it may carry credentials.
     https_proxy: SecretStr = env("HTTPS_PROXY", SecretStr(""))
+    #: An `http://[user:password@]host:port` proxy for `http://` engines; `http_proxy` works
+    #: too. A secret: it may carry credentials.
     http_proxy: SecretStr = env("HTTP_PROXY", SecretStr(""))
+    #: Hosts that bypass the proxy: host names, domain suffixes, IPs, `host:port` or `*`,
+    #: comma-separated; `no_proxy` works too.
     no_proxy: str = env("NO_PROXY", "")
+    #: Bearer token the sink's admin API requires (`Authorization: Bearer <token>`); unset,
+    #: the admin API answers 503. A secret.
     admin_api_token: SecretStr = env("ADMIN_API_TOKEN", SecretStr(""))
-    #: Largest request body the sink's HTTP server takes (413 above it).
+    #: Largest request body the sink's HTTP server reads (413 above it).
     admin_api_max_body_bytes: int = env("ADMIN_API_MAX_BODY_BYTES", 1_048_576)
+    #: The parking lot's retry scheduler on or off.
     scheduler_enabled: bool = env("OUTBOX_SCHEDULER_ENABLED", True)
+    #: The scheduler's period.
     scheduler_interval_s: float = env("OUTBOX_SCHEDULER_INTERVAL_S", 300.0)
+    #: Attempts before a parked record stays `FAILED` (the scheduler stops retrying it).
     retry_max_attempts: int = env("OUTBOX_RETRY_MAX_ATTEMPTS", 5)
+    #: Parked rows retried per scheduler run.
     retry_batch_size: int = env("OUTBOX_RETRY_BATCH_SIZE", 100)
+    #: Base of the exponential `next_retry_at`: now + base x 2^retry_count.
     retry_backoff_base_s: float = env("OUTBOX_RETRY_BACKOFF_BASE_S", 60.0)
+    #: Port of `outbox-cdc engine-stub`.
     engine_stub_port: int = env("ENGINE_STUB_PORT", 8081)
-    #: The stub serves HTTPS with this certificate and key when both are set.
+    #: The stub serves HTTPS with this PEM certificate and `ENGINE_STUB_TLS_KEY`.
     engine_stub_tls_cert: str = env("ENGINE_STUB_TLS_CERT", "")
+    #: The key of `ENGINE_STUB_TLS_CERT`.
     engine_stub_tls_key: str = env("ENGINE_STUB_TLS_KEY", "")
-    #: The stub then requires client certificates signed by this CA (mTLS).
+    #: The stub then requires client certificates signed by this CA (mTLS; TLS 1.2).
     engine_stub_client_ca: str = env("ENGINE_STUB_CLIENT_CA", "")
     # Backlog guard (cdc.backlog): a limit <= 0 switches that check off.
-    #: Oldest committed event not yet confirmed in Kafka older than this: over.
+    #: Backlog guard: the oldest committed event not yet confirmed in Kafka older than this
+    #: is `over` (0 = off).
     backlog_max_relay_age_s: float = env("CDC_BACKLOG_MAX_RELAY_AGE_S", 60.0)
-    #: WAL the slot holds unconfirmed above this: over (1 GiB).
+    #: Backlog guard: unconfirmed WAL in the slot above this is `over` (1 GiB; 0 = off).
     backlog_max_slot_lag_bytes: int = env("CDC_BACKLOG_MAX_SLOT_LAG_BYTES", 1 << 30)
-    #: Consumer group whose oldest unprocessed record is checked too (empty: none).
+    #: Backlog guard: the consumer group checked when the caller names none (`/backlog`
+    #: without `?group=`); empty: none.
     backlog_group: str = env("CDC_BACKLOG_GROUP", "")
-    #: That group's oldest unprocessed record older than this: over.
+    #: Backlog guard: that group's oldest unprocessed record older than this is `over`
+    #: (0 = off).
     backlog_max_group_age_s: float = env("CDC_BACKLOG_MAX_GROUP_AGE_S", 300.0)
-    #: A measurement is reused this long, so a check per request stays cheap.
+    #: Backlog guard: how long one measurement answers, so a check per request stays cheap.
     backlog_cache_ttl_s: float = env("CDC_BACKLOG_CACHE_TTL_S", 1.0)
-    #: Seconds an over-limit answer tells the client to wait (Retry-After).
+    #: Backlog guard: the `Retry-After` of an `over` answer.
     backlog_retry_after_s: int = env("CDC_BACKLOG_RETRY_AFTER_S", 5)
     # Audit (cdc.audit): the outbox table against Kafka against the group.
     #: The active relay audits the trailing window this often (0 turns the periodic audit off).
@@ -245,7 +309,9 @@ class Settings(BaseSettings):
     #: on: the periodic audit republishes what it finds missing; off: it only reports.
     audit_repair: bool = env("CDC_AUDIT_REPAIR", True)
 
+    #: How much the processes log (any case: `debug` is `DEBUG`).
     log_level: LogLevel = env("LOG_LEVEL", LogLevel.INFO)
+    #: `text`, or `json` for one JSON object per line.
     log_format: LogFormat = env("LOG_FORMAT", LogFormat.TEXT)
 
     @field_validator("log_level", "log_format", mode="before")

@@ -75,6 +75,17 @@ class GroupActiveError(OpsError):
         self.members = members
 
 
+class GroupNotFoundError(OpsError):
+    """The group has no members and no committed offsets: a typo, or a sink that never ran."""
+
+    def __init__(self, group: str, *, similar: list[str]) -> None:
+        hint = f": did you mean {' or '.join(similar)}?" if similar else ""
+        super().__init__(
+            f"consumer group {group} does not exist (no members, no committed offsets){hint}"
+        )
+        self.group = group
+
+
 class UncommittedShiftError(OpsError):
     """A shift of partitions the group never committed: there is nothing to shift from."""
 

@@ -15,7 +15,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 RULES = sorted((ROOT / "compose" / "prometheus" / "rules").glob("*.rules.yml"))
 DASHBOARD = ROOT / "compose" / "grafana" / "dashboards" / "outbox-cdc.json"
-README = ROOT / "README.md"
+#: The documentation pages the rules, the dashboard and the code are held to.
+OBSERVABILITY_DOCS = ROOT / "docs" / "observability"
 
 _METRIC = re.compile(r"\b(outbox_(?:relay|sink)_[a-z0-9_]+)\b")
 _HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
@@ -65,13 +66,9 @@ def promql_for_promtool(expr: str) -> str:
     return expr
 
 
-def readme_section(heading: str) -> str:
-    """The README text under ``heading`` up to the next heading of any level."""
-    text = README.read_text()
-    start = text.index(heading)
-    rest = text[start + len(heading) :]
-    end = re.search(r"^#{2,3} ", rest, re.MULTILINE)
-    return rest[: end.start()] if end else rest
+def doc_page(name: str) -> str:
+    """The text of docs/observability/<name>.md."""
+    return (OBSERVABILITY_DOCS / f"{name}.md").read_text(encoding="utf-8")
 
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}

@@ -9,7 +9,9 @@ the kernel's commands. What it may
 import: the ``cdc`` kernel and the relay, never :mod:`sinks`: the sink's commands
 arrive through the ``outbox_cdc.commands`` entry point (:func:`command_line`).
 Invariant: whoever takes :data:`main` (the console script, ``python -m
-cdc.cli``, a test) gets every installed command, each behind the error mapping.
+cdc.cli``, a test) gets every installed command, each behind the error mapping;
+the console script and ``python -m cdc.cli`` (:func:`run`) also end within a
+bound on Ctrl-C (:mod:`cdc.cli.interrupt`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ def command_line() -> click.Group:
     app.register(app.Plugin(commands=kernel))
     app.register_installed()
     return app.main
+
+
+def run() -> None:
+    """The console script: Ctrl-C ends any command within a bound (:mod:`cdc.cli.interrupt`)."""
+    from cdc.cli import interrupt
+
+    interrupt.arm()
+    command_line()()
 
 
 def __getattr__(name: str) -> click.Group:

@@ -1,5 +1,5 @@
 """``python -m cdc.cli``: the ``outbox-cdc`` command."""
 
-from cdc.cli import command_line
+from cdc.cli import run
 
-command_line()()
+run()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import click
 
+from cdc.cli import interrupt
 from cdc.cli.app import load_settings, require_free_port
 from cdc.cli.render import echo_json, migration_table, out
 
@@ -75,7 +76,7 @@ def prune(older_than_s: float, as_json: bool) -> None:
     Never deletes a row younger than CDC_RECOVERY_HORIZON_S, a row the slot may
     not have confirmed (not yet in Kafka), nor a row inside an open gap's
     window; refused when the slot is missing or lost and nothing says what was
-    published (see the README, "When the slot is lost").
+    published (see docs/relay/slot-gaps.md).
     """
     import psycopg
 
@@ -101,10 +102,14 @@ def prune(older_than_s: float, as_json: bool) -> None:
         )
         return
     kept = f"; kept rows since {keep.keep_since.isoformat()}" if keep.keep_since else ""
-    click.echo(
-        f"deleted {deleted} outbox rows older than {max(older_than_s, keep.horizon_s):g}s"
-        f" (horizon {keep.horizon_s:g}s{kept})"
+    effective_s = max(older_than_s, keep.horizon_s)
+    raised = (
+        f" (--older-than {older_than_s:g}s raised to the recovery horizon,"
+        f" CDC_RECOVERY_HORIZON_S={keep.horizon_s:g}{kept})"
+        if effective_s > older_than_s
+        else f" (horizon {keep.horizon_s:g}s{kept})"
     )
+    click.echo(f"deleted {deleted} outbox rows older than {effective_s:g}s{raised}")
 
 
 def _on_signals(stop: Callable[[], None]) -> None:
@@ -117,6 +122,7 @@ def _on_signals(stop: Callable[[], None]) -> None:
     thread holds: three SIGTERMs within 15 ms (a dying parent's and a supervisor's)
     once left the relay hanging for good. ``os.write`` takes no Python lock.
     """
+    interrupt.release()  # the relay's shutdown is its own: flush, confirm, exit 0
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -49,6 +50,13 @@ def warn(lines: Sequence[str]) -> None:
     """One ``warning:`` line on stderr for each of ``lines``."""
     for line in lines:
         click.echo(f"warning: {line}", err=True)
+
+
+def fmt_time(moment: datetime | None) -> str:
+    """A moment in UTC, to the second, its zone said (``2026-12-01 06:00:00Z``); ``-`` for None."""
+    if moment is None:
+        return "-"
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def fmt_age(seconds: float | None) -> str:

@@ -124,7 +124,7 @@ class DeadLetters:
         assert producer is not None
         while pending:
             item = pending[0]
-            r = self._dlq_record(item)
+            r = self._dlq_record(item, sess.origin)
             report = DlqReport(self, sess, item)
             headers: Any = r.headers  # (list is invariant; the stubs want str | bytes | None)
             try:
@@ -147,7 +147,7 @@ class DeadLetters:
                 return
             pending.popleft()
 
-    def _dlq_record(self, item: _PendingDlq) -> KafkaRecord:
+    def _dlq_record(self, item: _PendingDlq, origin: tuple[str, bytes] | None) -> KafkaRecord:
         return dead_letter(
             reason=item.reason,
             event_id=item.event_id,
@@ -155,7 +155,7 @@ class DeadLetters:
             key=item.key,
             raw=item.value,
             headers=item.headers,
-            tx=TxContext("", item.timestamp_ms * 1000),
+            tx=TxContext(lsn_to_str(item.tx_id), item.timestamp_ms * 1000, origin),
             dlq_topic=self.settings.dlq_topic,
             max_value_bytes=0 if item.minimal else DLQ_MAX_VALUE_BYTES,
             max_field_bytes=DLQ_MINIMAL_FIELD_BYTES if item.minimal else None,

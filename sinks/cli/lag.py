@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import click
 
 from cdc.cli.app import EXIT_FAILED, load_settings
+from cdc.cli.interrupt import interrupt_is_normal_end
 from cdc.cli.render import echo_json, out, warn
 from sinks.cli import render
 from sinks.cli.options import topic_option, topic_selections
@@ -83,6 +84,7 @@ def _watch(read: Callable[[], PipelineLag], *, as_json: bool) -> None:
 
     from sinks.ops.offsets import lag_rates
 
+    interrupt_is_normal_end()  # Ctrl-C ends --watch; even inside a Kafka call, exit 0
     before: PipelineLag | None = None
     try:
         with Live(console=out(), auto_refresh=False, transient=False) as live:

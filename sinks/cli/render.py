@@ -12,7 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from cdc.cli.render import echo_json, fmt_age, fmt_offset, fmt_resume, out, slot_line, warn
+from cdc.cli.render import (
+    echo_json,
+    fmt_age,
+    fmt_offset,
+    fmt_resume,
+    fmt_time,
+    out,
+    slot_line,
+    warn,
+)
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -38,6 +47,8 @@ def lag_view(
     from rich.table import Table
     from rich.text import Text
 
+    if report.kafka_error is not None:
+        return _lag_without_kafka(report, problems=problems)
     totals = report.totals
     table = Table(title=f"consumer group {report.group}", title_justify="left")
     # The topic names the row (user vs quiz_attempt differ at the end): never cut
@@ -84,13 +95,36 @@ def lag_view(
     parts: list[RenderableType] = [table, summary]
     if not report.partitions:
         parts.append(Text("no partitions: no topic of the sink's exists yet (CDC_TOPIC_PREFIX)"))
-    if report.slot is not None:
-        parts.append(Text(slot_line(report.slot)))
-    if report.parking is not None:
-        counts = ", ".join(f"{k} {v}" for k, v in report.parking.items())
-        parts.append(Text(f"parking lot: {counts}"))
+    parts += _database_lines(report)
     if problems:
         parts += [Text(f"warning: {w}", style="yellow") for w in report.warnings]
+        parts += [Text(f"error: {p}", style="red") for p in report.problems]
+    return Group(*parts)
+
+
+def _database_lines(report: PipelineLag) -> list[RenderableType]:
+    """The slot and parking-lot lines: read from PostgreSQL, shown whatever Kafka does."""
+    from rich.text import Text
+
+    lines: list[RenderableType] = []
+    if report.slot is not None:
+        lines.append(Text(slot_line(report.slot)))
+    if report.parking is not None:
+        counts = ", ".join(f"{k} {v}" for k, v in report.parking.items())
+        lines.append(Text(f"parking lot: {counts}"))
+    return lines
+
+
+def _lag_without_kafka(report: PipelineLag, *, problems: bool) -> Any:
+    """Kafka could not be read: the group's partitions are unknown - never shown as lag 0."""
+    from rich.console import Group
+    from rich.text import Text
+
+    parts: list[RenderableType] = [
+        Text(f"consumer group {report.group}: unknown (Kafka could not be read)", style="bold"),
+        *_database_lines(report),
+    ]
+    if problems:
         parts += [Text(f"error: {p}", style="red") for p in report.problems]
     return Group(*parts)
 
@@ -195,7 +229,7 @@ def parked_table(rows: Sequence[ParkedEvent], *, statuses: Sequence[str]) -> Any
     table.add_column("type", no_wrap=True)
     table.add_column("status")
     table.add_column("retries", justify="right")
-    table.add_column("next retry", no_wrap=True)
+    table.add_column("next retry (UTC)", no_wrap=True)
     table.add_column("event id", no_wrap=True)
     table.add_column("last error", overflow="fold")
     for r in rows:
@@ -204,7 +238,7 @@ def parked_table(rows: Sequence[ParkedEvent], *, statuses: Sequence[str]) -> Any
             r.event_type,
             r.status,
             str(r.retry_count),
-            r.next_retry_at.astimezone().strftime("%Y-%m-%d %H:%M:%S") if r.next_retry_at else "-",
+            fmt_time(r.next_retry_at),
             r.outbox_event_id or "-",
             (r.last_error or "")[:ERROR_EXCERPT_CHARS],
         )

@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from cdc.cli import interrupt
 from cdc.cli.app import load_settings, require_free_port
 
 
@@ -24,6 +25,7 @@ def sink() -> None:
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     require_free_port(settings, "sink_http_port")
+    interrupt.release()  # the sink's shutdown is its own: finish in-flight, commit
     logging.getLogger("sinks").info(
         "sink starting with %s", settings.safe_summary(), extra={"state": "starting"}
     )
@@ -49,6 +51,7 @@ def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
     from sinks.stub.server import StubTLS, run_stub
 
     settings = load_settings()
+    interrupt.release()  # uvicorn handles SIGINT/SIGTERM itself
     tls = None
     if settings.engine_stub_tls_cert or settings.engine_stub_tls_key:
         settings.require("engine_stub_tls_cert", "engine_stub_tls_key")

@@ -20,6 +20,7 @@ request gives up after :data:`KAFKA_REQUEST_TIMEOUT_S`.
 
 from __future__ import annotations
 
+import difflib
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -42,6 +43,7 @@ from cdc.settings import Settings
 from sinks.core.delivery import Envelope
 from sinks.errors import (
     GroupActiveError,
+    GroupNotFoundError,
     KafkaOpsError,
     OpsError,
     OpsUsageError,
@@ -68,6 +70,10 @@ SCAN_BATCH = 500
 
 #: Throwaway consumer groups of ops reads; never joined, never committed.
 OPS_GROUP_PREFIX = "outbox-cdc-ops-"
+#: Group ids of outbox-cdc's own throwaway readers: never suggested for a typo.
+_OWN_GROUPS = (OPS_GROUP_PREFIX, "outbox-cdc-lineage-")
+#: States Kafka gives a group it holds nothing of (DEAD: never existed, or expired).
+_UNKNOWN_GROUP_STATES = frozenset({"DEAD", "UNKNOWN"})
 
 
 def _client_config(settings: Settings, events: KafkaClientEvents) -> dict[str, Any]:
@@ -201,6 +207,25 @@ class KafkaOps:
             raise KafkaOpsError(f"describe consumer group {group}: {exc}") from exc
         state = getattr(desc.state, "name", str(desc.state))
         return str(state), len(desc.members or [])
+
+    def require_group(self, group: str) -> None:
+        """:class:`GroupNotFoundError` unless ``group`` has members or committed offsets.
+
+        Kafka describes a group it does not know as DEAD with no members; a group
+        whose members left but whose offsets are kept is EMPTY. The error names the
+        known groups whose names are close (a typo's likely intent).
+        """
+        state, members = self.group_state(group)
+        if members or state not in _UNKNOWN_GROUP_STATES:
+            return
+        try:
+            listed = self.admin.list_consumer_groups(request_timeout=self._timeout_s).result(
+                timeout=self._timeout_s
+            )
+            known = [g.group_id for g in listed.valid if not g.group_id.startswith(_OWN_GROUPS)]
+        except KafkaException:
+            known = []  # the suggestion is a courtesy: the verdict stands without it
+        raise GroupNotFoundError(group, similar=difflib.get_close_matches(group, known, n=2))
 
     def commit_for_group(self, group: str, offsets: Mapping[TP, int]) -> None:
         """Set the group's committed offsets (Kafka refuses for a non-empty group)."""

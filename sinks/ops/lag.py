@@ -20,8 +20,6 @@ from cdc.settings import Settings
 from sinks.errors import (
     KafkaOpsError,
 )
-
-#: Every AdminClient / metadata / offset request gives up after this: long
 from sinks.ops.kafka import FIRST_RECORD_TIMEOUT_S, KafkaOps
 from sinks.ops.offsets import (
     LagTotals,
@@ -48,10 +46,12 @@ def group_lag(
     the oldest unprocessed event's age (the timestamp of the record at the resume
     position, read with a throwaway consumer). Resume positions follow the sink's
     ``auto.offset.reset`` for a missing or out-of-range commit (:func:`resume_offset`).
-    ``group`` defaults to ``SINK_GROUP_ID``; ``topics`` to the sink's."""
+    ``group`` defaults to ``SINK_GROUP_ID``; ``topics`` to the sink's.
+    :class:`~sinks.errors.GroupNotFoundError` when the group does not exist."""
     group = group or settings.sink_group_id
     reset = sink_offset_reset(settings)
     with KafkaOps(settings) as kafka:
+        kafka.require_group(group)
         tps = kafka.partitions(topics)
         marks = kafka.watermarks(tps)
         committed = kafka.committed(group, tps)
@@ -100,6 +100,8 @@ class PipelineLag:
 
     ``slot`` / ``parking`` are ``None`` when ``CDC_PG_DSN`` is not set or they
     could not be read; ``problems`` then says why (a missing DSN is no problem).
+    ``kafka_error`` is set when Kafka could not be read: the partitions are then
+    unknown (empty), never shown as "no lag".
     """
 
     group: str
@@ -108,6 +110,7 @@ class PipelineLag:
     slot: SlotStatus | None
     parking: dict[str, int] | None
     problems: tuple[str, ...] = ()
+    kafka_error: str | None = None
 
     @property
     def totals(self) -> LagTotals:
@@ -126,6 +129,7 @@ class PipelineLag:
             "partitions": [p.as_json() for p in self.partitions],
             "slot": dict(self.slot) if self.slot is not None else None,
             "parking_lot": self.parking,
+            "kafka": {"readable": self.kafka_error is None, "error": self.kafka_error},
             "warnings": list(self.warnings),
             "problems": list(self.problems),
         }
@@ -137,25 +141,32 @@ def pipeline_lag(
     group: str | None = None,
     topics: Sequence[TopicSelection] | None = None,
 ) -> PipelineLag:
-    """Group lag (:func:`group_lag`) plus the slot's WAL lag and the parking-lot counts."""
+    """Group lag (:func:`group_lag`) plus the slot's WAL lag and the parking-lot counts.
+
+    Kafka unreachable is not the end of the report: the slot and the parking lot
+    are still read and shown, the partitions are marked unknown
+    (``kafka_error``), and the Kafka failure is the report's first problem. A group
+    that does not exist (:class:`~sinks.errors.GroupNotFoundError`) ends it.
+    """
     group = group or settings.sink_group_id
-    partitions = group_lag(settings, group=group, topics=topics)
+    kafka_error: str | None = None
+    try:
+        partitions = group_lag(settings, group=group, topics=topics)
+    except KafkaOpsError as exc:  # unreachable, or a request that timed out
+        partitions, kafka_error = [], str(exc)
     at = now_ms()
-    if not settings.pg_dsn:
-        return PipelineLag(
-            group=group, at_ms=at, partitions=tuple(partitions), slot=None, parking=None
-        )
-    problems: list[str] = []
+    problems: list[str] = [kafka_error] if kafka_error else []
     slot: SlotStatus | None = None
     parking: dict[str, int] | None = None
-    try:
-        slot = slot_status(settings)
-    except CdcError as exc:
-        problems.append(f"slot {settings.slot}: {exc}")
-    try:
-        parking = parking_counts(settings)
-    except (OSError, psycopg.Error) as exc:
-        problems.append(f"parking lot: {exc}")
+    if settings.pg_dsn:
+        try:
+            slot = slot_status(settings)
+        except CdcError as exc:
+            problems.append(f"slot {settings.slot}: {exc}")
+        try:
+            parking = parking_counts(settings)
+        except (OSError, psycopg.Error) as exc:
+            problems.append(f"parking lot: {exc}")
     return PipelineLag(
         group=group,
         at_ms=at,
@@ -163,4 +174,5 @@ def pipeline_lag(
         slot=slot,
         parking=parking,
         problems=tuple(problems),
+        kafka_error=kafka_error,
     )

@@ -20,8 +20,6 @@ from sinks.consumer import consumer_config
 from sinks.errors import (
     OpsUsageError,
 )
-
-#: Every AdminClient / metadata / offset request gives up after this: long
 from sinks.ops.selection import TP
 
 

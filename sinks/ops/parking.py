@@ -19,9 +19,6 @@ from sinks.errors import (
 from sinks.parking.lot import ParkedEvent, ParkingLot
 from sinks.parking.retrier import Retrier, RetrySummary
 
-#: Every AdminClient / metadata / offset request gives up after this: long
-
-
 _T = TypeVar("_T")
 
 

@@ -27,8 +27,6 @@ from datetime import datetime
 from sinks.errors import (
     OpsUsageError,
 )
-
-#: Every AdminClient / metadata / offset request gives up after this: long
 from sinks.ops.offsets import (
     CommitRange,
     OffsetReset,

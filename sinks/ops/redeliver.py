@@ -24,8 +24,6 @@ from sinks.errors import (
     SinkError,
     Unroutable,
 )
-
-#: Every AdminClient / metadata / offset request gives up after this: long
 from sinks.ops.kafka import SCAN_BATCH, SCAN_IDLE_TIMEOUT_S, KafkaOps
 from sinks.ops.offsets import clamp_offset
 from sinks.ops.selection import TP, RedeliverySelector, TopicSelection, in_commit_order

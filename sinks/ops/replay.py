@@ -19,8 +19,6 @@ from sinks.errors import (
     OpsUsageError,
     UncommittedShiftError,
 )
-
-#: Every AdminClient / metadata / offset request gives up after this: long
 from sinks.ops.kafka import KafkaOps
 from sinks.ops.offsets import sink_offset_reset
 from sinks.ops.plan import ReplayPlan, ReplaySpec, group_is_active, plan_partition
@@ -40,7 +38,9 @@ def plan_replay(
 
     ``topics=None`` takes every partition of the sink's topics. Partitions the group
     never committed are planned only when named (``T:p``) or ``include_uncommitted``
-    (:func:`partition_action`). Reads only.
+    (:func:`partition_action`). Reads only. A group that does not exist is
+    :class:`~sinks.errors.GroupNotFoundError` - unless uncommitted partitions are
+    asked for (named or ``include_uncommitted``), as when seeding a new group.
     """
     now = now_ms() if at_ms is None else at_ms
     reset = sink_offset_reset(settings)
@@ -51,6 +51,8 @@ def plan_replay(
             raise OpsUsageError(
                 f"no topic matches the sink's topics (CDC_TOPIC_PREFIX={settings.topic_prefix!r})"
             )
+        if not (include_uncommitted or named):  # else: the operator may be seeding a new group
+            kafka.require_group(group)
         marks = kafka.watermarks(tps)
         committed = kafka.committed(group, tps)
         ts_ms = spec.timestamp_ms(now_ms=now)

@@ -25,9 +25,6 @@ from sinks.errors import (
     OpsUsageError,
 )
 
-#: Every AdminClient / metadata / offset request gives up after this: long
-
-
 #: (topic, partition)
 TP = tuple[str, int]
 

@@ -316,11 +316,15 @@ class SearchBounds:
         hints = []
         if self.truncated:
             hints.append(
-                f"--max-records (now {self.max_records}; the scan stopped early in "
-                f"{', '.join(self.truncated[:4])}{' ...' if len(self.truncated) > 4 else ''})"
+                f"--max-records (the scan stopped after {self.max_records} record(s) per"
+                f" partition in {', '.join(self.truncated[:4])}"
+                f"{' ...' if len(self.truncated) > 4 else ''})"
             )
         if self.since_source != "outbox row":
-            hints.append(f"--since (now {iso_utc_us(self.since_ms * 1000)})")
+            hints.append(
+                f"--since (the search began at {iso_utc_us(self.since_ms * 1000)},"
+                f" {'as given' if self.since_source == '--since' else 'the default lookback'})"
+            )
         return " or ".join(hints) if hints else "no bound: every record since then was read"
 
 

@@ -334,6 +334,8 @@ def trace_event(
             return env.headers.get(c.HEADER_ID) == event_id.encode()
 
         with KafkaOps(settings) as kafka:
+            if group is not None:
+                kafka.require_group(group)
             topics = _topics_for(kafka, settings, rows)
             records = _find(kafka, topics, scan, match, key=key, stop_at_first=True)
             dlq_topics = _existing_topics(kafka, lambda t: t == settings.dlq_topic)
@@ -396,6 +398,8 @@ def trace_key(
         rows = outbox_rows(conn, settings, key=key, since_ms=since)
         scan = _Scan(since, max_records)
         with KafkaOps(settings) as kafka:
+            if group is not None:
+                kafka.require_group(group)
             sink_topic = default_topic_filter(settings)
             topics = _existing_topics(kafka, lambda t: sink_topic(t) or t == settings.dlq_topic)
 

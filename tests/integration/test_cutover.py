@@ -1,4 +1,4 @@
-"""The README's cut-over between two producers of the same topics, on the real services.
+"""The cut-over of docs/debezium.md between two producers of one topic set, on real services.
 
 A relay on slot ``old`` stands in for the Debezium connector (same topics, same
 murmur2 partitioning); it is stopped mid-stream, the new relay starts on a copy

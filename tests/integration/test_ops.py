@@ -14,6 +14,7 @@ import math
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -494,6 +495,7 @@ def _watch_until_frames(ops: Ops, count: int) -> tuple[int, list[str], str]:
 
 def test_lag_watch_refreshes_until_interrupted_and_exits_zero(ops: Ops) -> None:
     _spread(ops, now_ms() - 60_000, {0: [0, 1], 1: [2]})
+    commit(ops.kafka, ops.group, {(ops.user_topic, 2): 0})  # the group exists, lags by 3
 
     returncode, lines, err = _watch_until_frames(ops, 2)
 
@@ -736,9 +738,12 @@ def test_failed_retry_of_an_unknown_id_answers_like_the_admin_api(ops: Ops) -> N
     assert "unknown or not open: 999999999" in table.stdout
 
 
-def test_lag_of_a_group_that_never_committed_says_so_and_exits_1(ops: Ops) -> None:
+def test_lag_of_a_group_that_exists_but_never_committed_on_these_topics_says_so_and_exits_1(
+    ops: Ops,
+) -> None:
     _spread(ops, now_ms() - 60_000, {0: [0, 1]})
-    group = f"no-such-group-{ops.unique}"
+    group = f"other-{ops.unique}"
+    commit(ops.kafka, group, {(ops.quiz_topic, 0): 0})
 
     done = ops.cli("lag", "--group", group, "--topic", ops.user_topic)
     as_json = ops.cli_json("lag", "--group", group, "--topic", ops.user_topic, expect_rc=1)
@@ -747,6 +752,71 @@ def test_lag_of_a_group_that_never_committed_says_so_and_exits_1(ops: Ops) -> No
     assert f"error: consumer group {group} has never committed an offset" in done.stderr
     assert "SINK_GROUP_ID=" in done.stderr
     assert any("never committed" in p for p in as_json["problems"])  # type: ignore[attr-defined]
+
+
+def test_a_mistyped_group_is_named_before_anything_is_printed_with_the_likely_intent(
+    ops: Ops,
+) -> None:
+    _spread(ops, now_ms() - 60_000, {0: [0, 1], 1: [2]})
+    commit(ops.kafka, ops.group, {(ops.user_topic, 0): 1})
+    typo = ops.group[:-1] + ("x" if not ops.group.endswith("x") else "y")
+
+    runs = {
+        "lag": ops.cli("lag", "--group", typo),
+        "lag --json": ops.cli("lag", "--group", typo, "--json"),
+        "replay": ops.cli("replay", "--group", typo, "--all-topics", "--to-earliest"),
+        "replay --execute": ops.cli(
+            "replay", "--group", typo, "--all-topics", "--to-earliest", "--execute"
+        ),
+    }
+
+    for name, run in runs.items():
+        assert run.returncode == 1, f"{name}: {run.stdout}{run.stderr}"
+        assert run.stdout == "", f"{name} printed before its error: {run.stdout}"
+        assert run.stderr.splitlines() == [
+            f"error: consumer group {typo} does not exist (no members, no committed offsets):"
+            f" did you mean {ops.group}?"
+        ], name
+    assert committed(ops.kafka, typo, ops.user_topic) == {0: None, 1: None, 2: None}
+
+
+def test_lag_without_kafka_shows_the_slot_and_the_parking_lot_and_names_the_failure(
+    ops: Ops, db_dsn: str
+) -> None:
+    with socket.socket() as closed:  # a port nothing listens on: a stopped broker
+        closed.bind(("127.0.0.1", 0))
+        dead_kafka = f"127.0.0.1:{closed.getsockname()[1]}"
+    env = {**ops.env(), "KAFKA_BOOTSTRAP_SERVERS": dead_kafka}
+
+    table = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "lag"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    as_json = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "lag", "--json"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+    assert table.returncode == 1, table.stderr
+    assert f"consumer group {ops.group}: unknown (Kafka could not be read)" in table.stdout
+    assert f"slot {ops.slot}" in table.stdout and "parking lot: FAILED" in table.stdout
+    error = f"error: Kafka at {dead_kafka} unreachable: connection refused at {dead_kafka}"
+    assert error in table.stderr
+    assert "check KAFKA_BOOTSTRAP_SERVERS" not in table.stderr  # the setting is right
+    report = json.loads(as_json.stdout)
+    assert as_json.returncode == 1
+    assert report["kafka"]["readable"] is False and report["partitions"] == []
+    assert report["slot"]["exists"] is False and "FAILED" in report["parking_lot"]
 
 
 # --- slot ------------------------------------------------------------------------------------
@@ -838,6 +908,18 @@ def test_slot_missing_exits_1(ops: Ops) -> None:
     done = ops.cli("slot", "status")
     assert done.returncode == 1
     assert f"slot {ops.slot} does not exist" in done.stderr
+
+
+def test_prune_says_when_older_than_was_raised_to_the_recovery_horizon(ops: Ops) -> None:
+    _create_slot(ops.db_dsn, ops.slot)
+
+    done = ops.cli("prune", "--older-than", "60")
+
+    assert done.returncode == 0, done.stderr
+    assert "outbox rows older than 86400s" in done.stdout
+    assert "(--older-than 60s raised to the recovery horizon, CDC_RECOVERY_HORIZON_S=86400" in (
+        done.stdout
+    )
 
 
 def test_slot_drop_asks_then_drops_and_warns_of_the_unconfirmed_events(ops: Ops) -> None:

@@ -169,13 +169,18 @@ def test_oversize_payload_is_dead_lettered_and_later_events_flow(
     assert json.loads(dead[0].value())["original_size"] > 1_000_000
 
 
-def test_malformed_event_is_dead_lettered_with_its_reason(cfg: RelayConfig, relay: Proc) -> None:
+def test_malformed_event_is_dead_lettered_with_its_reason_and_its_lineage(
+    cfg: RelayConfig, relay: Proc
+) -> None:
     with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
         conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json at all')")
     dead = read_topics(cfg.kafka, [cfg.dlq_topic], expect=1)
     assert len(dead) == 1
-    assert b"not JSON" in headers_of(dead[0])["dlq.reason"]
+    h = headers_of(dead[0])
+    assert b"not JSON" in h["dlq.reason"]
     assert dead[0].value() == b"not json at all"
+    # the transaction it came from, as on every record (trace shows its commit LSN)
+    assert h["lsn"] and h["lsn"] != b"0/0" and h["commit_ts"] and h["origin"]
 
 
 def test_idle_outbox_does_not_pin_wal_while_other_tables_write(

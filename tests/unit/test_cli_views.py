@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import io
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 
 from rich.console import Console
 
 from sinks.cli.render import lag_view, parked_line, parked_table
 from sinks.ops.lag import PipelineLag
 from sinks.ops.offsets import PartitionLag
+from sinks.parking.lot import ParkedEvent
 from sinks.trace.model import ParkedRow
 
 NOW = datetime(2026, 12, 1, 6, 0, tzinfo=UTC)
@@ -88,3 +89,28 @@ def test_the_parking_table_heading_names_the_statuses_listed() -> None:
     assert "0 failed or pending sync event(s)" in _render(
         parked_table([], statuses=("FAILED", "PENDING"))
     )
+
+
+def test_the_parking_table_says_the_time_zone_of_its_times() -> None:
+    row = ParkedEvent(
+        event_id=7,
+        event_type="USER_SYNC",
+        payload_json="{}",
+        status="FAILED",
+        retry_count=1,
+        last_error="HTTP 422",
+        next_retry_at=datetime(2026, 12, 1, 7, 30, tzinfo=timezone(timedelta(hours=1))),
+        created_at=NOW,
+        updated_at=NOW,
+        outbox_event_id=None,
+        kafka_topic="t",
+        kafka_partition=0,
+        kafka_offset=1,
+        kafka_key=None,
+        kafka_headers={},
+    )
+
+    text = _render(parked_table([row], statuses=("FAILED",)), width=160)
+
+    assert "next retry (UTC)" in text
+    assert "2026-12-01 06:30:00Z" in text

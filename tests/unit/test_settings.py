@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from cdc import settings_doc
 from cdc.errors import ConfigError
-from cdc.settings import ENV, SECRET_FIELDS, Settings, redact_dsn
+from cdc.settings import ENV, SECRET_FIELDS, Settings, env, redact_dsn
+from cdc.settings_doc import SettingsDocError, render
+
+#: What docs/configuration/index.md holds where the generated reference goes.
+MARKER = "<!-- settings-reference -->"
 
 
 def test_defaults_match_the_design_contract() -> None:
@@ -241,43 +247,84 @@ def test_good_values_pass_and_case_does_not_matter() -> None:
     assert s.topic_replication_factor == -1
 
 
-# --- the README's configuration table and the settings class, both ways ----------------------
+# --- the configuration page, generated from the settings class (cdc.settings_doc) ------------
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Variables the table documents that are read outside :class:`Settings` (and where).
-READ_ELSEWHERE = {
-    "KAFKA_CONFIG_*": "cdc/settings.py",  # the prefix of librdkafka's pass-through
-    "CDC_CONFIG_FILE": "cdc/settings.py",
-    "CDC_SQL_DIR": "cdc/migrate.py",
-    "OTEL_TRACES_EXPORTER": "cdc/tracing.py",
-    "OTEL_EXPORTER_OTLP_ENDPOINT": "cdc/tracing.py",
-    "OTEL_*": "cdc/tracing.py",
-}
 
 
-def _configuration_table_variables() -> set[str]:
-    import re
-
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
-    variables: set[str] = set()
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            first_cell = line.split("|")[1]
-            variables |= set(re.findall(r"`([A-Z][A-Z0-9_]*\*?)`", first_cell))
-    return variables
-
-
-def test_every_setting_has_a_row_in_the_readme_configuration_table() -> None:
-    documented = _configuration_table_variables()
-    missing = sorted(set(ENV.values()) - documented)
-    assert not missing, f"settings without a README configuration row: {missing}"
+def test_every_setting_is_on_the_generated_page_once_with_its_default() -> None:
+    page = render()
+    documented = re.findall(r"^\| `([^`]+)`", page, re.MULTILINE)
+    assert len(documented) == len(set(documented)), "a variable is listed twice"
+    assert set(ENV.values()) <= set(documented)
+    assert "| `CDC_SLOT` | `outbox_slot` | text |" in page
+    assert "| `CDC_TOPIC_REPLICATION_FACTOR` | `-1` | count |" in page
+    assert "| `OUTBOX_SCHEDULER_ENABLED` | `true` | `true` / `false` |" in page
+    assert "| `CDC_GAP_MARGIN_S` | `300` | seconds |" in page
+    assert "| `INTERNAL_API_KEY` | empty | secret |" in page
+    assert "| `CDC_GAP_RECOVERY` | `auto` | `auto` / `manual` |" in page
 
 
-def test_every_row_of_the_configuration_table_is_a_setting_or_read_where_it_says() -> None:
-    documented = _configuration_table_variables()
-    unknown = sorted(documented - set(ENV.values()) - set(READ_ELSEWHERE))
-    assert not unknown, f"README documents variables no code reads: {unknown}"
-    for variable, where in READ_ELSEWHERE.items():
-        assert variable in documented, f"{variable} is read by {where} but has no README row"
-        assert variable.rstrip("*") in (ROOT / where).read_text(encoding="utf-8"), variable
+def test_every_field_has_a_description_of_its_own() -> None:
+    entries = {e.field: e for e in settings_doc.entries()}
+    assert set(entries) == set(ENV)
+    for name, entry in entries.items():
+        assert len(entry.description) >= 15, f"{ENV[name]}: describe it for an operator"
+        assert "``" not in entry.description, name  # reST turned into markdown
+    descriptions = [e.description for e in entries.values()]
+    assert len(set(descriptions)) == len(descriptions), "two settings share one description"
+
+
+def test_a_field_without_a_description_stops_the_page() -> None:
+    class Undocumented(Settings):
+        #: Documented.
+        documented_extra: str = env("CDC_DOCUMENTED_EXTRA", "")
+        bare_extra: int = env("CDC_BARE_EXTRA", 1)
+
+    with pytest.raises(SettingsDocError, match=r"CDC_BARE_EXTRA \(Undocumented\.bare_extra\)"):
+        settings_doc.entries(Undocumented)
+    with pytest.raises(SettingsDocError):
+        render([Undocumented])
+
+
+def test_a_new_setting_is_documented_the_moment_it_exists() -> None:
+    class Grown(Settings):
+        #: Something a later change adds, in a group nobody planned: `|` stays in its cell.
+        frobnicate_s: float = env("CDC_FROBNICATE_S", 2.5)
+
+    page = render([Grown])
+    assert "### Other settings" in page  # no group claims CDC_FROBNICATE_: listed all the same
+    assert "CDC_SLOT" in page  # the inherited fields, with their own descriptions
+    row = next(line for line in page.splitlines() if "CDC_FROBNICATE_S" in line)
+    assert row.startswith("| `CDC_FROBNICATE_S` | `2.5` | seconds | Something a later change")
+    assert "`\\|` stays" in row
+
+
+def test_every_variable_lands_in_the_group_of_its_longest_prefix() -> None:
+    assert settings_doc.group_of("ENGINE_STUB_PORT").title == "Engine stub"
+    assert settings_doc.group_of("ENGINE_CA_FILE").title == "Engine client"
+    assert settings_doc.group_of("CDC_STANDBY_SAFE_POLL_S").title == "Relay: standby-safe mode"
+    assert settings_doc.group_of("CDC_AUDIT_WINDOW_S").title == "Audit"
+    assert settings_doc.group_of("SOMETHING_NEW").title == "Other settings"
+    grouped = {g.title for g, _ in settings_doc.grouped(settings_doc.entries())}
+    assert "Other settings" not in grouped, "give today's settings a section in GROUPS"
+
+
+def test_variables_read_elsewhere_are_read_where_the_page_says() -> None:
+    for x in settings_doc.ELSEWHERE:
+        assert x.variable not in ENV.values(), f"{x.variable} is a settings field: drop it here"
+        source = (ROOT / x.read_in).read_text(encoding="utf-8")
+        assert x.variable.rstrip("*") in source, f"{x.variable} is not read in {x.read_in}"
+        assert x.description
+
+
+def test_the_docs_page_carries_the_marker_the_hook_fills() -> None:
+    page = (ROOT / "docs" / "configuration" / "index.md").read_text(encoding="utf-8")
+    hook = (ROOT / "docs" / "_hooks" / "settings.py").read_text(encoding="utf-8")
+    assert page.count(MARKER) == 1
+    assert f'MARKER = "{MARKER}"' in hook
+
+
+def test_python_dash_m_prints_the_page(capsys: pytest.CaptureFixture[str]) -> None:
+    assert settings_doc.main() == 0
+    assert capsys.readouterr().out == render()
