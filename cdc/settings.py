@@ -82,6 +82,7 @@ POSITIVE = frozenset(
         "scheduler_interval_s",
         "gap_tail_records",
         "gap_tail_max_records",
+        "audit_window_s",
     }
 )
 #: Highest TCP port number.
@@ -322,6 +323,15 @@ class Settings(BaseSettings):
     backlog_cache_ttl_s: float = env("CDC_BACKLOG_CACHE_TTL_S", 1.0)
     #: Backlog guard: the `Retry-After` of an `over` answer.
     backlog_retry_after_s: int = env("CDC_BACKLOG_RETRY_AFTER_S", 5)
+    # Audit (cdc.audit): the outbox table against Kafka against the group.
+    #: The active relay audits the trailing window this often (0 turns the periodic audit off).
+    audit_interval_s: float = env("CDC_AUDIT_INTERVAL_S", 300.0)
+    #: Width of the window each periodic audit checks, and of `outbox-cdc audit`'s default one.
+    audit_window_s: float = env("CDC_AUDIT_WINDOW_S", 3600.0)
+    #: The window ends this long ago: events committed since are in flight, not yet judged.
+    audit_settle_s: float = env("CDC_AUDIT_SETTLE_S", 60.0)
+    #: on: the periodic audit republishes what it finds missing; off: it only reports.
+    audit_repair: bool = env("CDC_AUDIT_REPAIR", True)
 
     #: How much the processes log (any case: `debug` is `DEBUG`).
     log_level: LogLevel = env("LOG_LEVEL", LogLevel.INFO)

@@ -209,6 +209,12 @@ class SinkMetrics:
             ["code"],
             registry=registry,
         )
+        self.offsets_expired = Counter(
+            "outbox_sink_offsets_expired_total",
+            "Offsets removed (retention, DeleteRecords) before the group processed them:"
+            " skipped, each logged as an ERROR with its range",
+            registry=registry,
+        )
         self.commit_failures = Counter(
             "outbox_sink_commit_failures_total",
             "Offset commits the broker refused (retried)",
@@ -394,6 +400,7 @@ class Sink:
             side=self,
             events=self.kafka_events,
             lag_gauge=self.metrics.lag,
+            offsets_expired=self.metrics.offsets_expired.inc,
         )
         self._worker = worker.start()
         self._report()

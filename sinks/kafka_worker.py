@@ -27,7 +27,10 @@ Guarantees:
 * librdkafka's errors and log lines go through :class:`cdc.kafkalog.KafkaClientEvents`;
   a fatal consumer error ends the thread with :class:`KafkaFatalError`;
 * the consumer-lag gauge is measured by :class:`LagMonitor` on a thread and a
-  client of its own: its broker round-trips never delay a fetch.
+  client of its own: its broker round-trips never delay a fetch;
+* an offset out of range is never skipped silently: librdkafka runs with
+  ``auto.offset.reset=error`` and :class:`sinks.offset_expiry.OffsetResets` applies
+  the configured policy, logging and counting what was removed unprocessed.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from prometheus_client import Gauge
 from cdc.kafkalog import KafkaClientEvents
 from sinks.core.delivery import Envelope
 from sinks.errors import SinkError
+from sinks.offset_expiry import LIBRDKAFKA_DEFAULT, OffsetResets, Policy, incremental
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +121,19 @@ class KafkaWorker:
         side: LoopSide,
         events: KafkaClientEvents,
         lag_gauge: Gauge | None = None,
+        offsets_expired: Callable[[int], None] | None = None,
     ) -> None:
         self._config = {**config, **events.config(), "on_commit": self._on_commit}
+        #: librdkafka stops a partition out of range; OffsetResets applies the policy
+        self._config["auto.offset.reset"] = "error"
+        self._resets = OffsetResets(
+            policy=Policy.parse(config.get("auto.offset.reset", LIBRDKAFKA_DEFAULT)),
+            group=str(config.get("group.id", "")),
+            incremental=incremental(config),
+            count=offsets_expired,
+        )
+        #: partitions the loop paused (kept paused when a reset re-assigns them)
+        self._paused: set[TP] = set()
         self._topics = topics
         self._loop = loop
         self._side = side
@@ -214,6 +229,8 @@ class KafkaWorker:
             err = msg.error()
             if err is None:
                 records.append(Envelope.from_kafka(msg))
+            elif err.code() == KafkaError._AUTO_OFFSET_RESET:
+                self._resets.handle(consumer, msg, paused=self._paused)
             elif err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err, extra={"kafka_error": err.name()})
         return records
@@ -231,8 +248,10 @@ class KafkaWorker:
     def _serve(self, consumer: Consumer, command: _Command) -> None:
         try:
             if isinstance(command, _Pause):
+                self._paused.update(command.partitions)
                 consumer.pause(self._assigned(consumer, command.partitions))
             elif isinstance(command, _Resume):
+                self._paused.difference_update(command.partitions)
                 consumer.resume(self._assigned(consumer, command.partitions))
             elif isinstance(command, _Commit):
                 self._commit_async(consumer, command.offsets)
@@ -281,6 +300,7 @@ class KafkaWorker:
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._assignment = self._assignment - set(tps)
+        self._paused.difference_update(tps)
         final = self._ask(lambda: self._side.on_revoke(tps, lost=False))
         self._commit_sync(consumer, final or [], what="commit on revoke")
         log.info("revoked %s", _names(tps))
@@ -288,6 +308,7 @@ class KafkaWorker:
     def _on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._assignment = self._assignment - set(tps)
+        self._paused.difference_update(tps)
         self._ask(lambda: self._side.on_revoke(tps, lost=True))
         log.warning("assignment lost (no commit possible): %s", _names(tps))
 

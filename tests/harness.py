@@ -146,6 +146,10 @@ class RelayConfig:
                 # The session's database is shared: a test's first start finds other
                 # tests' rows in the outbox and must not publish them (cdc.relay.gap).
                 "CDC_SLOT_INIT": "now",
+                # The session's database is shared by every test's slot: a periodic
+                # audit would judge (and republish) the other tests' rows. Off unless
+                # a test turns it on.
+                "CDC_AUDIT_INTERVAL_S": "0",
             }
         )
         env.update(self.extra)

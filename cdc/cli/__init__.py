@@ -4,8 +4,8 @@ What it is for: parse, build settings, call one library function, render the
 answer. :mod:`cdc.cli.app` holds the group, settings loading and the one error
 mapping (exit 0 done, 1 failed or refused, 2 usage or configuration);
 :mod:`cdc.cli.render` the consoles, JSON and shared formats; :mod:`cdc.cli.relay`,
-:mod:`cdc.cli.slot`, :mod:`cdc.cli.resync` and :mod:`cdc.cli.check` the kernel's
-commands. What it may
+:mod:`cdc.cli.slot`, :mod:`cdc.cli.resync`, :mod:`cdc.cli.check` and :mod:`cdc.cli.audit`
+the kernel's commands. What it may
 import: the ``cdc`` kernel and the relay, never :mod:`sinks`: the sink's commands
 arrive through the ``outbox_cdc.commands`` entry point (:func:`command_line`).
 Invariant: whoever takes :data:`main` (the console script, ``python -m
@@ -24,9 +24,10 @@ import click
 @functools.cache
 def command_line() -> click.Group:
     """The ``outbox-cdc`` group with the kernel's commands and every installed package's."""
-    from cdc.cli import app, check, relay, resync, slot
+    from cdc.cli import app, audit, check, relay, resync, slot
 
-    app.register(app.Plugin(commands=(*relay.COMMANDS, slot.slot, resync.resync, check.check)))
+    kernel = (*relay.COMMANDS, slot.slot, resync.resync, check.check, audit.audit)
+    app.register(app.Plugin(commands=kernel))
     app.register_installed()
     return app.main
 

@@ -42,6 +42,7 @@ from confluent_kafka import KafkaException, Producer
 from prometheus_client import CollectorRegistry
 
 from cdc import constants as c
+from cdc.audit.periodic import ACTIVE_STATES, PeriodicAudit
 from cdc.backlog import BacklogGuard, backlog_route
 from cdc.backoff import Backoff
 from cdc.errors import (
@@ -249,6 +250,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             ).start()
         monitor = threading.Thread(target=self._monitor, name="slot-monitor", daemon=True)
         monitor.start()
+        self._start_audit()
         try:
             self._run_sessions()
         finally:
@@ -264,6 +266,16 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             guard.close()
             self._ledger.close()
         return 0
+
+    def _start_audit(self) -> None:
+        """The periodic audit (cdc.audit.periodic): its own thread, only while this relay
+        streams the slot; CDC_AUDIT_INTERVAL_S=0 leaves it off."""
+        PeriodicAudit(
+            self.settings,
+            registry=self.registry,
+            active=lambda: self._state in ACTIVE_STATES,
+            stop=self._stop,
+        ).start()
 
     def _run_sessions(self) -> None:
         reconnect = Backoff(min_s=RECONNECT_MIN_S, max_s=RECONNECT_MAX_S, calm_s=RECONNECT_MAX_S)

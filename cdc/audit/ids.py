@@ -1,0 +1,151 @@
+"""Compact sets of event ids: 16 bytes per id, no Python object per id. Pure.
+
+Guarantees:
+
+* :func:`uuid_bytes` turns an ``id`` as the relay writes it (PostgreSQL's uuid
+  text, any case, with or without dashes) into its 16 bytes, and anything else
+  into ``None``: the id of a record is data, never trusted to be well formed;
+* :class:`IdBuckets` holds ids as raw bytes in :data:`BUCKETS` ``bytearray``\\ s,
+  chosen by :func:`bucket_of`; it costs 16 bytes per id (plus the arrays' growth
+  slack), whatever the number of ids. Only one bucket at a time is ever turned
+  into Python objects (:meth:`IdBuckets.ids`), so a comparison of a window of
+  N ids holds ~N/256 objects at once, not N;
+* :func:`bucket_of` mixes a byte that is random in version 4 and 7 uuids (byte
+  15) with the two low bytes of a version 1 uuid's ``time_low`` (bytes 2 and 3:
+  they change every 100 ns and 25.6 us; a coarse clock leaves the lowest bits of
+  byte 3 fixed): ids of every common version spread evenly. (Version 7 uuids
+  share their first bytes within a window: bucketing by the first byte would put
+  a whole window in one bucket.) PostgreSQL computes the same bucket (see
+  :mod:`cdc.audit.table`), so the table's ids arrive already bucketed.
+"""
+
+from __future__ import annotations
+
+import binascii
+from collections.abc import Iterable, Iterator
+
+#: Number of buckets: a window of 1,000,000 ids is compared ~4,000 ids at a time.
+BUCKETS = 256
+#: Bytes of one id.
+ID_BYTES = 16
+#: The canonical text of a uuid: 32 hex digits and 4 dashes.
+UUID_TEXT_LEN = 36
+#: :func:`bucket_of` in SQL, over ``idb`` (the id's 16 bytes; ``#`` is integer XOR).
+SQL_BUCKET = "get_byte(idb, 2) # get_byte(idb, 3) # get_byte(idb, 15)"
+
+
+def bucket_of(id16: bytes) -> int:
+    """The bucket of a 16-byte id (see the module docstring)."""
+    return id16[2] ^ id16[3] ^ id16[15]
+
+
+def uuid_bytes(raw: bytes | None) -> bytes | None:
+    """The 16 bytes of a uuid's text (``8-4-4-4-12`` or 32 hex digits, any case), else ``None``."""
+    if raw is None:
+        return None
+    if len(raw) == UUID_TEXT_LEN:
+        raw = raw.replace(b"-", b"")  # (4 dashes exactly, or the length check below fails)
+    if len(raw) != 2 * ID_BYTES:
+        return None
+    try:
+        return binascii.unhexlify(raw)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def uuid_text(id16: bytes) -> str:
+    """The canonical text of a 16-byte id."""
+    h = id16.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class IdBuckets:
+    """A multiset of 16-byte ids in :data:`BUCKETS` byte arrays (see the module docstring).
+
+    Adding never looks at what is already there: the same id added twice is
+    there twice (Kafka's duplicates are counted from it).
+    """
+
+    __slots__ = ("_parts", "count")
+
+    def __init__(self) -> None:
+        self._parts = [bytearray() for _ in range(BUCKETS)]
+        #: ids added, duplicates included
+        self.count = 0
+
+    def add(self, id16: bytes) -> None:
+        """Add one id of :data:`ID_BYTES` bytes (made by :func:`uuid_bytes`)."""
+        self._parts[id16[2] ^ id16[3] ^ id16[15]] += id16
+        self.count += 1
+
+    def add_many(self, ids: Iterable[bytes]) -> None:
+        for id16 in ids:
+            self.add(id16)
+
+    def add_bucket_blob(self, bucket: int, blob: bytes) -> None:
+        """Add ids already bucketed elsewhere (PostgreSQL's ``string_agg`` of one bucket)."""
+        if len(blob) % ID_BYTES:
+            raise ValueError(f"a blob of ids must be a multiple of {ID_BYTES} bytes")
+        self._parts[bucket] += blob
+        self.count += len(blob) // ID_BYTES
+
+    def ids(self, bucket: int) -> list[bytes]:
+        """The ids of one bucket, as ``bytes`` objects (duplicates kept)."""
+        blob = bytes(self._parts[bucket])
+        return [blob[i : i + ID_BYTES] for i in range(0, len(blob), ID_BYTES)]
+
+    def __iter__(self) -> Iterator[bytes]:
+        for bucket in range(BUCKETS):
+            yield from self.ids(bucket)
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of ids held (16 per id)."""
+        return self.count * ID_BYTES
+
+
+class IdList:
+    """An append-only list of 16-byte ids in one ``bytearray`` (what the audit found missing)."""
+
+    __slots__ = ("_blob",)
+
+    def __init__(self, ids: Iterable[bytes] = ()) -> None:
+        self._blob = bytearray()
+        for id16 in ids:
+            self.append(id16)
+
+    def append(self, id16: bytes) -> None:
+        if len(id16) != ID_BYTES:
+            raise ValueError(f"an id is {ID_BYTES} bytes")
+        self._blob += id16
+
+    def extend(self, ids: Iterable[bytes]) -> None:
+        for id16 in ids:
+            self.append(id16)
+
+    def __len__(self) -> int:
+        return len(self._blob) // ID_BYTES
+
+    def __iter__(self) -> Iterator[bytes]:
+        blob = bytes(self._blob)
+        for i in range(0, len(blob), ID_BYTES):
+            yield blob[i : i + ID_BYTES]
+
+    def first(self, count: int) -> list[bytes]:
+        """The first ``count`` ids (all of them when ``count`` is larger)."""
+        end = min(len(self), max(count, 0)) * ID_BYTES
+        blob = bytes(self._blob[:end])
+        return [blob[i : i + ID_BYTES] for i in range(0, end, ID_BYTES)]
+
+    def chunks(self, size: int) -> Iterator[bytes]:
+        """The ids as blobs of at most ``size`` ids each (for a query parameter)."""
+        step = max(size, 1) * ID_BYTES
+        for start in range(0, len(self._blob), step):
+            yield bytes(self._blob[start : start + step])
+
+    def blob(self) -> bytes:
+        """All ids, concatenated."""
+        return bytes(self._blob)

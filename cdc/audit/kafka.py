@@ -1,0 +1,347 @@
+"""The audit's Kafka side: the window's records (ids only kept) and the group's committed offsets.
+
+Guarantees:
+
+* :func:`plan` finds every outbox topic (``CDC_TOPIC_PREFIX*``) and the
+  dead-letter topic, and for each partition the offset of the window's start
+  (``offsets_for_times``: the first offset whose timestamp is at or after it;
+  every later record of any timestamp - a republished one too - lies after it)
+  and the end (the high watermark, read after the table's snapshot, so every
+  record of a row the snapshot saw, if published, lies below it);
+* :func:`read` consumes each planned partition from its start to that end with a
+  consumer of no group (nothing is committed, no group is joined) whose fetch
+  queue is bounded (:data:`QUEUE_KBYTES`); of each record it keeps only the 16
+  bytes of its ``id`` header, in the topic's :class:`~cdc.audit.compare.KafkaSide`
+  (or the dead-letter ids), and whether it is a phantom candidate: a record of
+  this relay (:class:`OriginJudge`) whose timestamp is inside the window. A record
+  whose headers or ``id`` cannot be read is counted, never trusted;
+* every broker request has a timeout; a read that makes no progress for
+  :data:`READ_STALL_S` raises :class:`cdc.errors.KafkaUnavailableError`;
+* :func:`expired_unprocessed` compares the group's committed offset of each
+  outbox partition with the partition's log start: a commit below it means
+  records were removed (retention, ``DeleteRecords``) before the group processed them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from cdc import constants as c
+from cdc.audit.compare import KafkaSide
+from cdc.audit.ids import IdBuckets, uuid_bytes
+from cdc.audit.records import read_headers
+from cdc.audit.window import Window
+from cdc.errors import KafkaUnavailableError
+from cdc.kafkalog import KafkaClientEvents
+from cdc.lineage import Origin
+from cdc.settings import Settings
+from cdc.wal.slots import ServerIdentity
+
+#: Every broker request (metadata, offsets, watermarks, committed offsets) gives up after this.
+KAFKA_TIMEOUT_S = 10.0
+#: The read fails when no record and no end of partition arrived for this long.
+READ_STALL_S = 60.0
+#: Records asked for per consume() call.
+CONSUME_BATCH = 1_000
+#: Longest one consume() call waits.
+CONSUME_WAIT_S = 0.5
+#: The consumer's fetch queue, in KB (librdkafka's default is 64 MB; the audit's
+#: memory bound is 200 MB for a 1,000,000-record window).
+QUEUE_KBYTES = 4_096
+#: Messages librdkafka prefetches per partition (its default, 100,000, holds whole
+#: partitions of a window in memory).
+QUEUE_MESSAGES = 2_000
+#: Bytes of one fetch response (librdkafka's default is 52 MB).
+FETCH_MAX_BYTES = 8 * 1024 * 1024
+#: The broker answers a fetch at a partition's end after this (librdkafka's 500 ms
+#: default held the read's last round trip).
+FETCH_WAIT_MS = 50
+#: Distinct origin header values remembered by :class:`OriginJudge` (there are few).
+MAX_ORIGINS = 1_024
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """One partition of the read: from ``start`` up to (not including) ``end``."""
+
+    topic: str
+    partition: int
+    low: int
+    end: int
+    start: int
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "log_start": self.low,
+            "start": self.start,
+            "end": self.end,
+        }
+
+
+class OriginJudge:
+    """Whether a record's ``origin`` names this relay: its system, its slot, and a
+    timeline at or before the server's current one (an older timeline of the same
+    system is this relay's history before a failover). No ``origin``, or an
+    unknown identity (``None``), is never this relay's."""
+
+    def __init__(self, identity: ServerIdentity | None, slot: str) -> None:
+        self._identity = identity
+        self._slot = slot
+        self._known: dict[bytes, bool] = {}
+
+    def __call__(self, raw: bytes | None) -> bool:
+        if raw is None or self._identity is None:
+            return False
+        known = self._known.get(raw)
+        if known is None:
+            origin = Origin.parse(raw)
+            known = (
+                origin is not None
+                and origin.slot == self._slot
+                and origin.system_id == self._identity.system_id
+                and origin.timeline <= self._identity.timeline
+            )
+            if len(self._known) < MAX_ORIGINS:
+                self._known[raw] = known
+        return known
+
+
+@dataclass
+class KafkaRead:
+    """What :func:`read` kept of the records."""
+
+    topics: dict[str, KafkaSide] = field(default_factory=dict)
+    dead_letters: IdBuckets = field(default_factory=IdBuckets)
+    records_read: int = 0
+    #: per topic: records whose headers or id could not be read
+    without_id: dict[str, int] = field(default_factory=dict)
+
+
+def consumer(settings: Settings, *, group: str | None = None, client: str = "audit") -> Consumer:
+    """A consumer for the audit: ``group`` only to read its committed offsets (never joined)."""
+    return Consumer(
+        {
+            "bootstrap.servers": settings.kafka_bootstrap_servers,
+            "client.id": f"outbox-cdc-{client}",
+            "group.id": group or f"outbox-cdc-audit-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+            "queued.max.messages.kbytes": QUEUE_KBYTES,
+            "queued.min.messages": QUEUE_MESSAGES,
+            "fetch.max.bytes": FETCH_MAX_BYTES,
+            "fetch.wait.max.ms": FETCH_WAIT_MS,
+            **KafkaClientEvents(client).config(),
+            **settings.kafka_config,
+        }
+    )
+
+
+def outbox_topics(client: Consumer, settings: Settings) -> dict[str, list[int]]:
+    """The outbox topics (prefix, not the dead-letter topic) and their partitions."""
+    try:
+        meta = client.list_topics(timeout=KAFKA_TIMEOUT_S).topics
+    except KafkaException as exc:
+        raise KafkaUnavailableError(f"cannot list topics: {exc}") from exc
+    return {
+        name: sorted(meta[name].partitions)
+        for name in sorted(meta)
+        if name.startswith(settings.topic_prefix) and name != settings.dlq_topic
+    }
+
+
+def plan(client: Consumer, settings: Settings, window: Window) -> list[PartitionPlan]:
+    """Where the read starts and ends in every partition (see the module docstring)."""
+    topics = outbox_topics(client, settings)
+    try:
+        meta = client.list_topics(timeout=KAFKA_TIMEOUT_S).topics
+        if settings.dlq_topic in meta:
+            topics[settings.dlq_topic] = sorted(meta[settings.dlq_topic].partitions)
+        wanted = [
+            TopicPartition(t, p, window.since_ms) for t, parts in topics.items() for p in parts
+        ]
+        starts = client.offsets_for_times(wanted, timeout=KAFKA_TIMEOUT_S) if wanted else []
+        plans = []
+        for found in starts:
+            if found.error is not None:
+                raise KafkaException(found.error)
+            low, high = client.get_watermark_offsets(
+                TopicPartition(found.topic, found.partition), timeout=KAFKA_TIMEOUT_S
+            )
+            start = high if found.offset < 0 else max(found.offset, low)
+            plans.append(PartitionPlan(found.topic, found.partition, low, high, start))
+    except KafkaException as exc:
+        raise KafkaUnavailableError(f"cannot plan the read of the outbox topics: {exc}") from exc
+    return plans
+
+
+def read(
+    client: Consumer,
+    settings: Settings,
+    plans: list[PartitionPlan],
+    window: Window,
+    *,
+    ours: OriginJudge,
+    phantoms_from_ms: int,
+) -> KafkaRead:
+    """The records of ``plans`` (see the module docstring). Records whose timestamp is
+    at or after ``phantoms_from_ms`` (and inside the window) are phantom candidates."""
+    out = KafkaRead()
+    todo = {(p.topic, p.partition): p.end for p in plans if p.start < p.end}
+    for p in plans:
+        if p.topic != settings.dlq_topic:
+            out.topics.setdefault(p.topic, KafkaSide())
+    if not todo:
+        return out
+    client.assign([TopicPartition(p.topic, p.partition, p.start) for p in plans if p.start < p.end])
+    reader = _Reader(out, settings.dlq_topic, ours, max(window.since_ms, phantoms_from_ms), window)
+    last_progress = time.monotonic()
+    while todo:
+        # A batch call waits its whole timeout unless the batch fills: wait for the first
+        # record only, then take what is ready.
+        messages = client.consume(1, CONSUME_WAIT_S)
+        if messages:
+            messages += client.consume(CONSUME_BATCH - 1, 0)
+            last_progress = time.monotonic()
+            reader.take(messages, todo)
+        elif time.monotonic() - last_progress > READ_STALL_S:
+            raise KafkaUnavailableError(
+                f"reading the outbox topics made no progress for {READ_STALL_S:g}s"
+                f" ({len(todo)} partition(s) not read to their end)"
+            )
+    client.unassign()
+    return out
+
+
+class _Reader:
+    """Turns records into ids (the read's hot loop)."""
+
+    def __init__(
+        self, out: KafkaRead, dlq_topic: str, ours: OriginJudge, from_ms: int, window: Window
+    ) -> None:
+        self.out = out
+        self.dlq_topic = dlq_topic
+        self.ours = ours
+        self.from_ms = from_ms
+        self.until_ms = window.until_ms
+
+    def take(self, messages: list[Any], todo: dict[tuple[str, int], int]) -> None:
+        out, topics, ours = self.out, self.out.topics, self.ours
+        from_ms, until_ms, dlq_topic = self.from_ms, self.until_ms, self.dlq_topic
+        for msg in messages:
+            topic = msg.topic()
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    todo.pop((topic, msg.partition()), None)
+                    continue
+                raise KafkaUnavailableError(f"reading {topic}[{msg.partition()}]: {err}")
+            if todo:
+                key = (topic, msg.partition())
+                end = todo.get(key)
+                if end is not None and msg.offset() >= end - 1:
+                    del todo[key]
+            out.records_read += 1
+            headers = read_headers(msg)
+            id16 = uuid_bytes(headers.get(c.HEADER_ID)) if headers is not None else None
+            if id16 is None:
+                out.without_id[topic] = out.without_id.get(topic, 0) + 1
+            elif topic == dlq_topic:
+                out.dead_letters.add(id16)
+            else:
+                side = topics.get(topic)
+                if side is None:
+                    side = topics[topic] = KafkaSide()
+                assert headers is not None
+                ts_ms = msg.timestamp()[1]
+                if from_ms <= ts_ms < until_ms and ours(headers.get(c.HEADER_ORIGIN)):
+                    side.ours_in_window.add(id16)
+                else:
+                    side.others.add(id16)
+
+
+@dataclass(frozen=True)
+class Expired:
+    """Records of a partition removed before the group processed them."""
+
+    topic: str
+    partition: int
+    committed_offset: int
+    log_start_offset: int
+
+    @property
+    def count(self) -> int:
+        return self.log_start_offset - self.committed_offset
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "committed_offset": self.committed_offset,
+            "log_start_offset": self.log_start_offset,
+            "count": self.count,
+        }
+
+
+@dataclass(frozen=True)
+class GroupCheck:
+    """The group's committed offsets against the log starts."""
+
+    group: str
+    expired: list[Expired]
+    #: partitions where the group has committed an offset
+    committed_partitions: int
+    #: (topic, partition, log start) of partitions with records removed and no commit of
+    #: the group: it may never have read them, or started after them (cannot be told)
+    uncommitted: list[tuple[str, int, int]] = field(default_factory=list)
+    note: str = ""
+
+
+def expired_unprocessed(settings: Settings, group: str, plans: list[PartitionPlan]) -> GroupCheck:
+    """Per outbox partition: a committed offset below the log start (see the module docstring)."""
+    outbox = [p for p in plans if p.topic != settings.dlq_topic]
+    if not outbox:
+        return GroupCheck(group, [], 0, note="no outbox topic")
+    client = consumer(settings, group=group, client="audit-group")
+    try:
+        committed = client.committed(
+            [TopicPartition(p.topic, p.partition) for p in outbox], timeout=KAFKA_TIMEOUT_S
+        )
+        lows = {}
+        for p in outbox:
+            low, _high = client.get_watermark_offsets(
+                TopicPartition(p.topic, p.partition), timeout=KAFKA_TIMEOUT_S
+            )
+            lows[(p.topic, p.partition)] = low
+    except KafkaException as exc:
+        raise KafkaUnavailableError(f"cannot read group {group}'s offsets: {exc}") from exc
+    finally:
+        client.close()
+    expired, uncommitted = [], []
+    for tp in committed:
+        low = lows[(tp.topic, tp.partition)]
+        if tp.offset < 0:
+            if low > 0:
+                uncommitted.append((tp.topic, tp.partition, low))
+        elif tp.offset < low:
+            expired.append(Expired(tp.topic, tp.partition, tp.offset, low))
+    count = sum(1 for tp in committed if tp.offset >= 0)
+    if not count:
+        return GroupCheck(
+            group, [], 0, [], f"group {group} has committed no offset of the outbox topics"
+        )
+    note = ""
+    if uncommitted:
+        where = ", ".join(f"{t}[{p}] (log start {low})" for t, p, low in uncommitted)
+        note = (
+            f"group {group} has no commit on {where}: records removed there before it may"
+            " never have been processed by it (the audit cannot tell)"
+        )
+    return GroupCheck(group, expired, count, uncommitted, note)

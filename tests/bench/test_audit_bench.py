@@ -1,0 +1,195 @@
+"""The audit's cost: rows/s over a window of :data:`EVENTS` events beside the relay's
+streaming rate of the same events, and the audit's peak RSS.
+
+A database of the bench's own (the audit judges every row of the outbox table). A
+relay starts on a fresh slot and publishes a few warm-up events, then stops;
+:data:`EVENTS` events are committed (100-event transactions) while it is down; the
+relay starts again and drains them: ``/readyz`` -> all acknowledged gives the
+streaming rate. With the relay stopped, the audit runs in a process of its own
+over the window that holds exactly those events (table and Kafka both read, the
+group stage included): its wall time around :func:`cdc.audit.run_audit` gives
+rows/s, its ``VmHWM`` the peak RSS.
+
+Goals (issue 36): audit rows/s / streaming events/s >= 1.0; peak RSS <= 200 MB.
+``AUDIT_BENCH_EVENTS`` runs it on another window size (e.g. 20000 to try it).
+Figures are printed; only correctness is asserted (the audit finds the window
+complete: every event in Kafka, none missing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cdc.migrate import migrate
+from tests.bench.conftest import create_topics
+from tests.bench.report import fmt, metric_sum, print_table, record_goal, scrape
+from tests.conftest import create_database, drop_database
+from tests.harness import ROOT, Proc, RelayConfig, drop_slot, http_status, start_relay, wait_until
+
+pytestmark = [pytest.mark.bench, pytest.mark.integration]
+
+EVENTS = int(os.environ.get("AUDIT_BENCH_EVENTS", "1000000"))
+WARMUP = 50
+PARTITIONS = 6
+GOAL_RATIO = 1.0
+GOAL_RSS_MB = 200.0
+PAYLOAD_SQL = (
+    "jsonb_build_object('user_id', gen_random_uuid(), 'email', 'u' || i || '@example.org',"
+    " 'display_name', 'User ' || i, 'registered_at', now())"
+)
+
+#: Runs one audit in this (fresh) process; prints its figures as one JSON line.
+AUDIT_SCRIPT = """
+import json, sys, time
+from datetime import datetime
+from cdc.audit import Window, run_audit
+from cdc.settings import Settings
+
+since, until = (datetime.fromisoformat(a) for a in sys.argv[1:3])
+settings = Settings.from_env()
+started = time.monotonic()
+report = run_audit(settings, Window.between(since, until))
+seconds = time.monotonic() - started
+with open("/proc/self/status") as f:
+    rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(json.dumps({
+    "seconds": seconds, "rss_mb": rss_kb / 1024, "rows": report.table.judged_rows,
+    "records": report.kafka.records_read, "missing": report.missing_count,
+    "in_kafka": report.comparison.total("in_kafka"), "timings": report.timings_s,
+}))
+"""
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min)"
+
+
+def _fill(dsn: str, aggregate: str, total: int, per_tx: int = 100) -> None:
+    assert aggregate.isalnum()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            f"""
+            DO $$
+            BEGIN
+              FOR lo IN 0..{total - 1} BY {per_tx} LOOP
+                INSERT INTO outbox (aggregatetype, aggregateid, type, payload)
+                SELECT '{aggregate}', 'u' || i, 'UserRegistered', {PAYLOAD_SQL}
+                FROM generate_series(lo, least(lo + {per_tx}, {total}) - 1) AS i;
+                COMMIT;
+              END LOOP;
+            END $$
+            """
+        )
+
+
+def _relayed(port: int, topic: str) -> float:
+    return metric_sum(scrape(port), "outbox_relay_events_total", topic=topic)
+
+
+def _drain(cfg: RelayConfig, tmp: Path, topic: str) -> float:
+    """Start the relay on a backlog of EVENTS; events/s from /readyz to all acknowledged."""
+    relay, port = start_relay(cfg, tmp, name="drain", wait_ready=False)
+    try:
+
+        def ready() -> bool:
+            if not relay.alive():
+                raise AssertionError(f"relay exited early:\n{relay.log_tail()}")
+            return http_status(f"http://127.0.0.1:{port}/readyz", timeout_s=1) == 200
+
+        wait_until(ready, 300, "relay /readyz", interval_s=0.01)
+        started = time.monotonic()
+        wait_until(lambda: _relayed(port, topic) >= EVENTS, 1800, "drain", interval_s=0.05)
+        rate = EVENTS / (time.monotonic() - started)
+        assert relay.terminate() == 0, relay.log_tail()
+    finally:
+        relay.close()
+    return rate
+
+
+def _audit(cfg: RelayConfig, since: datetime, until: datetime, tmp: Path) -> dict[str, object]:
+    log = tmp / "audit.log"
+    proc = subprocess.run(
+        [sys.executable, "-c", AUDIT_SCRIPT, since.isoformat(), until.isoformat()],
+        env={**cfg.env(9), "LOG_LEVEL": "WARNING"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    log.write_text(proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.timeout(7200)
+def test_audit_rows_per_second_beside_the_streaming_rate_and_its_peak_rss(
+    pg_server: str, kafka_bootstrap: str, unique: str, tmp_path: Path
+) -> None:
+    dsn = create_database(pg_server, "cdc_audit_bench")
+    migrate(dsn)
+    cfg = RelayConfig(
+        db_dsn=dsn,
+        kafka=kafka_bootstrap,
+        unique=unique,
+        partitions=PARTITIONS,
+        extra={"LOG_LEVEL": "WARNING"},
+    )
+    topic = cfg.topic_prefix + "bench"
+    create_topics(kafka_bootstrap, [cfg.topic_prefix + "warm", topic], partitions=PARTITIONS)
+    try:
+        relay: Proc
+        relay, port = start_relay(cfg, tmp_path, name="first")
+        try:
+            _fill(dsn, "warm", WARMUP)
+            wait_until(lambda: _relayed(port, cfg.topic_prefix + "warm") >= WARMUP, 120, "warm")
+            assert relay.terminate() == 0, relay.log_tail()
+        finally:
+            relay.close()
+        time.sleep(0.01)
+        since = datetime.now(UTC)
+        filled = time.monotonic()
+        _fill(dsn, "bench", EVENTS)
+        fill_s = time.monotonic() - filled
+        until = datetime.now(UTC)
+        stream_per_s = _drain(cfg, tmp_path, topic)
+        result = _audit(cfg, since, until, tmp_path)
+    finally:
+        drop_slot(dsn, cfg.slot)
+        drop_database(pg_server, dsn)
+    assert result["rows"] == EVENTS, result
+    assert result["in_kafka"] == EVENTS and result["missing"] == 0, result
+    seconds = float(result["seconds"])  # type: ignore[arg-type]
+    rss_mb = float(result["rss_mb"])  # type: ignore[arg-type]
+    audit_per_s = EVENTS / seconds
+    ratio = audit_per_s / stream_per_s
+    timings = result["timings"]
+    assert isinstance(timings, dict)
+    print_table(
+        f"audit of a {EVENTS:,}-event window vs streaming the same events"
+        f" (100-event transactions, {PARTITIONS} partitions; {_load()})",
+        ["figure", "value"],
+        [
+            ["audit rows/s (table and Kafka read, compared)", fmt(audit_per_s)],
+            ["relay streaming events/s", fmt(stream_per_s)],
+            ["ratio audit / streaming (goal >= 1.0)", fmt(ratio, 2)],
+            ["audit peak RSS MB (goal <= 200)", fmt(rss_mb, 1)],
+            ["audit seconds", fmt(seconds, 2)],
+            *[[f"  stage {k} s", fmt(float(v), 2)] for k, v in timings.items()],
+            ["Kafka records read", fmt(float(result["records"]))],  # type: ignore[arg-type]
+            ["(table fill s, not measured against)", fmt(fill_s, 1)],
+        ],
+    )
+    record_goal(f"audit / streaming, {EVENTS:,}-event window", ratio, at_least=GOAL_RATIO)
+    record_goal("audit peak RSS MB", rss_mb, at_most=GOAL_RSS_MB, digits=1)

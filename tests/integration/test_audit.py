@@ -1,0 +1,575 @@
+"""`outbox-cdc audit` against real PostgreSQL, real Kafka and the engine stub over HTTP.
+
+Each test has a database of its own (the audit judges every row of the outbox
+table: the session's shared database holds the other tests' rows) and its own
+slot, topics and group. Faults are made with the plain calls an operator or a
+tool would use: ``pg_replication_slot_advance``, ``AdminClient.delete_records``.
+
+* a slot advanced past N events while the relay is down: the audit lists exactly
+  those N (exit 1; events still in the slot are in flight, not missing),
+  ``--repair`` republishes them (header ``recovered=audit-<run>``), the engine
+  applies them, a second audit exits 0;
+* records deleted before the group read them: the audit lists them and the
+  partitions the group lost, the sink logs one ERROR per partition naming the
+  range and counts it, the repair brings the events to the engine;
+* the relay's periodic audit repairs a silent slot advance with no command;
+* no false alarms: writers going, the relay killed and the sink restarted, audits
+  during and after the load (and the relay's own) are clean; dead-lettered and
+  parked events are accounted, not missing; other relays' records (shards) are
+  not phantoms, a record of this relay with no row is;
+* exit codes (0, 1, 2) and the ``--json`` document.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
+from psycopg import sql
+
+from cdc.migrate import migrate
+from cdc.outbox import OutboxEvent, register_user, write_event
+from sinks.stub.server import StubServer
+from tests.harness import (
+    ROOT,
+    Proc,
+    RelayConfig,
+    SinkConfig,
+    drop_slot,
+    free_port,
+    headers_of,
+    produce,
+    read_topics,
+    start_relay,
+    start_sink,
+    wait_until,
+)
+from tests.integration.conftest import API_KEY
+
+pytestmark = pytest.mark.integration
+
+#: The keys the issue asks of `audit --json` (more are allowed).
+JSON_KEYS = {
+    "window",
+    "table_rows",
+    "in_kafka",
+    "dead_lettered",
+    "missing",
+    "missing_count",
+    "phantoms",
+    "duplicates",
+    "expired_unprocessed",
+    "parked",
+    "repaired",
+}
+#: Bound of every wait on the pipeline (generous: the machine is shared and loaded).
+WAIT_S = 180
+
+
+@pytest.fixture
+def audit_db(empty_db_dsn: str) -> str:
+    migrate(empty_db_dsn, demo=True)
+    return empty_db_dsn
+
+
+@pytest.fixture
+def cfg(audit_db: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
+    config = RelayConfig(
+        db_dsn=audit_db,
+        kafka=kafka_bootstrap,
+        unique=unique,
+        extra={"CDC_AUDIT_SETTLE_S": "0", "CDC_GAP_MARGIN_S": "5"},
+    )
+    yield config
+    drop_slot(audit_db, config.slot)
+
+
+@pytest.fixture
+def stub() -> Iterator[StubServer]:
+    with StubServer(api_key=API_KEY) as server:
+        yield server
+
+
+@pytest.fixture
+def sink_cfg(cfg: RelayConfig, stub: StubServer) -> SinkConfig:
+    return SinkConfig(relay=cfg, engine_url=stub.url, api_key=API_KEY)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _users(dsn: str, count: int) -> list[str]:
+    """Register ``count`` users (one transaction each); their event ids."""
+    with psycopg.connect(dsn) as conn:
+        return [
+            str(register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="U").event_id)
+            for _ in range(count)
+        ]
+
+
+def _audit(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any], str]:
+    """``outbox-cdc audit --json ARGS``: exit code, the document, stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "audit", "--json", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads(proc.stdout), proc.stderr
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cdc.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def _advance_slot(dsn: str, slot: str) -> None:
+    """What a tool or a hand does: move the slot past everything committed."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_replication_slot_advance(%s, pg_current_wal_lsn())", (slot,))
+
+
+def _applied(stub: StubServer) -> set[str]:
+    return {str(item["event_id"]) for item in stub.applied()["items"]}
+
+
+def _wait_applied(stub: StubServer, ids: set[str], proc: Proc) -> None:
+    def done() -> bool:
+        if not proc.alive():
+            raise AssertionError(f"{proc.args} exited:\n{proc.log_tail()}")
+        return ids <= _applied(stub)
+
+    try:
+        wait_until(done, WAIT_S, f"{len(ids)} events applied", interval_s=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{proc.log_tail()}") from None
+
+
+def _metrics(port: int) -> dict[str, float]:
+    """A process's /metrics as ``{name{labels}: value}``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _window_start() -> str:
+    """An ISO time a moment from now (what a later --since starts at)."""
+    time.sleep(1.1)
+    start = datetime.now(UTC).isoformat()
+    time.sleep(1.1)
+    return start
+
+
+# -- a slot advanced by hand --------------------------------------------------------------------
+
+
+def test_a_slot_advanced_past_committed_events_is_listed_exactly_repaired_and_then_clean(
+    cfg: RelayConfig, sink_cfg: SinkConfig, stub: StubServer, tmp_path: Path
+) -> None:
+    relay, _ = start_relay(cfg, tmp_path)
+    sink, _ = start_sink(sink_cfg, tmp_path)
+    env = sink_cfg.env(free_port())
+    try:
+        before = set(_users(cfg.db_dsn, 10))
+        _wait_applied(stub, before, sink)
+        assert relay.terminate() == 0
+        relay.close()
+        skipped = set(_users(cfg.db_dsn, 7))
+        _advance_slot(cfg.db_dsn, cfg.slot)
+        in_slot = set(_users(cfg.db_dsn, 3))  # committed after the advance: still in the slot
+
+        code, doc, _ = _audit(env, "--since", "10m")
+        assert code == 1
+        assert set(doc) >= JSON_KEYS
+        assert {m["id"] for m in doc["missing"]} == skipped
+        assert doc["missing_count"] == 7
+        assert doc["in_flight"] == 3
+        assert doc["table_rows"] == 20 and doc["in_kafka"] == 10
+        assert all(m["aggregatetype"] == "user" and m["aggregateid"] for m in doc["missing"])
+        assert doc["repaired"] == 0
+
+        code, repaired, _ = _audit(env, "--since", "10m", "--repair")
+        assert code == 1  # the run found a loss, even though it repaired it
+        assert repaired["repaired"] == 7
+        mark = repaired["repair_mark"]
+        assert mark == f"audit-{repaired['run_id']}"
+        _wait_applied(stub, skipped, sink)
+
+        relay, _ = start_relay(cfg, tmp_path, name="relay-2")  # streams what the slot held
+        _wait_applied(stub, in_slot, sink)
+        code, clean, _ = _audit(env, "--since", "10m")
+        assert code == 0, clean
+        assert clean["missing_count"] == 0 and clean["in_kafka"] == 20
+        records = read_topics(cfg.kafka, [cfg.topic_prefix + "user"], expect=20)
+        marks = {headers_of(m)["id"].decode(): headers_of(m).get("recovered") for m in records}
+        assert {i for i, r in marks.items() if r == mark.encode()} == skipped
+    finally:
+        relay.close()
+        sink.close()
+
+
+# -- records deleted from Kafka -----------------------------------------------------------------
+
+
+def _delete_all_records(kafka: str, topic: str) -> None:
+    """DeleteRecords up to the end of every partition (what retention does, at once)."""
+    admin = AdminClient({"bootstrap.servers": kafka})
+    meta = admin.list_topics(topic, timeout=15).topics[topic]
+    from confluent_kafka import Consumer
+
+    probe = Consumer({"bootstrap.servers": kafka, "group.id": f"probe-{uuid.uuid4().hex}"})
+    try:
+        ends = [
+            TopicPartition(topic, p, probe.get_watermark_offsets(TopicPartition(topic, p), 10)[1])
+            for p in meta.partitions
+        ]
+    finally:
+        probe.close()
+    for future in admin.delete_records(ends).values():
+        future.result(timeout=30)
+
+
+def test_records_deleted_before_the_group_read_them_are_an_error_listed_and_repaired(
+    cfg: RelayConfig, sink_cfg: SinkConfig, stub: StubServer, tmp_path: Path
+) -> None:
+    relay, _ = start_relay(cfg, tmp_path)
+    sink, sink_port = start_sink(sink_cfg, tmp_path)
+    env = sink_cfg.env(free_port())
+    topic = cfg.topic_prefix + "user"
+    try:
+        read = set(_users(cfg.db_dsn, 30))  # (every partition gets a commit)
+        _wait_applied(stub, read, sink)
+        assert sink.terminate() == 0  # commits what it processed
+        sink.close()
+        since = _window_start()
+        unread = set(_users(cfg.db_dsn, 9))
+        read_topics(cfg.kafka, [topic], expect=39)  # the relay published them
+        _delete_all_records(cfg.kafka, topic)
+
+        code, doc, _ = _audit(env, "--since", since)
+        assert code == 1
+        assert {m["id"] for m in doc["missing"]} == unread
+        assert doc["uncommitted_removed"] == []
+        assert sum(e["count"] for e in doc["expired_unprocessed"]) == 9
+        for lost in doc["expired_unprocessed"]:
+            assert lost["topic"] == topic
+            assert lost["committed_offset"] + lost["count"] == lost["log_start_offset"]
+
+        sink, sink_port = start_sink(sink_cfg, tmp_path, name="sink-2")
+        wait_until(
+            lambda: _metrics(sink_port).get("outbox_sink_offsets_expired_total") == 9,
+            WAIT_S,
+            "the sink to count the 9 offsets removed unread",
+        )
+        errors = [
+            line
+            for line in sink.log_path.read_text().splitlines()
+            if "ERROR" in line and "were removed" in line
+        ]
+        assert errors, sink.log_tail()
+        assert all(topic in line and re.search(r"offsets \d+\.\.\d+", line) for line in errors)
+        assert len(errors) == len(doc["expired_unprocessed"])  # one line per partition
+        wait_until(  # the group's commit says what the sink dealt with
+            lambda: not _audit(env, "--since", since)[1]["expired_unprocessed"],
+            WAIT_S,
+            "the sink to commit the position it skipped to",
+        )
+        assert sink.terminate() == 0
+        sink.close()
+        sink, sink_port = start_sink(sink_cfg, tmp_path, name="sink-3")  # reported once only
+
+        code, repaired, _ = _audit(env, "--since", since, "--repair")
+        assert repaired["repaired"] == 9
+        _wait_applied(stub, unread, sink)
+        code, clean, _ = _audit(env, "--since", since)
+        assert code == 0, clean
+        assert _metrics(sink_port)["outbox_sink_offsets_expired_total"] == 0  # (sink-3)
+        assert "were removed" not in sink.log_path.read_text()
+    finally:
+        relay.close()
+        sink.close()
+
+
+# -- the relay by itself ------------------------------------------------------------------------
+
+
+def test_the_relays_periodic_audit_repairs_a_silent_slot_advance_with_no_command(
+    cfg: RelayConfig, sink_cfg: SinkConfig, stub: StubServer, tmp_path: Path
+) -> None:
+    relay, _ = start_relay(cfg, tmp_path)
+    sink, _ = start_sink(sink_cfg, tmp_path)
+    try:
+        _wait_applied(stub, set(_users(cfg.db_dsn, 5)), sink)
+        assert relay.terminate() == 0
+        relay.close()
+        skipped = set(_users(cfg.db_dsn, 6))
+        _advance_slot(cfg.db_dsn, cfg.slot)
+        cfg.extra.update(
+            {"CDC_AUDIT_INTERVAL_S": "2", "CDC_AUDIT_SETTLE_S": "1", "CDC_AUDIT_WINDOW_S": "600"}
+        )
+        relay, port = start_relay(cfg, tmp_path, name="relay-audit")
+        _wait_applied(stub, skipped, sink)
+        warnings = [
+            line
+            for line in relay.log_path.read_text().splitlines()
+            if "WARNING" in line and "events missing from Kafka" in line
+        ]
+        assert warnings and "6 events missing" in warnings[0], relay.log_tail()
+        assert "republished 6" in warnings[0]
+        metrics = _metrics(port)
+        assert metrics["outbox_audit_repaired_total"] == 6
+        assert metrics['outbox_audit_runs_total{result="found"}'] >= 1
+        wait_until(
+            lambda: _metrics(port)['outbox_audit_runs_total{result="clean"}'] >= 1,
+            WAIT_S,
+            "a clean audit after the repair",
+        )
+        assert _metrics(port)["outbox_audit_missing"] == 0
+    finally:
+        relay.close()
+        sink.close()
+
+
+# -- no false alarms ----------------------------------------------------------------------------
+
+
+class _Writers(threading.Thread):
+    """Registers users until stopped; their event ids."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn = dsn
+        self.ids: list[str] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        with psycopg.connect(self.dsn) as conn:
+            while not self.halt.is_set():
+                written = register_user(conn, email=f"{uuid.uuid4()}@ex.org", display_name="W")
+                self.ids.append(str(written.event_id))
+                self.halt.wait(0.005)
+
+
+def test_a_clean_run_under_load_with_restarts_audits_clean(
+    cfg: RelayConfig, sink_cfg: SinkConfig, stub: StubServer, tmp_path: Path
+) -> None:
+    cfg.extra.update({"CDC_AUDIT_INTERVAL_S": "3", "CDC_AUDIT_SETTLE_S": "1"})
+    relay, relay_port = start_relay(cfg, tmp_path)
+    sink, _ = start_sink(sink_cfg, tmp_path)
+    env = sink_cfg.env(free_port())
+    writers = _Writers(cfg.db_dsn)
+    writers.start()
+    try:
+        wait_until(lambda: len(writers.ids) > 200, WAIT_S, "writers going")
+        code, during, _ = _audit(env, "--since", "10m", "--until", "0s")  # the relay streams
+        assert code == 0, during
+        assert during["missing_count"] == 0
+        assert during["slot"]["in_flight_known"]  # the active relay's slot was read
+        relay.kill()  # kill -9: unacknowledged records are sent again (duplicates, no loss)
+        relay.close()
+        relay, relay_port = start_relay(cfg, tmp_path, name="relay-2")
+        assert sink.terminate() == 0
+        sink.close()
+        sink, _ = start_sink(sink_cfg, tmp_path, name="sink-2")
+        wait_until(lambda: len(writers.ids) > 600, WAIT_S, "more writes after the restarts")
+        wait_until(
+            lambda: _metrics(relay_port).get('outbox_audit_runs_total{result="clean"}', 0) >= 2,
+            WAIT_S,
+            "two periodic audits of the restarted relay",
+        )
+        writers.halt.set()
+        writers.join(30)
+        _wait_applied(stub, set(writers.ids), sink)
+        code, after, _ = _audit(env, "--since", "10m", "--until", "0s")  # (settle is 1 s here)
+        assert code == 0, after
+        assert after["table_rows"] == len(writers.ids)
+        assert after["missing_count"] == 0 and after["phantoms"]["count"] == 0
+        metrics = _metrics(relay_port)
+        assert metrics.get('outbox_audit_runs_total{result="found"}', 0) == 0
+        assert metrics["outbox_audit_repaired_total"] == 0
+    finally:
+        writers.halt.set()
+        relay.close()
+        sink.close()
+
+
+def test_dead_lettered_and_parked_events_are_accounted_not_missing(
+    cfg: RelayConfig, sink_cfg: SinkConfig, stub: StubServer, tmp_path: Path
+) -> None:
+    relay, _ = start_relay(cfg, tmp_path)
+    sink, _ = start_sink(sink_cfg, tmp_path)
+    env = sink_cfg.env(free_port())
+    try:
+        delivered = set(_users(cfg.db_dsn, 3))
+        with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
+            conn.execute(  # a payload that is not a JSON object: the relay dead-letters it
+                "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+                " VALUES ('user', 'k', 'UserRegistered', '[1, 2]')"
+            )
+            parked = write_event(  # a type the sink has no route for: parked
+                conn,
+                OutboxEvent(
+                    aggregate_type="user",
+                    aggregate_id="k",
+                    event_type="NobodyRoutesThis",
+                    payload={"x": 1},
+                ),
+            )
+        _wait_applied(stub, delivered, sink)
+
+        def parked_row() -> bool:
+            with psycopg.connect(cfg.db_dsn) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM failed_sync_events WHERE outbox_event_id = %s",
+                    (parked,),
+                ).fetchone()
+            return bool(row and row[0])
+
+        wait_until(parked_row, WAIT_S, "the unroutable event parked")
+        code, doc, _ = _audit(env, "--since", "10m")
+        assert code == 0, doc
+        assert doc["table_rows"] == 5
+        assert doc["dead_lettered"] == 1
+        assert doc["in_kafka"] == 4
+        assert doc["missing_count"] == 0
+        assert sum(doc["parked"].values()) == 1
+    finally:
+        relay.close()
+        sink.close()
+
+
+# -- shards: other relays' records ----------------------------------------------------------------
+
+
+@pytest.fixture
+def shards(audit_db: str, kafka_bootstrap: str, unique: str) -> Iterator[list[RelayConfig]]:
+    """Two relays, each streaming one half of the outbox (row filters) to the same topics."""
+    configs = []
+    with psycopg.connect(audit_db, autocommit=True) as conn:
+        for shard in range(2):
+            pub, slot = f"pub_{unique}_s{shard}", f"slot_{unique}_s{shard}"
+            conn.execute(
+                sql.SQL(
+                    "CREATE PUBLICATION {} FOR TABLE outbox"
+                    " WHERE ((hashtext(aggregateid) & 1) = {}) WITH (publish = 'insert')"
+                ).format(sql.Identifier(pub), sql.Literal(shard))
+            )
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+            configs.append(
+                RelayConfig(
+                    db_dsn=audit_db,
+                    kafka=kafka_bootstrap,
+                    unique=unique,
+                    extra={
+                        "CDC_PUBLICATION": pub,
+                        "CDC_SLOT": slot,
+                        "CDC_PUBLICATION_FILTERED": "true",
+                        "CDC_AUDIT_SETTLE_S": "0",
+                    },
+                )
+            )
+    yield configs
+    for config in configs:
+        drop_slot(audit_db, config.extra["CDC_SLOT"])
+
+
+def test_other_relays_records_are_not_phantoms_and_a_record_of_ours_without_a_row_is(
+    shards: list[RelayConfig], tmp_path: Path
+) -> None:
+    procs = [start_relay(c, tmp_path, name=f"relay-{i}")[0] for i, c in enumerate(shards)]
+    try:
+        with psycopg.connect(shards[0].db_dsn) as conn:
+            for i in range(40):
+                with conn.transaction():
+                    write_event(
+                        conn,
+                        OutboxEvent(
+                            aggregate_type="account",
+                            aggregate_id=f"cust-{i}",
+                            event_type="T",
+                            payload={"i": i},
+                        ),
+                    )
+        topic = shards[0].topic_prefix + "account"
+        records = read_topics(shards[0].kafka, [topic], expect=40)
+        origins = {headers_of(m)["origin"] for m in records}
+        assert len(origins) == 2  # both relays published to the topic
+        ours = next(o for o in origins if o.endswith(shards[0].extra["CDC_SLOT"].encode()))
+        theirs = next(o for o in origins if o != ours)
+        phantom, foreign = str(uuid.uuid4()), str(uuid.uuid4())
+        produce(
+            shards[0].kafka,
+            topic,
+            [
+                (b"k", b"{}", {"id": phantom.encode(), "origin": ours}),
+                (b"k", b"{}", {"id": foreign.encode(), "origin": theirs}),
+            ],
+        )
+        docs = []
+        for config in shards:
+            code, doc, _ = _audit(config.env(free_port()), "--since", "10m")
+            assert code == 0, doc  # phantoms are reported, they are not a loss
+            assert doc["missing_count"] == 0
+            docs.append(doc)
+        assert docs[0]["table_rows"] + docs[1]["table_rows"] == 40
+        assert docs[0]["phantoms"] == {"judged": True, "count": 1, "ids": [phantom]}
+        assert docs[1]["phantoms"] == {"judged": True, "count": 1, "ids": [foreign]}
+    finally:
+        for proc in procs:
+            proc.close()
+
+
+# -- exit codes ---------------------------------------------------------------------------------
+
+
+def test_exit_codes_are_0_clean_and_2_for_usage_or_configuration(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    env = cfg.env(free_port())
+    code, doc, stderr = _audit(env, "--since", "5m")  # no slot, no topic, no row: clean
+    assert code == 0
+    assert doc["table_rows"] == 0 and doc["missing_count"] == 0 and doc["clean"] is True
+    assert "slot" in stderr and "does not exist" in stderr  # the note says what it could not tell
+
+    for args in (["--since", "yesterday"], ["--since", "1h", "--until", "2h"], ["--limit", "-1"]):
+        proc = _cli(env, "audit", *args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    without_dsn = {k: v for k, v in env.items() if k != "CDC_PG_DSN"}
+    proc = _cli(without_dsn, "audit")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: missing setting: CDC_PG_DSN"
+
+    proc = _cli(env, "audit", "--since", "5m")  # the human answer
+    assert proc.returncode == 0, proc.stderr
+    assert "complete" in proc.stdout

@@ -1,0 +1,283 @@
+"""The audit's pure core: compact id sets, the window, and the comparison against a naive model."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+import uuid
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cdc.audit.compare import KafkaSide, TableSide, compare
+from cdc.audit.ids import BUCKETS, IdBuckets, IdList, bucket_of, uuid_bytes, uuid_text
+from cdc.audit.window import Window, WindowError, parse_duration_s, parse_when, window_for
+
+NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+
+
+# --- ids -------------------------------------------------------------------------------------
+
+
+def test_a_uuid_in_any_usual_spelling_is_its_16_bytes() -> None:
+    value = uuid.uuid4()
+    for text in (str(value), str(value).upper(), value.hex):
+        assert uuid_bytes(text.encode()) == value.bytes
+    assert uuid_text(value.bytes) == str(value)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,
+        b"",
+        b"42",
+        b"not-a-uuid-at-all-not-a-uuid-at-all!",
+        b"g" * 32,
+        b"12345678+1234-1234-1234-123456789012",
+    ],
+)
+def test_anything_else_is_no_id(raw: bytes | None) -> None:
+    assert uuid_bytes(raw) is None
+
+
+def test_ids_of_every_uuid_version_spread_over_the_buckets() -> None:
+    """Version 7 ids of one window share their first bytes: bucketing must not use them."""
+    v7 = [_uuid7(ms).bytes for ms in range(1_700_000_000_000, 1_700_000_000_000 + 4096)]
+    v1 = [uuid.uuid1().bytes for _ in range(4096)]
+    v4 = [uuid.uuid4().bytes for _ in range(4096)]
+    for ids in (v7, v1, v4):
+        counts = Counter(bucket_of(i) for i in ids)
+        assert len(counts) > BUCKETS * 0.9
+        assert max(counts.values()) < 16 * len(ids) / BUCKETS
+
+
+def _uuid7(ms: int) -> uuid.UUID:
+    raw = bytearray(ms.to_bytes(6, "big") + uuid.uuid4().bytes[6:])
+    raw[6] = (raw[6] & 0x0F) | 0x70
+    return uuid.UUID(bytes=bytes(raw))
+
+
+def test_id_buckets_keep_every_id_with_its_duplicates() -> None:
+    ids = [uuid.uuid4().bytes for _ in range(500)]
+    buckets = IdBuckets()
+    buckets.add_many(ids + ids[:10])
+    assert buckets.count == 510
+    assert Counter(buckets) == Counter(ids + ids[:10])
+
+
+def test_a_million_ids_cost_16_bytes_each() -> None:
+    tracemalloc.start()
+    try:
+        buckets = IdBuckets()
+        for _ in range(1_000_000 // 1000):
+            buckets.add_bucket_blob(0, os.urandom(16 * 1000))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert buckets.count == 1_000_000
+    assert peak < 40_000_000  # 16 MB of ids plus bytearray growth slack
+
+
+def test_an_id_list_hands_out_chunks_and_firsts() -> None:
+    ids = [uuid.uuid4().bytes for _ in range(25)]
+    listed = IdList(ids)
+    assert len(listed) == 25
+    assert list(listed) == ids
+    assert listed.first(3) == ids[:3]
+    assert b"".join(listed.chunks(10)) == b"".join(ids)
+    with pytest.raises(ValueError):
+        listed.append(b"short")
+
+
+# --- the window ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90s", 90), ("15m", 900), ("2h", 7200), ("1d", 86400), ("1h30m", 5400)]
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration_s(text) == seconds
+
+
+def test_a_time_without_offset_is_utc_and_a_duration_is_back_from_now() -> None:
+    assert parse_when("2026-01-01T10:00:00", now=NOW, option="--since") == datetime(
+        2026, 1, 1, 10, tzinfo=UTC
+    )
+    assert parse_when("2026-01-01T10:00:00Z", now=NOW, option="--since").tzinfo is not None
+    assert parse_when("2h", now=NOW, option="--since") == NOW - timedelta(hours=2)
+
+
+def test_a_bad_window_names_the_option_and_the_forms() -> None:
+    with pytest.raises(WindowError, match=r"--since 'yesterday'.*90s.*ISO-8601"):
+        window_for(now=NOW, settle_s=60, width_s=3600, since="yesterday")
+    with pytest.raises(WindowError, match="empty"):
+        window_for(now=NOW, settle_s=60, width_s=3600, since="1h", until="2h")
+
+
+def test_the_default_window_ends_settle_ago_and_is_as_wide_as_configured() -> None:
+    window = window_for(now=NOW, settle_s=60, width_s=3600)
+    assert window.until == NOW - timedelta(seconds=60)
+    assert window.width_s == 3600
+    assert window == Window.between(window.since, window.until)
+
+
+# --- the comparison against a naive model ------------------------------------------------------
+
+TOPICS = ("t.user", "t.quiz")
+_ids = st.lists(st.integers(0, 59), max_size=60)
+
+
+@st.composite
+def scenes(draw: st.DrawFn) -> dict[str, object]:
+    """Rows (topic, judged) and records (topic or dlq, candidate) over a small id space."""
+    pool = [uuid.UUID(int=(i * 0x9E3779B97F4A7C15 << 32) % (1 << 128)).bytes for i in range(60)]
+    rows = {}
+    for i in draw(st.sets(st.integers(0, 59), max_size=40)):
+        rows[pool[i]] = (draw(st.sampled_from(TOPICS)), draw(st.booleans()))
+    records = [
+        (pool[i], draw(st.sampled_from((*TOPICS, "dlq"))), draw(st.booleans())) for i in draw(_ids)
+    ]
+    pending = {pool[i] for i in draw(st.sets(st.integers(0, 59), max_size=10))}
+    return {"rows": rows, "records": records, "pending": pending, "keep": draw(st.booleans())}
+
+
+@given(scenes())
+def test_every_judged_row_is_found_dead_lettered_in_flight_or_missing_as_the_naive_model_says(
+    scene: dict[str, object],
+) -> None:
+    rows: dict[bytes, tuple[str, bool]] = scene["rows"]  # type: ignore[assignment]
+    records: list[tuple[bytes, str, bool]] = scene["records"]  # type: ignore[assignment]
+    pending: set[bytes] = scene["pending"]  # type: ignore[assignment]
+    table: dict[str, TableSide] = {}
+    for id16, (topic, judged) in rows.items():
+        side = table.setdefault(topic, TableSide())
+        (side.judged if judged else side.context).add(id16)
+    kafka: dict[str, KafkaSide] = {}
+    dlq = IdBuckets()
+    for id16, topic, candidate in records:
+        if topic == "dlq":
+            dlq.add(id16)
+        else:
+            kafka.setdefault(topic, KafkaSide()).add(id16, candidate=candidate)
+    slot = IdBuckets()
+    slot.add_many(pending)
+    got = compare(table, kafka, dead_letters=dlq, pending=slot, judge_phantoms=scene["keep"])  # type: ignore[arg-type]
+
+    in_topic = Counter((i, t) for i, t, _ in records if t != "dlq")
+    dead = {i for i, t, _ in records if t == "dlq"}
+    expect_missing = set()
+    for topic in TOPICS:
+        judged = {i for i, (t, j) in rows.items() if t == topic and j}
+        found = {i for i in judged if in_topic[(i, topic)]}
+        counts = got.per_topic.get(topic)
+        if counts is None:
+            assert not judged
+            continue
+        assert counts.table_rows == len(judged)
+        assert counts.in_kafka == len(found)
+        assert counts.dead_lettered == len((judged - found) & dead)
+        assert counts.in_flight == len((judged - found - dead) & pending)
+        assert counts.missing == len(judged - found - dead - pending)
+        assert counts.duplicate_records == sum(in_topic[(i, topic)] - 1 for i in found)
+        assert counts.duplicate_ids == sum(1 for i in found if in_topic[(i, topic)] > 1)
+        expect_missing |= judged - found - dead - pending
+    assert set(got.missing) == expect_missing and len(got.missing) == len(expect_missing)
+    orphans = {i for i, t, c in records if t != "dlq" and c and i not in rows}
+    if scene["keep"]:
+        assert set(got.phantoms) == orphans and got.unchecked == 0
+    else:
+        assert not len(got.phantoms)
+        assert got.unchecked == sum(
+            len({i for i, t, c in records if t == topic and c and i not in rows})
+            for topic in TOPICS
+        )
+
+
+def test_an_unknown_slot_excuses_nothing() -> None:
+    row = uuid.uuid4().bytes
+    table = {"t.user": TableSide()}
+    table["t.user"].judged.add(row)
+    got = compare(table, {}, dead_letters=IdBuckets(), pending=None, judge_phantoms=True)
+    assert list(got.missing) == [row]
+    assert got.per_topic["t.user"].in_flight == 0
+
+
+def test_a_record_in_another_topic_does_not_account_for_a_row() -> None:
+    row = uuid.uuid4().bytes
+    table = {"t.user": TableSide()}
+    table["t.user"].judged.add(row)
+    kafka = {"t.quiz": KafkaSide()}
+    kafka["t.quiz"].add(row, candidate=True)
+    got = compare(table, kafka, dead_letters=IdBuckets(), pending=IdBuckets(), judge_phantoms=True)
+    assert list(got.missing) == [row]
+    assert not len(got.phantoms)  # it has a row: not a phantom either
+
+
+# --- records read defensively ------------------------------------------------------------------
+
+
+class _Message:
+    """A consumed record as confluent-kafka hands it over (duck-typed)."""
+
+    def __init__(self, topic: str, headers: object, *, ts_ms: int = 1_000, offset: int = 0) -> None:
+        self._topic, self._headers, self._ts, self._offset = topic, headers, ts_ms, offset
+
+    def topic(self) -> str:
+        return self._topic
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def error(self) -> None:
+        return None
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, self._ts)
+
+    def headers(self) -> object:
+        if isinstance(self._headers, BaseException):
+            raise self._headers
+        return self._headers
+
+
+def test_headers_that_cannot_be_read_are_none_never_an_exception() -> None:
+    from cdc.audit.records import read_headers
+
+    broken = SystemError("<method 'headers'> returned a result with an exception set")
+    assert read_headers(_Message("t", broken)) is None
+    assert read_headers(_Message("t", [("a", b"1"), ("a", b"2")])) == {"a": b"2"}  # last wins
+    assert read_headers(_Message("t", None)) == {}
+    assert read_headers(_Message("t", ["not a pair"])) is None
+
+
+def test_a_record_without_a_readable_id_is_counted_not_trusted() -> None:
+    from cdc.audit.kafka import KafkaRead, OriginJudge, _Reader
+    from cdc.wal.slots import ServerIdentity
+
+    ours = b"42/1/slot"
+    good, other = uuid.uuid4(), uuid.uuid4()
+    out = KafkaRead()
+    reader = _Reader(out, "dlq", OriginJudge(ServerIdentity("42", 1), "slot"), 0, Window(0, 5_000))
+    reader.take(
+        [
+            _Message("t.user", [("id", str(good).encode()), ("origin", ours)]),
+            _Message("t.user", [("id", str(other).encode()), ("origin", b"42/2/slot")]),
+            _Message("t.user", [("id", b"not-an-id")]),
+            _Message("t.user", SystemError("broken header name")),
+            _Message("dlq", [("id", str(good).encode())]),
+        ],
+        {},
+    )
+    assert out.records_read == 5
+    assert out.without_id == {"t.user": 2}
+    side = out.topics["t.user"]
+    assert list(side.ours_in_window) == [good.bytes]
+    assert list(side.others) == [other.bytes]  # a later timeline is not this server's history
+    assert list(out.dead_letters) == [good.bytes]

@@ -1,0 +1,150 @@
+"""The relay's periodic audit (its decisions and what it reports; the audit itself replaced)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from cdc.audit import periodic
+from cdc.audit import table as pg
+from cdc.audit.compare import Comparison, TopicCounts
+from cdc.audit.ids import IdBuckets, IdList, uuid_text
+from cdc.audit.kafka import Expired, GroupCheck, KafkaRead
+from cdc.audit.periodic import ACTIVE_STATES, PeriodicAudit, finding_line
+from cdc.audit.run import AuditBusyError, AuditReport
+from cdc.audit.window import Window
+from cdc.errors import KafkaUnavailableError
+from cdc.relay.state import RelayState
+from cdc.settings import Settings
+
+SETTINGS = Settings(pg_dsn="postgresql://u@h/db", kafka_bootstrap_servers="k:9092")
+
+
+def _report(
+    *, missing: int = 0, expired: int = 0, repaired: int = 0, slot_known: bool = True
+) -> AuditReport:
+    ids = [uuid.uuid4().bytes for _ in range(missing)]
+    expired_list = [Expired("t.user", 2, 10, 10 + expired)] if expired else []
+    return AuditReport(
+        run_id="abc123",
+        window=Window(1_700_000_000_000, 1_700_003_600_000),
+        time_basis=pg.COMMIT_TIME,
+        comparison=Comparison({"t.user": TopicCounts(missing=missing)}, IdList(ids), IdList(), 0),
+        table=pg.TableRead(0, pg.COMMIT_TIME, judged_rows=100),
+        pending=pg.Pending(IdBuckets() if slot_known else None, 0, "" if slot_known else "gone"),
+        kafka=KafkaRead(),
+        plans=[],
+        group=GroupCheck("engine-sync", expired_list, 3),
+        parked=pg.Parked({}),
+        missing_rows=[],
+        judge_phantoms=True,
+        repaired=repaired,
+        repair_mark="audit-abc123" if repaired else None,
+    )
+
+
+def _audit(monkeypatch: pytest.MonkeyPatch, outcome: Any) -> tuple[PeriodicAudit, list[Any]]:
+    calls: list[Any] = []
+
+    def fake_run_audit(settings: Settings, window: Window, **kwargs: Any) -> AuditReport:
+        calls.append((window, kwargs))
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(periodic, "run_audit", fake_run_audit)
+    audit = PeriodicAudit(
+        SETTINGS, registry=CollectorRegistry(), active=lambda: True, stop=threading.Event()
+    )
+    return audit, calls
+
+
+def _value(audit: PeriodicAudit, name: str, **labels: str) -> float:
+    metric = {
+        "runs": audit.metrics.runs,
+        "missing": audit.metrics.missing,
+        "expired": audit.metrics.expired,
+        "repaired": audit.metrics.repaired,
+    }[name]
+    child = metric.labels(**labels) if labels else metric
+    return float(child._value.get())  # type: ignore[union-attr]
+
+
+def test_a_run_that_found_something_writes_one_warning_naming_counts_and_first_ids(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    report = _report(missing=7, expired=4, repaired=7)
+    audit, calls = _audit(monkeypatch, report)
+    with caplog.at_level(logging.INFO, logger="cdc.audit"):
+        assert audit.run_once() is report
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    line = warnings[0].getMessage()
+    assert "7 events missing from Kafka" in line
+    assert ", ".join(uuid_text(i) for i in report.comparison.missing.first(5)) in line
+    assert "4 records removed before group engine-sync processed them (t.user[2] 10..13)" in line
+    assert "republished 7 (audit-abc123)" in line
+    assert _value(audit, "missing") == 7
+    assert _value(audit, "expired") == 4
+    assert _value(audit, "repaired") == 7
+    assert _value(audit, "runs", result="found") == 1
+    window, kwargs = calls[0]
+    assert window.width_s == SETTINGS.audit_window_s
+    assert kwargs == {"repair": True, "repair_unproven": False}
+
+
+def test_a_clean_run_writes_no_warning_and_zeroes_the_gauge(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    audit, _ = _audit(monkeypatch, _report())
+    audit.metrics.missing.set(5)
+    with caplog.at_level(logging.INFO, logger="cdc.audit"):
+        audit.run_once()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert _value(audit, "missing") == 0
+    assert _value(audit, "runs", result="clean") == 1
+
+
+def test_without_repair_the_line_says_nothing_was_republished() -> None:
+    assert "not republished (CDC_AUDIT_REPAIR=off)" in finding_line(_report(missing=2))
+
+
+def test_a_run_whose_slot_could_not_be_read_judges_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    audit, _ = _audit(monkeypatch, _report(missing=3, slot_known=False))
+    audit.metrics.missing.set(0)
+    audit.run_once()
+    assert _value(audit, "runs", result="skipped") == 1
+    assert _value(audit, "missing") == 0  # in flight and missing are one count: not judged
+
+
+def test_a_busy_lock_skips_and_a_failure_is_counted_never_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    audit, _ = _audit(monkeypatch, AuditBusyError("another audit of slot s is running"))
+    assert audit.run_once() is None
+    assert _value(audit, "runs", result="skipped") == 1
+    audit, _ = _audit(monkeypatch, KafkaUnavailableError("brokers down"))
+    assert audit.run_once() is None
+    assert _value(audit, "runs", result="failed") == 1
+
+
+def test_only_a_relay_that_streams_its_slot_audits() -> None:
+    assert RelayState.STREAMING in ACTIVE_STATES
+    assert RelayState.BACKPRESSURE in ACTIVE_STATES
+    for idle in (RelayState.STANDBY, RelayState.GAP, RelayState.STARTING, RelayState.STOPPING):
+        assert idle not in ACTIVE_STATES
+
+
+def test_interval_zero_turns_it_off() -> None:
+    off = Settings(audit_interval_s=0)
+    audit = PeriodicAudit(
+        off, registry=CollectorRegistry(), active=lambda: True, stop=threading.Event()
+    )
+    assert audit.start() is None
