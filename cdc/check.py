@@ -157,10 +157,14 @@ def _outbox_and_publication(conn: Any, settings: Settings) -> Iterator[Finding]:
         yield from _publication_creatable(conn, settings)
         return
     owner, usable = row
+    # (names compared, not casts to regclass: a cast of every published name, evaluated
+    # before the filter, needs USAGE on schemas such as pg_toast a least-privileged role lacks)
     published = _one(
         conn,
-        "SELECT count(*) FROM pg_publication_tables WHERE pubname = %s"
-        " AND format('%%I.%%I', schemaname, tablename)::regclass = %s::regclass",
+        "SELECT count(*) FROM pg_publication_tables t, pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE t.pubname = %s AND c.oid = %s::regclass"
+        " AND (t.schemaname, t.tablename) = (n.nspname, c.relname)",
         (settings.publication, table),
     )
     if not published:
