@@ -254,6 +254,7 @@ class Pipeline:
     relay_cfg: RelayConfig
     sink_cfg: SinkConfig
     relay: Proc
+    relay_port: int
     sink: Proc
     stub: StubServer
 
@@ -285,14 +286,14 @@ def pipeline(tls: TlsServices, tmp_path_factory: pytest.TempPathFactory) -> Iter
             extra=tls.kafka_sasl(),
         )
         sink_cfg = SinkConfig(relay=sink_relay_cfg, engine_url=stub.url, api_key=API_KEY)
-        relay, _ = start_relay(relay_cfg, logs)
+        relay, relay_port = start_relay(relay_cfg, logs)
         try:
             sink, _ = start_sink(sink_cfg, logs)
         except BaseException:
             relay.close()
             raise
         try:
-            yield Pipeline(relay_cfg, sink_cfg, relay, sink, stub)
+            yield Pipeline(relay_cfg, sink_cfg, relay, relay_port, sink, stub)
         finally:
             for proc in (sink, relay):
                 if proc.alive():
@@ -334,6 +335,20 @@ def test_events_reach_the_engine_over_tls_postgres_and_kafka(
         ).fetchone()
     assert row == (True, f"/CN={RELAY_ROLE}", RELAY_ROLE)
     assert pipeline.relay.alive() and pipeline.sink.alive()
+
+
+def test_the_relays_backlog_guard_reads_the_sinks_group_over_ssl(
+    pipeline: Pipeline, delivered: list[str]
+) -> None:
+    """``/backlog?group=`` reads committed offsets with the relay's KAFKA_CONFIG_* (SSL):
+    ``unknown`` if its Kafka client could not."""
+    url = f"http://127.0.0.1:{pipeline.relay_port}/backlog?group={pipeline.sink_cfg.group}"
+
+    def state() -> str:
+        with urllib.request.urlopen(url, timeout=20) as resp:
+            return str(json.loads(resp.read())["state"])
+
+    assert wait_until(lambda: state() == "ok", 60, "/backlog ok", interval_s=1)
 
 
 def test_no_password_or_key_passphrase_in_the_relays_and_sinks_logs(
