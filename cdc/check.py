@@ -160,10 +160,14 @@ def _outbox_and_publication(conn: Any, settings: Settings) -> Iterator[Finding]:
         yield from _publication_creatable(conn, settings)
         return
     owner, usable = row
+    # (names compared, not casts to regclass: a cast of every published name, evaluated
+    # before the filter, needs USAGE on schemas such as pg_toast a least-privileged role lacks)
     published = _one(
         conn,
-        "SELECT count(*) FROM pg_publication_tables WHERE pubname = %s"
-        " AND format('%%I.%%I', schemaname, tablename)::regclass = %s::regclass",
+        "SELECT count(*) FROM pg_publication_tables t, pg_class c"
+        " JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE t.pubname = %s AND c.oid = %s::regclass"
+        " AND (t.schemaname, t.tablename) = (n.nspname, c.relname)",
         (settings.publication, table),
     )
     if not published:
@@ -411,6 +415,7 @@ def kafka(settings: Settings) -> Iterator[Finding]:
     from confluent_kafka import KafkaException  # noqa: PLC0415 - see postgres()
     from confluent_kafka.admin import AdminClient  # noqa: PLC0415
 
+    from cdc.kafkaclient import served_cause, unreachable  # noqa: PLC0415
     from cdc.kafkalog import KafkaClientEvents  # noqa: PLC0415
 
     if not settings.kafka_bootstrap_servers:
@@ -428,13 +433,16 @@ def kafka(settings: Settings) -> Iterator[Finding]:
         with events.held():
             metadata = admin.list_topics(timeout=PROBE_TIMEOUT_S)
     except KafkaException as exc:
-        error = exc.args[0] if exc.args else exc
-        name = getattr(error, "name", lambda: "error")()
-        yield fail(
-            "kafka",
-            f"unreachable within {PROBE_TIMEOUT_S:g}s ({name}): check"
-            f" KAFKA_BOOTSTRAP_SERVERS={settings.kafka_bootstrap_servers} and KAFKA_CONFIG_*",
+        # what failed, as a command's first contact says it (TLS and SASL refusals by name)
+        with events.held():
+            cause = served_cause(admin, events)
+        error = unreachable(
+            settings.kafka_bootstrap_servers,
+            exc,
+            cause=cause,
+            security_protocol=conf.get("security.protocol", "plaintext"),
         )
+        yield fail("kafka", str(error))
         return
     yield ok("kafka", f"reachable, {len(metadata.brokers)} broker(s)")
     yield from _topics(settings, {t: len(m.partitions) for t, m in metadata.topics.items()})

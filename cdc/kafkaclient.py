@@ -22,13 +22,22 @@ Guarantees:
   mute); the line names ``KAFKA_BOOTSTRAP_SERVERS`` only when the setting itself
   is the likely fault (an address that does not parse or a host that does not
   resolve) - a right setting with a stopped broker is not a wrong setting;
+* a broker that accepts the connection but not the client (TLS, SASL) is named by
+  the reason librdkafka gave (the client's :attr:`KafkaClientEvents.cause
+  <cdc.kafkalog.KafkaClientEvents.cause>`), with the ``KAFKA_CONFIG_*`` setting to fix
+  (:func:`explain`): a broker certificate not trusted, a client certificate refused,
+  SASL credentials refused, TLS at a plaintext listener; a plaintext client at a TLS
+  listener (librdkafka only sees the connection closed) is found by a TLS handshake
+  of :func:`diagnose`'s own. No configured value is ever shown;
 * every client here is built from the caller's configuration, which carries
   :meth:`cdc.kafkalog.KafkaClientEvents.config` (rate-limited errors and logs).
 """
 
 from __future__ import annotations
 
+import re
 import socket
+import ssl
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -37,6 +46,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from cdc.errors import KafkaUnreachableError
+from cdc.kafkalog import KafkaClientEvents
 
 #: The first metadata request of a command gives up after this: a reachable
 #: broker answers in milliseconds, even one that has just started.
@@ -47,30 +57,115 @@ DIAGNOSE_CONNECT_TIMEOUT_S = 1.0
 MAX_GROUP_READERS = 16
 
 
+#: librdkafka's reasons (a pattern of its text), and the ``KAFKA_CONFIG_*`` setting each
+#: one points at (the first that matches).
+_FIXES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), fix)
+    for pattern, fix in (
+        (
+            r"certificate verify failed",
+            "the broker's certificate is not trusted (or names another host):"
+            " set KAFKA_CONFIG_SSL_CA_LOCATION to the CA that signed it",
+        ),
+        (
+            r"alert (bad certificate|certificate required)",
+            "the broker refused the client's certificate (none sent, or not signed by a CA"
+            " it trusts): set KAFKA_CONFIG_SSL_CERTIFICATE_LOCATION and"
+            " KAFKA_CONFIG_SSL_KEY_LOCATION",
+        ),
+        (r"alert unknown ca", "the broker does not trust the client certificate's CA"),
+        (
+            r"PLAINTEXT broker listener|closed by peer.*state SSL_HANDSHAKE",
+            "the listener does not speak TLS: KAFKA_CONFIG_SECURITY_PROTOCOL must match"
+            " it (PLAINTEXT or SASL_PLAINTEXT)",
+        ),
+        (
+            r"SASL authentication error",
+            "check KAFKA_CONFIG_SASL_MECHANISM, KAFKA_CONFIG_SASL_USERNAME and"
+            " KAFKA_CONFIG_SASL_PASSWORD",
+        ),
+    )
+)
+#: ``ssl://host:port/bootstrap: `` or ``sasl_ssl://host:port/1: `` before librdkafka's reason.
+_BROKER_PREFIX = re.compile(r"^\S+://\S+?/\S+?: ")
+#: `` (after 3ms in state SSL_HANDSHAKE)`` after it, and OpenSSL's ``error:0A000086:``.
+_NOISE = re.compile(r" \(after \d+ms in state \w+\)|error:[0-9A-F]{8}:SSL routines::")
+#: librdkafka's own advice after a failed verification (we name the variable instead), and
+#: its guess about a plaintext listener (we say it).
+_RDKAFKA_ADVICE = re.compile(
+    r": broker certificate could not be verified, .*$|: connecting to a PLAINTEXT broker listener\?"
+)
+
+
 def first_contact(
-    client: Any, bootstrap: str, *, timeout_s: float = FIRST_CONTACT_TIMEOUT_S
+    client: Any,
+    bootstrap: str,
+    *,
+    timeout_s: float = FIRST_CONTACT_TIMEOUT_S,
+    events: KafkaClientEvents | None = None,
+    security_protocol: str = "plaintext",
 ) -> Any:
     """The cluster's metadata from ``client`` (a Consumer, Producer or AdminClient);
-    :class:`KafkaUnreachableError` saying what failed when none comes."""
+    :class:`KafkaUnreachableError` saying what failed when none comes.
+
+    ``events`` (the client's :class:`KafkaClientEvents`) gives librdkafka's reason;
+    ``security_protocol`` is the client's (``KAFKA_CONFIG_SECURITY_PROTOCOL``)."""
     try:
         return client.list_topics(timeout=timeout_s)
     except KafkaException as exc:
-        raise unreachable(bootstrap, exc) from exc
+        raise unreachable(
+            bootstrap, exc, cause=served_cause(client, events), security_protocol=security_protocol
+        ) from exc
 
 
-def unreachable(bootstrap: str, exc: BaseException) -> KafkaUnreachableError:
+def served_cause(client: Any, events: KafkaClientEvents | None) -> tuple[str, str] | None:
+    """The client's :attr:`~cdc.kafkalog.KafkaClientEvents.cause` once the error
+    callbacks librdkafka queued are served (they are, only by ``poll``)."""
+    if events is None:
+        return None
+    client.poll(0)
+    return events.cause
+
+
+def unreachable(
+    bootstrap: str,
+    exc: BaseException,
+    *,
+    cause: tuple[str, str] | None = None,
+    security_protocol: str = "plaintext",
+) -> KafkaUnreachableError:
     """The one-line error of a Kafka that did not answer: what failed, found by :func:`diagnose`."""
     err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
     reason = err.str() if err is not None and hasattr(err, "str") else str(exc)
-    return KafkaUnreachableError(f"Kafka at {bootstrap} unreachable: {diagnose(bootstrap, reason)}")
+    found = diagnose(bootstrap, reason, cause=cause, security_protocol=security_protocol)
+    return KafkaUnreachableError(f"Kafka at {bootstrap} unreachable: {found}")
 
 
-def diagnose(bootstrap: str, reason: str) -> str:
+def explain(text: str) -> str | None:
+    """librdkafka's reason for a refused client (an ``error_cb`` text), trimmed, with the
+    setting that fixes it; None when it is not a refusal :data:`_FIXES` knows (e.g. a
+    refused connect: the broker was down, which :func:`diagnose` finds for itself)."""
+    for pattern, fix in _FIXES:
+        if pattern.search(text):
+            trimmed = _NOISE.sub("", _BROKER_PREFIX.sub("", text))
+            return f"{_RDKAFKA_ADVICE.sub('', trimmed).strip()}: {fix}"
+    return None
+
+
+def diagnose(
+    bootstrap: str,
+    reason: str,
+    *,
+    cause: tuple[str, str] | None = None,
+    security_protocol: str = "plaintext",
+) -> str:
     """What failed between here and the first bootstrap address, in words.
 
     librdkafka says only "Broker transport failure" for a stopped broker, a wrong
     port and a firewall alike: one TCP connect of our own tells them apart. The
-    setting is named only when it is the likely fault.
+    setting is named only when it is the likely fault. A broker that accepts the
+    connection but not the client is named by ``cause`` (librdkafka's reason), or -
+    a plaintext client, no reason - by a TLS handshake of our own.
     """
     first = bootstrap.split(",", maxsplit=1)[0].strip()
     first = first.split("://", 1)[-1]  # SSL://host:port, PLAINTEXT://...
@@ -83,22 +178,68 @@ def diagnose(bootstrap: str, reason: str) -> str:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
         return f"host {host} does not resolve (check KAFKA_BOOTSTRAP_SERVERS)"
-    family, kind, proto, _, address = infos[0]
+    return _probe(host, port, infos[0], reason, cause=cause, security_protocol=security_protocol)
+
+
+def _probe(
+    host: str,
+    port: int,
+    info: tuple[Any, ...],
+    reason: str,
+    *,
+    cause: tuple[str, str] | None,
+    security_protocol: str,
+) -> str:
+    """:func:`diagnose` once the address resolved: connect, and say what answered."""
+    family, kind, proto, _, address = info
     with socket.socket(family, kind, proto) as sock:
         sock.settimeout(DIAGNOSE_CONNECT_TIMEOUT_S)
-        try:
-            sock.connect(address)
-        except ConnectionRefusedError:
-            return f"connection refused at {host}:{port} (is the broker running?)"
-        except TimeoutError:
-            return f"no TCP answer from {host}:{port} in {DIAGNOSE_CONNECT_TIMEOUT_S:g}s"
-        except OSError as exc:
-            return f"{host}:{port}: {exc.strerror or exc}"
+        failed = _connect(sock, address, f"{host}:{port}")
+        if failed:
+            return failed
+        refusal = explain(cause[1]) if cause is not None else None
+        if refusal is not None:
+            return f"{host}:{port} accepts connections but not this client: {refusal}"
+        if "SSL" not in security_protocol.upper() and speaks_tls(sock):
+            return (
+                f"{host}:{port} is a TLS listener and the client speaks plaintext:"
+                " set KAFKA_CONFIG_SECURITY_PROTOCOL=SSL (or SASL_SSL) and"
+                " KAFKA_CONFIG_SSL_CA_LOCATION"
+            )
     return (
         f"{host}:{port} accepts connections but Kafka did not answer ({reason}):"
         " a broker still starting, another service on that port, or a security protocol"
         " that differs (KAFKA_CONFIG_SECURITY_PROTOCOL)"
     )
+
+
+def _connect(sock: socket.socket, address: Any, where: str) -> str:
+    """Connect ``sock``; what failed, in words, or "" when it connected."""
+    try:
+        sock.connect(address)
+    except ConnectionRefusedError:
+        return f"connection refused at {where} (is the broker running?)"
+    except TimeoutError:
+        return f"no TCP answer from {where} in {DIAGNOSE_CONNECT_TIMEOUT_S:g}s"
+    except OSError as exc:
+        return f"{where}: {exc.strerror or exc}"
+    return ""
+
+
+def speaks_tls(sock: socket.socket) -> bool:
+    """Whether the server at the other end of ``sock`` answers a TLS handshake (its
+    certificate unchecked: this only asks which protocol the port speaks)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with context.wrap_socket(sock, do_handshake_on_connect=False) as tls:
+            tls.do_handshake()
+    except ssl.SSLError as exc:
+        return "ALERT" in str(exc.reason or "").upper()  # a TLS peer refused us
+    except OSError:
+        return False
+    return True
 
 
 class CommittedReader:

@@ -59,6 +59,8 @@ MAX_LOG_KINDS = 256
 _NUMBERS = re.compile(r"\d+")
 #: librdkafka's own repeat note ("..., 12 identical error(s) suppressed") is not a new kind.
 _SUPPRESSED = re.compile(r",? ?\d+ identical error\(s\) suppressed")
+#: Errors that say only that no broker is up, not why: never a client's :attr:`cause`.
+CAUSELESS_ERRORS = frozenset({"_ALL_BROKERS_DOWN"})
 
 
 class RateLimitedLog:
@@ -135,6 +137,10 @@ class KafkaClientEvents:
         self.fatal: str | None = None
         #: The most recent error's code name and text (readiness reasons).
         self.last_error: tuple[str, str] | None = None
+        #: The most recent error that says why a broker connection failed (an SSL
+        #: handshake, an authentication: not :data:`CAUSELESS_ERRORS`), for a command's
+        #: one error line (:func:`cdc.kafkaclient.first_contact`).
+        self.cause: tuple[str, str] | None = None
         #: confluent-kafka maps librdkafka's syslog levels to logging levels itself.
         self.logger = logging.getLogger(f"kafka.{client}")
         self.log_lines = RateLimitedLog(self.logger, clock=clock)
@@ -175,6 +181,8 @@ class KafkaClientEvents:
             self._count(code)
         with self._lock:
             self.last_error = (code, text)
+            if code not in CAUSELESS_ERRORS:
+                self.cause = (code, text)
             now = self._clock()
             last = self._last_logged.get(code)
             quiet = not is_fatal or self.fatal is not None  # a dead client's repeats too

@@ -380,7 +380,12 @@ def require_kafka(settings: Settings) -> None:
     }
     config.update({"bootstrap.servers": settings.kafka_bootstrap_servers, **events.config()})
     with events.held():  # unreachable: the one error line says it all
-        first_contact(AdminClient(config), settings.kafka_bootstrap_servers)
+        first_contact(
+            AdminClient(config),
+            settings.kafka_bootstrap_servers,
+            events=events,
+            security_protocol=config.get("security.protocol", "plaintext"),
+        )
 
 
 def ensure_demo_topics(settings: Settings) -> None:

@@ -28,6 +28,11 @@ What a test can do to them:
   slots to the standby; :meth:`ClusterPair.heal` resets it;
 * :meth:`ClusterPair.dsn` is the multi-host DSN relays and writers use:
   ``host=127.0.0.1,127.0.0.1 port=<a>,<b> target_session_attrs=read-write``.
+
+The same :class:`PgNode` serves the TLS tests alone (no standby): :meth:`PgNode.enable_tls`
+turns ``ssl`` on with a server certificate of the tests' CA (:mod:`tests.pki`) and
+replaces ``pg_hba.conf`` with the test's own lines; the test administers it through the
+node's Unix socket (:meth:`PgNode.socket_dsn`), which TLS-only ``hostssl`` lines leave out.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import psycopg
 from psycopg import sql
 
 from tests.harness import ROOT, free_port, wait_until
+from tests.pki import Pki
 from tests.tcp_proxy import TcpProxy
 
 #: The standby's physical slot on the primary, and its application_name.
@@ -177,6 +183,33 @@ class PgNode:
         return psycopg.conninfo.make_conninfo(
             host="127.0.0.1", port=self.port, user=SUPERUSER, dbname=dbname, connect_timeout=10
         )
+
+    def socket_dsn(self, dbname: str = "postgres") -> str:
+        """The superuser over the node's Unix socket (no TLS, no TCP ``pg_hba`` line)."""
+        return psycopg.conninfo.make_conninfo(
+            host=str(self.run_dir), port=self.port, user=SUPERUSER, dbname=dbname
+        )
+
+    def enable_tls(self, pki: Pki, hba: str) -> None:
+        """``ssl = on`` with ``pki``'s server certificate and CA (client certificates are
+        checked against it), and ``hba`` as the whole ``pg_hba.conf``; before :meth:`start`."""
+        tls = _owned_dir(self.root / self.name / "tls")
+        for source, name in (
+            (pki.server_cert, "server.crt"),
+            (pki.server_key, "server.key"),
+            (pki.ca_cert, "ca.crt"),
+        ):
+            target = tls / name
+            shutil.copyfile(source, target)
+            target.chmod(0o600)  # the server refuses a key others may read
+            if os.geteuid() == 0:
+                shutil.chown(target, "postgres", "postgres")
+        with (self.data / "postgresql.conf").open("a") as conf:
+            conf.write(
+                f"ssl = on\nssl_cert_file = '{tls / 'server.crt'}'\n"
+                f"ssl_key_file = '{tls / 'server.key'}'\nssl_ca_file = '{tls / 'ca.crt'}'\n"
+            )
+        (self.data / "pg_hba.conf").write_text(hba)
 
     def _dirs(self) -> None:
         _owned_dir(self.root / self.name)

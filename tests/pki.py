@@ -2,7 +2,10 @@
 
 Everything is generated with ``cryptography`` into a directory of PEM files,
 so TLS and mTLS tests run against real handshakes with no file checked in.
-The server certificate names ``127.0.0.1``, ``::1`` and ``localhost`` unless told otherwise.
+The server certificate names ``127.0.0.1``, ``::1`` and ``localhost`` unless told otherwise;
+the client certificate's common name is ``outbox-cdc-sink`` unless told otherwise (a
+PostgreSQL role a server matches it against with ``clientcert=verify-full``), and its
+key can be encrypted with a passphrase (what ``sslpassword`` / ``ssl.key.password`` open).
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
+def _write_key(key: ec.EllipticCurvePrivateKey, path: Path, passphrase: str = "") -> None:
+    encryption: serialization.KeySerializationEncryption = (
+        serialization.BestAvailableEncryption(passphrase.encode())
+        if passphrase
+        else serialization.NoEncryption()
+    )
     path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
     )
     path.chmod(0o600)
 
@@ -102,11 +106,17 @@ def _general_name(name: str) -> x509.GeneralName:
 
 
 def make_pki(
-    directory: Path, *, name: str = "test", server_names: tuple[str, ...] = SERVER_NAMES
+    directory: Path,
+    *,
+    name: str = "test",
+    server_names: tuple[str, ...] = SERVER_NAMES,
+    client_name: str = "outbox-cdc-sink",
+    client_key_passphrase: str = "",
 ) -> Pki:
     """Generate a CA, a server and a client certificate (EC P-256) under ``directory``.
 
-    The server certificate is valid for ``server_names`` only.
+    The server certificate is valid for ``server_names`` only; the client certificate
+    names ``client_name``; its key is encrypted when ``client_key_passphrase`` is given.
     """
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -138,7 +148,7 @@ def make_pki(
         .sign(ca_key, hashes.SHA256())
     )
     server, server_key = _leaf(ca_key, ca_name, "engine.test", server=True, names=server_names)
-    client, client_key = _leaf(ca_key, ca_name, "outbox-cdc-sink", server=False)
+    client, client_key = _leaf(ca_key, ca_name, client_name, server=False)
     pki = Pki(
         ca_cert=directory / f"{name}-ca.pem",
         server_cert=directory / f"{name}-server.pem",
@@ -150,5 +160,5 @@ def make_pki(
     _write_cert(server, pki.server_cert)
     _write_key(server_key, pki.server_key)
     _write_cert(client, pki.client_cert)
-    _write_key(client_key, pki.client_key)
+    _write_key(client_key, pki.client_key, client_key_passphrase)
     return pki

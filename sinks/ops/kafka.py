@@ -114,7 +114,12 @@ class KafkaOps:
         self._committed = CommittedReader(base)
         with self._events.held():  # unreachable: the one error line says it all
             try:
-                first_contact(self.consumer, settings.kafka_bootstrap_servers)
+                first_contact(
+                    self.consumer,
+                    settings.kafka_bootstrap_servers,
+                    events=self._events,
+                    security_protocol=base.get("security.protocol", "plaintext"),
+                )
             except KafkaUnreachableError as exc:
                 self.close()
                 raise KafkaOpsError(str(exc)) from exc
