@@ -131,7 +131,7 @@ class TxContext:
 def row_headers(
     event_id: bytes, event_type: bytes, aggtype: bytes, tx: TxContext, trace: bytes | None
 ) -> list[tuple[str, bytes]]:
-    """An outbox record's headers, in the order of the contract (and of the compiled call)."""
+    """An outbox record's headers, in the order of the contract."""
     headers = [
         (c.HEADER_ID, event_id),
         (c.HEADER_TYPE, event_type),
