@@ -6,8 +6,9 @@ Pure. The record is the contract any topic consumer relies on (DESIGN.md):
 * key    = ``aggregateid`` (UTF-8), so one aggregate's events share a partition
 * value  = the payload's JSON text exactly as PostgreSQL hands it over (for a
   ``jsonb`` column ``SELECT payload::text``; for a logical message the exact
-  text of its ``payload`` member), checked to be one JSON object, never
-  re-encoded: no number, string or space of it is changed
+  text of its ``payload`` member), checked to be one JSON object nested at
+  most :data:`cdc.jsontext.MAX_DEPTH` levels deep (deeper: dead-lettered on
+  every path alike), never re-encoded: no number, string or space of it is changed
 * headers ``id`` (event uuid = idempotency key), ``type``, ``aggregatetype``,
   ``lsn`` (commit LSN), ``commit_ts`` (ISO-8601 UTC), ``origin`` (the relay's
   session: system identifier / timeline / slot), ``traceparent`` when present
@@ -33,7 +34,7 @@ import orjson
 
 from cdc import constants as c
 from cdc.errors import CdcError
-from cdc.jsontext import object_error, object_members
+from cdc.jsontext import MAX_DEPTH, TOO_DEEP, object_error, object_members, too_deep
 
 _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _REQUIRED = ("id", "aggregatetype", "aggregateid", "type", "payload")
@@ -364,12 +365,22 @@ def route_message(content: bytes, tx: TxContext, *, topic_prefix: str) -> KafkaR
             key=key,
             topic=topic,
         )
+    value = members["payload"][1].encode()
+    if len(value) > MAX_DEPTH and too_deep(value):  # (the rule of a table row's payload)
+        raise RouteError(
+            f"outbox message's payload is {TOO_DEEP}",
+            code=DeadLetterCode.NOT_JSON,
+            event_id=event_id,
+            raw=content,
+            key=key,
+            topic=topic,
+        )
     return _record(
         event_id=event_id,
         aggregate_type=aggregate_type,
         aggregate_id=aggregate_id,
         event_type=event_type,
-        value=members["payload"][1].encode(),
+        value=value,
         traceparent=_member_text(members.get("tracingspancontext")),
         tx=tx,
         topic_prefix=topic_prefix,

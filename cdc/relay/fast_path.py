@@ -10,7 +10,9 @@ lacking a required column (renamed, dropped) or holding one of an unusable type
 is reported once per Relation and its rows are dead-lettered (``missing_field``)
 with that reason; no other column ever stands in for a missing one.
 Outbox updates, deletes and truncates are counted and logged once a session,
-never published; a non-transactional outbox message is dead-lettered.
+never published; a non-transactional outbox message is dead-lettered. A
+payload nested deeper than :data:`cdc.jsontext.MAX_DEPTH` is dead-lettered on
+every path with the same reason (:func:`cdc.jsontext.too_deep`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import orjson
 from confluent_kafka import KafkaException
 
 from cdc import constants as c
+from cdc import jsontext
 from cdc.constants import PG_EPOCH_OFFSET_US
 from cdc.errors import (
     DecodeError,
@@ -66,6 +69,9 @@ TOPIC_CACHE_MAX = 10_000
 
 
 _loads, _JSONDecodeError = orjson.loads, orjson.JSONDecodeError
+
+
+_MAX_DEPTH, _too_deep = jsontext.MAX_DEPTH, jsontext.too_deep
 
 
 _BEGIN_LEN, _begin_fields = pgo.BEGIN_LEN, pgo.begin_fields
@@ -243,7 +249,11 @@ class FastPath:
             return
         # One JSON object, checked, never re-encoded: jsonb text is valid JSON by
         # construction (an object starts with "{"); other types are parsed once.
-        if (value[0] != 0x7B) if jsonb else _not_object(value):
+        # Nested too deeply for cdc.jsontext's rule (the full decoder's and the
+        # recovery's), it is theirs to dead-letter.
+        if ((value[0] != 0x7B) if jsonb else _not_object(value)) or (
+            len(value) > _MAX_DEPTH and _too_deep(value)
+        ):
             self._on_insert_decoded(sess, pgo.decode(payload))
             return
         assert tx is not None and tx_id is not None
