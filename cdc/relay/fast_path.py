@@ -91,7 +91,7 @@ def _not_object(doc: bytes) -> bool:
         return True
 
 
-def _malformed(payload: bytes) -> DecodeError:
+def _malformed(payload: bytes | memoryview) -> DecodeError:
     """The error :func:`pgo.decode` names for a message the fast path found malformed."""
     try:
         pgo.decode(payload)
@@ -157,47 +157,49 @@ class FastPath:
             return
         self._on_change(sess, payload)
 
-    def _on_change(self, sess: Session, payload: bytes) -> None:
-        """One pgoutput message (the payload of an XLogData message)."""
-        if not payload:
+    def _on_change(self, sess: Session, data: bytes | memoryview, at: int = 0) -> None:
+        """One pgoutput message: ``data[at:]``, e.g. the payload of an XLogData message
+        read where it lies (the loop passes the CopyData message and 25: Insert,
+        Begin and Commit are read in place, never copied out first)."""
+        if len(data) <= at:
             raise DecodeError("empty pgoutput message")
-        tag = payload[0]
+        tag = data[at]
         if tag == _TAG_INSERT:
-            self._on_insert(sess, payload)
+            self._on_insert(sess, data, at)
         elif tag == _TAG_BEGIN:
-            self._on_begin(sess, payload)
+            self._on_begin(sess, data, at)
         elif tag == _TAG_COMMIT:
-            self._on_commit(sess, payload)
+            self._on_commit(sess, data, at)
         elif tag == _TAG_RELATION:
-            rel = pgo.decode(payload)
+            rel = pgo.decode(data[at:])
             assert isinstance(rel, pgo.Relation)
             sess.relations.update(rel)
             sess.outbox_oids.pop(rel.oid, None)
             if self._is_outbox(rel):
                 self._outbox_index(sess, rel.oid)  # checked at once: reported, not only used
         elif tag == _TAG_MESSAGE:
-            self._on_message(sess, pgo.decode(payload))
+            self._on_message(sess, pgo.decode(data[at:]))
         elif tag in _IGNORED_CHANGES:
             self._on_ignored(sess, _IGNORED_CHANGES[tag])
 
     @staticmethod
-    def _on_begin(sess: Session, payload: bytes) -> None:
-        """Begin, read in place: one per transaction, no message object."""
-        if len(payload) != _BEGIN_LEN:
-            raise _malformed(payload)
-        final_lsn, commit_ts, _xid = _begin_fields(payload, 1)
+    def _on_begin(sess: Session, data: bytes | memoryview, at: int) -> None:
+        """Begin (at ``data[at]``), read in place: one per transaction, no message object."""
+        if len(data) - at != _BEGIN_LEN:
+            raise _malformed(data[at:])
+        final_lsn, commit_ts, _xid = _begin_fields(data, at + 1)
         sess.tx_id = final_lsn
         sess.tx = TxContext(lsn_to_str(final_lsn), commit_ts + PG_EPOCH_OFFSET_US, sess.origin)
         sess.tracker.open(final_lsn)
 
     @staticmethod
-    def _on_commit(sess: Session, payload: bytes) -> None:
-        """Commit, read in place: the transaction's records are all produced."""
-        if len(payload) != _COMMIT_LEN:
-            raise _malformed(payload)
+    def _on_commit(sess: Session, data: bytes | memoryview, at: int) -> None:
+        """Commit (at ``data[at]``), read in place: the transaction's records are all produced."""
+        if len(data) - at != _COMMIT_LEN:
+            raise _malformed(data[at:])
         if sess.tx_id is None:
             raise DecodeError("pgoutput Commit outside a transaction")
-        sess.tracker.close(sess.tx_id, _commit_fields(payload, 1)[2])
+        sess.tracker.close(sess.tx_id, _commit_fields(data, at + 1)[2])
         sess.tx_id = sess.tx = sess.reports = None
 
     def _on_ignored(self, sess: Session, kind: str) -> None:
@@ -215,7 +217,7 @@ class FastPath:
         schema, name = self._table
         return rel.name == name and (schema is None or rel.namespace == schema)
 
-    def _on_insert(self, sess: Session, payload: bytes) -> None:
+    def _on_insert(self, sess: Session, data: bytes | memoryview, at: int) -> None:
         """An Insert: the fast path routes straight from the message bytes.
 
         It handles the common case - an outbox row of text values, all
@@ -225,9 +227,9 @@ class FastPath:
         and dead-letters or raises with the precise reason.
         """
         tx, tx_id = sess.tx, sess.tx_id
-        found = pgo.insert_text_values(payload) if tx is not None else None
+        found = pgo.insert_text_values(data, at) if tx is not None else None
         if found is None:
-            self._on_insert_decoded(sess, pgo.decode(payload))
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         oid, found_values = found
         values: list[Any] = found_values  # (bytes | None: checked below, C-level)
@@ -237,7 +239,7 @@ class FastPath:
         if index is None:
             return
         if index.__class__ is not OutboxLayout or len(values) != index[0] or not self._utf8:
-            self._on_insert_decoded(sess, pgo.decode(payload))
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         _, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace, jsonb = index
         event_id = values[i_id]
@@ -245,7 +247,7 @@ class FastPath:
         topic = self._topic_of.get(aggtype) if aggtype is not None else None
         key, event_type, value = values[i_agg], values[i_type], values[i_payload]
         if topic is None or not (event_id and key and event_type and value):
-            self._on_insert_decoded(sess, pgo.decode(payload))
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         # One JSON object, checked, never re-encoded: jsonb text is valid JSON by
         # construction (an object starts with "{"); other types are parsed once.
@@ -254,7 +256,7 @@ class FastPath:
         if ((value[0] != 0x7B) if jsonb else _not_object(value)) or (
             len(value) > _MAX_DEPTH and _too_deep(value)
         ):
-            self._on_insert_decoded(sess, pgo.decode(payload))
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         assert tx is not None and tx_id is not None
         trace = values[i_trace] if i_trace is not None else None

@@ -453,7 +453,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
                     return wait_s == 0.0
             wait_s = 0.0
             if data[0] == 0x77 and len(data) > _XLOG_PAYLOAD_AT:  # XLogData: the hot path
-                on_change(sess, bytes(data[_XLOG_PAYLOAD_AT:]))
+                on_change(sess, data, _XLOG_PAYLOAD_AT)  # (read in place, not copied)
             else:
                 handle(sess, data)
             if sess.reply_requested or tracker.in_flight >= limit:

@@ -342,31 +342,42 @@ _INSERT_HEAD: Final = struct.Struct(">IcH")  # relation oid, 'N', column count
 _INSERT_VALUES_AT: Final = 1 + _INSERT_HEAD.size
 
 
-def _insert_text_values_py(data: bytes) -> tuple[int, list[bytes | None]] | None:
-    """The relation OID and values of an Insert holding only text and NULL values.
+def _insert_text_values_py(
+    data: bytes | memoryview, at: int = 0
+) -> tuple[int, list[bytes | None]] | None:
+    """The relation OID and values of the Insert at ``data[at:]`` (to its end)
+    holding only text and NULL values.
 
     The relay's fast path: the same OID and values :func:`decode` gives
-    (``Insert.relation_oid``, ``list(Insert.new)``) without building objects.
-    Returns None for anything else (another message kind, a binary or
-    unchanged value, a short message, trailing bytes); :func:`decode` then
-    names the problem. :data:`insert_text_values` is this function, or the
-    same in C (:mod:`cdc.wal._pgfast`) where it was built.
+    (``Insert.relation_oid``, ``list(Insert.new)``) without building objects,
+    and without copying the message out of the CopyData message it came in
+    (``at``: its offset there). Returns None for anything else (another message
+    kind, a binary or unchanged value, a short message, trailing bytes);
+    :func:`decode` then names the problem. :data:`insert_text_values` is this
+    function, or the same in C (:mod:`cdc.wal._pgfast`) where it was built.
     """
-    if len(data) < _INSERT_VALUES_AT or data[0] != 0x49:  # 'I'
+    if at < 0:
+        raise ValueError("insert_text_values: a negative offset")
+    if type(data) is not bytes:
+        data = bytes(data)  # (values are bytes; the C function copies only them)
+    end = len(data)
+    if end - at < _INSERT_VALUES_AT or data[at] != 0x49:  # 'I'
         return None
-    oid, kind, ncols = _INSERT_HEAD.unpack_from(data, 1)
+    oid, kind, ncols = _INSERT_HEAD.unpack_from(data, at + 1)
     if kind != b"N":
         return None
     values: list[bytes | None] = []
     append = values.append
     size_at = _U32.unpack_from
-    off = _INSERT_VALUES_AT
+    off = at + _INSERT_VALUES_AT
     try:
         for _ in range(ncols):
             kind_byte = data[off]
             if kind_byte == 0x74:  # 't' text: Int32 size, bytes
                 start = off + 5
                 off = start + size_at(data, off + 1)[0]
+                if off > end:
+                    return None
                 append(data[start:off])
             elif kind_byte == 0x6E:  # 'n' null
                 append(None)
@@ -375,7 +386,11 @@ def _insert_text_values_py(data: bytes) -> tuple[int, list[bytes | None]] | None
                 return None
     except (IndexError, struct.error):
         return None
-    return (oid, values) if off == len(data) else None
+    return (oid, values) if off == end else None
+
+
+#: ``(data, at=0)`` -> the OID and values of a text-only Insert at ``data[at:]``, or None.
+InsertTextValues: TypeAlias = Callable[..., "tuple[int, list[bytes | None]] | None"]
 
 
 #: Set to 1, the pure-Python functions are used even where the compiled ones exist
@@ -383,14 +398,14 @@ def _insert_text_values_py(data: bytes) -> tuple[int, list[bytes | None]] | None
 PURE_PYTHON_VAR: Final = "OUTBOX_CDC_PURE_PYTHON"
 
 
-def _compiled_insert_text_values() -> Callable[[bytes], tuple[int, list[bytes | None]] | None]:
+def _compiled_insert_text_values() -> InsertTextValues:
     if os.environ.get(PURE_PYTHON_VAR, "").strip() in ("1", "true", "yes"):
         return _insert_text_values_py
     try:
         compiled = importlib.import_module("cdc.wal._pgfast").insert_text_values
     except ImportError:  # not built (no C compiler where it was installed)
         return _insert_text_values_py
-    return cast(Callable[[bytes], tuple[int, list[bytes | None]] | None], compiled)
+    return cast(InsertTextValues, compiled)
 
 
 #: :func:`_insert_text_values_py`, compiled where a C compiler built :mod:`cdc.wal._pgfast`

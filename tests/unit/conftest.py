@@ -9,7 +9,8 @@ import pytest
 
 from cdc.wal import pgoutput
 
-InsertTextValues = Callable[[bytes], "tuple[int, list[bytes | None]] | None"]
+#: ``(data, at=0)``: the OID and values of a text-only Insert at ``data[at:]``, or None.
+InsertTextValues = Callable[..., "tuple[int, list[bytes | None]] | None"]
 
 
 def compiled_insert_parser() -> InsertTextValues | None:

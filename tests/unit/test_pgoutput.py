@@ -504,13 +504,40 @@ _column = st.one_of(
     st.integers(min_value=-2, max_value=2),
     st.sampled_from([b"N", b"K"]),
     st.integers(min_value=-3, max_value=2),
+    st.binary(max_size=30),
 )
 def test_fast_path_on_generated_inserts_agrees_with_decode_or_declines(
-    parse: InsertTextValues, oid: int, columns: list[bytes], ncols_skew: int, kind: bytes, cut: int
+    parse: InsertTextValues,
+    oid: int,
+    columns: list[bytes],
+    ncols_skew: int,
+    kind: bytes,
+    cut: int,
+    before: bytes,
 ) -> None:
     ncols = max(0, len(columns) + ncols_skew)
     data = b"I" + oid.to_bytes(4, "big") + kind + ncols.to_bytes(2, "big") + b"".join(columns)
     data = data[:cut] if cut < 0 else data + b"\x00" * cut
     assert_fast_path_agrees_with_decode(parse, data)
+    # read in place: the same message after other bytes of a memoryview (the relay
+    # passes the CopyData message and the offset of its payload) reads the same
+    in_place = parse(memoryview(before + data), len(before))
+    assert in_place == parse(data)
+    assert in_place is None or all(type(v) is bytes or v is None for v in in_place[1])
     if COMPILED is not None:  # the two parsers agree on every input, declines included
         assert COMPILED(data) == pgoutput._insert_text_values_py(data)
+        at = len(before)
+        buffer = before + data
+        assert COMPILED(buffer, at) == pgoutput._insert_text_values_py(buffer, at)
+
+
+@each_implementation
+def test_an_offset_at_or_past_the_end_declines_and_a_negative_one_raises(
+    parse: InsertTextValues,
+) -> None:
+    insert = raw(messages("I")[0])
+    assert parse(insert, 0) is not None
+    assert parse(insert, len(insert)) is None
+    assert parse(insert, len(insert) + 5) is None
+    with pytest.raises(ValueError, match="negative offset"):
+        parse(insert, -1)

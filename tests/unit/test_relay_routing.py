@@ -400,3 +400,45 @@ def test_begin_read_in_place_gives_the_transactions_lsn_and_commit_time(relay: R
     relay._on_change(sess, commit(0x3000))
     assert sess.tx is None
     assert sess.tracker.confirmable == 0x3000 + 40
+
+
+class CopyDataStream(FakeStream):
+    """The stream as the loop reads it: CopyData messages as psycopg hands them over
+    (memoryviews), XLogData wrapped around each pgoutput message."""
+
+    def __init__(self, messages: list[bytes]) -> None:
+        self._left = [
+            memoryview(b"w" + struct.pack(">QQq", 0x10, 0x10, 0) + message) for message in messages
+        ]
+
+    def get_nowait(self) -> tuple[int, memoryview | None]:
+        if not self._left:
+            return 0, None
+        data = self._left.pop(0)
+        return len(data), data
+
+    def read(self, timeout_s: float) -> memoryview | None:
+        return self.get_nowait()[1]
+
+
+def test_the_loop_reads_each_xlogdata_in_place_as_the_message_alone_reads(relay: Relay) -> None:
+    """_read_batch hands the CopyData message and the payload's offset (no copy):
+    the records are those of the same messages handed over alone, and a malformed
+    message read in place names its fault as it does alone."""
+    rows = [row(), row(event_id="9c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c", trace=b"00-a-b-01")]
+    messages = [relation(), begin(0x9000), *map(insert, rows), commit(0x9000)]
+    sess = Session(stream=CopyDataStream(messages), tracker=LsnTracker(0))  # type: ignore[arg-type]
+    relay._read_batch(sess)
+    in_place = [shape(p) for p in producer_of(relay).produced]
+    assert in_place == [shape(reference(v, 0x9000)) for v in rows]
+    assert sess.tracker.open_transactions == 0
+
+    alone = new_session()
+    producer_of(relay).produced.clear()
+    for message in messages:
+        relay._on_change(alone, message)
+    assert [shape(p) for p in producer_of(relay).produced] == in_place
+
+    broken = Session(stream=CopyDataStream([begin(0xA000)[:-1]]), tracker=LsnTracker(0))  # type: ignore[arg-type]
+    with pytest.raises(DecodeError, match=re.escape("truncated pgoutput Begin message (20 bytes)")):
+        relay._read_batch(broken)
