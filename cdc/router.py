@@ -129,21 +129,6 @@ class TxContext:
         return iso_utc_us(self.commit_ts_us)
 
 
-def row_headers(
-    event_id: bytes, event_type: bytes, aggtype: bytes, tx: TxContext, trace: bytes | None
-) -> list[tuple[str, bytes]]:
-    """An outbox record's headers, in the order of the contract."""
-    headers = [
-        (c.HEADER_ID, event_id),
-        (c.HEADER_TYPE, event_type),
-        (c.HEADER_AGGREGATE_TYPE, aggtype),
-        *tx.headers,
-    ]
-    if trace:
-        headers.append((c.HEADER_TRACEPARENT, trace))
-    return headers
-
-
 #: "YYYY-MM-DDTHH:MM:SS" per Unix second: many commits share a second, and
 #: datetime formatting per record was a tenth of the relay's CPU.
 _ISO_SECONDS: dict[int, str] = {}

@@ -34,7 +34,7 @@ from cdc.producer import (
     TopicManager,
 )
 from cdc.relay.metrics import RelayMetrics
-from cdc.relay.state import PoisonIds, RefusedStep, SendRowStep, SendStep, Session
+from cdc.relay.state import PoisonIds, RefusedStep, SendStep, Session
 from cdc.router import (
     BrokenOutbox,
     DeadLetterCode,
@@ -46,7 +46,6 @@ from cdc.router import (
     outbox_layout,
     route_fields,
     route_message,
-    row_headers,
 )
 from cdc.settings import Settings
 from cdc.wal import pgoutput as pgo
@@ -72,6 +71,12 @@ _loads, _JSONDecodeError = orjson.loads, orjson.JSONDecodeError
 
 
 _MAX_DEPTH, _too_deep = jsontext.MAX_DEPTH, jsontext.too_deep
+
+
+_H_ID, _H_TYPE, _H_AGGTYPE = c.HEADER_ID, c.HEADER_TYPE, c.HEADER_AGGREGATE_TYPE
+
+
+_H_TRACEPARENT = c.HEADER_TRACEPARENT
 
 
 _BEGIN_LEN, _begin_fields = pgo.BEGIN_LEN, pgo.begin_fields
@@ -138,7 +143,6 @@ class FastPath:
         def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None: ...
 
         _send: SendStep
-        _send_row: SendRowStep
         _refused: RefusedStep
 
         def _dead_letter_route(
@@ -259,9 +263,11 @@ class FastPath:
             self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         assert tx is not None and tx_id is not None
-        trace = values[i_trace] if i_trace is not None else None
+        # The headers in the contract's order, as cdc.router builds them.
+        headers = [(_H_ID, event_id), (_H_TYPE, event_type), (_H_AGGTYPE, aggtype), *tx.headers]
+        if i_trace is not None and (trace := values[i_trace]):
+            headers.append((_H_TRACEPARENT, trace))
         if self.poison and event_id in self.poison:  # (C-level checks: the hot path)
-            headers = row_headers(event_id, event_type, aggtype, tx, trace)
             self._produce(
                 sess,
                 tx_id,
@@ -270,9 +276,8 @@ class FastPath:
             return
         sess.tracker.add(tx_id)
         try:
-            self._send_row(sess, tx_id, tx, topic, value, key, event_id, event_type, aggtype, trace)
+            self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
         except KafkaException as exc:
-            headers = row_headers(event_id, event_type, aggtype, tx, trace)
             self._refused(sess, tx_id, exc, topic, key, value, headers, tx.timestamp_ms)
 
     def _on_insert_decoded(self, sess: Session, ins: Any) -> None:

@@ -38,11 +38,7 @@ from cdc.producer import (
 )
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import PoisonIds, QueueStep, RelayState, Session
-from cdc.router import (
-    KafkaRecord,
-    TxContext,
-    row_headers,
-)
+from cdc.router import KafkaRecord
 from cdc.settings import Settings
 from cdc.tracing import DeliveryCallback, RelayTracing
 from cdc.wal.replproto import lsn_to_str
@@ -156,25 +152,6 @@ class Producing:
         reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
         reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
         return reports
-
-    def _send_row(
-        self,
-        sess: Session,
-        tx_id: int,
-        tx: TxContext,
-        topic: str,
-        value: bytes,
-        key: bytes,
-        event_id: bytes,
-        event_type: bytes,
-        aggtype: bytes,
-        trace: bytes | None,
-    ) -> None:
-        """``produce`` one added outbox record of ``tx_id`` (headers: id, type,
-        aggregatetype, the transaction's, traceparent when set) through :meth:`_send`.
-        A refusal raises :class:`KafkaException` as ``Producer.produce`` does."""
-        headers = row_headers(event_id, event_type, aggtype, tx, trace)
-        self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
 
     def _send(
         self,

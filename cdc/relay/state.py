@@ -164,10 +164,6 @@ Headers = list[tuple[str, bytes]]
 #: parts positionally (keyword parsing is measurable on the hot path):
 #: ``_send(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)``,
 SendStep = Callable[[Session, int, str, bytes, bytes, Headers, int, bytes], None]
-#: ``_send_row(sess, tx_id, tx, topic, value, key, event_id, event_type, aggtype, trace)``,
-SendRowStep = Callable[
-    [Session, int, TxContext, str, bytes, bytes, bytes, bytes, bytes, bytes | None], None
-]
 #: ``_refused(sess, tx_id, exc, topic, key, value, headers, timestamp_ms)``,
 RefusedStep = Callable[[Session, int, KafkaException, str, bytes, bytes, Headers, int], None]
 #: ``_queue_dlq(sess, tx_id, code, reason, topic, key, value, headers, timestamp_ms)``.
