@@ -5,7 +5,9 @@ A synthetic replication stream (a Relation of the outbox table, then transaction
 it over: a ``memoryview``) is fed to the relay's own stream loop
 (:meth:`Relay._stream_loop`: ``_read_batch``, the fast path, the producer, the
 delivery reports, status updates) with a real producer and the local broker, until
-every record is acknowledged. Only the replication connection is replaced.
+every record is acknowledged. Only the replication connection is replaced (its
+``get_nowait`` a C call, as psycopg's is). The stream is the same every run (seeded
+ids) and so are dict layouts (``PYTHONHASHSEED=0``).
 
 ``--callgrind`` runs that under ``valgrind --tool=callgrind --separate-threads=yes``
 for 2,000 and 22,000 events, and for building the stream alone, and prints the
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import re
 import struct
 import subprocess
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 OID = 16_500
@@ -74,8 +78,10 @@ def _insert(values: list[bytes | None]) -> bytes:
 
 
 def build_stream(events: int, per_tx: int, aggregate: str) -> list[memoryview]:
-    """The CopyData messages of ``events`` outbox rows, ``per_tx`` a transaction."""
-    ts_us = int(time.time() * 1_000_000) - PG_EPOCH_US
+    """The CopyData messages of ``events`` outbox rows, ``per_tx`` a transaction
+    (the same ones every run: ids from a seeded generator)."""
+    rng = random.Random(events)
+    ts_us = 1_795_000_000_123_456 - PG_EPOCH_US
     created = b"2026-11-29 10:00:00.123456+00"
     messages = [_xlog(0, _relation())]
     lsn = 0x1_0000_0000
@@ -88,9 +94,10 @@ def build_stream(events: int, per_tx: int, aggregate: str) -> list[memoryview]:
             payload = (
                 b'{"email": "u%d@example.org", "user_id": "%s", "display_name": "User %d",'
                 b' "registered_at": "2026-11-29T10:00:00.123456+00:00"}'
-                % (i, str(uuid.uuid4()).encode(), i)
+                % (i, str(uuid.UUID(int=rng.getrandbits(128), version=4)).encode(), i)
             )
-            row = [str(uuid.uuid4()).encode(), agg, b"u%d" % i, b"UserRegistered"]
+            event_id = str(uuid.UUID(int=rng.getrandbits(128), version=4)).encode()
+            row = [event_id, agg, b"u%d" % i, b"UserRegistered"]
             messages.append(_xlog(lsn, _insert([*row, payload, created, None])))
         commit = b"C" + struct.pack(">BQQq", 0, final_lsn, final_lsn + 0x28, ts_us)
         messages.append(_xlog(final_lsn, commit))
@@ -103,16 +110,11 @@ class ReplayStream:
     at their end it stops the relay (its loop then returns)."""
 
     def __init__(self, messages: list[memoryview], stop: object) -> None:
-        self._next = iter(messages).__next__
+        pairs = iter([(len(data), data) for data in messages])
+        #: a C call, as the relay's own (a bound psycopg function): no Python frame
+        self.get_nowait = partial(next, pairs, (0, None))
         self._stop = stop
         self.backend_pid = 0
-
-    def get_nowait(self) -> tuple[int, memoryview | None]:
-        try:
-            data = self._next()
-        except StopIteration:
-            return 0, None
-        return len(data), data
 
     def read(self, timeout_s: float) -> memoryview | None:
         nbytes, data = self.get_nowait()
@@ -127,7 +129,7 @@ class ReplayStream:
 
 def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> None:
     """Feed ``events`` rows through the relay's stream loop until all are acknowledged."""
-    aggregate = f"ir{uuid.uuid4().hex[:12]}"
+    aggregate = f"ir{uuid.uuid4().hex[:12]}"  # (a new topic: the same length every run)
     messages = build_stream(events, per_tx, aggregate)
     if build_only:
         return
@@ -168,6 +170,7 @@ def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> Non
 
 
 def _main_thread_ir(args: list[str], env: dict[str, str]) -> int:
+    env = {**env, "PYTHONHASHSEED": "0"}  # (the same dict layouts every run)
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(
             [
