@@ -104,20 +104,44 @@ class KafkaRecord:
 class TxContext:
     """What the enclosing transaction contributes to each of its records.
 
-    Built once per transaction; its header values are encoded once, not per record.
+    Built once per transaction, at its first record; its header values are
+    encoded once, not per record. :meth:`of_texts` builds it from header texts
+    already made (the relay's Begin, read in place: :func:`cdc.wal.pgoutput.begin_context`).
     """
 
-    __slots__ = ("commit_lsn", "commit_ts_us", "headers", "lsn_header", "timestamp_ms", "ts_header")
+    __slots__ = ("commit_ts_us", "headers", "lsn_header", "timestamp_ms", "ts_header")
 
     def __init__(
         self, commit_lsn: str, commit_ts_us: int, origin: tuple[str, bytes] | None = None
     ) -> None:
         """``origin``: the session's prebuilt ``origin`` header (cdc.lineage), or None."""
-        self.commit_lsn = commit_lsn
+        self._set(commit_lsn.encode(), commit_ts_us, iso_utc_us(commit_ts_us).encode(), origin)
+
+    @classmethod
+    def of_texts(
+        cls,
+        lsn_text: bytes,
+        commit_ts_us: int,
+        ts_text: bytes,
+        origin: tuple[str, bytes] | None = None,
+    ) -> TxContext:
+        """The context whose ``lsn`` and ``commit_ts`` headers read ``lsn_text`` and
+        ``ts_text`` (as :meth:`__init__` would write them)."""
+        tx = cls.__new__(cls)
+        tx._set(lsn_text, commit_ts_us, ts_text, origin)
+        return tx
+
+    def _set(
+        self,
+        lsn_text: bytes,
+        commit_ts_us: int,
+        ts_text: bytes,
+        origin: tuple[str, bytes] | None,
+    ) -> None:
         self.commit_ts_us = commit_ts_us
         self.timestamp_ms = commit_ts_us // 1000
-        self.lsn_header = (c.HEADER_LSN, commit_lsn.encode())
-        self.ts_header = (c.HEADER_COMMIT_TS, self.commit_ts_iso.encode())
+        self.lsn_header = (c.HEADER_LSN, lsn_text)
+        self.ts_header = (c.HEADER_COMMIT_TS, ts_text)
         self.headers: tuple[tuple[str, bytes], ...] = (
             (self.lsn_header, self.ts_header)
             if origin is None
@@ -125,8 +149,12 @@ class TxContext:
         )
 
     @property
+    def commit_lsn(self) -> str:
+        return self.lsn_header[1].decode()
+
+    @property
     def commit_ts_iso(self) -> str:
-        return iso_utc_us(self.commit_ts_us)
+        return self.ts_header[1].decode()
 
 
 #: "YYYY-MM-DDTHH:MM:SS" per Unix second: many commits share a second, and

@@ -105,6 +105,25 @@ def _malformed(payload: bytes | memoryview) -> DecodeError:
     return DecodeError(f"malformed pgoutput message ({len(payload)} bytes)")
 
 
+def _begin_slowly(data: bytes | memoryview, at: int) -> tuple[int, int, bytes, bytes]:
+    """What :func:`pgo.begin_context` declined: a malformed Begin raises; a commit
+    time it does not format (outside the years 1000-9999) is formatted here."""
+    if len(data) - at != _BEGIN_LEN:
+        raise _malformed(data[at:])
+    final_lsn, commit_ts, _xid = _begin_fields(data, at + 1)
+    ts_us = commit_ts + PG_EPOCH_OFFSET_US
+    tx = TxContext(lsn_to_str(final_lsn), ts_us)
+    return final_lsn, ts_us, tx.lsn_header[1], tx.ts_header[1]
+
+
+def _tx_context(sess: Session) -> TxContext:
+    """The open transaction's context, made at its first record from its Begin."""
+    begin = sess.begin
+    assert begin is not None
+    tx = sess.tx = TxContext.of_texts(begin[2], begin[1], begin[3], sess.origin)
+    return tx
+
+
 def _decode(value: object) -> str | None:
     """A text value of an Insert tuple as str (None for NULL)."""
     if value is None:
@@ -188,13 +207,14 @@ class FastPath:
 
     @staticmethod
     def _on_begin(sess: Session, data: bytes | memoryview, at: int) -> None:
-        """Begin (at ``data[at]``), read in place: one per transaction, no message object."""
-        if len(data) - at != _BEGIN_LEN:
-            raise _malformed(data[at:])
-        final_lsn, commit_ts, _xid = _begin_fields(data, at + 1)
-        sess.tx_id = final_lsn
-        sess.tx = TxContext(lsn_to_str(final_lsn), commit_ts + PG_EPOCH_OFFSET_US, sess.origin)
-        sess.tracker.open(final_lsn)
+        """Begin (at ``data[at]``), read in place with its header texts: one per
+        transaction, no message object; its :class:`TxContext` waits for its first record."""
+        begin = pgo.begin_context(data, at)
+        if begin is None:  # malformed (raises), or a commit time beyond the years 1000-9999
+            begin = _begin_slowly(data, at)
+        sess.tx_id = begin[0]
+        sess.begin = begin
+        sess.tracker.open(begin[0])
 
     @staticmethod
     def _on_commit(sess: Session, data: bytes | memoryview, at: int) -> None:
@@ -204,7 +224,7 @@ class FastPath:
         if sess.tx_id is None:
             raise DecodeError("pgoutput Commit outside a transaction")
         sess.tracker.close(sess.tx_id, _commit_fields(data, at + 1)[2])
-        sess.tx_id = sess.tx = sess.reports = None
+        sess.tx_id = sess.begin = sess.tx = sess.reports = None
 
     def _on_ignored(self, sess: Session, kind: str) -> None:
         """Outbox updates/deletes/truncates: counted, logged once a session, never published."""
@@ -230,8 +250,8 @@ class FastPath:
         other row goes to :meth:`_on_insert_decoded`, which decodes it fully
         and dead-letters or raises with the precise reason.
         """
-        tx, tx_id = sess.tx, sess.tx_id
-        found = pgo.insert_text_values(data, at) if tx is not None else None
+        tx_id = sess.tx_id
+        found = pgo.insert_text_values(data, at) if tx_id is not None else None
         if found is None:
             self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
@@ -262,7 +282,8 @@ class FastPath:
         ):
             self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
-        assert tx is not None and tx_id is not None
+        assert tx_id is not None
+        tx = sess.tx or _tx_context(sess)
         # The headers in the contract's order, as cdc.router builds them.
         headers = [(_H_ID, event_id), (_H_TYPE, event_type), (_H_AGGTYPE, aggtype), *tx.headers]
         if i_trace is not None and (trace := values[i_trace]):
@@ -283,7 +304,7 @@ class FastPath:
     def _on_insert_decoded(self, sess: Session, ins: Any) -> None:
         """An Insert the fast path did not take: decoded fully, routed or dead-lettered."""
         assert isinstance(ins, pgo.Insert)
-        if sess.tx is None or sess.tx_id is None:
+        if sess.tx_id is None:
             raise DecodeError("pgoutput Insert outside a transaction")
         oid = ins.relation_oid
         index = sess.outbox_oids.get(oid, _UNKNOWN)
@@ -291,6 +312,7 @@ class FastPath:
             index = self._outbox_index(sess, oid)
         if index is None:
             return
+        tx = sess.tx or _tx_context(sess)
         values = ins.new
         if len(values) != len(sess.relations.get(oid).columns):
             raise DecodeError(f"row of relation {oid} does not match its Relation message")
@@ -306,14 +328,14 @@ class FastPath:
                 _decode(values[index.type]),
                 _decode(values[index.payload]),
                 _decode(values[index.trace]) if index.trace is not None else None,
-                sess.tx,
+                tx,
                 self.settings.topic_prefix,
             )
         except UnicodeDecodeError as exc:
-            self._dead_letter_route(sess, sess.tx_id, sess.tx, self._not_utf8(index, values, exc))
+            self._dead_letter_route(sess, sess.tx_id, tx, self._not_utf8(index, values, exc))
             return
         except RouteError as exc:
-            self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
+            self._dead_letter_route(sess, sess.tx_id, tx, exc)
             return
         self._produce(sess, sess.tx_id, record)
         aggtype = values[index.aggregatetype]
@@ -366,7 +388,7 @@ class FastPath:
         assert isinstance(msg, pgo.Message)
         if msg.prefix != c.OUTBOX_MESSAGE_PREFIX:
             return
-        if sess.tx is None or sess.tx_id is None:
+        if sess.tx_id is None:
             # A non-transactional outbox message: never atomic with business
             # data, so it is dead-lettered rather than published.
             tx = TxContext(lsn_to_str(msg.lsn), int(time.time() * 1_000_000))
@@ -394,11 +416,10 @@ class FastPath:
             )
             sess.tracker.close(msg.lsn - 1, msg.lsn)
             return
+        tx = sess.tx or _tx_context(sess)
         try:
-            record = route_message(
-                bytes(msg.content), sess.tx, topic_prefix=self.settings.topic_prefix
-            )
+            record = route_message(bytes(msg.content), tx, topic_prefix=self.settings.topic_prefix)
         except RouteError as exc:
-            self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
+            self._dead_letter_route(sess, sess.tx_id, tx, exc)
             return
         self._produce(sess, sess.tx_id, record)

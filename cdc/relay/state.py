@@ -128,6 +128,11 @@ class Session:
     tracker: LsnTracker
     relations: pgo.RelationCache = field(default_factory=pgo.RelationCache)
     tx_id: int | None = None
+    #: the open transaction's Begin: (final_lsn, commit time in Unix us, the texts of
+    #: its lsn and commit_ts headers), read in place (cdc.wal.pgoutput.begin_context)
+    begin: tuple[int, int, bytes, bytes] | None = None
+    #: the open transaction's context, built at its first record (None before it:
+    #: a transaction without outbox records costs none)
     tx: TxContext | None = None
     reply_requested: bool = False
     fatal: KafkaError | None = None

@@ -32,6 +32,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Final, TypeAlias, cast
 
 from cdc.constants import PG_EPOCH_OFFSET_US
@@ -55,6 +56,7 @@ __all__ = [
     "Unchanged",
     "Update",
     "Value",
+    "begin_context",
     "decode",
     "insert_text_values",
 ]
@@ -393,6 +395,40 @@ def _insert_text_values_py(
 InsertTextValues: TypeAlias = Callable[..., "tuple[int, list[bytes | None]] | None"]
 
 
+def _begin_context_py(data: bytes | memoryview, at: int = 0) -> BeginContext | None:
+    """The Begin at ``data[at:]`` (to its end) read in place, with the texts of its
+    transaction's ``lsn`` and ``commit_ts`` headers: ``(final_lsn, commit time in
+    Unix microseconds, b"16/B374D848", b"2026-11-29T10:00:00.123456Z")``.
+
+    The relay's fast path (:data:`begin_context` is this function, or the same
+    in C where it was built: Python's int formatting of the two texts was most
+    of a 1-event transaction's own cost). None for anything else: another
+    message kind, a wrong length (:func:`decode` then names the problem), or a
+    commit time outside the years 1000-9999 (the caller formats it the slow way).
+    """
+    if at < 0:
+        raise ValueError("begin_context: a negative offset")
+    if type(data) is not bytes:
+        data = bytes(data)
+    if len(data) - at != BEGIN_LEN or data[at] != 0x42:  # 'B'
+        return None
+    final_lsn, pg_ts, _xid = _BEGIN.unpack_from(data, at + 1)
+    ts_us = pg_ts + PG_EPOCH_OFFSET_US
+    secs, micros = divmod(ts_us, 1_000_000)
+    if not _FIRST_S <= secs < _PAST_LAST_S:
+        return None
+    head = datetime.fromtimestamp(secs, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    lsn_text = b"%X/%X" % (final_lsn >> 32, final_lsn & 0xFFFF_FFFF)
+    return final_lsn, ts_us, lsn_text, b"%s.%06dZ" % (head.encode(), micros)
+
+
+#: ``(final_lsn, commit time in Unix us, LSN text, ISO commit time)`` of a Begin.
+BeginContext: TypeAlias = tuple[int, int, bytes, bytes]
+#: The commit times :func:`_begin_context_py` formats: years 1000 to 9999.
+_FIRST_S: Final = int(datetime(1000, 1, 1, tzinfo=UTC).timestamp())
+_PAST_LAST_S: Final = int(datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()) + 1
+
+
 #: Set to 1, the pure-Python functions are used even where the compiled ones exist
 #: (the tests run both; a suspected defect of the C code can be ruled out with it).
 PURE_PYTHON_VAR: Final = "OUTBOX_CDC_PURE_PYTHON"
@@ -408,10 +444,22 @@ def _compiled_insert_text_values() -> InsertTextValues:
     return cast(InsertTextValues, compiled)
 
 
+def _compiled_begin_context() -> Callable[..., BeginContext | None]:
+    if os.environ.get(PURE_PYTHON_VAR, "").strip() in ("1", "true", "yes"):
+        return _begin_context_py
+    try:
+        compiled = importlib.import_module("cdc.wal._pgfast").begin_context
+    except ImportError:  # not built (no C compiler where it was installed)
+        return _begin_context_py
+    return cast(Callable[..., BeginContext | None], compiled)
+
+
 #: :func:`_insert_text_values_py`, compiled where a C compiler built :mod:`cdc.wal._pgfast`
 #: (a fifth of its cost; one allocation per value and one for the result).
 insert_text_values: Final = _compiled_insert_text_values()
-#: True when :data:`insert_text_values` is the compiled function.
+#: :func:`_begin_context_py`, compiled where :mod:`cdc.wal._pgfast` was built.
+begin_context: Final = _compiled_begin_context()
+#: True when :data:`insert_text_values` (and :data:`begin_context`) are the compiled functions.
 COMPILED: Final = insert_text_values is not _insert_text_values_py
 
 

@@ -26,6 +26,7 @@ from cdc.relay.loop import Relay
 from cdc.relay.state import Session
 from cdc.router import DeadLetterCode, TxContext, route_fields
 from cdc.settings import Settings
+from cdc.wal import pgoutput
 from cdc.wal.lsn import LsnTracker
 
 # Every test runs with the pure-Python Insert parser and the compiled one.
@@ -388,18 +389,46 @@ def test_a_commit_outside_a_transaction_is_a_decode_error(relay: Relay) -> None:
 
 
 def test_begin_read_in_place_gives_the_transactions_lsn_and_commit_time(relay: Relay) -> None:
+    """Begin is read in place; its context is made at the transaction's first record
+    (none for a transaction without one) and equals the one TxContext itself makes."""
     sess = new_session()
+    sess.origin = ("origin", b"7412345678901234567/1/outbox_slot")
     relay._on_change(sess, begin(0x3000))
+    assert sess.tx is None  # lazy: no record yet
+    assert sess.tx_id == 0x3000
+    relay._on_change(sess, relation())
+    relay._on_change(sess, insert(row()))
     assert sess.tx is not None
     expected = TxContext(relay_mod.lsn_to_str(0x3000), COMMIT_TS_US, sess.origin)
-    assert (sess.tx.commit_lsn, sess.tx.commit_ts_us, sess.tx.headers) == (
+    assert (sess.tx.commit_lsn, sess.tx.commit_ts_us, sess.tx.headers, sess.tx.timestamp_ms) == (
         expected.commit_lsn,
         expected.commit_ts_us,
         expected.headers,
+        expected.timestamp_ms,
     )
     relay._on_change(sess, commit(0x3000))
-    assert sess.tx is None
-    assert sess.tracker.confirmable == 0x3000 + 40
+    assert sess.tx is None and sess.begin is None
+    empty = new_session()
+    relay._on_change(empty, begin(0x4000))
+    relay._on_change(empty, commit(0x4000))
+    assert empty.tracker.confirmable == 0x4000 + 40  # a transaction without a record
+
+
+def test_a_commit_time_the_fast_parser_does_not_format_is_formatted_the_slow_way(
+    relay: Relay,
+) -> None:
+    """begin_context declines a commit time outside the years 1000-9999; the relay
+    then formats it as TxContext does, and the record carries it."""
+    sess = new_session()
+    relay._on_change(sess, relation())
+    year_999_us = -30_641_760_000_000_000  # 0999-01-01 in Unix microseconds
+    early = b"B" + struct.pack(">QqI", 0x5000, year_999_us - PG_EPOCH_US, 7)
+    assert pgoutput.begin_context(early) is None
+    relay._on_change(sess, early)
+    relay._on_change(sess, insert(row()))
+    assert sess.tx is not None
+    assert sess.tx.headers == TxContext("0/5000", year_999_us).headers
+    assert producer_of(relay).produced[-1].timestamp == year_999_us // 1000
 
 
 class CopyDataStream(FakeStream):
