@@ -101,6 +101,9 @@ class KafkaRecord:
     event_id: str
 
 
+_HEADER_LSN, _HEADER_COMMIT_TS = c.HEADER_LSN, c.HEADER_COMMIT_TS
+
+
 class TxContext:
     """What the enclosing transaction contributes to each of its records.
 
@@ -109,13 +112,19 @@ class TxContext:
     already made (the relay's Begin, read in place: :func:`cdc.wal.pgoutput.begin_context`).
     """
 
-    __slots__ = ("commit_ts_us", "headers", "lsn_header", "timestamp_ms", "ts_header")
+    __slots__ = ("commit_ts_us", "headers", "timestamp_ms")
 
     def __init__(
         self, commit_lsn: str, commit_ts_us: int, origin: tuple[str, bytes] | None = None
     ) -> None:
         """``origin``: the session's prebuilt ``origin`` header (cdc.lineage), or None."""
-        self._set(commit_lsn.encode(), commit_ts_us, iso_utc_us(commit_ts_us).encode(), origin)
+        self.commit_ts_us = commit_ts_us
+        self.timestamp_ms = commit_ts_us // 1000
+        lsn = (c.HEADER_LSN, commit_lsn.encode())
+        ts = (c.HEADER_COMMIT_TS, iso_utc_us(commit_ts_us).encode())
+        self.headers: tuple[tuple[str, bytes], ...] = (
+            (lsn, ts) if origin is None else (lsn, ts, origin)
+        )
 
     @classmethod
     def of_texts(
@@ -126,35 +135,29 @@ class TxContext:
         origin: tuple[str, bytes] | None = None,
     ) -> TxContext:
         """The context whose ``lsn`` and ``commit_ts`` headers read ``lsn_text`` and
-        ``ts_text`` (as :meth:`__init__` would write them)."""
+        ``ts_text`` (as :meth:`__init__` would write them); no __init__ call."""
         tx = cls.__new__(cls)
-        tx._set(lsn_text, commit_ts_us, ts_text, origin)
+        tx.commit_ts_us = commit_ts_us
+        tx.timestamp_ms = commit_ts_us // 1000
+        lsn, ts = (_HEADER_LSN, lsn_text), (_HEADER_COMMIT_TS, ts_text)
+        tx.headers = (lsn, ts) if origin is None else (lsn, ts, origin)
         return tx
 
-    def _set(
-        self,
-        lsn_text: bytes,
-        commit_ts_us: int,
-        ts_text: bytes,
-        origin: tuple[str, bytes] | None,
-    ) -> None:
-        self.commit_ts_us = commit_ts_us
-        self.timestamp_ms = commit_ts_us // 1000
-        self.lsn_header = (c.HEADER_LSN, lsn_text)
-        self.ts_header = (c.HEADER_COMMIT_TS, ts_text)
-        self.headers: tuple[tuple[str, bytes], ...] = (
-            (self.lsn_header, self.ts_header)
-            if origin is None
-            else (self.lsn_header, self.ts_header, origin)
-        )
+    @property
+    def lsn_header(self) -> tuple[str, bytes]:
+        return self.headers[0]
+
+    @property
+    def ts_header(self) -> tuple[str, bytes]:
+        return self.headers[1]
 
     @property
     def commit_lsn(self) -> str:
-        return self.lsn_header[1].decode()
+        return self.headers[0][1].decode()
 
     @property
     def commit_ts_iso(self) -> str:
-        return self.ts_header[1].decode()
+        return self.headers[1][1].decode()
 
 
 #: "YYYY-MM-DDTHH:MM:SS" per Unix second: many commits share a second, and

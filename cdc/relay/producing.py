@@ -146,13 +146,6 @@ class Producing:
         code = record_error_code(err)
         self._queue_dlq(sess, tx_id, code, err.str(), topic, key, value, headers, timestamp_ms)
 
-    def _new_run(self, sess: Session, tx_id: int, topic: str, timestamp_ms: int) -> Reports:
-        """The session's new run of ``tx_id``'s records to ``topic`` (once per run)."""
-        reports = sess.reports = Reports()  # (attributes set here: no __init__ call)
-        reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
-        reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
-        return reports
-
     def _send(
         self,
         sess: Session,
@@ -177,7 +170,11 @@ class Producing:
         assert producer is not None
         reports = sess.reports
         if reports is None or reports.tx_id != tx_id or reports.topic != topic:
-            reports = self._new_run(sess, tx_id, topic, timestamp_ms)
+            # A new run of tx_id's records to topic (attributes set here: no call, no
+            # __init__; a 1-event transaction's run is one per record).
+            reports = sess.reports = Reports()
+            reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
+            reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
         callback: DeliveryCallback = reports
         if self._tracing is not None:
             callback = self._tracing.produce(topic, key, headers, event_id, callback)
