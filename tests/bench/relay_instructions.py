@@ -117,10 +117,9 @@ class ReplayStream:
     """The replication connection's part the stream loop uses, replaying ``messages``;
     at their end it stops the relay (its loop then returns)."""
 
-    def __init__(self, messages: list[memoryview], stop: object) -> None:
-        pairs = iter([(len(data), data) for data in messages])
+    def __init__(self, pairs: list[tuple[int, memoryview]], stop: object) -> None:
         #: a C call, as the relay's own (a bound psycopg function): no Python frame
-        self.get_nowait = partial(next, pairs, (0, None))
+        self.get_nowait = partial(next, iter(pairs), (0, None))
         self._stop = stop
         self.backend_pid = 0
 
@@ -137,17 +136,27 @@ class ReplayStream:
 
 def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> None:
     """Feed :data:`WARMUP_EVENTS` rows, then ``events`` more, through the relay's
-    stream loop, each part until all its records are acknowledged."""
+    stream loop, each part until all its records are acknowledged.
+
+    The relay's modules are imported before the stream is built, and the stream is
+    built with the cyclic collector off and then frozen: a collection never walks
+    it (one during the imports walked every message object: an artefact that grew
+    with the stream and moved with the imported code)."""
+    if not build_only:
+        from cdc.producer import make_producer
+        from cdc.relay.loop import GC_THRESHOLDS, Relay
+        from cdc.relay.state import Session
+        from cdc.settings import Settings
+        from cdc.wal.lsn import LsnTracker
     aggregate = f"ir{uuid.uuid4().hex[:12]}"  # (a new topic: the same length every run)
+    gc.disable()
     warmup, lsn = build_stream(WARMUP_EVENTS, per_tx, aggregate)
     messages, _ = build_stream(events, per_tx, aggregate, lsn=lsn)
+    parts = [[(len(data), data) for data in part] for part in (warmup, messages)]
+    gc.freeze()
+    gc.enable()
     if build_only:
         return
-    from cdc.producer import make_producer
-    from cdc.relay.loop import GC_THRESHOLDS, Relay
-    from cdc.relay.state import Session
-    from cdc.settings import Settings
-    from cdc.wal.lsn import LsnTracker
 
     settings = Settings(
         pg_dsn="postgresql://replay",
@@ -166,7 +175,7 @@ def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> Non
         bootstrap, settings.kafka_config, events=relay._events, failed_reports_only=True
     )
     sess = Session(
-        stream=ReplayStream(warmup, relay.stop),  # type: ignore[arg-type]
+        stream=ReplayStream(parts[0], relay.stop),  # type: ignore[arg-type]
         tracker=LsnTracker(0),
         origin=("origin", b"7412345678901234567/1/outbox_slot"),
     )
@@ -174,7 +183,7 @@ def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> Non
     gc.set_threshold(*GC_THRESHOLDS)
     # The warm-up takes what happens once (the producer's first contact, the first
     # reports, lazy imports) whatever the broker's timing: both runs have it.
-    for part, expected in ((warmup, WARMUP_EVENTS), (messages, WARMUP_EVENTS + events)):
+    for part, expected in zip(parts, (WARMUP_EVENTS, WARMUP_EVENTS + events), strict=True):
         sess.stream = ReplayStream(part, relay.stop)  # type: ignore[assignment]
         relay._stop.clear()
         relay._stream_loop(sess)
