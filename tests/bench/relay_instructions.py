@@ -220,7 +220,8 @@ def _main_thread_ir(args: list[str], env: dict[str, str]) -> int:
             text=True,
         )
         if run.returncode:
-            tail = "\n".join(run.stderr.splitlines()[-5:])
+            lines = [line for line in run.stderr.splitlines() if not line.startswith("==")]
+            tail = "\n".join(lines[-5:])
             sys.exit(f"replay {args} under callgrind failed (exit {run.returncode}):\n{tail}")
         main = Path(f"{out}/cg.out-01").read_text(errors="replace")
         found = re.search(r"^(?:summary|totals): (\d+)", main, re.M)
