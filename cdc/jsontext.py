@@ -11,8 +11,14 @@ Guarantees:
   (each value as a slice of the input), so a member such as a logical
   message's ``payload`` is passed on byte for byte.
 * The common case costs one C parse (orjson); the exact, slower check runs only
-  for what orjson declines (numbers outside a double, nesting beyond its limit).
-  Nesting deeper than :data:`MAX_DEPTH_HINT` may be declined with its reason.
+  for what orjson declines (numbers outside a double).
+* One depth rule for every payload (:func:`too_deep`): a text whose arrays and
+  objects nest deeper than :data:`MAX_DEPTH` is declined with :data:`TOO_DEEP`
+  as its reason, valid JSON or not - by :func:`object_error` (the full decoder,
+  the recovery), by the relay's fast path, which checks a ``jsonb`` payload with
+  :func:`too_deep` alone (its text is valid JSON by construction), and by the
+  router for a logical message's ``payload`` member. A text of at most
+  :data:`MAX_DEPTH` bytes is never too deep: a small payload costs one length test.
 """
 
 from __future__ import annotations
@@ -23,9 +29,20 @@ from typing import Any
 
 import orjson
 
-#: Python's and orjson's parsers recurse per nesting level; beyond about this
-#: depth a document is declined ("nested too deeply"), never misread.
-MAX_DEPTH_HINT = 900
+#: The deepest nesting of arrays and objects a payload may have. Parsers recurse
+#: per level and stop at their own limits: Python's json at about 950 (less the
+#: caller's stack), orjson at 1,024, Jackson at 1,000 (2.15+); 512 stays clear of
+#: all of them with room for the caller's stack, so a payload the relay publishes
+#: is one its consumers can parse, and the relay's own exact check never hits a
+#: recursion limit.
+MAX_DEPTH = 512
+
+#: The reason a text nested deeper than :data:`MAX_DEPTH` is declined.
+TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep"
+
+#: A string (with its escapes, perhaps unterminated) or a bracket: the tokens that
+#: decide the depth of a JSON text.
+_DEPTH_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"?|[\[{\]}]', re.S)
 
 _WS = re.compile(r"[ \t\n\r]*")
 _loads, _JSONDecodeError = orjson.loads, orjson.JSONDecodeError
@@ -40,9 +57,31 @@ def _refuse_constant(name: str) -> Any:
 _EXACT = json.JSONDecoder(parse_float=str, parse_int=str, parse_constant=_refuse_constant)
 
 
+def too_deep(text: bytes) -> bool:
+    """Whether ``text`` nests arrays and objects deeper than :data:`MAX_DEPTH`
+    (brackets outside strings; any bytes, valid JSON or not).
+
+    Each level takes a byte, so a text of at most ``MAX_DEPTH`` bytes, or with
+    at most that many opening brackets, is answered without a scan."""
+    if len(text) <= MAX_DEPTH or text.count(b"[") + text.count(b"{") <= MAX_DEPTH:
+        return False
+    depth = 0
+    for token in _DEPTH_TOKENS.finditer(text):
+        first = token.group()[0]
+        if first == 0x5B or first == 0x7B:  # noqa: PLR1714 - '[' or '{'
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        elif first != 0x22:  # ']' or '}' ('"': a string)
+            depth -= 1
+    return False
+
+
 def object_error(text: bytes) -> str | None:
-    """None when ``text`` is one JSON object, else why not (one line: ``not JSON: ...``
-    or ``not a JSON object``)."""
+    """None when ``text`` is one JSON object, else why not (one line: ``not JSON: ...``,
+    ``not a JSON object`` or :data:`TOO_DEEP`)."""
+    if len(text) > MAX_DEPTH and too_deep(text):
+        return TOO_DEEP
     try:
         return None if _loads(text).__class__ is dict else "not a JSON object"
     except _JSONDecodeError:
@@ -63,7 +102,8 @@ def object_members(text: str) -> dict[str, tuple[Any, str]]:
     Parsed values keep numbers as their text (``"1.50"``); the exact text is
     the slice of ``text`` the value occupies. A repeated member keeps its last
     occurrence, as ``jsonb`` does. Raises ``ValueError`` with the reason when
-    ``text`` is not one JSON object.
+    ``text`` is not one JSON object (:data:`TOO_DEEP` when it nests deeper than
+    Python's parser can follow; a caller applies the rule to the member it passes on).
     """
     end = len(text)
     i = _WS.match(text, 0).end()  # type: ignore[union-attr]
@@ -97,8 +137,8 @@ def _value(text: str, at: int) -> tuple[Any, int]:
         return _EXACT.raw_decode(text, at)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON: {exc}") from None
-    except RecursionError:
-        raise ValueError(f"not JSON: nested more than ~{MAX_DEPTH_HINT} levels deep") from None
+    except RecursionError:  # (not at MAX_DEPTH or less, unless the caller's stack is deep)
+        raise ValueError(TOO_DEEP) from None
 
 
 def _finish(text: str, at: int, members: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:

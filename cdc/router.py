@@ -6,8 +6,9 @@ Pure. The record is the contract any topic consumer relies on (DESIGN.md):
 * key    = ``aggregateid`` (UTF-8), so one aggregate's events share a partition
 * value  = the payload's JSON text exactly as PostgreSQL hands it over (for a
   ``jsonb`` column ``SELECT payload::text``; for a logical message the exact
-  text of its ``payload`` member), checked to be one JSON object, never
-  re-encoded: no number, string or space of it is changed
+  text of its ``payload`` member), checked to be one JSON object nested at
+  most :data:`cdc.jsontext.MAX_DEPTH` levels deep (deeper: dead-lettered on
+  every path alike), never re-encoded: no number, string or space of it is changed
 * headers ``id`` (event uuid = idempotency key), ``type``, ``aggregatetype``,
   ``lsn`` (commit LSN), ``commit_ts`` (ISO-8601 UTC), ``origin`` (the relay's
   session: system identifier / timeline / slot), ``traceparent`` when present,
@@ -34,7 +35,7 @@ import orjson
 
 from cdc import constants as c
 from cdc.errors import CdcError
-from cdc.jsontext import object_error, object_members
+from cdc.jsontext import MAX_DEPTH, TOO_DEEP, object_error, object_members, too_deep
 
 _TOPIC_RE = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _REQUIRED = ("id", "aggregatetype", "aggregateid", "type", "payload")
@@ -101,47 +102,63 @@ class KafkaRecord:
     event_id: str
 
 
+_HEADER_LSN, _HEADER_COMMIT_TS = c.HEADER_LSN, c.HEADER_COMMIT_TS
+
+
 class TxContext:
     """What the enclosing transaction contributes to each of its records.
 
-    Built once per transaction; its header values are encoded once, not per record.
+    Built once per transaction, at its first record; its header values are
+    encoded once, not per record. :meth:`of_texts` builds it from header texts
+    already made (the relay's Begin, read in place: :func:`cdc.wal.pgoutput.begin_context`).
     """
 
-    __slots__ = ("commit_lsn", "commit_ts_us", "headers", "lsn_header", "timestamp_ms", "ts_header")
+    __slots__ = ("commit_ts_us", "headers", "timestamp_ms")
 
     def __init__(
         self, commit_lsn: str, commit_ts_us: int, origin: tuple[str, bytes] | None = None
     ) -> None:
         """``origin``: the session's prebuilt ``origin`` header (cdc.lineage), or None."""
-        self.commit_lsn = commit_lsn
         self.commit_ts_us = commit_ts_us
         self.timestamp_ms = commit_ts_us // 1000
-        self.lsn_header = (c.HEADER_LSN, commit_lsn.encode())
-        self.ts_header = (c.HEADER_COMMIT_TS, self.commit_ts_iso.encode())
+        lsn = (c.HEADER_LSN, commit_lsn.encode())
+        ts = (c.HEADER_COMMIT_TS, iso_utc_us(commit_ts_us).encode())
         self.headers: tuple[tuple[str, bytes], ...] = (
-            (self.lsn_header, self.ts_header)
-            if origin is None
-            else (self.lsn_header, self.ts_header, origin)
+            (lsn, ts) if origin is None else (lsn, ts, origin)
         )
+
+    @classmethod
+    def of_texts(
+        cls,
+        lsn_text: bytes,
+        commit_ts_us: int,
+        ts_text: bytes,
+        origin: tuple[str, bytes] | None = None,
+    ) -> TxContext:
+        """The context whose ``lsn`` and ``commit_ts`` headers read ``lsn_text`` and
+        ``ts_text`` (as :meth:`__init__` would write them); no __init__ call."""
+        tx = cls.__new__(cls)
+        tx.commit_ts_us = commit_ts_us
+        tx.timestamp_ms = commit_ts_us // 1000
+        lsn, ts = (_HEADER_LSN, lsn_text), (_HEADER_COMMIT_TS, ts_text)
+        tx.headers = (lsn, ts) if origin is None else (lsn, ts, origin)
+        return tx
+
+    @property
+    def lsn_header(self) -> tuple[str, bytes]:
+        return self.headers[0]
+
+    @property
+    def ts_header(self) -> tuple[str, bytes]:
+        return self.headers[1]
+
+    @property
+    def commit_lsn(self) -> str:
+        return self.headers[0][1].decode()
 
     @property
     def commit_ts_iso(self) -> str:
-        return iso_utc_us(self.commit_ts_us)
-
-
-def row_headers(
-    event_id: bytes, event_type: bytes, aggtype: bytes, tx: TxContext, trace: bytes | None
-) -> list[tuple[str, bytes]]:
-    """An outbox record's headers, in the order of the contract (and of the compiled call)."""
-    headers = [
-        (c.HEADER_ID, event_id),
-        (c.HEADER_TYPE, event_type),
-        (c.HEADER_AGGREGATE_TYPE, aggtype),
-        *tx.headers,
-    ]
-    if trace:
-        headers.append((c.HEADER_TRACEPARENT, trace))
-    return headers
+        return self.headers[1][1].decode()
 
 
 #: "YYYY-MM-DDTHH:MM:SS" per Unix second: many commits share a second, and
@@ -365,12 +382,22 @@ def route_message(content: bytes, tx: TxContext, *, topic_prefix: str) -> KafkaR
             key=key,
             topic=topic,
         )
+    value = members["payload"][1].encode()
+    if len(value) > MAX_DEPTH and too_deep(value):  # (the rule of a table row's payload)
+        raise RouteError(
+            f"outbox message's payload is {TOO_DEEP}",
+            code=DeadLetterCode.NOT_JSON,
+            event_id=event_id,
+            raw=content,
+            key=key,
+            topic=topic,
+        )
     record = _record(
         event_id=event_id,
         aggregate_type=aggregate_type,
         aggregate_id=aggregate_id,
         event_type=event_type,
-        value=members["payload"][1].encode(),
+        value=value,
         traceparent=_member_text(members.get("tracingspancontext")),
         tx=tx,
         topic_prefix=topic_prefix,

@@ -35,7 +35,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -54,7 +53,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cdc.backlog import BacklogGuard
-from cdc.errors import CdcError, ConfigError
+from cdc.cli.app import require_free_port
+from cdc.errors import CdcError
 from cdc.kafkaclient import first_contact
 from cdc.kafkalog import KafkaClientEvents
 from cdc.migrate import migrate
@@ -156,28 +156,10 @@ def _wait_http(url: str, child: Child, timeout_s: float = 60.0, *, unless: str =
     raise DemoError(f"{child.name} not ready at {url} after {timeout_s:.0f}s:\n{child.tail()}")
 
 
-def _port_taken(host: str, port: int) -> bool:
-    """True when something already listens on ``host:port`` (a bind fails)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no owner
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
 def require_free_ports(settings: Settings) -> None:
     """:class:`ConfigError` naming the port and its setting when a child's port is taken."""
     for field_name, host in _CHILD_PORTS:
-        port = int(getattr(settings, field_name))
-        variable = Settings.model_fields[field_name].alias
-        bind_host = host or settings.http_host
-        if _port_taken(bind_host, port):
-            raise ConfigError(
-                f"{variable}={port}: port {bind_host}:{port} is already in use by another "
-                f"program: stop it or set {variable} to a free port"
-            )
+        require_free_port(settings, field_name, host=host)
 
 
 def _start_child(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> Child:

@@ -79,8 +79,6 @@ KEEPALIVE_EXPIRY_S = 4.0
 #: Selects httpx's own network stack (``transport="httpx"``): the former default.
 HTTPX_TRANSPORT: Final = "httpx"
 USER_AGENT = "outbox-cdc-sink"
-#: Headers the client sets itself; ``send(headers=...)`` may not repeat them.
-_OWN_HEADERS = frozenset({"idempotency-key", API_KEY_HEADER, "content-type", "user-agent"})
 #: Connections per httpx pool (``transport="httpx"`` only). httpcore scans its
 #: whole pool (a poll() per connection) on every request and response: with 64
 #: requests in flight against the stub, one pool of 64 cost ~2.6 ms of client

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import socket
 import sys
@@ -87,26 +88,58 @@ def load_settings(*required: str) -> Settings:
     raise AssertionError("unreachable")  # _mapped_errors exits on an error
 
 
-def require_free_port(settings: Settings, attr: str) -> None:
-    """Raise :class:`ConfigError` naming ``attr``'s variable when its port is taken.
+def require_free_port(settings: Settings, attr: str, *, host: str | None = None) -> None:
+    """Raise :class:`ConfigError` naming ``attr``'s variable when its port is taken
+    on ``host`` (default ``CDC_HTTP_HOST``, where the servers bind).
 
-    Checked before a server starts so the operator reads which setting to
-    change, not a traceback or a server's own line.
+    Checked before a server (or the demo's children) starts, so the operator reads
+    which setting to change, not a traceback or a server's own line. The one
+    check of the kind: the relay, the sink, the engine stub and the demo use it.
     """
     from cdc.settings import ENV
 
-    port = int(getattr(settings, attr))
-    with socket.socket(socket.AF_INET6 if ":" in settings.http_host else socket.AF_INET) as sock:
+    port, variable = int(getattr(settings, attr)), ENV[attr]
+    bind_host = host or settings.http_host
+    with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
         try:
-            sock.bind((settings.http_host, port))
+            sock.bind((bind_host, port))
         except OSError as exc:
             if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-                raise
+                raise ConfigError(
+                    f"{variable}={port}: cannot listen on {bind_host}:{port}"
+                    f" ({exc.strerror or exc}): check the host and the port"
+                ) from None
             raise ConfigError(
-                f"{ENV[attr]}={port}: port already in use on {settings.http_host}"
-                f" ({os.strerror(exc.errno)}): stop what listens there or choose another port"
+                f"{variable}={port}: port {bind_host}:{port} already in use"
+                f" ({os.strerror(exc.errno)}): stop what listens there or set {variable}"
+                " to a free port"
             ) from None
+
+
+def settings_line(settings: Settings) -> str:
+    """The settings that differ from their defaults, as one readable line for a
+    start-up log: ``VARIABLE=value`` pairs in the settings class's order, secrets
+    redacted as :meth:`Settings.safe_summary` redacts them (a DSN without its
+    password, a secret as ``***``), librdkafka's ``KAFKA_CONFIG_*`` by name only
+    (their values may hold SASL passwords). A value with a space, a quote or
+    nothing in it is quoted."""
+    from cdc.settings import ENV, KAFKA_CONFIG_PREFIX
+
+    shown = settings.safe_summary()
+    parts = []
+    for name, field in type(settings).model_fields.items():
+        if getattr(settings, name) == field.get_default(call_default_factory=True):
+            continue
+        if name == "kafka_config":
+            parts.append(f"{KAFKA_CONFIG_PREFIX}*={','.join(sorted(settings.kafka_config))}")
+            continue
+        value = shown[name]
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        if not text or any(ch.isspace() or ch in "\"'" for ch in text):
+            text = json.dumps(text, ensure_ascii=False)
+        parts.append(f"{ENV.get(name, name)}={text}")
+    return " ".join(parts) if parts else "every setting at its default"
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import click
 
 from cdc.cli import interrupt
-from cdc.cli.app import load_settings, require_free_port
+from cdc.cli.app import load_settings, require_free_port, settings_line
 from cdc.cli.render import echo_json, migration_table, out
 
 
@@ -151,7 +151,7 @@ def relay() -> None:
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     require_free_port(settings, "relay_http_port")
     logging.getLogger("cdc").info(
-        "relay starting with %s", settings.safe_summary(), extra={"state": "starting"}
+        "relay starting with %s", settings_line(settings), extra={"state": "starting"}
     )
     runner = Relay(settings)
     _on_signals(runner.stop)

@@ -10,7 +10,9 @@ lacking a required column (renamed, dropped) or holding one of an unusable type
 is reported once per Relation and its rows are dead-lettered (``missing_field``)
 with that reason; no other column ever stands in for a missing one.
 Outbox updates, deletes and truncates are counted and logged once a session,
-never published; a non-transactional outbox message is dead-lettered.
+never published; a non-transactional outbox message is dead-lettered. A
+payload nested deeper than :data:`cdc.jsontext.MAX_DEPTH` is dead-lettered on
+every path with the same reason (:func:`cdc.jsontext.too_deep`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import orjson
 from confluent_kafka import KafkaException
 
 from cdc import constants as c
+from cdc import jsontext
 from cdc.constants import PG_EPOCH_OFFSET_US
 from cdc.errors import (
     DecodeError,
@@ -33,7 +36,7 @@ from cdc.producer import (
 )
 from cdc.relay.ledger import SlotLedger
 from cdc.relay.metrics import RelayMetrics
-from cdc.relay.state import PoisonIds, RefusedStep, SendRowStep, SendStep, Session
+from cdc.relay.state import PoisonIds, RefusedStep, SendStep, Session
 from cdc.router import (
     BrokenOutbox,
     DeadLetterCode,
@@ -45,7 +48,6 @@ from cdc.router import (
     outbox_layout,
     route_fields,
     route_message,
-    row_headers,
 )
 from cdc.settings import Settings
 from cdc.wal import pgoutput as pgo
@@ -70,6 +72,15 @@ TOPIC_CACHE_MAX = 10_000
 _loads, _JSONDecodeError = orjson.loads, orjson.JSONDecodeError
 
 
+_MAX_DEPTH, _too_deep = jsontext.MAX_DEPTH, jsontext.too_deep
+
+
+_H_ID, _H_TYPE, _H_AGGTYPE = c.HEADER_ID, c.HEADER_TYPE, c.HEADER_AGGREGATE_TYPE
+
+
+_H_TRACEPARENT = c.HEADER_TRACEPARENT
+
+
 _BEGIN_LEN, _begin_fields = pgo.BEGIN_LEN, pgo.begin_fields
 
 
@@ -87,13 +98,32 @@ def _not_object(doc: bytes) -> bool:
         return True
 
 
-def _malformed(payload: bytes) -> DecodeError:
+def _malformed(payload: bytes | memoryview) -> DecodeError:
     """The error :func:`pgo.decode` names for a message the fast path found malformed."""
     try:
         pgo.decode(payload)
     except DecodeError as exc:
         return exc
     return DecodeError(f"malformed pgoutput message ({len(payload)} bytes)")
+
+
+def _begin_slowly(data: bytes | memoryview, at: int) -> tuple[int, int, bytes, bytes]:
+    """What :func:`pgo.begin_context` declined: a malformed Begin raises; a commit
+    time it does not format (outside the years 1000-9999) is formatted here."""
+    if len(data) - at != _BEGIN_LEN:
+        raise _malformed(data[at:])
+    final_lsn, commit_ts, _xid = _begin_fields(data, at + 1)
+    ts_us = commit_ts + PG_EPOCH_OFFSET_US
+    tx = TxContext(lsn_to_str(final_lsn), ts_us)
+    return final_lsn, ts_us, tx.lsn_header[1], tx.ts_header[1]
+
+
+def _tx_context(sess: Session) -> TxContext:
+    """The open transaction's context, made at its first record from its Begin."""
+    begin = sess.begin
+    assert begin is not None
+    tx = sess.tx = TxContext.of_texts(begin[2], begin[1], begin[3], sess.origin)
+    return tx
 
 
 def _decode(value: object) -> str | None:
@@ -135,7 +165,6 @@ class FastPath:
         def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None: ...
 
         _send: SendStep
-        _send_row: SendRowStep
         _refused: RefusedStep
 
         def _dead_letter_route(
@@ -154,48 +183,51 @@ class FastPath:
             return
         self._on_change(sess, payload)
 
-    def _on_change(self, sess: Session, payload: bytes) -> None:
-        """One pgoutput message (the payload of an XLogData message)."""
-        if not payload:
+    def _on_change(self, sess: Session, data: bytes | memoryview, at: int = 0) -> None:
+        """One pgoutput message: ``data[at:]``, e.g. the payload of an XLogData message
+        read where it lies (the loop passes the CopyData message and 25: Insert,
+        Begin and Commit are read in place, never copied out first)."""
+        if len(data) <= at:
             raise DecodeError("empty pgoutput message")
-        tag = payload[0]
+        tag = data[at]
         if tag == _TAG_INSERT:
-            self._on_insert(sess, payload)
+            self._on_insert(sess, data, at)
         elif tag == _TAG_BEGIN:
-            self._on_begin(sess, payload)
+            self._on_begin(sess, data, at)
         elif tag == _TAG_COMMIT:
-            self._on_commit(sess, payload)
+            self._on_commit(sess, data, at)
         elif tag == _TAG_RELATION:
-            rel = pgo.decode(payload)
+            rel = pgo.decode(data[at:])
             assert isinstance(rel, pgo.Relation)
             sess.relations.update(rel)
             sess.outbox_oids.pop(rel.oid, None)
             if self._is_outbox(rel):
                 self._outbox_index(sess, rel.oid)  # checked at once: reported, not only used
         elif tag == _TAG_MESSAGE:
-            self._on_message(sess, pgo.decode(payload))
+            self._on_message(sess, pgo.decode(data[at:]))
         elif tag in _IGNORED_CHANGES:
             self._on_ignored(sess, _IGNORED_CHANGES[tag])
 
     @staticmethod
-    def _on_begin(sess: Session, payload: bytes) -> None:
-        """Begin, read in place: one per transaction, no message object."""
-        if len(payload) != _BEGIN_LEN:
-            raise _malformed(payload)
-        final_lsn, commit_ts, _xid = _begin_fields(payload, 1)
-        sess.tx_id = final_lsn
-        sess.tx = TxContext(lsn_to_str(final_lsn), commit_ts + PG_EPOCH_OFFSET_US, sess.origin)
-        sess.tracker.open(final_lsn)
+    def _on_begin(sess: Session, data: bytes | memoryview, at: int) -> None:
+        """Begin (at ``data[at]``), read in place with its header texts: one per
+        transaction, no message object; its :class:`TxContext` waits for its first record."""
+        begin = pgo.begin_context(data, at)
+        if begin is None:  # malformed (raises), or a commit time beyond the years 1000-9999
+            begin = _begin_slowly(data, at)
+        sess.tx_id = begin[0]
+        sess.begin = begin
+        sess.tracker.open(begin[0])
 
     @staticmethod
-    def _on_commit(sess: Session, payload: bytes) -> None:
-        """Commit, read in place: the transaction's records are all produced."""
-        if len(payload) != _COMMIT_LEN:
-            raise _malformed(payload)
+    def _on_commit(sess: Session, data: bytes | memoryview, at: int) -> None:
+        """Commit (at ``data[at]``), read in place: the transaction's records are all produced."""
+        if len(data) - at != _COMMIT_LEN:
+            raise _malformed(data[at:])
         if sess.tx_id is None:
             raise DecodeError("pgoutput Commit outside a transaction")
-        sess.tracker.close(sess.tx_id, _commit_fields(payload, 1)[2])
-        sess.tx_id = sess.tx = sess.reports = None
+        sess.tracker.close(sess.tx_id, _commit_fields(data, at + 1)[2])
+        sess.tx_id = sess.begin = sess.tx = sess.reports = None
 
     def _on_ignored(self, sess: Session, kind: str) -> None:
         """Outbox updates/deletes/truncates: counted, logged once a session, never published."""
@@ -212,7 +244,7 @@ class FastPath:
         schema, name = self._table
         return rel.name == name and (schema is None or rel.namespace == schema)
 
-    def _on_insert(self, sess: Session, payload: bytes) -> None:
+    def _on_insert(self, sess: Session, data: bytes | memoryview, at: int) -> None:
         """An Insert: the fast path routes straight from the message bytes.
 
         It handles the common case - an outbox row of text values, all
@@ -221,10 +253,10 @@ class FastPath:
         other row goes to :meth:`_on_insert_decoded`, which decodes it fully
         and dead-letters or raises with the precise reason.
         """
-        tx, tx_id = sess.tx, sess.tx_id
-        found = pgo.insert_text_values(payload) if tx is not None else None
+        tx_id = sess.tx_id
+        found = pgo.insert_text_values(data, at) if tx_id is not None else None
         if found is None:
-            self._on_insert_decoded(sess, pgo.decode(payload))
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         oid, found_values = found
         values: list[Any] = found_values  # (bytes | None: checked below, C-level)
@@ -234,7 +266,7 @@ class FastPath:
         if index is None:
             return
         if index.__class__ is not OutboxLayout or len(values) != index[0] or not self._utf8:
-            self._on_insert_decoded(sess, pgo.decode(payload))
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         _, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace, jsonb = index
         event_id = values[i_id]
@@ -242,17 +274,24 @@ class FastPath:
         topic = self._topic_of.get(aggtype) if aggtype is not None else None
         key, event_type, value = values[i_agg], values[i_type], values[i_payload]
         if topic is None or not (event_id and key and event_type and value):
-            self._on_insert_decoded(sess, pgo.decode(payload))
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         # One JSON object, checked, never re-encoded: jsonb text is valid JSON by
         # construction (an object starts with "{"); other types are parsed once.
-        if (value[0] != 0x7B) if jsonb else _not_object(value):
-            self._on_insert_decoded(sess, pgo.decode(payload))
+        # Nested too deeply for cdc.jsontext's rule (the full decoder's and the
+        # recovery's), it is theirs to dead-letter.
+        if ((value[0] != 0x7B) if jsonb else _not_object(value)) or (
+            len(value) > _MAX_DEPTH and _too_deep(value)
+        ):
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
-        assert tx is not None and tx_id is not None
-        trace = values[i_trace] if i_trace is not None else None
+        assert tx_id is not None
+        tx = sess.tx or _tx_context(sess)
+        # The headers in the contract's order, as cdc.router builds them.
+        headers = [(_H_ID, event_id), (_H_TYPE, event_type), (_H_AGGTYPE, aggtype), *tx.headers]
+        if i_trace is not None and (trace := values[i_trace]):
+            headers.append((_H_TRACEPARENT, trace))
         if self.poison and event_id in self.poison:  # (C-level checks: the hot path)
-            headers = row_headers(event_id, event_type, aggtype, tx, trace)
             self._produce(
                 sess,
                 tx_id,
@@ -261,15 +300,14 @@ class FastPath:
             return
         sess.tracker.add(tx_id)
         try:
-            self._send_row(sess, tx_id, tx, topic, value, key, event_id, event_type, aggtype, trace)
+            self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
         except KafkaException as exc:
-            headers = row_headers(event_id, event_type, aggtype, tx, trace)
             self._refused(sess, tx_id, exc, topic, key, value, headers, tx.timestamp_ms)
 
     def _on_insert_decoded(self, sess: Session, ins: Any) -> None:
         """An Insert the fast path did not take: decoded fully, routed or dead-lettered."""
         assert isinstance(ins, pgo.Insert)
-        if sess.tx is None or sess.tx_id is None:
+        if sess.tx_id is None:
             raise DecodeError("pgoutput Insert outside a transaction")
         oid = ins.relation_oid
         index = sess.outbox_oids.get(oid, _UNKNOWN)
@@ -277,6 +315,7 @@ class FastPath:
             index = self._outbox_index(sess, oid)
         if index is None:
             return
+        tx = sess.tx or _tx_context(sess)
         values = ins.new
         if len(values) != len(sess.relations.get(oid).columns):
             raise DecodeError(f"row of relation {oid} does not match its Relation message")
@@ -292,14 +331,14 @@ class FastPath:
                 _decode(values[index.type]),
                 _decode(values[index.payload]),
                 _decode(values[index.trace]) if index.trace is not None else None,
-                sess.tx,
+                tx,
                 self.settings.topic_prefix,
             )
         except UnicodeDecodeError as exc:
-            self._dead_letter_route(sess, sess.tx_id, sess.tx, self._not_utf8(index, values, exc))
+            self._dead_letter_route(sess, sess.tx_id, tx, self._not_utf8(index, values, exc))
             return
         except RouteError as exc:
-            self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
+            self._dead_letter_route(sess, sess.tx_id, tx, exc)
             return
         self._produce(sess, sess.tx_id, record)
         aggtype = values[index.aggregatetype]
@@ -352,7 +391,7 @@ class FastPath:
         assert isinstance(msg, pgo.Message)
         if msg.prefix != c.OUTBOX_MESSAGE_PREFIX:
             return
-        if sess.tx is None or sess.tx_id is None:
+        if sess.tx_id is None:
             # A non-transactional outbox message: never atomic with business
             # data, so it is dead-lettered rather than published.
             tx = TxContext(lsn_to_str(msg.lsn), int(time.time() * 1_000_000))
@@ -380,12 +419,11 @@ class FastPath:
             )
             sess.tracker.close(msg.lsn - 1, msg.lsn)
             return
+        tx = sess.tx or _tx_context(sess)
         try:
-            record = route_message(
-                bytes(msg.content), sess.tx, topic_prefix=self.settings.topic_prefix
-            )
+            record = route_message(bytes(msg.content), tx, topic_prefix=self.settings.topic_prefix)
         except RouteError as exc:
-            self._dead_letter_route(sess, sess.tx_id, sess.tx, exc)
+            self._dead_letter_route(sess, sess.tx_id, tx, exc)
             return
         self._ledger.note_form(FORM_MESSAGE)  # (recorded before the first: cdc.relay.gap)
         self._produce(sess, sess.tx_id, record)

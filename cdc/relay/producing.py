@@ -36,14 +36,9 @@ from cdc.producer import (
     is_record_error,
     record_error_code,
 )
-from cdc.relay import fast_produce
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.state import PoisonIds, QueueStep, RelayState, Session
-from cdc.router import (
-    KafkaRecord,
-    TxContext,
-    row_headers,
-)
+from cdc.router import KafkaRecord
 from cdc.settings import Settings
 from cdc.tracing import DeliveryCallback, RelayTracing
 from cdc.wal.replproto import lsn_to_str
@@ -151,75 +146,6 @@ class Producing:
         code = record_error_code(err)
         self._queue_dlq(sess, tx_id, code, err.str(), topic, key, value, headers, timestamp_ms)
 
-    #: The producer :attr:`_fast` was bound for, and the compiled produce call for it
-    #: (None: ``Producer.produce``); bound again whenever the producer changes.
-    _fast_producer: object = None
-    _fast: fast_produce.FastProduce | None = None
-
-    def _bind_fast(self, producer: Producer | None) -> fast_produce.FastProduce | None:
-        """The compiled call for ``producer``, or None: no producer, tracing on (a span
-        wraps each record's callback), or :meth:`_send` taken over by another part
-        (standby-safe mode holds every record there until the standby has it)."""
-        self._fast_producer = producer
-        self._fast = (
-            fast_produce.bind(producer, self.settings.kafka_config.get("client.id", "rdkafka"))
-            if producer is not None and self._tracing is None and "_send" not in vars(self)
-            else None
-        )
-        return self._fast
-
-    def _new_run(self, sess: Session, tx_id: int, topic: str, timestamp_ms: int) -> Reports:
-        """The session's new run of ``tx_id``'s records to ``topic`` (once per run)."""
-        reports = sess.reports = Reports()  # (attributes set here: no __init__ call)
-        reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
-        reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
-        return reports
-
-    def _send_row(
-        self,
-        sess: Session,
-        tx_id: int,
-        tx: TxContext,
-        topic: str,
-        value: bytes,
-        key: bytes,
-        event_id: bytes,
-        event_type: bytes,
-        aggtype: bytes,
-        trace: bytes | None,
-    ) -> None:
-        """``produce`` one added outbox record of ``tx_id`` (headers: id, type,
-        aggregatetype, the transaction's, traceparent when set), through the compiled
-        call where it is bound; :meth:`_send` otherwise, and while the local queue
-        is full (it waits for room). A refusal raises :class:`KafkaException` as
-        ``Producer.produce`` does."""
-        producer = self._producer
-        fast = self._fast if producer is self._fast_producer else self._bind_fast(producer)
-        if fast is not None:
-            reports = sess.reports
-            if reports is None or reports.tx_id != tx_id or reports.topic != topic:
-                reports = self._new_run(sess, tx_id, topic, tx.timestamp_ms)
-            err = fast(
-                producer,
-                topic,
-                value,
-                key,
-                tx.timestamp_ms,
-                event_id,
-                event_type,
-                aggtype,
-                tx.headers,
-                trace,
-                reports,
-            )
-            if not err:
-                return
-            if err != fast_produce.ERR_QUEUE_FULL:  # (worded as Producer.produce words it)
-                reason = f"Unable to produce message: {KafkaError(err).str()}"
-                raise KafkaException(KafkaError(err, reason))
-        headers = row_headers(event_id, event_type, aggtype, tx, trace)
-        self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
-
     def _send(
         self,
         sess: Session,
@@ -244,7 +170,11 @@ class Producing:
         assert producer is not None
         reports = sess.reports
         if reports is None or reports.tx_id != tx_id or reports.topic != topic:
-            reports = self._new_run(sess, tx_id, topic, timestamp_ms)
+            # A new run of tx_id's records to topic (attributes set here: no call, no
+            # __init__; a 1-event transaction's run is one per record).
+            reports = sess.reports = Reports()
+            reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
+            reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
         callback: DeliveryCallback = reports
         if self._tracing is not None:
             callback = self._tracing.produce(topic, key, headers, event_id, callback)

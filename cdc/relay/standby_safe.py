@@ -169,8 +169,7 @@ class StandbySafe:
         self._safe = _Safe(standby, StandbyGate(), metrics, self._send)
         # The fast path and the producer part call self._send per record: the
         # instance attribute takes the place of the method, so with the mode off
-        # nothing changes on the hot path (and with it on, the compiled produce
-        # call is not bound: Producing._bind_fast sees the attribute).
+        # nothing changes on the hot path.
         setattr(self, "_send", self._hold)  # noqa: B010
 
     def _hold(

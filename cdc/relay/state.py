@@ -128,6 +128,11 @@ class Session:
     tracker: LsnTracker
     relations: pgo.RelationCache = field(default_factory=pgo.RelationCache)
     tx_id: int | None = None
+    #: the open transaction's Begin: (final_lsn, commit time in Unix us, the texts of
+    #: its lsn and commit_ts headers), read in place (cdc.wal.pgoutput.begin_context)
+    begin: tuple[int, int, bytes, bytes] | None = None
+    #: the open transaction's context, built at its first record (None before it:
+    #: a transaction without outbox records costs none)
     tx: TxContext | None = None
     reply_requested: bool = False
     fatal: KafkaError | None = None
@@ -164,10 +169,6 @@ Headers = list[tuple[str, bytes]]
 #: parts positionally (keyword parsing is measurable on the hot path):
 #: ``_send(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)``,
 SendStep = Callable[[Session, int, str, bytes, bytes, Headers, int, bytes], None]
-#: ``_send_row(sess, tx_id, tx, topic, value, key, event_id, event_type, aggtype, trace)``,
-SendRowStep = Callable[
-    [Session, int, TxContext, str, bytes, bytes, bytes, bytes, bytes, bytes | None], None
-]
 #: ``_refused(sess, tx_id, exc, topic, key, value, headers, timestamp_ms)``,
 RefusedStep = Callable[[Session, int, KafkaException, str, bytes, bytes, Headers, int], None]
 #: ``_queue_dlq(sess, tx_id, code, reason, topic, key, value, headers, timestamp_ms)``.

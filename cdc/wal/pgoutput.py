@@ -32,6 +32,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Final, TypeAlias, cast
 
 from cdc.constants import PG_EPOCH_OFFSET_US
@@ -55,6 +56,7 @@ __all__ = [
     "Unchanged",
     "Update",
     "Value",
+    "begin_context",
     "decode",
     "insert_text_values",
 ]
@@ -342,31 +344,42 @@ _INSERT_HEAD: Final = struct.Struct(">IcH")  # relation oid, 'N', column count
 _INSERT_VALUES_AT: Final = 1 + _INSERT_HEAD.size
 
 
-def _insert_text_values_py(data: bytes) -> tuple[int, list[bytes | None]] | None:
-    """The relation OID and values of an Insert holding only text and NULL values.
+def _insert_text_values_py(
+    data: bytes | memoryview, at: int = 0
+) -> tuple[int, list[bytes | None]] | None:
+    """The relation OID and values of the Insert at ``data[at:]`` (to its end)
+    holding only text and NULL values.
 
     The relay's fast path: the same OID and values :func:`decode` gives
-    (``Insert.relation_oid``, ``list(Insert.new)``) without building objects.
-    Returns None for anything else (another message kind, a binary or
-    unchanged value, a short message, trailing bytes); :func:`decode` then
-    names the problem. :data:`insert_text_values` is this function, or the
-    same in C (:mod:`cdc.wal._pgfast`) where it was built.
+    (``Insert.relation_oid``, ``list(Insert.new)``) without building objects,
+    and without copying the message out of the CopyData message it came in
+    (``at``: its offset there). Returns None for anything else (another message
+    kind, a binary or unchanged value, a short message, trailing bytes);
+    :func:`decode` then names the problem. :data:`insert_text_values` is this
+    function, or the same in C (:mod:`cdc.wal._pgfast`) where it was built.
     """
-    if len(data) < _INSERT_VALUES_AT or data[0] != 0x49:  # 'I'
+    if at < 0:
+        raise ValueError("insert_text_values: a negative offset")
+    if type(data) is not bytes:
+        data = bytes(data)  # (values are bytes; the C function copies only them)
+    end = len(data)
+    if end - at < _INSERT_VALUES_AT or data[at] != 0x49:  # 'I'
         return None
-    oid, kind, ncols = _INSERT_HEAD.unpack_from(data, 1)
+    oid, kind, ncols = _INSERT_HEAD.unpack_from(data, at + 1)
     if kind != b"N":
         return None
     values: list[bytes | None] = []
     append = values.append
     size_at = _U32.unpack_from
-    off = _INSERT_VALUES_AT
+    off = at + _INSERT_VALUES_AT
     try:
         for _ in range(ncols):
             kind_byte = data[off]
             if kind_byte == 0x74:  # 't' text: Int32 size, bytes
                 start = off + 5
                 off = start + size_at(data, off + 1)[0]
+                if off > end:
+                    return None
                 append(data[start:off])
             elif kind_byte == 0x6E:  # 'n' null
                 append(None)
@@ -375,7 +388,45 @@ def _insert_text_values_py(data: bytes) -> tuple[int, list[bytes | None]] | None
                 return None
     except (IndexError, struct.error):
         return None
-    return (oid, values) if off == len(data) else None
+    return (oid, values) if off == end else None
+
+
+#: ``(data, at=0)`` -> the OID and values of a text-only Insert at ``data[at:]``, or None.
+InsertTextValues: TypeAlias = Callable[..., "tuple[int, list[bytes | None]] | None"]
+
+
+def _begin_context_py(data: bytes | memoryview, at: int = 0) -> BeginContext | None:
+    """The Begin at ``data[at:]`` (to its end) read in place, with the texts of its
+    transaction's ``lsn`` and ``commit_ts`` headers: ``(final_lsn, commit time in
+    Unix microseconds, b"16/B374D848", b"2026-11-29T10:00:00.123456Z")``.
+
+    The relay's fast path (:data:`begin_context` is this function, or the same
+    in C where it was built: Python's int formatting of the two texts was most
+    of a 1-event transaction's own cost). None for anything else: another
+    message kind, a wrong length (:func:`decode` then names the problem), or a
+    commit time outside the years 1000-9999 (the caller formats it the slow way).
+    """
+    if at < 0:
+        raise ValueError("begin_context: a negative offset")
+    if type(data) is not bytes:
+        data = bytes(data)
+    if len(data) - at != BEGIN_LEN or data[at] != 0x42:  # 'B'
+        return None
+    final_lsn, pg_ts, _xid = _BEGIN.unpack_from(data, at + 1)
+    ts_us = pg_ts + PG_EPOCH_OFFSET_US
+    secs, micros = divmod(ts_us, 1_000_000)
+    if not _FIRST_S <= secs < _PAST_LAST_S:
+        return None
+    head = datetime.fromtimestamp(secs, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    lsn_text = b"%X/%X" % (final_lsn >> 32, final_lsn & 0xFFFF_FFFF)
+    return final_lsn, ts_us, lsn_text, b"%s.%06dZ" % (head.encode(), micros)
+
+
+#: ``(final_lsn, commit time in Unix us, LSN text, ISO commit time)`` of a Begin.
+BeginContext: TypeAlias = tuple[int, int, bytes, bytes]
+#: The commit times :func:`_begin_context_py` formats: years 1000 to 9999.
+_FIRST_S: Final = int(datetime(1000, 1, 1, tzinfo=UTC).timestamp())
+_PAST_LAST_S: Final = int(datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC).timestamp()) + 1
 
 
 #: Set to 1, the pure-Python functions are used even where the compiled ones exist
@@ -383,20 +434,32 @@ def _insert_text_values_py(data: bytes) -> tuple[int, list[bytes | None]] | None
 PURE_PYTHON_VAR: Final = "OUTBOX_CDC_PURE_PYTHON"
 
 
-def _compiled_insert_text_values() -> Callable[[bytes], tuple[int, list[bytes | None]] | None]:
+def _compiled_insert_text_values() -> InsertTextValues:
     if os.environ.get(PURE_PYTHON_VAR, "").strip() in ("1", "true", "yes"):
         return _insert_text_values_py
     try:
         compiled = importlib.import_module("cdc.wal._pgfast").insert_text_values
     except ImportError:  # not built (no C compiler where it was installed)
         return _insert_text_values_py
-    return cast(Callable[[bytes], tuple[int, list[bytes | None]] | None], compiled)
+    return cast(InsertTextValues, compiled)
+
+
+def _compiled_begin_context() -> Callable[..., BeginContext | None]:
+    if os.environ.get(PURE_PYTHON_VAR, "").strip() in ("1", "true", "yes"):
+        return _begin_context_py
+    try:
+        compiled = importlib.import_module("cdc.wal._pgfast").begin_context
+    except ImportError:  # not built (no C compiler where it was installed)
+        return _begin_context_py
+    return cast(Callable[..., BeginContext | None], compiled)
 
 
 #: :func:`_insert_text_values_py`, compiled where a C compiler built :mod:`cdc.wal._pgfast`
 #: (a fifth of its cost; one allocation per value and one for the result).
 insert_text_values: Final = _compiled_insert_text_values()
-#: True when :data:`insert_text_values` is the compiled function.
+#: :func:`_begin_context_py`, compiled where :mod:`cdc.wal._pgfast` was built.
+begin_context: Final = _compiled_begin_context()
+#: True when :data:`insert_text_values` (and :data:`begin_context`) are the compiled functions.
 COMPILED: Final = insert_text_values is not _insert_text_values_py
 
 

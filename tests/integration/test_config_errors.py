@@ -175,4 +175,4 @@ def test_a_port_in_use_is_one_line_naming_its_setting_exit_2(
 ) -> None:
     case = Case(f"{variable} in use", command, {variable: str(taken_port)}, variable)
     line = _assert_one_line(_cli(command, case.env), case)
-    assert f"{variable}={taken_port}: port already in use" in line
+    assert f"{variable}={taken_port}: port 127.0.0.1:{taken_port} already in use" in line

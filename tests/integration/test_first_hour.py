@@ -267,7 +267,7 @@ def test_a_taken_port_is_refused_with_one_line_naming_its_setting(
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stdout == ""
     assert run.stderr.splitlines() == [
-        f"error: {variable}={port}: port 127.0.0.1:{port} is already in use by another "
-        f"program: stop it or set {variable} to a free port"
+        f"error: {variable}={port}: port 127.0.0.1:{port} already in use (Address already in"
+        f" use): stop what listens there or set {variable} to a free port"
     ]
     assert not list(tmp_path.glob("demo-*.log")), "a child was started"

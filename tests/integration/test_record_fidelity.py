@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from cdc.errors import DatabaseSetupError
+from cdc.jsontext import MAX_DEPTH, TOO_DEEP
 from cdc.outbox import OutboxEvent, OutboxPayloadError, emit_event, write_event
 from cdc.wal.stream import ensure_publication
 from tests.harness import (
@@ -237,6 +238,67 @@ def test_the_edge_numbers_of_the_issue_arrive_unchanged(fid: RelayConfig) -> Non
     for text_id in map(str, ids):
         assert values[text_id] == stored[text_id].encode()
     assert b"18446744073709551616" in values[str(ids[0])]
+
+
+def _nested(depth: int) -> str:
+    return '{"a": ' * (depth - 1) + '{"n": 1}' + "}" * (depth - 1)
+
+
+def test_one_depth_rule_on_the_fast_path_the_full_decoder_and_logical_messages(
+    fid: RelayConfig,
+) -> None:
+    """Issue 34 item 9: a jsonb payload nested one level more than MAX_DEPTH is
+    dead-lettered with the same reason whether the fast path or the full decoder
+    reads it (the first row of a topic not yet known takes the full decoder, and a
+    dead-lettered row leaves the topic unknown); at MAX_DEPTH it is published; a
+    logical message's payload follows the same rule."""
+    first, second = (f"d{uuid.uuid4().hex[:8]}" for _ in range(2))
+    deep, at_limit = _nested(MAX_DEPTH + 1), _nested(MAX_DEPTH)
+    rows = [  # (aggregatetype, payload, path)
+        (first, deep, "full decoder"),
+        (first, '{"x": 1}', "full decoder"),
+        (second, '{"x": 2}', "full decoder"),
+        (second, at_limit, "fast path"),
+        (second, deep, "fast path"),
+    ]
+    ids = [uuid.uuid4() for _ in rows]
+    message_ids = [uuid.uuid4() for _ in range(2)]
+    with psycopg.connect(fid.db_dsn) as conn, conn.transaction():
+        for event_id, (aggtype, payload, _) in zip(ids, rows, strict=True):
+            conn.execute(
+                "INSERT INTO outbox (id, aggregatetype, aggregateid, type, payload)"
+                " VALUES (%s, %s, 'k', 'T', %s)",
+                (event_id, aggtype, payload),
+            )
+        for event_id, payload in zip(message_ids, (at_limit, deep), strict=True):
+            doc = (
+                f'{{"id": "{event_id}", "aggregatetype": "{second}", "aggregateid": "k",'
+                f' "type": "T", "payload": {payload}}}'
+            )
+            conn.execute("SELECT pg_logical_emit_message(true, 'outbox', %s)", (doc,))
+    want = {str(i) for i in (*ids, *message_ids)}
+    topics = [fid.topic_prefix + first, fid.topic_prefix + second, fid.dlq_topic]
+    by_id: dict[str, Any] = {}
+
+    def all_arrived() -> bool:
+        got = read_topics(fid.kafka, topics, expect=len(want), idle_s=0.5)
+        by_id.update({headers_of(m)["id"].decode(): m for m in got if headers_of(m).get("id")})
+        return want <= by_id.keys()
+
+    wait_until(all_arrived, 120, "every row, published or dead-lettered")
+    reason = f"payload is {TOO_DEEP}".encode()
+    for event_id, (aggtype, payload, path) in zip(ids, rows, strict=True):
+        msg = by_id[str(event_id)]
+        assert msg.value() == payload.encode(), path
+        if payload is deep:
+            assert msg.topic() == fid.dlq_topic, path
+            assert headers_of(msg)["dlq.reason"] == reason, path
+        else:
+            assert msg.topic() == fid.topic_prefix + aggtype, path
+    published, dead = (by_id[str(i)] for i in message_ids)
+    assert (published.topic(), published.value()) == (fid.topic_prefix + second, at_limit.encode())
+    assert dead.topic() == fid.dlq_topic
+    assert headers_of(dead)["dlq.reason"] == b"outbox message's " + reason
 
 
 # ---- write_event and emit_event refuse the same payloads ----------------------------

@@ -221,6 +221,21 @@ def test_sigterm_exits_zero_within_seconds_and_loses_nothing(
     assert {headers_of(m)["id"].decode() for m in msgs} == {str(i) for i in ids}
 
 
+def test_the_start_line_names_the_settings_that_differ_from_their_defaults(
+    cfg: RelayConfig, relay: Proc
+) -> None:
+    """One readable line (issue 38 item 4), not every setting: the ones the harness
+    set, the database password redacted."""
+    (line,) = [x for x in relay.log_path.read_text().splitlines() if "relay starting with" in x]
+    assert f"CDC_SLOT={cfg.slot}" in line
+    assert f"KAFKA_BOOTSTRAP_SERVERS={cfg.kafka}" in line
+    assert "password=***" in line
+    password = psycopg.conninfo.conninfo_to_dict(cfg.db_dsn).get("password")
+    assert password and str(password) not in line
+    assert "CDC_GAP_MARGIN_S" not in line  # at its default
+    assert len(line) < 1_000, line
+
+
 #: SIGTERMs sent back to back (a dying parent's PR_SET_PDEATHSIG, a supervisor's, the
 #: user's Ctrl-C) in each burst, and the bursts (each to a relay in a different state).
 SIGNAL_BURST = 200

@@ -9,7 +9,8 @@ import pytest
 
 from cdc.wal import pgoutput
 
-InsertTextValues = Callable[[bytes], "tuple[int, list[bytes | None]] | None"]
+#: ``(data, at=0)``: the OID and values of a text-only Insert at ``data[at:]``, or None.
+InsertTextValues = Callable[..., "tuple[int, list[bytes | None]] | None"]
 
 
 def compiled_insert_parser() -> InsertTextValues | None:
@@ -35,8 +36,16 @@ INSERT_PARSERS = [pytest.param(pgoutput._insert_text_values_py, id="python-parse
 
 @pytest.fixture(scope="module", params=INSERT_PARSERS)
 def insert_parser(request: pytest.FixtureRequest) -> Iterator[object]:
-    """The relay's fast path with each Insert parser: the pure-Python fallback and the
-    compiled one (where built); a module using it runs every test under both."""
+    """The relay's fast path with each Insert (and Begin) parser: the pure-Python
+    fallback and the compiled one (where built); a module using it runs every test
+    under both."""
+    compiled = request.param is COMPILED_INSERT_PARSER
+    begin = (
+        importlib.import_module("cdc.wal._pgfast").begin_context
+        if compiled
+        else pgoutput._begin_context_py
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pgoutput, "insert_text_values", request.param)
+        patch.setattr(pgoutput, "begin_context", begin)
         yield request.param

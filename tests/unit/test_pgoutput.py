@@ -7,8 +7,10 @@ the decoder, so these tests compare the decoder with PostgreSQL itself.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import struct
 import subprocess
 import sys
 from functools import cache
@@ -20,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cdc.errors import DecodeError
+from cdc.router import TxContext
 from cdc.wal import pgoutput
 from cdc.wal.pgoutput import (
     UNCHANGED_TOAST,
@@ -39,6 +42,7 @@ from cdc.wal.pgoutput import (
     Value,
     decode,
 )
+from cdc.wal.replproto import lsn_to_str
 from tests.conftest import IN_CI
 from tests.unit.conftest import COMPILED_INSERT_PARSER, INSERT_PARSERS, InsertTextValues
 
@@ -504,13 +508,137 @@ _column = st.one_of(
     st.integers(min_value=-2, max_value=2),
     st.sampled_from([b"N", b"K"]),
     st.integers(min_value=-3, max_value=2),
+    st.binary(max_size=30),
 )
 def test_fast_path_on_generated_inserts_agrees_with_decode_or_declines(
-    parse: InsertTextValues, oid: int, columns: list[bytes], ncols_skew: int, kind: bytes, cut: int
+    parse: InsertTextValues,
+    oid: int,
+    columns: list[bytes],
+    ncols_skew: int,
+    kind: bytes,
+    cut: int,
+    before: bytes,
 ) -> None:
     ncols = max(0, len(columns) + ncols_skew)
     data = b"I" + oid.to_bytes(4, "big") + kind + ncols.to_bytes(2, "big") + b"".join(columns)
     data = data[:cut] if cut < 0 else data + b"\x00" * cut
     assert_fast_path_agrees_with_decode(parse, data)
+    # read in place: the same message after other bytes of a memoryview (the relay
+    # passes the CopyData message and the offset of its payload) reads the same
+    in_place = parse(memoryview(before + data), len(before))
+    assert in_place == parse(data)
+    assert in_place is None or all(type(v) is bytes or v is None for v in in_place[1])
     if COMPILED is not None:  # the two parsers agree on every input, declines included
         assert COMPILED(data) == pgoutput._insert_text_values_py(data)
+        at = len(before)
+        buffer = before + data
+        assert COMPILED(buffer, at) == pgoutput._insert_text_values_py(buffer, at)
+
+
+@each_implementation
+def test_an_offset_at_or_past_the_end_declines_and_a_negative_one_raises(
+    parse: InsertTextValues,
+) -> None:
+    insert = raw(messages("I")[0])
+    assert parse(insert, 0) is not None
+    assert parse(insert, len(insert)) is None
+    assert parse(insert, len(insert) + 5) is None
+    with pytest.raises(ValueError, match="negative offset"):
+        parse(insert, -1)
+
+
+# --- Begin read in place, with its header texts ---------------------------------
+
+COMPILED_BEGIN = (
+    importlib.import_module("cdc.wal._pgfast").begin_context if COMPILED is not None else None
+)
+#: The pure-Python Begin reader and the compiled one (where built).
+BEGIN_PARSERS = [pytest.param(pgoutput._begin_context_py, id="python-parser")] + (
+    [pytest.param(COMPILED_BEGIN, id="c-parser")] if COMPILED_BEGIN is not None else []
+)
+each_begin_parser = pytest.mark.parametrize("parse", BEGIN_PARSERS)
+_PG_EPOCH_US = 946_684_800_000_000
+_YEAR_1000_US = -30_610_224_000_000_000  # 1000-01-01T00:00:00Z
+_YEAR_10000_US = 253_402_300_800_000_000  # 10000-01-01T00:00:00Z
+
+
+def _begin_message(final_lsn: int, unix_us: int, xid: int = 7) -> bytes:
+    return b"B" + struct.pack(">QqI", final_lsn, unix_us - _PG_EPOCH_US, xid)
+
+
+def _reference(final_lsn: int, unix_us: int) -> tuple[int, int, bytes, bytes]:
+    """What the relay's headers read for this Begin (cdc.router.TxContext)."""
+    tx = TxContext(lsn_to_str(final_lsn), unix_us)
+    return final_lsn, unix_us, tx.lsn_header[1], tx.ts_header[1]
+
+
+@each_begin_parser
+def test_every_captured_begin_reads_as_decode_with_the_headers_texts(parse: Any) -> None:
+    begins = [raw(m) for m in messages("B")]
+    assert begins
+    for data in begins:
+        msg = decode(data)
+        assert isinstance(msg, Begin)
+        assert parse(data) == _reference(msg.final_lsn, msg.commit_ts_us)
+
+
+@each_begin_parser
+@pytest.mark.parametrize(
+    ("unix_us", "formatted"),
+    [
+        (_YEAR_1000_US, b"1000-01-01T00:00:00.000000Z"),
+        (_YEAR_1000_US - 1, None),
+        (_YEAR_10000_US - 1, b"9999-12-31T23:59:59.999999Z"),
+        (_YEAR_10000_US, None),
+        (0, b"1970-01-01T00:00:00.000000Z"),
+        (-1, b"1969-12-31T23:59:59.999999Z"),
+        (951_782_400_000_001, b"2000-02-29T00:00:00.000001Z"),
+        (1_795_000_000_123_456, b"2026-11-18T11:06:40.123456Z"),
+    ],
+)
+def test_the_commit_time_is_formatted_for_the_years_1000_to_9999_only(
+    parse: Any, unix_us: int, formatted: bytes | None
+) -> None:
+    found = parse(_begin_message(0x16B374D848, unix_us))
+    assert (found[3] if found else None) == formatted
+    if found:
+        assert found == _reference(0x16B374D848, unix_us)
+
+
+@each_begin_parser
+def test_a_begin_that_is_not_one_declines_and_a_negative_offset_raises(parse: Any) -> None:
+    data = _begin_message(1, 0)
+    for wrong in (data[:-1], data + b"\0", b"C" + data[1:], b""):
+        assert parse(wrong) is None
+    assert parse(data, len(data)) is None
+    with pytest.raises(ValueError, match="negative offset"):
+        parse(data, -1)
+
+
+@each_begin_parser
+@given(
+    st.integers(min_value=0, max_value=2**64 - 1),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.binary(max_size=30),
+)
+def test_generated_begins_read_as_the_reference_or_decline_alike(
+    parse: Any, final_lsn: int, pg_ts: int, before: bytes
+) -> None:
+    data = b"B" + struct.pack(">QqI", final_lsn, pg_ts, 7)
+    found = parse(data)
+    assert parse(memoryview(before + data), len(before)) == found  # read in place
+    unix_us = pg_ts + _PG_EPOCH_US
+    assert (found is not None) is (_YEAR_1000_US <= unix_us < _YEAR_10000_US)
+    if found is not None:
+        assert found == _reference(final_lsn, unix_us)
+    if COMPILED_BEGIN is not None:  # the two agree on every input
+        assert COMPILED_BEGIN(before + data, len(before)) == pgoutput._begin_context_py(data)
+
+
+@given(st.integers(min_value=_YEAR_1000_US, max_value=_YEAR_10000_US - 1))
+def test_the_compiled_and_python_commit_times_agree_across_the_years(unix_us: int) -> None:
+    data = _begin_message(0, unix_us)
+    expected = _reference(0, unix_us)
+    assert pgoutput._begin_context_py(data) == expected
+    if COMPILED_BEGIN is not None:
+        assert COMPILED_BEGIN(data) == expected

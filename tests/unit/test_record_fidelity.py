@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cdc.jsontext import object_error, object_members
+from cdc.jsontext import MAX_DEPTH, TOO_DEEP, object_error, object_members, too_deep
 from cdc.relay.loop import Relay
-from cdc.router import TxContext, route_message
+from cdc.router import DeadLetterCode, RouteError, TxContext, route_message
 from tests.unit.test_relay_routing import (  # the same recording producer and wire format
     new_session,
     producer_of,
@@ -142,3 +142,108 @@ def test_dead_letters_carry_the_rows_id_key_and_topic() -> None:
     relay._drain_dlq(sess)
     dlq = producer_of(relay).produced[-1]
     assert dlq.key == b"u-1" and dict(dlq.headers)["dlq.original.topic"] == b"outbox.event.user"
+
+
+# ---- one depth rule for every path (issue 34 item 9) --------------------------------
+
+
+def _nested(depth: int, leaf: str = "1") -> str:
+    """A JSON object whose arrays and objects nest exactly ``depth`` levels deep."""
+    return '{"a": ' * (depth - 1) + '{"n": ' + leaf + "}" + "}" * (depth - 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "deep"),
+    [
+        (_nested(MAX_DEPTH).encode(), False),
+        (_nested(MAX_DEPTH + 1).encode(), True),
+        (b"[" * MAX_DEPTH + b"]" * MAX_DEPTH, False),
+        (b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1), True),
+        (b"[" * (MAX_DEPTH + 1), True),  # not JSON, still too deep
+        (b'{"s": "' + b"[" * 2 * MAX_DEPTH + b'"}', False),  # brackets in a string
+        (b'{"s": "\\"' + b"{" * 2 * MAX_DEPTH + b'"}', False),  # after an escaped quote
+        (b'{"s": "\\\\", "t": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}", True),
+        (b"[" * 300 + b"]" * 300 + b"{" * 300 + b"}" * 300, False),  # many, never deep
+    ],
+    ids=[
+        "at-limit",
+        "one-over",
+        "arrays-at-limit",
+        "arrays-one-over",
+        "unclosed",
+        "in-string",
+        "escaped-quote",
+        "escaped-backslash",
+        "siblings",
+    ],
+)
+def test_too_deep_counts_brackets_outside_strings(text: bytes, deep: bool) -> None:
+    assert too_deep(text) is deep
+    assert (object_error(text) == TOO_DEEP) is deep
+
+
+def _deep_rows() -> list[list[bytes | None]]:
+    """A shallow row (it warms the topic: the rest take the fast path), one at the
+    limit (with a number beyond a double: the exact check), one over it."""
+    return [
+        row(event_id=f"{n:08d}-0000-4000-8000-000000000000", payload=p.encode())
+        for n, p in enumerate(['{"x": 1}', _nested(MAX_DEPTH, "1.5e400"), _nested(MAX_DEPTH + 1)])
+    ]
+
+
+@pytest.mark.parametrize(
+    ("utf8", "payload_oid"),
+    [(True, JSONB), (True, TEXT), (False, JSONB)],
+    ids=["fast-path-jsonb", "fast-path-text", "full-decoder"],
+)
+def test_one_depth_rule_for_the_fast_path_the_full_decoder_and_the_recovery(
+    utf8: bool, payload_oid: int
+) -> None:
+    """Issue 34 item 9: a payload at MAX_DEPTH is published on every path, one level
+    deeper it is dead-lettered on every path, with the same reason."""
+    from cdc.relay.recovery import _record
+    from cdc.settings import Settings
+
+    rows = _deep_rows()
+    relay = _new_relay()
+    relay._utf8 = utf8
+    sess = new_session()
+    relay._on_change(sess, _relation(payload_oid))
+    run_tx(relay, sess, rows, final_lsn=0xB000)
+    published = [p.value for p in producer_of(relay).produced]
+    assert published == [rows[0][4], rows[1][4]]
+    (dead,) = sess.pending_dlq
+    assert (dead.code, dead.reason) == (DeadLetterCode.NOT_JSON, f"payload is {TOO_DEEP}")
+    assert dead.event_id == rows[2][0].decode()  # type: ignore[union-attr]
+
+    # the recovery routes the table's rows with the full decoder: the same outcome
+    settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9")
+    tx = TxContext("0/B000", 0)
+    recovered = [
+        _record((*(None if v is None else v.decode() for v in r[:5]), None), tx, settings, b"1")
+        for r in rows
+    ]
+    assert [r.topic for r in recovered] == [
+        "outbox.event.user",
+        "outbox.event.user",
+        settings.dlq_topic,
+    ]
+    assert [r.value for r in recovered[:2]] == published
+    assert dict(recovered[2].headers)["dlq.reason"] == f"payload is {TOO_DEEP}".encode()
+
+
+def test_a_logical_messages_payload_follows_the_same_depth_rule() -> None:
+    def message(payload: str) -> bytes:
+        return (
+            '{"id": "e", "aggregatetype": "user", "aggregateid": "k", "type": "T",'
+            f' "payload": {payload}}}'
+        ).encode()
+
+    at_limit = _nested(MAX_DEPTH)
+    record = route_message(message(at_limit), TxContext("0/1", 0), topic_prefix="p.")
+    assert record.value == at_limit.encode()
+    with pytest.raises(RouteError) as raised:
+        route_message(message(_nested(MAX_DEPTH + 1)), TxContext("0/1", 0), topic_prefix="p.")
+    assert raised.value.code is DeadLetterCode.NOT_JSON
+    assert raised.value.reason == f"outbox message's payload is {TOO_DEEP}"
+    assert (raised.value.event_id, raised.value.key, raised.value.topic) == ("e", b"k", "p.user")

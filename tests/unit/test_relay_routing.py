@@ -26,6 +26,7 @@ from cdc.relay.loop import Relay
 from cdc.relay.state import Session
 from cdc.router import DeadLetterCode, TxContext, route_fields
 from cdc.settings import Settings
+from cdc.wal import pgoutput
 from cdc.wal.lsn import LsnTracker
 
 # Every test runs with the pure-Python Insert parser and the compiled one.
@@ -390,15 +391,85 @@ def test_a_commit_outside_a_transaction_is_a_decode_error(relay: Relay) -> None:
 
 
 def test_begin_read_in_place_gives_the_transactions_lsn_and_commit_time(relay: Relay) -> None:
+    """Begin is read in place; its context is made at the transaction's first record
+    (none for a transaction without one) and equals the one TxContext itself makes."""
     sess = new_session()
+    sess.origin = ("origin", b"7412345678901234567/1/outbox_slot")
     relay._on_change(sess, begin(0x3000))
+    assert sess.tx is None  # lazy: no record yet
+    assert sess.tx_id == 0x3000
+    relay._on_change(sess, relation())
+    relay._on_change(sess, insert(row()))
     assert sess.tx is not None
     expected = TxContext(relay_mod.lsn_to_str(0x3000), COMMIT_TS_US, sess.origin)
-    assert (sess.tx.commit_lsn, sess.tx.commit_ts_us, sess.tx.headers) == (
+    assert (sess.tx.commit_lsn, sess.tx.commit_ts_us, sess.tx.headers, sess.tx.timestamp_ms) == (
         expected.commit_lsn,
         expected.commit_ts_us,
         expected.headers,
+        expected.timestamp_ms,
     )
     relay._on_change(sess, commit(0x3000))
-    assert sess.tx is None
-    assert sess.tracker.confirmable == 0x3000 + 40
+    assert sess.tx is None and sess.begin is None
+    empty = new_session()
+    relay._on_change(empty, begin(0x4000))
+    relay._on_change(empty, commit(0x4000))
+    assert empty.tracker.confirmable == 0x4000 + 40  # a transaction without a record
+
+
+def test_a_commit_time_the_fast_parser_does_not_format_is_formatted_the_slow_way(
+    relay: Relay,
+) -> None:
+    """begin_context declines a commit time outside the years 1000-9999; the relay
+    then formats it as TxContext does, and the record carries it."""
+    sess = new_session()
+    relay._on_change(sess, relation())
+    year_999_us = -30_641_760_000_000_000  # 0999-01-01 in Unix microseconds
+    early = b"B" + struct.pack(">QqI", 0x5000, year_999_us - PG_EPOCH_US, 7)
+    assert pgoutput.begin_context(early) is None
+    relay._on_change(sess, early)
+    relay._on_change(sess, insert(row()))
+    assert sess.tx is not None
+    assert sess.tx.headers == TxContext("0/5000", year_999_us).headers
+    assert producer_of(relay).produced[-1].timestamp == year_999_us // 1000
+
+
+class CopyDataStream(FakeStream):
+    """The stream as the loop reads it: CopyData messages as psycopg hands them over
+    (memoryviews), XLogData wrapped around each pgoutput message."""
+
+    def __init__(self, messages: list[bytes]) -> None:
+        self._left = [
+            memoryview(b"w" + struct.pack(">QQq", 0x10, 0x10, 0) + message) for message in messages
+        ]
+
+    def get_nowait(self) -> tuple[int, memoryview | None]:
+        if not self._left:
+            return 0, None
+        data = self._left.pop(0)
+        return len(data), data
+
+    def read(self, timeout_s: float) -> memoryview | None:
+        return self.get_nowait()[1]
+
+
+def test_the_loop_reads_each_xlogdata_in_place_as_the_message_alone_reads(relay: Relay) -> None:
+    """_read_batch hands the CopyData message and the payload's offset (no copy):
+    the records are those of the same messages handed over alone, and a malformed
+    message read in place names its fault as it does alone."""
+    rows = [row(), row(event_id="9c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c", trace=b"00-a-b-01")]
+    messages = [relation(), begin(0x9000), *map(insert, rows), commit(0x9000)]
+    sess = Session(stream=CopyDataStream(messages), tracker=LsnTracker(0))  # type: ignore[arg-type]
+    relay._read_batch(sess)
+    in_place = [shape(p) for p in producer_of(relay).produced]
+    assert in_place == [shape(reference(v, 0x9000)) for v in rows]
+    assert sess.tracker.open_transactions == 0
+
+    alone = new_session()
+    producer_of(relay).produced.clear()
+    for message in messages:
+        relay._on_change(alone, message)
+    assert [shape(p) for p in producer_of(relay).produced] == in_place
+
+    broken = Session(stream=CopyDataStream([begin(0xA000)[:-1]]), tracker=LsnTracker(0))  # type: ignore[arg-type]
+    with pytest.raises(DecodeError, match=re.escape("truncated pgoutput Begin message (20 bytes)")):
+        relay._read_batch(broken)
