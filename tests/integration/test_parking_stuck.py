@@ -105,7 +105,7 @@ def _all_held_delivered(stub: StubServer, port: int) -> bool:
     return bool(applied == _gauges(port)["outbox_sink_held_records"] - 1)
 
 
-@pytest.mark.timeout(900)  # (100,000 records through a loaded machine; every wait inside is bounded)
+@pytest.mark.timeout(900)  # (100,000 records on a loaded machine; every wait inside is bounded)
 def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everything_after(
     db_dsn: str, kafka_bootstrap: str, unique: str, stub: StubServer, tmp_path: Path
 ) -> None:
