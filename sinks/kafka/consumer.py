@@ -5,12 +5,12 @@ what to pause - is the core's (see :mod:`sinks.core.machine` for the invariants 
 the circuit's transitions). This shell only carries the core's actions out
 and reports what came of them:
 
-* Kafka lives on its own thread (:class:`sinks.kafka_worker.KafkaWorker`);
+* Kafka lives on its own thread (:class:`sinks.kafka.worker.KafkaWorker`);
   records, assignments, revocations and commit results arrive here as calls
   on the event loop, and pause/resume/commit go back as commands - so no
   Kafka call ever blocks deliveries, the admin API or the scheduler;
 * a :class:`~sinks.core.machine.Send` becomes one task that delivers through
-  :func:`sinks.dispatch.deliver` and maps the outcome to a core
+  :func:`sinks.engine.dispatch.deliver` and maps the outcome to a core
   :class:`~sinks.core.machine.Result` (the error classes say which);
 * a :class:`~sinks.core.machine.Park` becomes one task writing its whole batch in
   one round-trip, on a connection of its own (the admin API and the scheduler
@@ -54,9 +54,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from cdc.health import Liveness
 from cdc.kafkalog import KafkaClientEvents
 from cdc.settings import Settings
-from sinks import http1
 from sinks.core import machine as core
 from sinks.core.delivery import Envelope
+from sinks.core.errors import EngineMisconfigured, EngineUnavailable, SinkError, Unroutable
 from sinks.core.machine import (
     Circuit,
     Commit,
@@ -72,16 +72,16 @@ from sinks.core.machine import (
     Verdict,
 )
 from sinks.core.retry import Backoff, retry_delay_s
-from sinks.dispatch import deliver
-from sinks.engine import EngineClient
-from sinks.errors import EngineMisconfigured, EngineUnavailable, SinkError, Unroutable
-from sinks.kafka_worker import KafkaWorker
-from sinks.logs import BoundedLabels, RepeatLog
+from sinks.engine import http1
+from sinks.engine.client import EngineClient
+from sinks.engine.dispatch import deliver
+from sinks.kafka.worker import KafkaWorker
 from sinks.parking.lot import ParkingLot, ParkingLotUnavailable, ParkRequest
-from sinks.routes import Routing
-from sinks.tracing import SinkTracing
+from sinks.shared.logs import BoundedLabels, RepeatLog
+from sinks.shared.routes import Routing
+from sinks.shared.tracing import SinkTracing
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.consumer")  # the name operators filter on: kept across moves
 
 #: Records held in memory (per instance) above which partitions pause.
 MAX_BUFFERED = 20_000
@@ -317,7 +317,7 @@ def route_result(exc: EngineUnavailable) -> Result:
     deadline: UNAVAILABLE ``shared`` (the route is slow for everyone). Another
     5xx: SERVER_ERROR (the core blames the record only with per-route
     evidence). The rest - refused, reset, timeouts, 408, 401/403 and 3xx
-    (:class:`~sinks.errors.EngineMisconfigured`): UNAVAILABLE, never the record's.
+    (:class:`~sinks.core.errors.EngineMisconfigured`): UNAVAILABLE, never the record's.
     """
     endpoint = exc.endpoint
     if exc.status == RATE_LIMITED:
