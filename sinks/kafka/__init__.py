@@ -2,7 +2,8 @@
 
 What it is for: :mod:`.consumer` (the asyncio loop that carries out what
 :class:`sinks.core.machine.SinkCore` decides), :mod:`.worker` (librdkafka on
-a thread of its own), :mod:`.offset_expiry` (offsets that retention removed:
+a thread of its own), :mod:`.config` (its Kafka settings), :mod:`.metrics`
+(its ``outbox_sink_*`` series), :mod:`.offset_expiry` (offsets that retention removed:
 never skipped silently) and :mod:`.service` (the ``outbox-cdc sink`` process:
 the consumer, the parking lot's retrier and the admin API). What it may
 import: everything below it - the ``cdc`` kernel, :mod:`sinks.core`,
