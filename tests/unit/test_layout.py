@@ -17,10 +17,12 @@ What it holds (read from the files, every import counted as
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from pathlib import Path
 
-from tests.unit.test_import_graph import ROOT, _cycle, _graph, _modules
+from tests.unit.test_import_graph import ROOT, _cycle, _modules
+from tests.unit.test_import_graph import _graph as _read_graph
 
 SINKS = ROOT / "sinks"
 
@@ -56,6 +58,12 @@ TO_SPLIT = {
     "cdc/settings.py": "the settings class: one field per setting, grouped by section",
     "cdc/relay/recovery.py": "closing a gap from the outbox table",
 }
+
+
+@functools.cache
+def _graph() -> dict[str, dict[str, int]]:
+    """The house's import graph, read once for all the checks here."""
+    return _read_graph()
 
 
 def _sinks_modules() -> list[Path]:
