@@ -1,8 +1,8 @@
 """Commands that run the sink side: ``sink``, ``engine-stub``, ``demo``.
 
 Each parses its options, builds settings and calls one library function
-(:func:`sinks.service.run_sink`, :func:`sinks.stub.run_stub`,
-:func:`sinks.demo.run_demo`).
+(:func:`sinks.kafka.service.run_sink`, :func:`sinks.stub.run_stub`,
+:func:`sinks.cli.demo.run_demo`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def sink() -> None:
     """Deliver outbox events from Kafka to the engine (consumer group; runs until SIGTERM)."""
     import asyncio
 
-    from sinks.service import run_sink
+    from sinks.kafka.service import run_sink
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     require_free_port(settings, "sink_http_port")
@@ -87,6 +87,6 @@ def demo(users: int, attempts_per_user: int, log_dir: str) -> None:
     """Run the whole pipeline on the local stack with a burst of events and a summary."""
     from pathlib import Path
 
-    from sinks.demo import run_demo
+    from sinks.cli.demo import run_demo
 
     run_demo(users=users, attempts_per_user=attempts_per_user, log_dir=Path(log_dir))

@@ -22,8 +22,8 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.consumer import MAX_BUFFERED
-from sinks.kafka_worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
+from sinks.kafka.consumer import MAX_BUFFERED
+from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
 from sinks.parking.admin import LIST_PATH, RETRY_PATH
 from sinks.stub.server import StubServer
 from tests.harness import (
