@@ -319,10 +319,16 @@ def test_twenty_rebalances_during_an_outage_keep_the_sinks_state_bounded(
                 time.sleep(2)
                 samples[phase].append(_gauge(port, "outbox_sink_tracked_entries"))
         assert sink.alive()
+        applied_in_slow_phase = len(stub.applied()["items"])
     finally:
         sink.close()
     print(f"\ntracked entries after each pair of rebalances (limit {4 * total}): {samples}")
     # per record at most: its watermark entry, its timestamp, its queue place, its flight -
     # whatever the number of rebalances (the leak grew by the held backlog on each one)
     assert max(samples["refusing"] + samples["slow"]) <= 4 * total, samples
-    assert max(samples["slow"]) > samples["refusing"][0], "the slow phase took records in again"
+    # the slow phase really ran the sink against a backlog: the engine applied records
+    # while the sink still held others after every pair of rebalances (whether it had
+    # taken in every record already while refusing depends on the timing, so only
+    # "held something, delivered something" is asserted, not "took in more")
+    assert min(samples["slow"]) > 0, "the slow phase held no records after a rebalance"
+    assert applied_in_slow_phase > 0, "the engine applied nothing in the slow phase"
