@@ -53,7 +53,7 @@ from cdc.errors import (
     StreamError,
 )
 from cdc.health import HealthServer, Liveness
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafkalog import CAUSELESS_ERRORS, KafkaClientEvents
 from cdc.migrate import check_wal_level
 from cdc.pgconn import connect
 from cdc.producer import (
@@ -145,6 +145,13 @@ WAIT_TICK_S = 1.0
 SHUTDOWN_FLUSH_S = 15.0
 
 
+#: What the log line of a transition into these states adds (its cause): one line
+#: when a relay becomes a standby, one when it stalls, each saying why.
+_TRANSITION_NOTE = {
+    RelayState.STALLED: " ({reason})",
+    RelayState.STANDBY: ": waiting as hot standby ({reason})",
+}
+
 _XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
 
 
@@ -166,7 +173,9 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         self._serve_http = serve_http
         self._producer: Producer | None = None
         #: librdkafka's errors and logs of the producer (the same one across rebuilds)
-        self._events = KafkaClientEvents("producer", count=self._count_kafka_error)
+        self._events = KafkaClientEvents(
+            "producer", count=self._count_kafka_error, on_error=self._on_kafka_error, reach=True
+        )
         self._rebuild_backoff = Backoff(
             min_s=REBUILD_MIN_S, max_s=REBUILD_MAX_S, calm_s=REBUILD_CALM_S
         )
@@ -176,7 +185,9 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             overrides=settings.kafka_config,
             partitions=settings.topic_partitions,
             replication_factor=settings.topic_replication_factor,
-            events=KafkaClientEvents("admin", count=self._count_kafka_error),
+            events=KafkaClientEvents(
+                "admin", count=self._count_kafka_error, on_error=self._on_kafka_error
+            ),
             before_first_use=self._ledger.note_topics,
         )
         table = settings.outbox_table
@@ -206,7 +217,13 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         if state is self._state and reason == self._reason:
             return
         if state is not self._state:
-            log.info("relay %s -> %s", self._state.value, state.value, extra={"state": state.value})
+            log.info(
+                "relay %s -> %s%s",
+                self._state.value,
+                state.value,
+                _TRANSITION_NOTE.get(state, "").format(reason=reason) if reason else "",
+                extra={"state": state.value},
+            )
             self.metrics.state.labels(self._state.value).set(0)
             self.metrics.state.labels(state.value).set(1)
         self._state = state
@@ -220,6 +237,17 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
 
     def _count_kafka_error(self, code: str) -> None:
         self.metrics.kafka_errors.labels(code).inc()
+
+    def _on_kafka_error(self, code: str, text: str) -> None:
+        """While a session is being started (a Kafka client waits for its first answer,
+        for up to the topic manager's timeout), /readyz names what Kafka answered rather
+        than a bare ``starting`` (the TLS handshake refused, the connection refused).
+        Called on the thread serving the client: only the readiness text changes."""
+        state = self._state
+        if state in (RelayState.STARTING, RelayState.RECONNECTING) and code not in (
+            CAUSELESS_ERRORS
+        ):
+            self.liveness.set(f"{state.value}: kafka unreachable: {text}", ready=False)
 
     def _wait(self, delay_s: float) -> None:
         """Wait ``delay_s`` (less when stopped), ticking the liveness meanwhile."""
@@ -280,7 +308,9 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
     def _run_sessions(self) -> None:
         reconnect = Backoff(min_s=RECONNECT_MIN_S, max_s=RECONNECT_MAX_S, calm_s=RECONNECT_MAX_S)
         while not self._stop.is_set():
-            if self._state is not RelayState.GAP:  # (a gap is re-checked quietly)
+            # (a gap is re-checked quietly; a reconnect keeps naming its cause, and a
+            # standby stays a standby, until the session streams or fails otherwise)
+            if self._state not in (RelayState.GAP, RelayState.RECONNECTING, RelayState.STANDBY):
                 self._set_state(RelayState.STARTING)
             try:
                 self._session()
@@ -395,7 +425,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             if heard:
                 heard_at = now
                 silence.heard()
-            stalled = self._stalled(sess, stall, now)
+            stalled = self._stalled(sess, stall, now) or self._kafka_unreachable(sess, stall, now)
             if stalled and state is not RelayState.HELD:  # (HELD already names its cause)
                 state, reason = RelayState.STALLED, stalled
             self._set_state(state, reason)
@@ -493,6 +523,19 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         )
         self.metrics.stalled.set(1 if reason else 0)
         return reason
+
+    def _kafka_unreachable(self, sess: Session, stall: StallWatch, now: float) -> str | None:
+        """``kafka unreachable: <why>`` while work waits (records in flight or dead letters
+        pending) and the producer reaches no broker (:class:`cdc.kafkalog.KafkaReach`,
+        overruled by any acknowledgement since): at once, not after the stall threshold.
+        A broker away while nothing waits is no outage: nothing is said then."""
+        reach = self._events.reach
+        waiting = sess.tracker.in_flight > self._held_records(sess) or bool(sess.pending_dlq)
+        if reach is None or not waiting:
+            return None
+        if reach.unreachable_s(progress_at=now - stall.idle_s(now)) is None:
+            return None
+        return f"kafka unreachable: {self._events.why_unreachable()}"
 
     def _read_batch(self, sess: Session) -> bool:
         """Up to :data:`READ_BATCH` messages; whether any arrived."""
