@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import os
+import socket
 from typing import Any
 
 import psycopg
@@ -119,12 +120,31 @@ SESSION_SETTINGS: dict[Use, dict[str, str]] = {
 }
 
 
+#: What a process says it is in its replication connections' ``application_name``
+#: (``outbox-cdc relay`` by the relay's command; an ops command is ``outbox-cdc cli``).
+PROCESS_ROLE = ["cli"]
+#: PostgreSQL keeps this much of an application_name (NAMEDATALEN - 1 bytes).
+APPLICATION_NAME_MAX = 63
+
+
+def application_name() -> str:
+    """``outbox-cdc <role> pid=<pid> host=<hostname>``: the holder of a slot is named by it
+    (``slot drop``, a standby's wait), the process's PID and host beside the walsender's."""
+    text = f"outbox-cdc {PROCESS_ROLE[0]} pid={os.getpid()} host={socket.gethostname()}"
+    return text.encode()[:APPLICATION_NAME_MAX].decode(errors="ignore")
+
+
 def conninfo(dsn: str, use: Use = Use.QUERY) -> str:
-    """``dsn`` with the defaults of ``use`` merged in (see the module docstring)."""
+    """``dsn`` with the defaults of ``use`` merged in (see the module docstring); a
+    replication connection also names its process (:func:`application_name`) unless the
+    DSN or ``PGAPPNAME`` names one."""
     params: dict[str, Any] = conninfo_to_dict(dsn)
     for name, value in CLIENT_DEFAULTS.items():
         if name not in params and not os.environ.get(_ENV_OF.get(name, "")):
             params[name] = value
+    named = "application_name" in params or os.environ.get("PGAPPNAME")
+    if use is Use.REPLICATION and not named:
+        params["application_name"] = application_name()
     ours = " ".join(f"-c {name}={value}" for name, value in SESSION_SETTINGS[use].items())
     if ours:
         theirs = params.get("options") or os.environ.get("PGOPTIONS", "")

@@ -32,11 +32,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import select
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -308,6 +309,10 @@ class Walsender:
     pid: int
     client_addr: str | None
     client_port: int
+    #: pg_stat_activity.application_name (the relay's: outbox-cdc relay pid=N host=H)
+    application_name: str | None = field(default=None, compare=False)
+    #: pg_stat_activity.client_hostname (with the server's log_hostname on)
+    client_hostname: str | None = field(default=None, compare=False)
 
     def same_as(self, other: Walsender) -> bool:
         """True when ``other`` is this very walsender: same pid, same client address
@@ -324,7 +329,25 @@ class Walsender:
             if self.client_addr is None
             else (f"{self.client_addr}:{self.client_port}")
         )
-        return f"walsender {self.pid} (client {where})"
+        holder = self.holder()
+        return f"walsender {self.pid} (client {where}{'; ' + holder if holder else ''})"
+
+    def holder(self) -> str:
+        """The process at the other end, as far as it is known: ``relay pid 12053 on host
+        h`` (from the relay's application_name), else the application_name and host."""
+        name = self.application_name or ""
+        found = _HOLDER_NAME.match(name)
+        if found:
+            role, pid, host = found.groups()
+            return f"{role} pid {pid} on host {host}"
+        parts = [f"application_name {name!r}"] if name else []
+        if self.client_hostname:
+            parts.append(f"host {self.client_hostname}")
+        return ", ".join(parts)
+
+
+#: :func:`cdc.pgconn.application_name`, read back.
+_HOLDER_NAME = re.compile(r"^outbox-cdc (\S+) pid=(\d+) host=(\S*)")
 
 
 def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | str | None:
@@ -351,7 +374,8 @@ class SlotHolder:
 
 #: The slot and its active walsender's client address (host() drops the /32).
 _HOLDER_SQL = (
-    "SELECT s.active_pid, host(a.client_addr), a.client_port FROM pg_replication_slots s"
+    "SELECT s.active_pid, host(a.client_addr), a.client_port, a.application_name,"
+    " a.client_hostname FROM pg_replication_slots s"
     " LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s"
 )
 
@@ -361,10 +385,11 @@ def slot_holder(conn: Conn, slot: str) -> SlotHolder:
     row = conn.execute(_HOLDER_SQL, (slot,)).fetchone()
     if row is None:
         return SlotHolder(exists=False, walsender=None)
-    pid, addr, port = row
+    pid, addr, port, app, hostname = row
     if pid is None:
         return SlotHolder(exists=True, walsender=None)
-    return SlotHolder(True, Walsender(int(pid), addr, -1 if port is None else int(port)))
+    port = -1 if port is None else int(port)
+    return SlotHolder(True, Walsender(int(pid), addr, port, app or None, hostname))
 
 
 def end_walsender(dsn: str, slot: str, pid: int) -> bool:

@@ -30,6 +30,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from cdc import pgconn
 from cdc.ops import slot_status, unconfirmed_event_count
 from cdc.outbox import OutboxEvent, register_user, write_event
 from cdc.settings import Settings
@@ -936,17 +937,28 @@ def test_slot_drop_asks_then_drops_and_warns_of_the_unconfirmed_events(ops: Ops)
     assert slot_status(ops.settings())["exists"] is False
 
 
-def test_slot_drop_is_refused_while_a_relay_streams_the_slot(ops: Ops) -> None:
+def test_slot_drop_is_refused_while_a_relay_streams_the_slot_naming_that_relay(
+    ops: Ops, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal names the holder: the relay's PID and host (its replication
+    connection's application_name), apart from the walsender's PID and client address."""
     _create_slot(ops.db_dsn, ops.slot)
+    monkeypatch.setattr(pgconn, "PROCESS_ROLE", ["relay"])  # (this process streams, as a relay)
     stream = ReplicationStream(ops.db_dsn, slot=ops.slot, publication="outbox_pub")
     try:
         stream.start()
         wait_until(lambda: slot_status(ops.settings())["active"], 30, "slot active")
+        walsender = slot_status(ops.settings())["active_pid"]
 
         done = ops.cli("slot", "drop", "--yes")
 
         assert done.returncode == 1
-        assert "is active" in done.stderr
+        line = " ".join(done.stderr.split())
+        assert f"slot {ops.slot} is active, held by walsender {walsender} (client 127.0.0.1:" in (
+            line
+        )
+        assert f"relay pid {os.getpid()} on host {socket.gethostname()}" in line
+        assert "stop that relay first" in line
         assert slot_status(ops.settings())["exists"] is True
     finally:
         stream.close()
