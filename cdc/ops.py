@@ -41,7 +41,7 @@ from cdc import gaps
 from cdc.constants import OUTBOX_MESSAGE_PREFIX
 from cdc.errors import CdcError, DatabaseSetupError
 from cdc.outbox import user_registered_event, write_event
-from cdc.pgconn import Use, connect
+from cdc.pgconn import Use, connect, failure_text
 from cdc.settings import Settings
 from cdc.wal import pgoutput
 from cdc.wal.stream import slot_holder
@@ -141,7 +141,7 @@ def _connect(settings: Settings) -> Conn:
     try:
         return connect(settings.require("pg_dsn").pg_dsn.get_secret_value(), Use.CLI)
     except psycopg.OperationalError as exc:
-        raise CdcError(f"PostgreSQL connection failed: {exc}") from exc
+        raise CdcError(f"PostgreSQL connection failed: {failure_text(exc)}") from exc
 
 
 def slot_status(settings: Settings) -> SlotStatus:

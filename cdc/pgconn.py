@@ -160,3 +160,13 @@ def connect(dsn: str, use: Use = Use.QUERY, **kwargs: Any) -> Conn:
     """
     kwargs.setdefault("autocommit", True)
     return psycopg.connect(conninfo(dsn, use), **kwargs)
+
+
+def failure_text(exc: BaseException) -> str:
+    """A connection error's text without psycopg's own leading ``connection failed:``,
+    for a line that says so itself (``PostgreSQL connection failed: <this>``)."""
+    text = str(exc).strip()
+    for prefix in ("connection failed:", "connection to server failed:"):
+        if text.lower().startswith(prefix):
+            return text[len(prefix) :].strip()
+    return text

@@ -75,7 +75,7 @@ from sinks.core.machine import (
     Verdict,
 )
 from sinks.core.retry import Backoff, retry_delay_s
-from sinks.dispatch import deliver
+from sinks.dispatch import USER_SYNCS, deliver
 from sinks.engine import EngineClient
 from sinks.errors import EngineMisconfigured, EngineUnavailable, SinkError, Unroutable
 from sinks.kafka_worker import KafkaWorker
@@ -425,6 +425,7 @@ class Sink:
         finally:
             self._parked_log.flush()
             self._skipped_log.flush()
+            USER_SYNCS.flush()
             self.liveness.set("stopped", ready=False)
 
     async def _shutdown(self, worker: KafkaWorker) -> None:
@@ -452,6 +453,7 @@ class Sink:
         self._report()
         self._parked_log.tick()
         self._skipped_log.tick()
+        USER_SYNCS.tick()
 
     def _carry_out(self, action: core.Action) -> None:
         worker = self._worker

@@ -370,7 +370,8 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         stream = ReplicationStream(dsn, slot=s.slot, publication=s.publication)
         self._own_walsender = stream.walsender  # (recognised if a dead path orphans it)
         try:
-            stream.start(0)  # a standby stops here (SlotInUseError), without a producer
+            # (a standby stops here - SlotInUseError - without a producer)
+            stream.start(0, confirmed_lsn=info.confirmed_flush_lsn)
             if self._producer is None:
                 self._producer = make_producer(
                     s.kafka_bootstrap_servers,

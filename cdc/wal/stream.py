@@ -48,7 +48,7 @@ from psycopg.conninfo import make_conninfo
 
 from cdc.errors import DatabaseSetupError, SlotInUseError, StreamError
 from cdc.migrate import check_wal_level
-from cdc.pgconn import Use, connect, conninfo
+from cdc.pgconn import Use, connect, conninfo, failure_text
 from cdc.router import ROUTED_COLUMNS, BrokenOutbox, outbox_layout
 from cdc.wal.replproto import lsn_to_str, pg_now_us, standby_status_update, str_to_lsn
 from cdc.wal.slots import failover_wanted
@@ -522,7 +522,7 @@ class ReplicationStream:
         try:
             self._conn: Conn = connect(dsn, Use.REPLICATION, replication="database")
         except psycopg.OperationalError as exc:
-            raise StreamError(f"replication connection failed: {exc}") from exc
+            raise StreamError(f"replication connection failed: {failure_text(exc)}") from exc
         self._pg = self._conn.pgconn
         try:
             #: this stream's walsender as the server shows it (pid, our socket's address)
@@ -531,14 +531,17 @@ class ReplicationStream:
             self.wal_sender_timeout_ms = _wal_sender_timeout_ms(self._pg)
         except (OSError, psycopg.Error) as exc:
             self._conn.close()
-            raise StreamError(f"replication connection failed: {exc}") from exc
+            raise StreamError(f"replication connection failed: {failure_text(exc)}") from exc
         #: ``() -> (size, payload)`` of a CopyData message already received: size 0
         #: when none is buffered, negative when the stream ended (then :meth:`read`
         #: raises). The relay's hot path; a bound C call, no Python frame.
         self.get_nowait: Callable[[], tuple[int, memoryview]] = partial(self._pg.get_copy_data, 1)
 
-    def start(self, start_lsn: int = 0) -> None:
-        """``START_REPLICATION``; raises SlotInUseError when another relay holds the slot."""
+    def start(self, start_lsn: int = 0, *, confirmed_lsn: int | None = None) -> None:
+        """``START_REPLICATION``; raises SlotInUseError when another relay holds the slot.
+
+        ``start_lsn`` 0 streams from the slot's confirmed position; ``confirmed_lsn`` (that
+        position, as the caller read it) is what the log line shows then, not ``0/0``."""
         command = (
             f"START_REPLICATION SLOT {sql.Identifier(self.slot).as_string(self._conn)} "
             f"LOGICAL {lsn_to_str(start_lsn)} (proto_version '1', "
@@ -556,7 +559,13 @@ class ReplicationStream:
                 raise SlotInUseError(message)
             raise StreamError(f"START_REPLICATION failed: {message}")
         self._pg.nonblocking = 1
-        log.info("slot %s streaming from %s", self.slot, lsn_to_str(start_lsn))
+        if start_lsn:
+            where = lsn_to_str(start_lsn)
+        elif confirmed_lsn is not None:
+            where = f"{lsn_to_str(confirmed_lsn)} (its confirmed position)"
+        else:
+            where = "its confirmed position"
+        log.info("slot %s streaming from %s", self.slot, where)
 
     def read(self, timeout_s: float) -> memoryview | bytes | None:
         """The next CopyData payload, or None when none arrived within ``timeout_s``."""
