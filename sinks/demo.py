@@ -8,6 +8,13 @@ the children with SIGTERM and exits 0 — or 1 with the reason and the children'
 log tails when something did not arrive in time. Running it again works: the
 slot and the group's offsets carry over, the stub starts empty.
 
+Day two (:func:`start_background`, :func:`stop_background`, :func:`write_burst`):
+``make run`` starts the same three processes detached on the stack, their PIDs (with
+each process's start time, so a reused PID is never signalled), ports and logs under
+``.dev/run``; ``make stop`` ends them (SIGTERM, then SIGKILL after
+:data:`STOP_GRACE_S`); ``outbox-cdc demo write`` commits a burst into the running
+pipeline; ``outbox-cdc demo --keep-running`` leaves its children running the same way.
+
 Registration goes through the backlog guard (:mod:`cdc.backlog`), as an
 application's registration endpoint would: while the pipeline is over a limit
 the registration is refused with a Retry-After (an HTTP app answers 429) and
@@ -162,17 +169,31 @@ def require_free_ports(settings: Settings) -> None:
         require_free_port(settings, field_name, host=host)
 
 
-def _start_child(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> Child:
-    log = log_dir / f"demo-{name}.log"
+def _start_child(
+    name: str, args: list[str], log_dir: Path, env: dict[str, str], *, detached: bool = False
+) -> Child:
+    """A child of the demo (dies with it); ``detached``: one of ``make run`` or
+    ``--keep-running``, in a session of its own, outliving this process."""
+    log = log_dir / (f"{name}.log" if detached else f"demo-{name}.log")
     command = [sys.executable, "-m", "cdc.cli", *args]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
-            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            process_group=0,  # its own group: Ctrl-C reaches the demo, which stops it
-        )
+    with log.open("ab" if detached else "wb") as out:
+        if detached:
+            proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own session and group: `make stop` ends it
+            )
+        else:
+            proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
+                [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                process_group=0,  # its own group: Ctrl-C reaches the demo, which stops it
+            )
     return Child(name, proc, log)
 
 
@@ -196,20 +217,26 @@ def stop_children(children: list[Child]) -> None:
             child.proc.wait()
 
 
+#: The pipeline's processes, in start order.
+CHILDREN = (("engine-stub", ["engine-stub"]), ("relay", ["relay"]), ("sink", ["sink"]))
+
+
 @contextmanager
 def running_children(
-    settings: Settings, log_dir: Path, env: dict[str, str]
+    settings: Settings, log_dir: Path, env: dict[str, str], *, keep: Path | None = None
 ) -> Iterator[list[Child]]:
-    """Engine stub, relay and sink started and ready; stopped (as groups) on the way out."""
+    """Engine stub, relay and sink started and ready; stopped (as groups) on the way out -
+    unless ``keep`` (a run directory): then they are detached, their PIDs written there
+    (:func:`stop_background` ends them) and stopped only when something failed."""
     log_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
+    kept = False
     try:
-        for name, args in (
-            ("engine-stub", ["engine-stub"]),
-            ("relay", ["relay"]),
-            ("sink", ["sink"]),
-        ):
-            children.append(_start_child(name, args, log_dir, env))
+        for name, args in CHILDREN:
+            child = _start_child(name, args, keep or log_dir, env, detached=keep is not None)
+            children.append(child)
+            if keep is not None:
+                _write_pid(keep, child)
         stub, relay, sink = children
         _wait_http(f"http://127.0.0.1:{settings.engine_stub_port}/_stub/stats", stub)
         _wait_http(f"http://127.0.0.1:{settings.relay_http_port}/readyz", relay)
@@ -217,9 +244,154 @@ def running_children(
         _wait_http(
             f"http://127.0.0.1:{settings.sink_http_port}/readyz", sink, unless="(0 partitions"
         )
+        if keep is not None:
+            _write_ports(keep, settings)
         yield children
+        kept = keep is not None
     finally:
-        stop_children(children)
+        if not kept:
+            stop_children(children)
+            if keep is not None:
+                _forget(keep)
+
+
+# --- make run / make stop: the pipeline in the background -------------------------------------
+
+
+def run_dir() -> Path:
+    """Where ``make run`` keeps its PIDs, ports and logs: ``<dev dir>/run`` (.dev/run)."""
+    return Path(os.environ.get("OUTBOX_DEV_DIR") or ".dev") / "run"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), None when gone or a zombie:
+    with the PID, it names the process (a reused PID has another start time)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _write_pid(where: Path, child: Child) -> None:
+    started = _start_time(child.proc.pid) or "?"
+    (where / f"{child.name}.pid").write_text(f"{child.proc.pid} {started}\n")
+
+
+def _write_ports(where: Path, settings: Settings) -> None:
+    (where / "ports").write_text(
+        f"engine-stub http://127.0.0.1:{settings.engine_stub_port}\n"
+        f"relay http://127.0.0.1:{settings.relay_http_port}\n"
+        f"sink http://127.0.0.1:{settings.sink_http_port}\n"
+    )
+
+
+def _forget(where: Path) -> None:
+    for name, _ in CHILDREN:
+        (where / f"{name}.pid").unlink(missing_ok=True)
+    (where / "ports").unlink(missing_ok=True)
+
+
+def background(where: Path) -> dict[str, int]:
+    """The processes of ``make run`` still running: name -> PID (a PID file whose process
+    is gone, or whose PID now names another process, does not count)."""
+    found: dict[str, int] = {}
+    for name, _ in CHILDREN:
+        try:
+            pid_text, started = (where / f"{name}.pid").read_text().split()
+        except (OSError, ValueError):
+            continue
+        pid = int(pid_text)
+        if _start_time(pid) == started:
+            found[name] = pid
+    return found
+
+
+def start_background(*, where: Path) -> list[str]:
+    """``make run``: stub, relay and sink started on the stack, detached, ready; their
+    PIDs, ports and logs under ``where``. Lines for the user."""
+    running = background(where)
+    if running:
+        pids = ", ".join(f"{n} {p}" for n, p in running.items())
+        raise DemoError(f"already running ({pids}): make stop first")
+    settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
+    require_free_ports(settings)
+    require_kafka(settings)
+    migrate(settings.pg_dsn.get_secret_value(), demo=True)
+    ensure_demo_topics(settings)
+    where.mkdir(parents=True, exist_ok=True)
+    with running_children(settings, where, demo_env(settings), keep=where) as children:
+        pass
+    return [
+        *(f"{c.name} running, pid {c.proc.pid}, log {c.log}" for c in children),
+        *_urls(settings),
+        "stop them with: make stop (outbox-cdc demo stop)",
+    ]
+
+
+def _urls(settings: Settings) -> list[str]:
+    return [
+        f"engine stub http://127.0.0.1:{settings.engine_stub_port}/_stub/stats",
+        f"relay       http://127.0.0.1:{settings.relay_http_port}/readyz",
+        f"sink        http://127.0.0.1:{settings.sink_http_port}/readyz"
+        " (admin API: ADMIN_API_TOKEN of .dev/env)",
+    ]
+
+
+def stop_background(*, where: Path) -> list[str]:
+    """``make stop``: SIGTERM each process of ``make run`` (sink first), wait up to
+    :data:`STOP_GRACE_S`, SIGKILL what is left. Lines for the user."""
+    running = background(where)
+    if not running:
+        _forget(where)
+        return ["nothing running (no live process in " + str(where) + ")"]
+    for name, _ in reversed(CHILDREN):
+        if name in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(running[name], signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while background(where) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = []
+    for name, pid in running.items():
+        if name in background(where):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            lines.append(f"{name} (pid {pid}) killed: it did not stop within {STOP_GRACE_S:g}s")
+        else:
+            lines.append(f"{name} (pid {pid}) stopped")
+    _forget(where)
+    return lines
+
+
+def write_burst(*, users: int, attempts_per_user: int) -> list[str]:
+    """``demo write``: a burst into the running pipeline (the demo's writer, through the
+    backlog guard); followed until the engine stub applied it, when a stub answers."""
+    settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
+    stub_url = f"http://127.0.0.1:{settings.engine_stub_port}"
+    console = Console(stderr=True)
+    guard = BacklogGuard(settings)
+    try:
+        with Progress(*_COLUMNS, console=console) as progress:
+            burst = _burst(
+                settings, guard, users=users, attempts_per_user=attempts_per_user, progress=progress
+            )
+            try:
+                httpx.get(f"{stub_url}/_stub/stats", timeout=2.0)
+            except httpx.HTTPError:
+                return [
+                    f"{len(burst.committed)} events committed; no engine stub at {stub_url}:"
+                    " not followed (make run starts one)"
+                ]
+            applied = _follow(stub_url, burst, progress, [])
+    finally:
+        guard.close()
+    latencies = [applied[e] - burst.committed[e] for e in burst.committed]
+    return [
+        f"{len(burst.committed)} events committed, {len(applied)} applied by the engine stub"
+        f" (commit -> engine p50 {_percentile(latencies, 0.5) * 1000:.1f} ms)"
+    ]
 
 
 def _register(
@@ -394,7 +566,17 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
 
-def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
+_COLUMNS = (
+    TextColumn("{task.description:<24}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TimeElapsedColumn(),
+)
+
+
+def run_demo(
+    *, users: int, attempts_per_user: int, log_dir: Path, keep_running: bool = False
+) -> None:
     """Run the demo; raise :class:`DemoError` when it cannot finish."""
     settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
     require_free_ports(settings)
@@ -407,17 +589,18 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
         f"schema: {'applied ' + ', '.join(applied_versions) if applied_versions else 'up to date'}"
     )
     ensure_demo_topics(settings)
-    with running_children(settings, log_dir, demo_env(settings)) as children:
+    keep = run_dir() if keep_running else None
+    if keep is not None:
+        running = background(keep)
+        if running:
+            pids = ", ".join(f"{n} {p}" for n, p in running.items())
+            raise DemoError(f"already running ({pids}): make stop first")
+        keep.mkdir(parents=True, exist_ok=True)
+    with running_children(settings, log_dir, demo_env(settings), keep=keep) as children:
         console.print("relay, sink and engine stub are up")
-        columns = (
-            TextColumn("{task.description:<24}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-        )
         guard = BacklogGuard(settings)
         try:
-            with Progress(*columns, console=console) as progress:
+            with Progress(*_COLUMNS, console=console) as progress:
                 burst = _burst(
                     settings,
                     guard,
@@ -432,5 +615,13 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
             guard.close()
         lag = _settled_lag(settings)
         _summary(console, burst, applied, settings, lag)
+    if keep is not None:
+        console.print("\nLeft running (--keep-running):")
+        for child in children:
+            console.print(f"  {child.name}: pid {child.proc.pid}, log {child.log}")
+        for line in _urls(settings):
+            console.print(f"  {line}")
+        console.print("  write more: outbox-cdc demo write --users 100")
+        console.print("  stop them:  make stop (outbox-cdc demo stop)")
     if lag:
         raise DemoError(f"consumer group {settings.sink_group_id} still lags by {lag} records")
