@@ -71,41 +71,51 @@ CAUSELESS_ERRORS = frozenset({"_ALL_BROKERS_DOWN"})
 STATS_INTERVAL_MS = 1000
 #: librdkafka broker states of a working connection.
 _UP_STATES = frozenset({"UP", "UPDATE"})
-#: A broker never tried yet (sparse connections): neither up nor failing.
-_UNTRIED_STATES = frozenset({"INIT"})
 
 
 class KafkaReach:
-    """Whether one client reaches any broker now, from librdkafka's statistics.
+    """Whether one client reaches any broker now, from librdkafka's statistics and errors.
 
-    Level, not edge: each statistics document replaces the last, so a broker that
-    comes back is seen at the next one - no flag is left set by an old error.
-    Unreachable means: no broker connection ``UP`` and at least one being tried
-    (a client that has tried none yet is not unreachable). Before the first
-    statistics the client counts as reachable. Written on the thread that serves the
-    client, read on any (one tuple swapped at a time).
+    Unreachable means: the last statistics show no broker connection ``UP`` and the
+    client reported an error (a refused connect, a TLS handshake, all brokers down)
+    since it last saw one up. Level, not an old flag: the next statistics with a broker
+    up clear it. A client that has tried nothing (sparse connections: every broker
+    ``INIT``, no error) is not unreachable; neither is one before its first statistics.
+    librdkafka forgets a learned broker that went away and keeps retrying its bootstrap
+    address, whose state reads ``INIT`` between attempts: the errors, not the state,
+    say that it is failing. Written on the thread that serves the client, read on any
+    (one tuple swapped at a time).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        #: (when the last statistics came, since when no broker is up or None)
+        #: (when the last statistics came, since when no broker is reachable or None)
         self._seen: tuple[float, float | None] = (clock(), None)
+        self._last_up = clock()
+        self._failed_at: float | None = None
+
+    def failed(self) -> None:
+        """The client reported an error (its ``error_cb``)."""
+        self._failed_at = self._clock()
 
     def on_stats(self, document: str) -> None:
         """librdkafka's ``stats_cb``: the JSON statistics of the client."""
         try:
             brokers = orjson.loads(document).get("brokers") or {}
-            states = [str(b.get("state", "")) for b in brokers.values()]
+            up = any(str(b.get("state", "")) in _UP_STATES for b in brokers.values())
         except (orjson.JSONDecodeError, AttributeError):
             return
         now = self._clock()
-        down = bool(states) and not any(s in _UP_STATES for s in states)
-        down = down and not all(s in _UNTRIED_STATES for s in states)
+        if up:
+            self._last_up = now
+            self._seen = (now, None)
+            return
+        failed = self._failed_at is not None and self._failed_at >= self._last_up
         since = self._seen[1]
-        self._seen = (now, (since if since is not None else now) if down else None)
+        self._seen = (now, (since if since is not None else now) if failed else None)
 
     def unreachable_s(self, *, progress_at: float | None = None) -> float | None:
-        """Seconds without any broker up as of the last statistics, or None while one is.
+        """Seconds without any broker reachable as of the last statistics, or None.
 
         ``progress_at`` (the owner's last evidence of a working broker, e.g. an
         acknowledgement): statistics older than it are overruled - reachable.
@@ -250,6 +260,8 @@ class KafkaClientEvents:
     def _report(self, code: str, text: str, *, is_fatal: bool) -> None:
         if self._count is not None:
             self._count(code)
+        if self.reach is not None:
+            self.reach.failed()
         with self._lock:
             self.last_error = (code, text)
             if code not in CAUSELESS_ERRORS:

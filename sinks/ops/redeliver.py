@@ -203,7 +203,7 @@ async def _send_one(engine: EngineClient, record: Envelope) -> tuple[Outcome, st
     except SinkError as exc:
         return Outcome.REJECTED, exc.reason
     if duplicates:
-        return Outcome.DUPLICATE, f"{call.path}: applied before (the engine answered duplicate)"
+        return Outcome.DUPLICATE, call.path
     return Outcome.DELIVERED, call.path
 
 

@@ -169,20 +169,24 @@ def _stats(*states: str) -> str:
     return json.dumps({"brokers": brokers})
 
 
-def test_reach_is_level_from_statistics_and_overruled_by_later_progress() -> None:
-    """No broker up (one being tried) is unreachable, from the first such statistics on;
-    the next statistics with one up clears it (no stale flag); an untried client is not
-    unreachable; progress after the statistics overrules them."""
+def test_reach_is_level_from_statistics_and_errors_and_overruled_by_later_progress() -> None:
+    """No broker up and an error since one was: unreachable, from the first such statistics
+    on (the bootstrap broker librdkafka falls back to reads INIT between its attempts);
+    the next statistics with one up clear it (no stale flag); an idle client (INIT, no
+    error) is not unreachable; progress after the statistics overrules them."""
     now = [100.0]
     reach = KafkaReach(clock=lambda: now[0])
     assert reach.unreachable_s() is None  # no statistics yet: not unreachable
     reach.on_stats(_stats("INIT", "INIT"))
-    assert reach.unreachable_s() is None  # nothing tried yet
+    assert reach.unreachable_s() is None  # nothing tried, nothing failed
     reach.on_stats(_stats("UP"))
     now[0] = 101.0
-    reach.on_stats(_stats("CONNECT", "DOWN"))
+    reach.on_stats(_stats("DOWN"))
+    assert reach.unreachable_s() is None  # no error reported yet
+    reach.failed()
+    reach.on_stats(_stats("INIT"))  # the learned broker forgotten, the bootstrap retried
     now[0] = 104.0
-    reach.on_stats(_stats("TRY_CONNECT", "DOWN"))
+    reach.on_stats(_stats("CONNECT"))
     assert reach.unreachable_s() == 3.0
     assert reach.unreachable_s(progress_at=104.5) is None  # an ack after the statistics
     assert reach.unreachable_s(progress_at=103.0) == 3.0
@@ -191,6 +195,9 @@ def test_reach_is_level_from_statistics_and_overruled_by_later_progress() -> Non
     now[0] = 105.0
     reach.on_stats(_stats("DOWN", "UP"))
     assert reach.unreachable_s() is None
+    now[0] = 106.0
+    reach.on_stats(_stats("INIT"))
+    assert reach.unreachable_s() is None  # the error was before the broker was up again
 
 
 def test_a_reach_client_asks_for_statistics_and_names_why() -> None:
