@@ -521,6 +521,11 @@ def _summary(
     for command, what in hints:
         console.print(f"  {command}\n      {what}")
     console.print("  logs: .dev/demo-relay.log .dev/demo-sink.log .dev/demo-engine-stub.log")
+    console.print(
+        "The demo's processes stop with it: `make run` (or `outbox-cdc demo --keep-running`)"
+        " keeps a pipeline running, `outbox-cdc demo write --users N` writes into it,"
+        " `make stop` ends it."
+    )
 
 
 def require_kafka(settings: Settings) -> None:
