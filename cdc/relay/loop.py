@@ -170,6 +170,8 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         self._stop = threading.Event()
         self._state = RelayState.STARTING
         self._reason = ""
+        #: a topic the session waits for Kafka to create (mid-stream), else None
+        self._topic_in_creation: str | None = None
         self._serve_http = serve_http
         self._producer: Producer | None = None
         #: librdkafka's errors and logs of the producer (the same one across rebuilds)
@@ -243,11 +245,26 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         for up to the topic manager's timeout), /readyz names what Kafka answered rather
         than a bare ``starting`` (the TLS handshake refused, the connection refused).
         Called on the thread serving the client: only the readiness text changes."""
-        state = self._state
-        if state in (RelayState.STARTING, RelayState.RECONNECTING) and code not in (
-            CAUSELESS_ERRORS
-        ):
+        state, topic = self._state, self._topic_in_creation
+        if code in CAUSELESS_ERRORS:
+            return
+        if topic is not None:  # a new topic, mid-stream: nothing moves until Kafka answers
+            self.liveness.set(
+                f"{state.value}: kafka unreachable: {text} (creating topic {topic})", ready=False
+            )
+        elif state in (RelayState.STARTING, RelayState.RECONNECTING):
             self.liveness.set(f"{state.value}: kafka unreachable: {text}", ready=False)
+
+    def _creating_topic(self, topic: str | None) -> None:
+        """The session waits for Kafka to create ``topic`` (None: no more): while it
+        waits, a Kafka error names the wait in /readyz; after, the state's own text."""
+        self._topic_in_creation = topic
+        if topic is None:
+            state = self._state
+            self.liveness.set(
+                f"{state.value}: {self._reason}" if self._reason else state.value,
+                ready=state in (RelayState.STREAMING, RelayState.BACKPRESSURE),
+            )
 
     def _wait(self, delay_s: float) -> None:
         """Wait ``delay_s`` (less when stopped), ticking the liveness meanwhile."""
