@@ -37,6 +37,7 @@ from tests.harness import (
     stack,
     start_relay,
     start_sink,
+    topics_with_prefix,
     wait_until,
 )
 
@@ -62,6 +63,8 @@ class Outage:
     #: relay and sink /readyz once events wait: (status, body)
     relay_waiting: tuple[int | None, str]
     sink_waiting: tuple[int | None, str]
+    #: relay /readyz once an event of a new type waits for its topic to be created
+    relay_new_topic: tuple[int | None, str]
     #: relay /backlog?group=<the sink's group> meanwhile: (status, JSON document)
     backlog: tuple[int, dict[str, object]]
     #: both /readyz 200 again after Kafka came back
@@ -78,26 +81,26 @@ def _get(url: str) -> tuple[int | None, str]:
         return None, str(exc)
 
 
-def _until_unreachable(url: str) -> tuple[int | None, str]:
-    """Poll ``url`` until it says ``kafka unreachable`` (bounded); its last answer."""
+def _until_unreachable(url: str, words: str = "kafka unreachable") -> tuple[int | None, str]:
+    """Poll ``url`` until it says ``words`` (bounded); its last answer."""
     last: list[tuple[int | None, str]] = []
 
     def said() -> bool:
         last[:] = [_get(url)]
-        return "kafka unreachable" in last[0][1]
+        return words in last[0][1]
 
     with contextlib.suppress(AssertionError):
-        wait_until(said, 40, f"{url} to say kafka unreachable", interval_s=0.5)
+        wait_until(said, 40, f"{url} to say {words}", interval_s=0.5)
     return last[0]
 
 
-def _write_events(dsn: str, count: int) -> None:
+def _write_events(dsn: str, count: int, aggregate: str = "user") -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
-            " SELECT 'user', 'k' || g, 'UserCreated', jsonb_build_object('n', g)"
+            " SELECT %s, 'k' || g, 'UserCreated', jsonb_build_object('n', g)"
             " FROM generate_series(1, %s) g",
-            (count,),
+            (aggregate, count),
         )
 
 
@@ -139,6 +142,12 @@ def outage(
         relay, relay_port = start_relay(relay_cfg, tmp)
         sink, sink_port = start_sink(sink_cfg, tmp)
         relay_url, sink_url = (f"http://127.0.0.1:{p}" for p in (relay_port, sink_port))
+        _write_events(db_dsn, 1)  # (its topic made before the outage)
+        wait_until(
+            lambda: bool(topics_with_prefix(kafka_bootstrap, relay_cfg.topic_prefix + "user")),
+            60,
+            "the user topic",
+        )
         try:
             relay_mark, sink_mark = (p.log_path.stat().st_size for p in (relay, sink))
             stack("down", "kafka")
@@ -159,6 +168,8 @@ def outage(
                 _write_events(db_dsn, 5)
                 relay_waiting = _until_unreachable(f"{relay_url}/readyz")
                 sink_waiting = _until_unreachable(f"{sink_url}/readyz")
+                _write_events(db_dsn, 1, aggregate="quiz")  # a new type: its topic waits
+                relay_new_topic = _until_unreachable(f"{relay_url}/readyz", "(creating topic")
                 status, body = _get(f"{relay_url}/backlog?group={sink_cfg.group}")
                 backlog = (status or 0, json.loads(body) if status else {})
                 time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped)))
@@ -183,6 +194,7 @@ def outage(
                 relay_idle=relay_idle,
                 relay_waiting=relay_waiting,
                 sink_waiting=sink_waiting,
+                relay_new_topic=relay_new_topic,
                 backlog=backlog,
                 recovered=recovered,
             )
@@ -223,6 +235,10 @@ def test_readyz_and_backlog_name_a_kafka_outage_while_work_waits_not_before(
     say ``kafka unreachable: <why>`` at once (the stall thresholds are 600 s away), the
     relay's /backlog answers 503 ``unknown`` naming the failure; all ready again after."""
     assert outage.relay_idle[0] == 200, outage.relay_idle
+    assert outage.relay_waiting[1].startswith("stalled: kafka unreachable: "), outage.relay_waiting
+    status, body = outage.relay_new_topic
+    assert status == 503 and "kafka unreachable: " in body, outage.relay_new_topic
+    assert "(creating topic " in body and "outbox.event.quiz)" in body, body
     for name, (status, body) in (("relay", outage.relay_waiting), ("sink", outage.sink_waiting)):
         assert status == 503, (name, status, body)
         assert "kafka unreachable: " in body, (name, body)
@@ -234,6 +250,7 @@ def test_readyz_and_backlog_name_a_kafka_outage_while_work_waits_not_before(
     assert "unreachable: connection refused" in problems, doc
     assert outage.recovered, "relay and sink /readyz 200 again once Kafka is back"
     print(f"relay: {outage.relay_waiting}\nsink: {outage.sink_waiting}\nbacklog: {doc}")
+    print(f"relay, a new topic waiting: {outage.relay_new_topic}")
 
 
 def _demo_env(db_dsn: str, kafka: str) -> tuple[RelayConfig, dict[str, str]]:
