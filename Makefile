@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: help venv up down status lint rules docs test test-unit test-unit-lane test-integration-lane \
-	test-integration-lane-b test-integration-lane-c test-pg18-lane test-pg-smoke-lane stack-and-rules bench bench-pg18 \
+	test-integration-lane-b test-integration-lane-c test-integration-lane-d test-pg18-lane test-pg-smoke-lane stack-and-rules bench bench-pg18 \
 	demo run stop clean lock wheel
 
 help:
@@ -75,14 +75,17 @@ docs: venv
 test-unit: venv
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-# Six lanes (and the docs build), all of them must pass:
+# Seven lanes (and the docs build), all of them must pass:
 # - the unit tests need no service: they run beside everything else at the lowest CPU
 #   priority (nice 19), taking only CPU the other lanes leave idle;
 # - the integration tests that mostly wait (a two-minute engine outage, a minute
 #   without Kafka, a minute at the engine's rate limit) run against a second local
 #   stack of their own (LANE_B_DEV, other ports): they stop and start its Kafka and
 #   PostgreSQL, never the ones the other integration tests use;
-# - the evidence suites (gap evidence, the audit, TLS) on a stack of their own (LANE_C_DEV);
+# - the evidence suites (gap evidence, the audit, TLS) and a route down for minutes, on a
+#   stack of their own (LANE_C_DEV);
+# - the relay's connection and fault suites on another (LANE_D_DEV): they stop and start its
+#   PostgreSQL and Kafka;
 # - the other integration tests, against the stack of `make up` (the system's PostgreSQL,
 #   15 here); they print as they go;
 # - the relay's own suites (slot gap, failover, fidelity, relay faults) again on
@@ -93,18 +96,27 @@ test-unit: venv
 # under a lock, shared by every stack). The side lanes print their reports when they end
 # (also kept under .dev/).
 LANE_B_TESTS := tests/integration/test_observability.py tests/integration/test_first_hour.py \
-	tests/integration/test_sink_hostile_engine.py tests/integration/test_sink_route_outage.py \
-	tests/integration/test_parking_stuck.py tests/integration/test_distinct_types.py
+	tests/integration/test_sink_hostile_engine.py tests/integration/test_parking_stuck.py \
+	tests/integration/test_distinct_types.py
 LANE_B_DEV   := $(CURDIR)/.dev/lane-b
 LANE_B_ENV   := OUTBOX_DEV_DIR=$(LANE_B_DEV) OUTBOX_PG_PORT=25542 OUTBOX_KAFKA_PORT=29192 \
 	OUTBOX_KAFKA_CONTROLLER_PORT=29193
 
-#: the relay's evidence suites (gap evidence, the audit, TLS to both services): lane C
+#: the relay's evidence suites (gap evidence, the audit, TLS to both services) and a route
+#: down for minutes (it waits): lane C
 LANE_C_TESTS := tests/integration/test_gap_evidence.py tests/integration/test_audit.py \
-	tests/integration/test_tls_services.py
+	tests/integration/test_tls_services.py tests/integration/test_sink_route_outage.py
 LANE_C_DEV   := $(CURDIR)/.dev/lane-c
 LANE_C_ENV   := OUTBOX_DEV_DIR=$(LANE_C_DEV) OUTBOX_PG_PORT=25572 OUTBOX_KAFKA_PORT=29492 \
 	OUTBOX_KAFKA_CONTROLLER_PORT=29493
+
+#: the relay's connection and fault suites (they stop and start the stack's PostgreSQL and
+#: Kafka, drop packets, hold walsenders): lane D
+LANE_D_TESTS := tests/integration/test_relay_connections.py tests/integration/test_relay_network_faults.py \
+	tests/integration/test_relay_faults.py tests/integration/test_relay_errors.py
+LANE_D_DEV   := $(CURDIR)/.dev/lane-d
+LANE_D_ENV   := OUTBOX_DEV_DIR=$(LANE_D_DEV) OUTBOX_PG_PORT=25592 OUTBOX_KAFKA_PORT=29592 \
+	OUTBOX_KAFKA_CONTROLLER_PORT=29593
 
 #: the relay's suites that run on PostgreSQL 18 too, and the tests that need 17+
 RELAY_SUITES := tests/integration/test_slot_gap.py tests/integration/test_slot_failover.py \
@@ -122,8 +134,8 @@ LANE_SMOKE_ENV := OUTBOX_DEV_DIR=$(LANE_SMOKE_DEV) OUTBOX_PG_PORT=25562 OUTBOX_K
 	OUTBOX_KAFKA_CONTROLLER_PORT=29393
 
 test: venv
-	@$(MAKE) --no-print-directory -j7 docs test-unit-lane test-integration-lane test-integration-lane-b \
-		test-integration-lane-c test-pg18-lane test-pg-smoke-lane
+	@$(MAKE) --no-print-directory -j8 docs test-unit-lane test-integration-lane test-integration-lane-b \
+		test-integration-lane-c test-integration-lane-d test-pg18-lane test-pg-smoke-lane
 
 test-unit-lane: venv
 	@mkdir -p .dev
@@ -133,7 +145,7 @@ test-unit-lane: venv
 		printf "\n[test] unit tests ended (exit %s):\n" $$rc; cat .dev/unit-tests.log; exit $$rc
 
 test-integration-lane: venv lint stack-and-rules
-	. ./.dev/env && $(BIN)/pytest tests/integration $(addprefix --ignore=,$(LANE_B_TESTS) $(LANE_C_TESTS) $(PG18_ONLY)) \
+	. ./.dev/env && $(BIN)/pytest tests/integration $(addprefix --ignore=,$(LANE_B_TESTS) $(LANE_C_TESTS) $(LANE_D_TESTS) $(PG18_ONLY)) \
 		--durations=25 $(PYTEST_ARGS)
 
 test-integration-lane-b: venv lint stack-and-rules
@@ -150,6 +162,14 @@ test-integration-lane-c: venv lint stack-and-rules
 		rc=$$?; (export $(LANE_C_ENV) && bash compose/stack.sh down) >>.dev/lane-c-tests.log 2>&1; \
 		printf "\n[test] lane C ended (exit %s, %ss):\n" $$rc $$(( $$(date +%s) - start )); \
 		cat .dev/lane-c-tests.log; exit $$rc
+
+test-integration-lane-d: venv lint stack-and-rules
+	@echo "[test] lane D ($(notdir $(LANE_D_TESTS))) started on a stack of its own; report in .dev/lane-d-tests.log"
+	@start=$$(date +%s); (export $(LANE_D_ENV) && bash compose/stack.sh up && . "$(LANE_D_DEV)/env" && \
+		$(BIN)/pytest $(LANE_D_TESTS) --durations=10 $(PYTEST_ARGS)) >.dev/lane-d-tests.log 2>&1; \
+		rc=$$?; (export $(LANE_D_ENV) && bash compose/stack.sh down) >>.dev/lane-d-tests.log 2>&1; \
+		printf "\n[test] lane D ended (exit %s, %ss):\n" $$rc $$(( $$(date +%s) - start )); \
+		cat .dev/lane-d-tests.log; exit $$rc
 
 test-pg18-lane: venv lint stack-and-rules
 	@echo "[test] PostgreSQL 18 lane (the relay's suites, failover slots) started on a third stack; report in .dev/lane-pg18-tests.log"

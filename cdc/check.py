@@ -7,7 +7,7 @@ names what to fix (the variable, the SQL, the command).
 Guarantees:
 
 * it changes nothing: it reads settings, catalogs and metadata, and sends the
-  engine one request it refuses by design (see :mod:`sinks.check`);
+  engine one request it refuses by design (see :mod:`sinks.cli.check`);
 * a probe that raises becomes a ``fail`` finding of its own (the other items
   still run); a finding never holds a secret (psycopg's messages never hold
   the DSN's password, the settings' errors never a secret's value);

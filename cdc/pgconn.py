@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import socket
 from typing import Any
 
@@ -132,6 +133,21 @@ def application_name() -> str:
     (``slot drop``, a standby's wait), the process's PID and host beside the walsender's."""
     text = f"outbox-cdc {PROCESS_ROLE[0]} pid={os.getpid()} host={socket.gethostname()}"
     return text.encode()[:APPLICATION_NAME_MAX].decode(errors="ignore")
+
+
+#: :func:`application_name`, read back.
+_NAMED = re.compile(r"^outbox-cdc (\S+) pid=(\d+) host=(\S*)")
+
+
+def describe_holder(application_name: str | None, client_hostname: str | None) -> str:
+    """The process behind a connection, as far as the server shows it: ``relay pid 12053
+    on host h`` (from :func:`application_name`), else its application_name and host."""
+    found = _NAMED.match(application_name or "")
+    if found:
+        role, pid, host = found.groups()
+        return f"{role} pid {pid} on host {host}"
+    parts = [f"application_name {application_name!r}"] if application_name else []
+    return ", ".join(parts + ([f"host {client_hostname}"] if client_hostname else []))
 
 
 def conninfo(dsn: str, use: Use = Use.QUERY) -> str:

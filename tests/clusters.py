@@ -17,8 +17,9 @@ What a test can do to them:
   sets ``max_slot_wal_keep_size`` (ALTER SYSTEM + reload), :meth:`PgNode.push_wal_until_lost`
   writes and switches WAL and checkpoints until a slot's ``wal_status`` is ``lost``;
 * the standby is a ``pg_basebackup -R`` copy streaming through a physical slot
-  (:data:`STANDBY_SLOT`, also its ``application_name``) over a :class:`TcpProxy`,
-  so a test can hold back what it receives (``pair.wal_link.pause()``);
+  (:data:`STANDBY_SLOT`, also its ``application_name``) over a
+  :class:`~tests.tcpfault.TcpFaultProxy`, so a test can hold back what it
+  receives (``pair.wal_link.silence(new_connections=True)``);
 * :meth:`ClusterPair.fail_over` stops the primary with ``-m immediate``, cuts the
   link (what the standby had not received is gone) and promotes the standby;
   :meth:`ClusterPair.heal` makes the pair whole again for the next test (the old
@@ -55,7 +56,7 @@ from psycopg import sql
 
 from tests.harness import ROOT, free_port, wait_until
 from tests.pki import Pki
-from tests.tcp_proxy import TcpProxy
+from tests.tcpfault import TcpFaultProxy
 
 #: The standby's physical slot on the primary, and its application_name.
 STANDBY_SLOT = "outbox_standby"
@@ -379,7 +380,7 @@ class ClusterPair:
 
     root: Path
     nodes: list[PgNode]
-    wal_link: TcpProxy
+    wal_link: TcpFaultProxy
     primary: PgNode
     standby: PgNode
 
@@ -393,7 +394,7 @@ class ClusterPair:
         a, b = PgNode("a", root), PgNode("b", root)
         a.initdb()
         a.start()
-        link = TcpProxy(a.port)
+        link = TcpFaultProxy("127.0.0.1", a.port).start()
         pair = cls(root, [a, b], link, a, b, proxied_link)
         pair._attach_standby()
         return pair
@@ -410,7 +411,7 @@ class ClusterPair:
         )
 
     def _attach_standby(self) -> None:
-        self.wal_link.cut()
+        self.wal_link.reset()
         self.wal_link.resume()
         self.wal_link.retarget(self.primary.port)
         link = self.wal_link.port if self.proxied_link else self.primary.port
@@ -440,7 +441,7 @@ class ClusterPair:
         (stopped) until :meth:`heal`."""
         old = self.primary
         old.stop("immediate")
-        self.wal_link.cut()
+        self.wal_link.reset()
         self.standby.promote()
         wait_until(lambda: not self.standby.in_recovery(), 60, "promotion", interval_s=0.2)
         self.primary, self.standby = self.standby, old

@@ -21,7 +21,7 @@ from pathlib import Path
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from sinks.routes import USERS_SYNC_PATH, derived_user_sync_key
+from sinks.shared.routes import USERS_SYNC_PATH, derived_user_sync_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -384,7 +384,7 @@ def without_derived_user_syncs(
 
     A quiz attempt the sink reads before its user's registration (another topic: no
     order between them) is answered "user not found"; the sink then syncs the user
-    under a key derived from the attempt's id (:mod:`sinks.dispatch`): an engine call
+    under a key derived from the attempt's id (:mod:`sinks.engine.dispatch`): an engine call
     of that event, not an extra event. Each such call must be a ``users/sync`` call.
     """
     derived = {derived_user_sync_key(i) for i in event_ids}

@@ -53,7 +53,7 @@ from cdc.errors import (
     StreamError,
 )
 from cdc.health import HealthServer, Liveness
-from cdc.kafkalog import CAUSELESS_ERRORS, KafkaClientEvents
+from cdc.kafkalog import KafkaClientEvents
 from cdc.migrate import check_wal_level
 from cdc.pgconn import connect
 from cdc.producer import (
@@ -64,6 +64,7 @@ from cdc.producer import (
 from cdc.relay.dead_letters import DeadLetters
 from cdc.relay.fast_path import FastPath
 from cdc.relay.guard import GAP_RECHECK_S, SlotGapError, SlotGuard
+from cdc.relay.kafka_ready import KafkaReadiness
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
@@ -155,7 +156,16 @@ _TRANSITION_NOTE = {
 _XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
 
 
-class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuard, StandbyWait):
+class Relay(
+    FastPath,
+    StandbySafe,
+    Producing,
+    DeadLetters,
+    SlotMonitor,
+    SlotGuard,
+    StandbyWait,
+    KafkaReadiness,
+):
     def __init__(
         self,
         settings: Settings,
@@ -170,8 +180,6 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         self._stop = threading.Event()
         self._state = RelayState.STARTING
         self._reason = ""
-        #: a topic the session waits for Kafka to create (mid-stream), else None
-        self._topic_in_creation: str | None = None
         self._serve_http = serve_http
         self._producer: Producer | None = None
         #: librdkafka's errors and logs of the producer (the same one across rebuilds)
@@ -239,32 +247,6 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
 
     def _count_kafka_error(self, code: str) -> None:
         self.metrics.kafka_errors.labels(code).inc()
-
-    def _on_kafka_error(self, code: str, text: str) -> None:
-        """While a session is being started (a Kafka client waits for its first answer,
-        for up to the topic manager's timeout), /readyz names what Kafka answered rather
-        than a bare ``starting`` (the TLS handshake refused, the connection refused).
-        Called on the thread serving the client: only the readiness text changes."""
-        state, topic = self._state, self._topic_in_creation
-        if code in CAUSELESS_ERRORS:
-            return
-        if topic is not None:  # a new topic, mid-stream: nothing moves until Kafka answers
-            self.liveness.set(
-                f"{state.value}: kafka unreachable: {text} (creating topic {topic})", ready=False
-            )
-        elif state in (RelayState.STARTING, RelayState.RECONNECTING):
-            self.liveness.set(f"{state.value}: kafka unreachable: {text}", ready=False)
-
-    def _creating_topic(self, topic: str | None) -> None:
-        """The session waits for Kafka to create ``topic`` (None: no more): while it
-        waits, a Kafka error names the wait in /readyz; after, the state's own text."""
-        self._topic_in_creation = topic
-        if topic is None:
-            state = self._state
-            self.liveness.set(
-                f"{state.value}: {self._reason}" if self._reason else state.value,
-                ready=state in (RelayState.STREAMING, RelayState.BACKPRESSURE),
-            )
 
     def _wait(self, delay_s: float) -> None:
         """Wait ``delay_s`` (less when stopped), ticking the liveness meanwhile."""
@@ -541,19 +523,6 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         )
         self.metrics.stalled.set(1 if reason else 0)
         return reason
-
-    def _kafka_unreachable(self, sess: Session, stall: StallWatch, now: float) -> str | None:
-        """``kafka unreachable: <why>`` while work waits (records in flight or dead letters
-        pending) and the producer reaches no broker (:class:`cdc.kafkalog.KafkaReach`,
-        overruled by any acknowledgement since): at once, not after the stall threshold.
-        A broker away while nothing waits is no outage: nothing is said then."""
-        reach = self._events.reach
-        waiting = sess.tracker.in_flight > self._held_records(sess) or bool(sess.pending_dlq)
-        if reach is None or not waiting:
-            return None
-        if reach.unreachable_s(progress_at=now - stall.idle_s(now)) is None:
-            return None
-        return f"kafka unreachable: {self._events.why_unreachable()}"
 
     def _read_batch(self, sess: Session) -> bool:
         """Up to :data:`READ_BATCH` messages; whether any arrived."""

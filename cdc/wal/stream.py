@@ -32,7 +32,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import re
 import select
 import socket
 import time
@@ -48,7 +47,7 @@ from psycopg.conninfo import make_conninfo
 
 from cdc.errors import DatabaseSetupError, SlotInUseError, StreamError
 from cdc.migrate import check_wal_level
-from cdc.pgconn import Use, connect, conninfo, failure_text
+from cdc.pgconn import Use, connect, conninfo, describe_holder, failure_text
 from cdc.router import ROUTED_COLUMNS, BrokenOutbox, outbox_layout
 from cdc.wal.replproto import lsn_to_str, pg_now_us, standby_status_update, str_to_lsn
 from cdc.wal.slots import failover_wanted
@@ -303,15 +302,13 @@ TAKE_BACK_WAIT_S = 10.0
 
 @dataclass(frozen=True)
 class Walsender:
-    """A walsender as the server sees it: its pid and its client's address and port
-    (``pg_stat_activity.client_addr`` / ``client_port``: None and -1 over a Unix socket)."""
+    """A walsender as the server sees it (``pg_stat_activity``): its pid, its client's address
+    and port (None and -1 over a Unix socket), who it serves (a relay's PID and host)."""
 
     pid: int
     client_addr: str | None
     client_port: int
-    #: pg_stat_activity.application_name (the relay's: outbox-cdc relay pid=N host=H)
     application_name: str | None = field(default=None, compare=False)
-    #: pg_stat_activity.client_hostname (with the server's log_hostname on)
     client_hostname: str | None = field(default=None, compare=False)
 
     def same_as(self, other: Walsender) -> bool:
@@ -324,30 +321,10 @@ class Walsender:
         )
 
     def __str__(self) -> str:
-        where = (
-            "a Unix socket"
-            if self.client_addr is None
-            else (f"{self.client_addr}:{self.client_port}")
-        )
-        holder = self.holder()
+        unix = self.client_addr is None
+        where = "a Unix socket" if unix else f"{self.client_addr}:{self.client_port}"
+        holder = describe_holder(self.application_name, self.client_hostname)
         return f"walsender {self.pid} (client {where}{'; ' + holder if holder else ''})"
-
-    def holder(self) -> str:
-        """The process at the other end, as far as it is known: ``relay pid 12053 on host
-        h`` (from the relay's application_name), else the application_name and host."""
-        name = self.application_name or ""
-        found = _HOLDER_NAME.match(name)
-        if found:
-            role, pid, host = found.groups()
-            return f"{role} pid {pid} on host {host}"
-        parts = [f"application_name {name!r}"] if name else []
-        if self.client_hostname:
-            parts.append(f"host {self.client_hostname}")
-        return ", ".join(parts)
-
-
-#: :func:`cdc.pgconn.application_name`, read back.
-_HOLDER_NAME = re.compile(r"^outbox-cdc (\S+) pid=(\d+) host=(\S*)")
 
 
 def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | str | None:
@@ -374,9 +351,9 @@ class SlotHolder:
 
 #: The slot and its active walsender's client address (host() drops the /32).
 _HOLDER_SQL = (
-    "SELECT s.active_pid, host(a.client_addr), a.client_port, a.application_name,"
-    " a.client_hostname FROM pg_replication_slots s"
-    " LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s"
+    "SELECT s.active_pid, host(a.client_addr), coalesce(a.client_port, -1), a.application_name,"
+    " a.client_hostname FROM pg_replication_slots s LEFT JOIN pg_stat_activity a"
+    " ON a.pid = s.active_pid WHERE s.slot_name = %s"
 )
 
 
@@ -386,10 +363,8 @@ def slot_holder(conn: Conn, slot: str) -> SlotHolder:
     if row is None:
         return SlotHolder(exists=False, walsender=None)
     pid, addr, port, app, hostname = row
-    if pid is None:
-        return SlotHolder(exists=True, walsender=None)
-    port = -1 if port is None else int(port)
-    return SlotHolder(True, Walsender(int(pid), addr, port, app or None, hostname))
+    walsender = Walsender(int(pid), addr, int(port), app or None, hostname) if pid else None
+    return SlotHolder(exists=True, walsender=walsender)
 
 
 def end_walsender(dsn: str, slot: str, pid: int) -> bool:
@@ -538,10 +513,7 @@ class ReplicationStream:
         self.get_nowait: Callable[[], tuple[int, memoryview]] = partial(self._pg.get_copy_data, 1)
 
     def start(self, start_lsn: int = 0, *, confirmed_lsn: int | None = None) -> None:
-        """``START_REPLICATION``; raises SlotInUseError when another relay holds the slot.
-
-        ``start_lsn`` 0 streams from the slot's confirmed position; ``confirmed_lsn`` (that
-        position, as the caller read it) is what the log line shows then, not ``0/0``."""
+        """``START_REPLICATION`` (0: at ``confirmed_lsn``); SlotInUseError if another holds it."""
         command = (
             f"START_REPLICATION SLOT {sql.Identifier(self.slot).as_string(self._conn)} "
             f"LOGICAL {lsn_to_str(start_lsn)} (proto_version '1', "
@@ -559,12 +531,8 @@ class ReplicationStream:
                 raise SlotInUseError(message)
             raise StreamError(f"START_REPLICATION failed: {message}")
         self._pg.nonblocking = 1
-        if start_lsn:
-            where = lsn_to_str(start_lsn)
-        elif confirmed_lsn is not None:
-            where = f"{lsn_to_str(confirmed_lsn)} (its confirmed position)"
-        else:
-            where = "its confirmed position"
+        known = f"{lsn_to_str(confirmed_lsn)} " if confirmed_lsn is not None else ""
+        where = lsn_to_str(start_lsn) if start_lsn else f"{known}(its confirmed position)"
         log.info("slot %s streaming from %s", self.slot, where)
 
     def read(self, timeout_s: float) -> memoryview | bytes | None:

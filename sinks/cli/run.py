@@ -1,8 +1,8 @@
 """Commands that run the sink side: ``sink``, ``engine-stub``, ``demo``.
 
 Each parses its options, builds settings and calls one library function
-(:func:`sinks.service.run_sink`, :func:`sinks.stub.run_stub`,
-:func:`sinks.demo.run_demo`).
+(:func:`sinks.kafka.service.run_sink`, :func:`sinks.stub.run_stub`,
+:func:`sinks.cli.demo.run_demo`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def sink() -> None:
     """Deliver outbox events from Kafka to the engine (consumer group; runs until SIGTERM)."""
     import asyncio
 
-    from sinks.service import run_sink
+    from sinks.kafka.service import run_sink
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     require_free_port(settings, "sink_http_port")
@@ -101,7 +101,7 @@ def demo(
         return
     from pathlib import Path
 
-    from sinks.demo import run_demo
+    from sinks.cli.demo import run_demo
 
     run_demo(
         users=users,
@@ -117,7 +117,8 @@ def demo_start() -> None:
 
     PIDs, ports and logs go to .dev/run (OUTBOX_DEV_DIR/run); `demo stop` ends them.
     """
-    from sinks.demo import run_dir, start_background
+    from sinks.cli.demo import start_background
+    from sinks.cli.runfiles import run_dir
 
     for line in start_background(where=run_dir()):
         click.echo(line)
@@ -126,7 +127,7 @@ def demo_start() -> None:
 @demo.command("stop")
 def demo_stop() -> None:
     """Stop what `demo start` (or `demo --keep-running`) left running (make stop)."""
-    from sinks.demo import run_dir, stop_background
+    from sinks.cli.runfiles import run_dir, stop_background
 
     for line in stop_background(where=run_dir()):
         click.echo(line)
@@ -142,7 +143,7 @@ def demo_write(users: int, attempts_per_user: int) -> None:
 
     Followed until the engine stub applied every event, when a stub answers.
     """
-    from sinks.demo import write_burst
+    from sinks.cli.demo import write_burst
 
     for line in write_burst(users=users, attempts_per_user=attempts_per_user):
         click.echo(line)

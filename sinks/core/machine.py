@@ -1,6 +1,6 @@
 """The sink's decisions, as one pure state machine: events in, actions out. No I/O.
 
-The consumer shell (:mod:`sinks.consumer`) feeds :class:`SinkCore` what
+The consumer shell (:mod:`sinks.kafka.consumer`) feeds :class:`SinkCore` what
 happened - a record consumed, an engine outcome, a park or commit result, an
 assignment, a revocation, the passing of time - and carries out the actions
 it answers with: :class:`Send`, :class:`Park`, :class:`Pause`,

@@ -7,7 +7,7 @@ Guarantees:
   so an engine that is down, overloaded, misconfigured or unauthorised never
   gets a record parked. Statuses outside 2xx/4xx (1xx, 3xx, 5xx) are engine-wide.
   401/403/407 and 3xx are :attr:`OutcomeKind.MISCONFIGURED` (an
-  :class:`~sinks.errors.EngineMisconfigured` whose reason names the setting
+  :class:`~sinks.core.errors.EngineMisconfigured` whose reason names the setting
   to fix): waiting does not help, a person does.
 - :class:`Backoff` hands out growing, jittered delays for probing a down
   engine, never above ``cap_s`` unless the engine's ``Retry-After`` asks for
@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from enum import Enum
 
-from sinks.errors import (
+from sinks.core.errors import (
     EngineMisconfigured,
     EngineRejected,
     EngineUnavailable,
@@ -87,7 +87,7 @@ class Outcome:
     def error(self, *, user_id: str | None = None) -> SinkError | None:
         """The exception this outcome stands for; ``None`` when delivered.
 
-        ``user_id`` names the user of a :class:`~sinks.errors.UserNotFound`.
+        ``user_id`` names the user of a :class:`~sinks.core.errors.UserNotFound`.
         """
         if self.kind is OutcomeKind.MISCONFIGURED:
             return EngineMisconfigured(self.reason, status=self.status)

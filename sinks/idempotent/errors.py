@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from sinks.errors import SinkError
+from sinks.core.errors import SinkError
 
 
 class IdempotencyError(SinkError):

@@ -8,13 +8,13 @@ consumer whose group id is a throwaway (``outbox-cdc-ops-<uuid>``) that only
 ``assign``s partitions - it never joins a group and never commits. The first
 request is the cluster's metadata with a short timeout: Kafka unreachable
 fails within seconds with one line, ``Kafka at <bootstrap> unreachable: ...
-(check KAFKA_BOOTSTRAP_SERVERS)``, as a :class:`~sinks.errors.KafkaOpsError`
+(check KAFKA_BOOTSTRAP_SERVERS)``, as a :class:`~sinks.core.errors.KafkaOpsError`
 (exit 1). librdkafka's errors and log lines are rate-limited
 (:mod:`cdc.kafkalog`). The only write,
 :meth:`KafkaOps.alter_offsets`, commits exactly the offsets it is given and
 turns Kafka's refusal of a non-empty group into
-:class:`~sinks.errors.GroupActiveError`. Kafka failures surface as
-:class:`~sinks.errors.KafkaOpsError` with the librdkafka error chained; every
+:class:`~sinks.core.errors.GroupActiveError`. Kafka failures surface as
+:class:`~sinks.core.errors.KafkaOpsError` with the librdkafka error chained; every
 request gives up after :data:`KAFKA_REQUEST_TIMEOUT_S`.
 """
 
@@ -41,7 +41,7 @@ from cdc.kafkaclient import CommittedReader, first_contact
 from cdc.kafkalog import KafkaClientEvents
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
-from sinks.errors import (
+from sinks.core.errors import (
     GroupActiveError,
     GroupNotFoundError,
     KafkaOpsError,

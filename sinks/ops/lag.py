@@ -17,7 +17,7 @@ import psycopg
 from cdc.errors import CdcError
 from cdc.ops import SlotStatus, slot_status
 from cdc.settings import Settings
-from sinks.errors import (
+from sinks.core.errors import (
     KafkaOpsError,
 )
 from sinks.ops.kafka import FIRST_RECORD_TIMEOUT_S, KafkaOps
@@ -47,7 +47,7 @@ def group_lag(
     position, read with a throwaway consumer). Resume positions follow the sink's
     ``auto.offset.reset`` for a missing or out-of-range commit (:func:`resume_offset`).
     ``group`` defaults to ``SINK_GROUP_ID``; ``topics`` to the sink's.
-    :class:`~sinks.errors.GroupNotFoundError` when the group does not exist."""
+    :class:`~sinks.core.errors.GroupNotFoundError` when the group does not exist."""
     group = group or settings.sink_group_id
     reset = sink_offset_reset(settings)
     with KafkaOps(settings) as kafka:
@@ -146,7 +146,7 @@ def pipeline_lag(
     Kafka unreachable is not the end of the report: the slot and the parking lot
     are still read and shown, the partitions are marked unknown
     (``kafka_error``), and the Kafka failure is the report's first problem. A group
-    that does not exist (:class:`~sinks.errors.GroupNotFoundError`) ends it.
+    that does not exist (:class:`~sinks.core.errors.GroupNotFoundError`) ends it.
     """
     group = group or settings.sink_group_id
     kafka_error: str | None = None

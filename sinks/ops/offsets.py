@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cdc.settings import Settings
-from sinks.consumer import consumer_config
-from sinks.errors import (
+from sinks.core.errors import (
     OpsUsageError,
 )
+from sinks.kafka.config import consumer_config
 from sinks.ops.selection import TP
 
 
@@ -66,7 +66,7 @@ LIBRDKAFKA_DEFAULT_RESET = "largest"
 
 def sink_offset_reset(settings: Settings) -> OffsetReset:
     """The sink's ``auto.offset.reset`` exactly as its consumer is configured
-    (:func:`sinks.consumer.consumer_config`, ``KAFKA_CONFIG_*`` overrides included)."""
+    (:func:`sinks.kafka.config.consumer_config`, ``KAFKA_CONFIG_*`` overrides included)."""
     value = consumer_config(settings).get("auto.offset.reset", LIBRDKAFKA_DEFAULT_RESET)
     return OffsetReset.parse(str(value))
 

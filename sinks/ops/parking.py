@@ -12,10 +12,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from cdc.settings import Settings
-from sinks.engine import EngineClient
-from sinks.errors import (
+from sinks.core.errors import (
     OpsUsageError,
 )
+from sinks.engine.client import EngineClient
 from sinks.parking.lot import ParkedEvent, ParkingLot
 from sinks.parking.retrier import Retrier, RetrySummary
 

@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass
 from datetime import datetime
 
-from sinks.errors import (
+from sinks.core.errors import (
     OpsUsageError,
 )
 from sinks.ops.offsets import (

@@ -1,7 +1,7 @@
 """Redelivery: find chosen records in Kafka and send them to the engine again.
 
 Guarantees: :func:`redeliver` moves no offset of any group. It sends each
-chosen record through :func:`sinks.dispatch.deliver` with its own ``id``
+chosen record through :func:`sinks.engine.dispatch.deliver` with its own ``id``
 header as ``Idempotency-Key``, one at a time, in commit order (LSN header,
 else the record timestamp; offset order within a partition is never changed).
 After engine-wide trouble the rest are reported ``not_sent``, never skipped
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
-from sinks.dispatch import deliver
-from sinks.engine import EngineClient
-from sinks.errors import (
+from sinks.core.errors import (
     EngineUnavailable,
     SinkError,
     Unroutable,
 )
+from sinks.engine.client import EngineClient
+from sinks.engine.dispatch import deliver
 from sinks.ops.kafka import SCAN_BATCH, SCAN_IDLE_TIMEOUT_S, KafkaOps
 from sinks.ops.offsets import clamp_offset
 from sinks.ops.selection import TP, RedeliverySelector, TopicSelection, in_commit_order

@@ -2,10 +2,10 @@
 
 Guarantees: :func:`plan_replay` never moves an offset. :func:`apply_replay`
 is the only writer of the ops: it commits exactly the plan's targets for the
-plan's group, and refuses with :class:`~sinks.errors.GroupActiveError` while
+plan's group, and refuses with :class:`~sinks.core.errors.GroupActiveError` while
 the group has members (Kafka itself also refuses an offset change of a
 non-empty group; that answer is reported the same way), or with
-:class:`~sinks.errors.UncommittedShiftError` when the plan shifts a partition
+:class:`~sinks.core.errors.UncommittedShiftError` when the plan shifts a partition
 the group never committed.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cdc.settings import Settings
-from sinks.errors import (
+from sinks.core.errors import (
     GroupActiveError,
     OpsUsageError,
     UncommittedShiftError,
@@ -39,7 +39,7 @@ def plan_replay(
     ``topics=None`` takes every partition of the sink's topics. Partitions the group
     never committed are planned only when named (``T:p``) or ``include_uncommitted``
     (:func:`partition_action`). Reads only. A group that does not exist is
-    :class:`~sinks.errors.GroupNotFoundError` - unless uncommitted partitions are
+    :class:`~sinks.core.errors.GroupNotFoundError` - unless uncommitted partitions are
     asked for (named or ``include_uncommitted``), as when seeding a new group.
     """
     now = now_ms() if at_ms is None else at_ms

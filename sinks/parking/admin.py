@@ -40,7 +40,7 @@ from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cdc.health import Liveness
-from sinks.errors import SinkError
+from sinks.core.errors import SinkError
 from sinks.parking.guard import (
     DEFAULT_MAX_BODY_BYTES,
     MAX_HEADER_BYTES,

@@ -12,7 +12,7 @@ Guarantees (for every HTTP request, before any route runs):
 * a request whose header section passes :data:`MAX_HEADER_BYTES` or
   :data:`MAX_HEADER_COUNT` is a 431 (before the token check: it is the server's
   limit, not the admin API's); the server itself (uvicorn's h11, configured in
-  :mod:`sinks.service`) already refuses with 400 any header section that has not
+  :mod:`sinks.kafka.service`) already refuses with 400 any header section that has not
   ended within :data:`MAX_HEADER_BYTES`, so no more than one socket read of
   headers is ever buffered;
 * a body larger than ``max_body_bytes`` is a 413: refused on its declared
@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cdc.errors import ConfigError
-from sinks.errors import SinkError
+from sinks.core.errors import SinkError
 
 log = logging.getLogger("sinks.guard")
 

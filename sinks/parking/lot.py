@@ -51,8 +51,8 @@ from psycopg import errors as pgerrors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
+from sinks.core.errors import SinkError
 from sinks.core.retry import retry_delay_s
-from sinks.errors import SinkError
 from sinks.parking.claims import CLAIM_LEASE_S, AttemptResult, RowStatus
 
 log = logging.getLogger("sinks.parking")

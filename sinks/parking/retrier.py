@@ -31,13 +31,13 @@ import uuid
 from dataclasses import dataclass, field
 
 from cdc.settings import Settings
-from sinks.dispatch import deliver
-from sinks.engine import EngineClient
-from sinks.errors import EngineUnavailable, SinkError
+from sinks.core.errors import EngineUnavailable, SinkError
+from sinks.engine.client import EngineClient
+from sinks.engine.dispatch import deliver
 from sinks.parking.claims import AttemptResult
 from sinks.parking.lot import ParkedEvent, ParkingLot, ParkingLotUnavailable
-from sinks.routes import Routing
-from sinks.tracing import engine_trace_headers
+from sinks.shared.routes import Routing
+from sinks.shared.tracing import engine_trace_headers
 
 log = logging.getLogger("sinks.retrier")
 

@@ -9,7 +9,7 @@ extra headers, latency), :mod:`.app` the Starlette routes of the engine
 endpoints and the ``/_stub`` control API, :mod:`.server` uvicorn (its public
 API), outage windows that really close the listening socket, TLS and the
 :class:`~sinks.stub.server.StubServer` test helper. What it may import:
-:mod:`sinks.routes` (the engine's paths), Starlette, uvicorn, httpx; nothing of
+:mod:`sinks.shared.routes` (the engine's paths), Starlette, uvicorn, httpx; nothing of
 the sink's delivery. Invariants: the idempotency and ``user_not_found`` rules
 are the stub's own, pure, in :mod:`.engine`; every answer is JSON; state lives
 on the server's event loop only.

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
+from sinks.shared.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
 from sinks.stub.faults import Faults, Reply, json_reply, throttled_reply
 
 

@@ -4,7 +4,7 @@
   1,000 / 20,000 / 100,000 records in every waiting state at once (a third
   queued for a route that is down, a third waiting to be sent again after a
   4xx, a third waiting to be parked again after the parking lot failed), and
-  one loop step timed - what :meth:`sinks.consumer.Sink._step` asks of the core:
+  one loop step timed - what :meth:`sinks.kafka.consumer.Sink._step` asks of the core:
   ``actions()``, ``next_due()`` and every gauge's query. Flat is the goal
   (before issue 35: 12 ms a step at 20,000, 74 ms at 100,000). The calls a step
   makes are printed too: a figure the machine's load does not change.
@@ -34,7 +34,7 @@ import pytest
 from sinks.core.delivery import Envelope
 from sinks.core.machine import Park, Result, ResultKind, Route, Send, SinkCore, Verdict
 from sinks.core.retry import Backoff, Jitter
-from sinks.routes import USERS_SYNC_PATH
+from sinks.shared.routes import USERS_SYNC_PATH
 from tests.bench.conftest import API_KEY, create_topics, produce_user_events, start_stub
 from tests.bench.report import fmt, metric_sum, peak_rss_mb, percentile, print_table, record_goal
 from tests.harness import ROOT, RelayConfig, SinkConfig, free_port, wait_until

@@ -1,4 +1,4 @@
-"""The engine client's transport, decided by measurement: sinks.http1 vs aiohttp (vs httpx).
+"""The engine client's transport, decided by measurement: sinks.engine.http1 vs aiohttp (vs httpx).
 
 Each client sends the same requests (``users/sync``, compact JSON, the same
 headers, a fresh Idempotency-Key each) to the engine stub running in its own
@@ -29,8 +29,8 @@ import aiohttp
 import pytest
 
 from sinks.core.retry import classify
-from sinks.engine import API_KEY_HEADER, IDEMPOTENCY_HEADER, EngineClient, EngineTLS
-from sinks.routes import EngineCall, user_sync_call
+from sinks.engine.client import API_KEY_HEADER, IDEMPOTENCY_HEADER, EngineClient, EngineTLS
+from sinks.shared.routes import EngineCall, user_sync_call
 from tests.bench.conftest import API_KEY, StubProc, start_stub
 from tests.bench.report import fmt, print_table
 from tests.pki import Pki, make_pki

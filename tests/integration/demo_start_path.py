@@ -15,7 +15,7 @@ from pathlib import Path
 
 from cdc.backlog import BacklogGuard
 from cdc.settings import Settings
-from sinks.demo import demo_env, ensure_demo_topics, running_children
+from sinks.cli.demo import demo_env, ensure_demo_topics, running_children
 
 #: Fresh guards asked for their first check per round (each one a new set of clients).
 FIRST_CHECKS_PER_ROUND = 5

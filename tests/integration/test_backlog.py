@@ -20,7 +20,7 @@ from confluent_kafka import Consumer, TopicPartition
 from cdc.backlog import BacklogGuard, BacklogState
 from cdc.outbox import Written, register_user
 from cdc.settings import Settings
-from sinks.demo import Refused, register_guarded
+from sinks.cli.demo import Refused, register_guarded
 from tests.harness import (
     Proc,
     RelayConfig,

@@ -19,8 +19,8 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.consumer import MAX_TYPE_LABELS
-from sinks.logs import NEW_KINDS_PER_PERIOD, SUMMARY_PERIOD_S
+from sinks.kafka.consumer import MAX_TYPE_LABELS
+from sinks.shared.logs import NEW_KINDS_PER_PERIOD, SUMMARY_PERIOD_S
 from sinks.stub.server import StubServer
 from tests.harness import (
     RelayConfig,

@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
-from sinks import http1
-from sinks.engine import HTTPX_TRANSPORT, EngineClient, EngineTimeouts
-from sinks.errors import EngineRejected, EngineUnavailable, UserNotFound
-from sinks.routes import (
+from sinks.core.errors import EngineRejected, EngineUnavailable, UserNotFound
+from sinks.engine import http1
+from sinks.engine.client import HTTPX_TRANSPORT, EngineClient, EngineTimeouts
+from sinks.shared.routes import (
     QUIZ_ATTEMPTS_SYNC_PATH,
     USERS_SYNC_PATH,
     derived_user_sync_key,

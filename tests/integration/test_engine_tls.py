@@ -18,10 +18,10 @@ import pytest
 
 from cdc.errors import ConfigError
 from cdc.settings import Settings
-from sinks import http1
-from sinks.engine import TLS_UNVERIFIED_WARNING, EngineClient, EngineTLS
-from sinks.errors import EngineMisconfigured, EngineUnavailable
-from sinks.routes import user_sync_call
+from sinks.core.errors import EngineMisconfigured, EngineUnavailable
+from sinks.engine import http1
+from sinks.engine.client import TLS_UNVERIFIED_WARNING, EngineClient, EngineTLS
+from sinks.shared.routes import user_sync_call
 from sinks.stub.server import StubServer, StubTLS
 from tests.pki import Pki, make_pki
 from tests.proxy import ProxyServer

@@ -331,7 +331,7 @@ def test_standby_safe_mode_lets_the_server_guard_and_a_failover_makes_no_phantom
         "the slot synchronized to the standby",
         interval_s=0.5,
     )
-    pair.wal_link.pause()  # the standby receives nothing more
+    pair.wal_link.silence(new_connections=True)  # the standby receives nothing more
     unseen = write(PHASE_EVENTS)  # committed on the primary only
     wait_until(lambda: _waiting_for_standby(pair), 60, "the walsender waiting for the standby")
     assert _relayed(port, aggregate, cfg) == PHASE_EVENTS  # nothing the standby lacks

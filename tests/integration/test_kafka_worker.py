@@ -15,7 +15,7 @@ import pytest
 
 from cdc.kafkalog import KafkaClientEvents
 from sinks.core.delivery import Envelope
-from sinks.kafka_worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS, KafkaWorker
+from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS, KafkaWorker
 from tests.harness import create_topics, produce, wait_until
 
 pytestmark = pytest.mark.integration

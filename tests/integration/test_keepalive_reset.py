@@ -21,7 +21,7 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.engine import EngineClient
+from sinks.engine.client import EngineClient
 from sinks.stub.server import StubServer
 from tests.harness import (
     RelayConfig,

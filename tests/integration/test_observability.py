@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cdc.outbox import OutboxEvent, write_event
 from cdc.settings import Settings
-from sinks.engine import EngineClient
+from sinks.engine.client import EngineClient
 from sinks.ops.lag import group_lag
 from sinks.parking.lot import ParkingLot
 from sinks.parking.retrier import Retrier

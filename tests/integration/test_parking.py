@@ -12,7 +12,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc.settings import Settings
-from sinks.engine import EngineClient
+from sinks.engine.client import EngineClient
 from sinks.parking.lot import (
     LotTimeouts,
     ParkingLot,

@@ -22,8 +22,8 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.consumer import MAX_BUFFERED
-from sinks.kafka_worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
+from sinks.kafka.consumer import MAX_BUFFERED
+from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
 from sinks.parking.admin import LIST_PATH, RETRY_PATH
 from sinks.stub.server import StubServer
 from tests.harness import (
@@ -105,6 +105,7 @@ def _all_held_delivered(stub: StubServer, port: int) -> bool:
     return bool(applied == _gauges(port)["outbox_sink_held_records"] - 1)
 
 
+@pytest.mark.timeout(900)  # (100,000 records on a loaded machine; every wait inside is bounded)
 def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everything_after(
     db_dsn: str, kafka_bootstrap: str, unique: str, stub: StubServer, tmp_path: Path
 ) -> None:

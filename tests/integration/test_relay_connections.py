@@ -288,6 +288,10 @@ def _recovered_once(
     assert not twice, f"{len(twice)} rows of the window were published more than once"
 
 
+#: the idle_session_timeout the relay's connections get in the test below
+IDLE_TIMEOUT_S = 1.0
+
+
 def test_a_recovery_outlasting_idle_session_timeout_finishes_once(
     cfg: RelayConfig, tmp_path: Path
 ) -> None:
@@ -296,13 +300,23 @@ def test_a_recovery_outlasting_idle_session_timeout_finishes_once(
     # The DSN's word wins over the relay's idle-timeout exemption of its lock connection:
     # the server ends every connection of the relay idle for a second.
     cfg.extra["CDC_PG_DSN"] = make_conninfo(cfg.db_dsn, options="-c idle_session_timeout=1000")
+    # A transaction with an xid, open while the recovery makes its slot: the slot's snapshot
+    # waits for it, so the recovery outlasts the timeout whatever the machine's speed.
+    blocker = psycopg.connect(cfg.db_dsn)
+    blocker.execute("SELECT txid_current()")
     relay, port = start_relay(cfg, tmp_path, name="second", wait_ready=False)
     try:
+        wait_until(
+            lambda: _recovery_lock_holder(cfg.db_dsn), 120, "the recovery to take its lock", 0.01
+        )
+        time.sleep(3 * IDLE_TIMEOUT_S)  # the lock's connection idle past the timeout
+        blocker.commit()
         _recovered_once(cfg, relay, port, "idlegap", window)
         log = relay.log_path.read_text()
         assert "lost with its connection" in log and "taken again" in log, "lock re-taken"
         assert relay.alive(), relay.log_tail()
     finally:
+        blocker.close()
         relay.close()
 
 
@@ -361,12 +375,13 @@ def test_a_recovery_is_not_marked_when_its_slot_or_gap_changed_meanwhile(
 ) -> None:
     settings = Settings(pg_dsn=cfg.db_dsn, slot=cfg.slot)
     with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
-        gap_id = gaps.record_gap(
+        written = gaps.record_gap(
             conn,
             gaps.NewGap(cfg.slot, "slot_missing", "test", None, None, None, False),
+            seen_latest=None,
         )
         gap = gaps.latest(conn, cfg.slot)
-        assert gap is not None and gap.id == gap_id
+        assert gap is not None and gap.id == written.id
         row = conn.execute(
             "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')",
             (cfg.slot,),

@@ -5,7 +5,7 @@ records, partition 1 holds 100 of which the first 30 were deleted (``DeleteRecor
 so its low watermark is 30) and partition 2 is empty. Each test commits the group's
 offsets itself, runs ``python -m cdc.cli`` as an operator would, and then measures
 the group's **real** resume point: a consumer built from the sink's own
-configuration (:func:`sinks.consumer.consumer_config`, ``auto.offset.reset``
+configuration (:func:`sinks.kafka.config.consumer_config`, ``auto.offset.reset``
 included) joins the group and reports the first offset it is handed in each
 partition. The end-to-end test runs the sink itself against the engine stub and
 asserts on the event ids the engine applied.
@@ -34,7 +34,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from sinks.consumer import consumer_config
+from sinks.kafka.config import consumer_config
 from sinks.stub.server import StubServer
 from tests.harness import ROOT, RelayConfig, SinkConfig, start_sink, wait_until
 from tests.integration.test_ops import Ops, commit, committed, user_event

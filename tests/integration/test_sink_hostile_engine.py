@@ -28,8 +28,8 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.consumer import MAX_BUFFERED
-from sinks.kafka_worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
+from sinks.kafka.consumer import MAX_BUFFERED
+from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
 from sinks.stub.server import StubServer
 from tests.harness import (
     RelayConfig,
@@ -219,6 +219,18 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def _wait_held_settled(port: int) -> None:
+    """Until the held-records gauge reads the same twice a second apart (bounded)."""
+    last = [-1.0]
+
+    def settled() -> bool:
+        now = _metric(port, "outbox_sink_held_records")
+        same, last[0] = now == last[0], now
+        return same
+
+    wait_until(settled, 60, "the held records to settle", interval_s=1.0)
+
+
 def test_postgres_away_under_a_flood_of_unroutable_events_keeps_memory_bounded_and_pauses(
     topics: RelayConfig, stub: StubServer, tmp_path: Path
 ) -> None:
@@ -237,6 +249,7 @@ def test_postgres_away_under_a_flood_of_unroutable_events_keeps_memory_bounded_a
                 120,
                 "every partition paused",
             )
+            _wait_held_settled(port)  # (records fetched before the pause are taken in first)
             held, rss = [], []
             for _ in range(10):  # paused: what is held, and the memory, stop growing
                 held.append(_metric(port, "outbox_sink_held_records"))

@@ -34,7 +34,7 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
+from sinks.shared.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
 from sinks.stub.server import StubServer
 from tests.harness import (
     Proc,

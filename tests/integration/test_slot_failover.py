@@ -316,7 +316,7 @@ def test_with_standby_safe_mode_no_event_in_kafka_is_missing_after_a_failover(
     for port, cfg in ((safe_port, safe), (plain_port, plain)):
         wait_until(lambda: _relayed(port, aggregate, cfg) >= PHASE_EVENTS, 120, "events relayed")  # noqa: B023
 
-    pair.wal_link.pause()  # the standby receives nothing more
+    pair.wal_link.silence(new_connections=True)  # the standby receives nothing more
     unseen = write(PHASE_EVENTS)  # committed on the primary only
     wait_until(
         lambda: _relayed(plain_port, aggregate, plain) >= 2 * PHASE_EVENTS, 120, "plain relay"

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from cdc.errors import ConfigError
 from cdc.health import Liveness
 from cdc.settings import Settings
-from sinks.engine import EngineClient
+from sinks.engine.client import EngineClient
 from sinks.parking.admin import (
     MAX_EVENT_ID,
     RequestBodyError,

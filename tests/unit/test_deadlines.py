@@ -1,4 +1,4 @@
-"""sinks.deadlines.Deadlines holds to asyncio.timeout's contract, side by side with it."""
+"""sinks.engine.deadlines.Deadlines holds to asyncio.timeout's contract, side by side with it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from sinks.deadlines import Deadlines
+from sinks.engine.deadlines import Deadlines
 
 TIMEOUT_S = 0.3
 

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from cdc.settings import Settings
-from sinks.engine import EngineClient, EngineTimeouts, select_proxy, tls_reason
-from sinks.errors import EngineRejected, EngineUnavailable, SinkError, Unroutable, UserNotFound
-from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH, route, user_sync_call
+from sinks.core.errors import EngineRejected, EngineUnavailable, SinkError, Unroutable, UserNotFound
+from sinks.engine.client import EngineClient, EngineTimeouts, select_proxy, tls_reason
+from sinks.shared.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH, route, user_sync_call
 
 T = TypeVar("T")
 API_KEY = "s3cret-key-value"

@@ -1,4 +1,4 @@
-"""sinks.http1: the pure protocol layer on bytes, then the pool against loopback servers.
+"""sinks.engine.http1: the pure protocol layer on bytes, then the pool against loopback servers.
 
 Every parser test runs against both backends (httptools and h11). The pool
 tests script a small asyncio server on 127.0.0.1 per test: what it answers,
@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from sinks import http1
+from sinks.core.errors import EngineUnavailable
 from sinks.core.retry import classify
-from sinks.engine import EngineClient, EngineTimeouts
-from sinks.errors import EngineUnavailable
-from sinks.http1 import (
+from sinks.engine import http1
+from sinks.engine.client import EngineClient, EngineTimeouts
+from sinks.engine.http1 import (
     ConnectError,
     ConnectionPool,
     ConnectTimeout,

@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = {"Consumer", "Producer", "AdminClient"}
 #: Modules whose clients take a configuration their caller built with KafkaClientEvents.
-CONFIG_FROM_CALLER = {"cdc/kafkaclient.py", "sinks/kafka_worker.py"}
+CONFIG_FROM_CALLER = {"cdc/kafkaclient.py", "sinks/kafka/worker.py"}
 
 
 def _sources() -> list[Path]:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sinks.offset_expiry import (
+from sinks.kafka.offset_expiry import (
     OFFSET_BEGINNING,
     OFFSET_END,
     Cause,

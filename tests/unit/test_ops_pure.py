@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from cdc.cli.render import fmt_age, fmt_bytes, fmt_offset
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
-from sinks.errors import OpsUsageError
+from sinks.core.errors import OpsUsageError
 from sinks.ops.offsets import (
     CommitRange,
     OffsetReset,
@@ -167,7 +167,7 @@ def test_an_unknown_auto_offset_reset_is_a_usage_error() -> None:
 
 
 def test_the_sinks_reset_policy_is_read_from_its_consumer_configuration() -> None:
-    assert sink_offset_reset(Settings()) is OffsetReset.EARLIEST  # sinks/consumer.py today
+    assert sink_offset_reset(Settings()) is OffsetReset.EARLIEST  # sinks/kafka/consumer.py today
     overridden = Settings(kafka_config={"auto.offset.reset": "largest"})
     assert sink_offset_reset(overridden) is OffsetReset.LATEST
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from sinks.core.delivery import UNREADABLE_HEADERS, Envelope, read_headers
 from sinks.idempotent import BadEvent, event_id_of
-from sinks.routes import Unroutable, route_envelope
+from sinks.shared.routes import Unroutable, route_envelope
 from tests.records import RawRecord, kafka_records
 
 

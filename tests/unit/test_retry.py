@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sinks.consumer import route_result
+from sinks.core.errors import (
+    EngineMisconfigured,
+    EngineRejected,
+    EngineUnavailable,
+    SinkError,
+    UserNotFound,
+)
 from sinks.core.machine import Result, ResultKind
 from sinks.core.retry import (
     PARKING_RETRY_CAP_S,
@@ -24,17 +30,11 @@ from sinks.core.retry import (
     parse_retry_after,
     retry_delay_s,
 )
-from sinks.dispatch import deliver
-from sinks.engine import EngineClient
-from sinks.errors import (
-    EngineMisconfigured,
-    EngineRejected,
-    EngineUnavailable,
-    SinkError,
-    UserNotFound,
-)
-from sinks.http1 import RequestDeadline
-from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
+from sinks.engine.client import EngineClient
+from sinks.engine.dispatch import deliver
+from sinks.engine.http1 import RequestDeadline
+from sinks.kafka.consumer import route_result
+from sinks.shared.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
 
 NOW_S = 1_750_000_000.0
 

@@ -8,8 +8,8 @@ import pytest
 
 from cdc.errors import ConfigError
 from sinks.core.delivery import Envelope
-from sinks.errors import Unroutable
-from sinks.routes import (
+from sinks.core.errors import Unroutable
+from sinks.shared.routes import (
     QUIZ_ATTEMPTS_SYNC_PATH,
     USERS_SYNC_PATH,
     Routing,

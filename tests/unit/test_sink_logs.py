@@ -11,7 +11,7 @@ import tracemalloc
 
 import pytest
 
-from sinks.logs import MAX_KINDS, NEW_KINDS_PER_PERIOD, BoundedLabels, RepeatLog
+from sinks.shared.logs import MAX_KINDS, NEW_KINDS_PER_PERIOD, BoundedLabels, RepeatLog
 
 
 class _Clock:

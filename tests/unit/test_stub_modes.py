@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sinks.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
+from sinks.shared.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
 from sinks.stub.engine import StubEngine
 from sinks.stub.faults import (
     Faults,

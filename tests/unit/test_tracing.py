@@ -27,10 +27,10 @@ from cdc.tracing import (
     tracing_enabled,
 )
 from sinks.core.delivery import Envelope
-from sinks.dispatch import deliver
-from sinks.engine import EngineClient
-from sinks.errors import EngineUnavailable, Unroutable
-from sinks.tracing import SinkTracing, engine_trace_headers
+from sinks.core.errors import EngineUnavailable, Unroutable
+from sinks.engine.client import EngineClient
+from sinks.engine.dispatch import deliver
+from sinks.shared.tracing import SinkTracing, engine_trace_headers
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 SPAN_ID = "00f067aa0ba902b7"

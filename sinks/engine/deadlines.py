@@ -3,7 +3,7 @@
 ``asyncio.timeout`` schedules and cancels a timer per use, and looks the
 running loop up three times (a ``getpid`` system call each on Python 3.11): a
 tenth of the sink's main thread at 64 requests in flight. Every request of an
-:class:`~sinks.engine.EngineClient` has the same deadline, so the deadlines
+:class:`~sinks.engine.client.EngineClient` has the same deadline, so the deadlines
 expire in the order they were set. :class:`Deadlines` keeps them in that order
 and runs one timer, at the earliest deadline still awaited.
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from cdc.check import Finding, Probe, fail, ok, warn
 from cdc.errors import ConfigError
 from cdc.settings import Settings, redact_url
-from sinks.errors import EngineMisconfigured, EngineRejected, EngineUnavailable, Unroutable
+from sinks.core.errors import EngineMisconfigured, EngineRejected, EngineUnavailable, Unroutable
 
 # The engine client and psycopg are imported inside the probes: this module is
 # imported with the CLI's plugin, and `outbox-cdc --help` stays fast.
@@ -52,8 +52,8 @@ def engine(settings: Settings) -> Iterator[Finding]:
 
 
 async def _probe(settings: Settings) -> str:
-    from sinks.engine import EngineClient  # noqa: PLC0415 - see the imports
-    from sinks.routes import USERS_SYNC_PATH, EngineCall, SyncType  # noqa: PLC0415
+    from sinks.engine.client import EngineClient
+    from sinks.shared.routes import USERS_SYNC_PATH, EngineCall, SyncType
 
     call = EngineCall(path=USERS_SYNC_PATH, body={}, sync_type=SyncType.USER_SYNC)
     async with EngineClient.from_settings(settings) as client:
@@ -66,7 +66,7 @@ async def _probe(settings: Settings) -> str:
 
 def parking_lot(settings: Settings) -> Iterator[Finding]:
     """``failed_sync_events`` exists (``outbox-cdc migrate`` creates it)."""
-    import psycopg  # noqa: PLC0415 - see the imports
+    import psycopg
 
     if not settings.pg_dsn.get_secret_value():
         return  # the kernel's postgresql item already says CDC_PG_DSN is missing

@@ -5,7 +5,7 @@ record's trace context) go with every request of the delivery; a quiz attempt
 whose user the engine does not know yet triggers a ``users/sync`` first (under
 a key derived from the attempt's id, the same on every redelivery), then the
 attempt is sent again once. Every failure surfaces as a
-:class:`sinks.errors.SinkError` whose class says how to treat it, and whose
+:class:`sinks.core.errors.SinkError` whose class says how to treat it, and whose
 ``endpoint`` names the engine route of the request that failed (the user sync's
 own route when that is the one): trouble is judged per route.
 """
@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from sinks.engine import EngineClient
-from sinks.errors import UserNotFound
-from sinks.logs import RepeatLog
-from sinks.routes import CATALOG, EngineCall, Routing, derived_user_sync_key, user_sync_call
+from sinks.core.errors import UserNotFound
+from sinks.engine.client import EngineClient
+from sinks.shared.logs import RepeatLog
+from sinks.shared.routes import CATALOG, EngineCall, Routing, derived_user_sync_key, user_sync_call
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.dispatch")  # the name operators filter on: kept across moves
 
 #: "engine lacks user ...; syncing the user first": the first of each event type in full,
 #: then one summary per type per minute (it was one line per event: 59 of 78 lines).

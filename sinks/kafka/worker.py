@@ -29,7 +29,7 @@ Guarantees:
 * the consumer-lag gauge is measured by :class:`LagMonitor` on a thread and a
   client of its own: its broker round-trips never delay a fetch;
 * an offset out of range is never skipped silently: librdkafka runs with
-  ``auto.offset.reset=error`` and :class:`sinks.offset_expiry.OffsetResets` applies
+  ``auto.offset.reset=error`` and :class:`sinks.kafka.offset_expiry.OffsetResets` applies
   the configured policy, logging and counting what was removed unprocessed.
 """
 
@@ -50,10 +50,10 @@ from prometheus_client import Gauge
 
 from cdc.kafkalog import KafkaClientEvents
 from sinks.core.delivery import Envelope
-from sinks.errors import SinkError
-from sinks.offset_expiry import LIBRDKAFKA_DEFAULT, OffsetResets, Policy, incremental
+from sinks.core.errors import SinkError
+from sinks.kafka.offset_expiry import LIBRDKAFKA_DEFAULT, OffsetResets, Policy, incremental
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.kafka_worker")  # the name operators filter on: kept across moves
 
 #: Records fetched per consume() call.
 CONSUME_BATCH = 1_000

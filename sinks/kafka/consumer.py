@@ -5,12 +5,12 @@ what to pause - is the core's (see :mod:`sinks.core.machine` for the invariants 
 the circuit's transitions). This shell only carries the core's actions out
 and reports what came of them:
 
-* Kafka lives on its own thread (:class:`sinks.kafka_worker.KafkaWorker`);
+* Kafka lives on its own thread (:class:`sinks.kafka.worker.KafkaWorker`);
   records, assignments, revocations and commit results arrive here as calls
   on the event loop, and pause/resume/commit go back as commands - so no
   Kafka call ever blocks deliveries, the admin API or the scheduler;
 * a :class:`~sinks.core.machine.Send` becomes one task that delivers through
-  :func:`sinks.dispatch.deliver` and maps the outcome to a core
+  :func:`sinks.engine.dispatch.deliver` and maps the outcome to a core
   :class:`~sinks.core.machine.Result` (the error classes say which);
 * a :class:`~sinks.core.machine.Park` becomes one task writing its whole batch in
   one round-trip, on a connection of its own (the admin API and the scheduler
@@ -47,19 +47,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from cdc.health import Liveness
 from cdc.kafkalog import KafkaClientEvents
 from cdc.settings import Settings
-from sinks import http1
 from sinks.core import machine as core
 from sinks.core.delivery import Envelope
+from sinks.core.errors import EngineMisconfigured, EngineUnavailable, SinkError, Unroutable
 from sinks.core.machine import (
     Circuit,
     Commit,
@@ -75,16 +74,18 @@ from sinks.core.machine import (
     Verdict,
 )
 from sinks.core.retry import Backoff, retry_delay_s
-from sinks.dispatch import USER_SYNCS, deliver
-from sinks.engine import EngineClient
-from sinks.errors import EngineMisconfigured, EngineUnavailable, SinkError, Unroutable
-from sinks.kafka_worker import KafkaWorker
-from sinks.logs import BoundedLabels, RepeatLog
+from sinks.engine import http1
+from sinks.engine.client import EngineClient
+from sinks.engine.dispatch import USER_SYNCS, deliver
+from sinks.kafka.config import consumer_config, subscription
+from sinks.kafka.metrics import SinkMetrics
+from sinks.kafka.worker import KafkaWorker
 from sinks.parking.lot import ParkingLot, ParkingLotUnavailable, ParkRequest
-from sinks.routes import Routing
-from sinks.tracing import SinkTracing
+from sinks.shared.logs import BoundedLabels, RepeatLog
+from sinks.shared.routes import Routing
+from sinks.shared.tracing import SinkTracing
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.consumer")  # the name operators filter on: kept across moves
 
 #: Records held in memory (per instance) above which partitions pause.
 MAX_BUFFERED = 20_000
@@ -116,191 +117,6 @@ ROUTE_TROUBLE = frozenset({ResultKind.UNAVAILABLE, ResultKind.SERVER_ERROR, Resu
 UNROUTABLE = "UNROUTABLE"
 
 
-class SinkMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.delivered = Counter(
-            "outbox_sink_delivered_total", "Events the engine accepted", ["type"], registry=registry
-        )
-        self.parked = Counter(
-            "outbox_sink_parked_total",
-            "Events parked in failed_sync_events",
-            ["sync_type"],
-            registry=registry,
-        )
-        self.retried = Counter(
-            "outbox_sink_retried_total",
-            "Deliveries retried: kind=record - attempts spent (answers that blamed the record);"
-            " kind=engine - answers that were trouble of an engine route (spent nothing when"
-            " they came; a 5xx later blamed on its record is counted under record too)",
-            ["kind"],
-            registry=registry,
-        )
-        self.engine_latency = Histogram(
-            "outbox_sink_engine_seconds",
-            "Engine request latency (delivered events)",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-            registry=registry,
-        )
-        self.end_to_end = Histogram(
-            "outbox_sink_commit_to_engine_seconds",
-            "Outbox commit to engine 2xx",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=registry,
-        )
-        self.circuit = Gauge(
-            "outbox_sink_circuit_open",
-            "1 while the circuit of any engine route is not closed (open or probing)",
-            registry=registry,
-        )
-        self.route_circuit = Gauge(
-            "outbox_sink_route_circuit_open",
-            "1 while this engine route's circuit is not closed (open or probing)",
-            ["route"],
-            registry=registry,
-        )
-        self.route_waiting = Gauge(
-            "outbox_sink_route_waiting_records",
-            "Records queued for this engine route (lane heads and the records behind them)",
-            ["route"],
-            registry=registry,
-        )
-        self.route_trouble = Counter(
-            "outbox_sink_route_trouble_total",
-            "Engine answers judged trouble of this route (refused, timeouts, 408, 429, 5xx,"
-            " 401/403, the sink's own errors): no attempt spent",
-            ["route"],
-            registry=registry,
-        )
-        self.lag = Gauge(
-            "outbox_sink_consumer_lag",
-            "End offset - committed offset, summed over the assigned partitions",
-            registry=registry,
-        )
-        self.oldest_age = Gauge(
-            "outbox_sink_oldest_unprocessed_age_seconds",
-            "Age of the oldest record not yet delivered or parked",
-            registry=registry,
-        )
-        self.in_flight = Gauge(
-            "outbox_sink_in_flight", "Engine requests in flight", registry=registry
-        )
-        self.held = Gauge(
-            "outbox_sink_held_records",
-            "Records held in memory (queued, in flight, waiting to retry or park)",
-            registry=registry,
-        )
-        self.tracked = Gauge(
-            "outbox_sink_tracked_entries",
-            "Per-record entries the sink keeps (bounded by the assigned, unsettled records)",
-            registry=registry,
-        )
-        self.paused = Gauge(
-            "outbox_sink_paused_partitions", "Assigned partitions paused", registry=registry
-        )
-        self.skipped = Counter(
-            "outbox_sink_skipped_total",
-            "Events skipped on purpose (SINK_IGNORED_TYPES), by type",
-            ["type"],
-            registry=registry,
-        )
-        self.unrouted = Counter(
-            "outbox_sink_unrouted_total",
-            "Events parked because their type has no route, by type",
-            ["type"],
-            registry=registry,
-        )
-        self.kafka_errors = Counter(
-            "outbox_sink_kafka_errors_total",
-            "Errors librdkafka reported, by code",
-            ["code"],
-            registry=registry,
-        )
-        self.offsets_expired = Counter(
-            "outbox_sink_offsets_expired_total",
-            "Offsets removed (retention, DeleteRecords) before the group processed them:"
-            " skipped, each logged as an ERROR with its range",
-            registry=registry,
-        )
-        self.commit_failures = Counter(
-            "outbox_sink_commit_failures_total",
-            "Offset commits the broker refused (retried)",
-            registry=registry,
-        )
-        self.park_batch = Histogram(
-            "outbox_sink_park_batch_size",
-            "Records written to the parking lot per round-trip",
-            buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500),
-            registry=registry,
-        )
-        self.park_failures = Counter(
-            "outbox_sink_park_failures_total",
-            "Park batches the parking lot failed to write (retried)",
-            registry=registry,
-        )
-        self.lot_available = Gauge(
-            "outbox_sink_parking_lot_available",
-            "0 from a failed park until a park succeeds (records wait to be parked), else 1",
-            registry=registry,
-        )
-        self.lot_available.set(1)
-        self.stalled = Gauge(
-            "outbox_sink_stalled",
-            "1 while nothing was delivered, parked or committed for SINK_STALL_AFTER_S"
-            " with work waiting",
-            registry=registry,
-        )
-        self.stalled_seconds = Gauge(
-            "outbox_sink_stalled_seconds",
-            "Seconds without progress (delivered, parked, committed) while work waits",
-            registry=registry,
-        )
-        self.window = Gauge(
-            "outbox_sink_engine_window",
-            "Adaptive limit of this engine route's requests in flight (AIMD; slow start after"
-            " an outage)",
-            ["route"],
-            registry=registry,
-        )
-        self.throttled = Counter(
-            "outbox_sink_throttled_total",
-            "Engine answers that shed load (429, or Retry-After with 503/5xx): nothing spent",
-            registry=registry,
-        )
-        self.pauses = Counter(
-            "outbox_sink_partition_pauses_total",
-            "Pause actions (partitions stop fetching: buffer full, engine down, stopping)",
-            registry=registry,
-        )
-        self.resumes = Counter(
-            "outbox_sink_partition_resumes_total",
-            "Resume actions (partitions fetch again)",
-            registry=registry,
-        )
-
-
-def consumer_config(settings: Settings) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "bootstrap.servers": settings.kafka_bootstrap_servers,
-        "group.id": settings.sink_group_id,
-        "enable.auto.commit": False,
-        "enable.auto.offset.store": False,
-        "auto.offset.reset": "earliest",
-        "partition.assignment.strategy": "cooperative-sticky",
-        "session.timeout.ms": 10_000,
-        "heartbeat.interval.ms": 2_000,
-        "topic.metadata.refresh.interval.ms": 5_000,
-        "fetch.wait.max.ms": 50,
-    }
-    config.update(settings.kafka_config)
-    return config
-
-
-def subscription(settings: Settings) -> list[str]:
-    """A regex subscription (``^...``) over the outbox topics."""
-    pattern = settings.sink_topics_pattern or f"^{re.escape(settings.topic_prefix)}.*"
-    return [pattern if pattern.startswith("^") else f"^{pattern}"]
-
-
 def classifier(routing: Routing) -> Callable[[Envelope], Verdict]:
     """The routing verdict of a record: skipped, deliverable, or bad input to park at once."""
 
@@ -323,7 +139,7 @@ def route_result(exc: EngineUnavailable) -> Result:
     deadline: UNAVAILABLE ``shared`` (the route is slow for everyone). Another
     5xx: SERVER_ERROR (the core blames the record only with per-route
     evidence). The rest - refused, reset, timeouts, 408, 401/403 and 3xx
-    (:class:`~sinks.errors.EngineMisconfigured`): UNAVAILABLE, never the record's.
+    (:class:`~sinks.core.errors.EngineMisconfigured`): UNAVAILABLE, never the record's.
     """
     endpoint = exc.endpoint
     if exc.status == RATE_LIMITED:
@@ -727,18 +543,13 @@ class Sink:
         self._log_change(previous, state)
 
     def _kafka_unreachable(self) -> str:
-        """``kafka unreachable: <why>`` while the consumer reaches no broker (librdkafka's
-        statistics, overruled by records, an assignment or a commit since) and work waits
-        (records held or being sent: at once), or for :data:`KAFKA_UNREACHABLE_IDLE_S` with
-        nothing held (the sink cannot see what waits in Kafka, but a broker restart is
-        shorter than that); else empty."""
+        """``kafka unreachable: <why>`` while no broker answers (overruled by records, an
+        assignment or a commit since): at once with records held or being sent, after
+        :data:`KAFKA_UNREACHABLE_IDLE_S` with none (what waits in Kafka is unseen)."""
         reach = self.kafka_events.reach
-        if reach is None:
-            return ""
-        away_s = reach.unreachable_s(progress_at=self._kafka_heard_at)
-        if away_s is None:
-            return ""
-        if not (self.core.held or self.core.sending) and away_s < KAFKA_UNREACHABLE_IDLE_S:
+        away_s = reach.unreachable_s(progress_at=self._kafka_heard_at) if reach else None
+        busy = self.core.held or self.core.sending
+        if away_s is None or (not busy and away_s < KAFKA_UNREACHABLE_IDLE_S):
             return ""
         return f"kafka unreachable: {self.kafka_events.why_unreachable()}"
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-log = logging.getLogger("sinks.consumer")
+log = logging.getLogger("sinks.consumer")  # the name operators filter on: kept across moves
 
 #: Broker requests of the reset (watermarks) give up after this.
 WATERMARK_TIMEOUT_S = 5.0

@@ -2,7 +2,7 @@
 
 Guarantees: every event type of the catalog maps to exactly one engine path;
 anything else - an unknown type, a payload that is not a JSON object, a
-missing or empty ``user_id`` - raises :class:`~sinks.errors.Unroutable` with a
+missing or empty ``user_id`` - raises :class:`~sinks.core.errors.Unroutable` with a
 reason, so the record is parked, never dropped and never sent half-formed.
 
 =====================  =================================  ==============================
@@ -38,7 +38,7 @@ from typing import Any
 from cdc.errors import ConfigError
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
-from sinks.errors import Unroutable
+from sinks.core.errors import Unroutable
 
 USERS_SYNC_PATH = "/api/internal/users/sync"
 QUIZ_ATTEMPTS_SYNC_PATH = "/api/internal/quiz-attempts/sync"

@@ -8,7 +8,8 @@ the children with SIGTERM and exits 0 — or 1 with the reason and the children'
 log tails when something did not arrive in time. Running it again works: the
 slot and the group's offsets carry over, the stub starts empty.
 
-Day two (:func:`start_background`, :func:`stop_background`, :func:`write_burst`):
+Day two (:func:`start_background`, :func:`sinks.cli.runfiles.stop_background`,
+:func:`write_burst`):
 ``make run`` starts the same three processes detached on the stack, their PIDs (with
 each process's start time, so a reused PID is never signalled), ports and logs under
 ``.dev/run``; ``make stop`` ends them (SIGTERM, then SIGKILL after
@@ -74,6 +75,16 @@ from cdc.outbox import (
 )
 from cdc.producer import TopicManager
 from cdc.settings import Settings
+from sinks.cli.runfiles import (
+    CHILDREN,
+    STOP_GRACE_S,
+    background,
+    forget,
+    run_dir,
+    urls,
+    write_pid,
+    write_ports,
+)
 from sinks.ops.lag import group_lag
 from sinks.ops.offsets import lag_totals
 
@@ -83,8 +94,6 @@ DEMO_TIMEOUT_S = 300.0
 LAG_SETTLE_S = 15.0
 #: Progress refresh period.
 POLL_S = 0.25
-#: A child stopped with SIGTERM gets this long before SIGKILL.
-STOP_GRACE_S = 30.0
 #: The ports the children listen on: (settings field, host the child binds).
 _CHILD_PORTS = (
     ("engine_stub_port", "127.0.0.1"),  # the stub's --host default
@@ -217,10 +226,6 @@ def stop_children(children: list[Child]) -> None:
             child.proc.wait()
 
 
-#: The pipeline's processes, in start order.
-CHILDREN = (("engine-stub", ["engine-stub"]), ("relay", ["relay"]), ("sink", ["sink"]))
-
-
 @contextmanager
 def running_children(
     settings: Settings, log_dir: Path, env: dict[str, str], *, keep: Path | None = None
@@ -236,7 +241,7 @@ def running_children(
             child = _start_child(name, args, keep or log_dir, env, detached=keep is not None)
             children.append(child)
             if keep is not None:
-                _write_pid(keep, child)
+                write_pid(keep, child.name, child.proc.pid)
         stub, relay, sink = children
         _wait_http(f"http://127.0.0.1:{settings.engine_stub_port}/_stub/stats", stub)
         _wait_http(f"http://127.0.0.1:{settings.relay_http_port}/readyz", relay)
@@ -245,67 +250,14 @@ def running_children(
             f"http://127.0.0.1:{settings.sink_http_port}/readyz", sink, unless="(0 partitions"
         )
         if keep is not None:
-            _write_ports(keep, settings)
+            write_ports(keep, settings)
         yield children
         kept = keep is not None
     finally:
         if not kept:
             stop_children(children)
             if keep is not None:
-                _forget(keep)
-
-
-# --- make run / make stop: the pipeline in the background -------------------------------------
-
-
-def run_dir() -> Path:
-    """Where ``make run`` keeps its PIDs, ports and logs: ``<dev dir>/run`` (.dev/run)."""
-    return Path(os.environ.get("OUTBOX_DEV_DIR") or ".dev") / "run"
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot), None when gone or a zombie:
-    with the PID, it names the process (a reused PID has another start time)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
-def _write_pid(where: Path, child: Child) -> None:
-    started = _start_time(child.proc.pid) or "?"
-    (where / f"{child.name}.pid").write_text(f"{child.proc.pid} {started}\n")
-
-
-def _write_ports(where: Path, settings: Settings) -> None:
-    (where / "ports").write_text(
-        f"engine-stub http://127.0.0.1:{settings.engine_stub_port}\n"
-        f"relay http://127.0.0.1:{settings.relay_http_port}\n"
-        f"sink http://127.0.0.1:{settings.sink_http_port}\n"
-    )
-
-
-def _forget(where: Path) -> None:
-    for name, _ in CHILDREN:
-        (where / f"{name}.pid").unlink(missing_ok=True)
-    (where / "ports").unlink(missing_ok=True)
-
-
-def background(where: Path) -> dict[str, int]:
-    """The processes of ``make run`` still running: name -> PID (a PID file whose process
-    is gone, or whose PID now names another process, does not count)."""
-    found: dict[str, int] = {}
-    for name, _ in CHILDREN:
-        try:
-            pid_text, started = (where / f"{name}.pid").read_text().split()
-        except (OSError, ValueError):
-            continue
-        pid = int(pid_text)
-        if _start_time(pid) == started:
-            found[name] = pid
-    return found
+                forget(keep)
 
 
 def start_background(*, where: Path) -> list[str]:
@@ -325,44 +277,9 @@ def start_background(*, where: Path) -> list[str]:
         pass
     return [
         *(f"{c.name} running, pid {c.proc.pid}, log {c.log}" for c in children),
-        *_urls(settings),
+        *urls(settings),
         "stop them with: make stop (outbox-cdc demo stop)",
     ]
-
-
-def _urls(settings: Settings) -> list[str]:
-    return [
-        f"engine stub http://127.0.0.1:{settings.engine_stub_port}/_stub/stats",
-        f"relay       http://127.0.0.1:{settings.relay_http_port}/readyz",
-        f"sink        http://127.0.0.1:{settings.sink_http_port}/readyz"
-        " (admin API: ADMIN_API_TOKEN of .dev/env)",
-    ]
-
-
-def stop_background(*, where: Path) -> list[str]:
-    """``make stop``: SIGTERM each process of ``make run`` (sink first), wait up to
-    :data:`STOP_GRACE_S`, SIGKILL what is left. Lines for the user."""
-    running = background(where)
-    if not running:
-        _forget(where)
-        return ["nothing running (no live process in " + str(where) + ")"]
-    for name, _ in reversed(CHILDREN):
-        if name in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(running[name], signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while background(where) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    lines = []
-    for name, pid in running.items():
-        if name in background(where):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            lines.append(f"{name} (pid {pid}) killed: it did not stop within {STOP_GRACE_S:g}s")
-        else:
-            lines.append(f"{name} (pid {pid}) stopped")
-    _forget(where)
-    return lines
 
 
 def write_burst(*, users: int, attempts_per_user: int) -> list[str]:
@@ -624,7 +541,7 @@ def run_demo(
         console.print("\nLeft running (--keep-running):")
         for child in children:
             console.print(f"  {child.name}: pid {child.proc.pid}, log {child.log}")
-        for line in _urls(settings):
+        for line in urls(settings):
             console.print(f"  {line}")
         console.print("  write more: outbox-cdc demo write --users 100")
         console.print("  stop them:  make stop (outbox-cdc demo stop)")

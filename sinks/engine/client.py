@@ -3,15 +3,15 @@
 Guarantees:
 
 - :meth:`EngineClient.send` returns only on a 2xx; anything else raises a
-  :class:`~sinks.errors.SinkError` chosen by :func:`sinks.core.retry.classify`, and
+  :class:`~sinks.core.errors.SinkError` chosen by :func:`sinks.core.retry.classify`, and
   every transport failure (refused, reset, timeout, protocol error) becomes
-  :class:`~sinks.errors.EngineUnavailable` whose reason is
+  :class:`~sinks.core.errors.EngineUnavailable` whose reason is
   ``<failure class>: <detail>`` (e.g. ``ConnectError: [Errno 111] Connection
   refused (127.0.0.1:8081)``, ``ReadTimeout: nothing received for 3 s``) and
-  whose cause is the transport's exception (:mod:`sinks.http1` or httpx).
+  whose cause is the transport's exception (:mod:`sinks.engine.http1` or httpx).
 - Configuration errors are not outages: a TLS failure (untrusted or misnamed
   certificate, client certificate refused, TLS to a plain-HTTP port), a 401/403
-  and a 3xx raise :class:`~sinks.errors.EngineMisconfigured` (still engine-wide:
+  and a 3xx raise :class:`~sinks.core.errors.EngineMisconfigured` (still engine-wide:
   the sink pauses, spends no attempt) whose reason names the setting to fix.
 - Every error raised by :meth:`EngineClient.send` names the engine route (path)
   of its request in ``endpoint``: trouble is judged per route.
@@ -33,10 +33,10 @@ Guarantees:
 - At most ``max_in_flight`` requests run at once (more wait their turn, which
   is never reported as engine trouble), each bounded by a deadline
   (``ENGINE_REQUEST_DEADLINE_S``: a trickling answer raises
-  :class:`~sinks.errors.EngineUnavailable` ``RequestDeadline: ...``), over at most ``max_in_flight``
-  keep-alive connections, reused last-in first-out and closed after
+  :class:`~sinks.core.errors.EngineUnavailable` ``RequestDeadline: ...``), over at
+  most ``max_in_flight`` keep-alive connections, reused last-in first-out and closed after
   :data:`KEEPALIVE_EXPIRY_S` idle.
-- The transport is :class:`sinks.http1.ConnectionPool`, chosen by measurement
+- The transport is :class:`sinks.engine.http1.ConnectionPool`, chosen by measurement
   over httpx and aiohttp (``make bench``, tests/bench/test_transport_bench.py:
   client CPU per request and requests/s, plain HTTP and TLS). A request on a
   keep-alive connection the engine had closed is resent once on a new one
@@ -62,13 +62,13 @@ import httpx
 
 from cdc.errors import ConfigError
 from cdc.settings import Settings, redact_url
-from sinks import http1
+from sinks.core.errors import EngineMisconfigured, EngineUnavailable, Unroutable
 from sinks.core.retry import classify
-from sinks.deadlines import Deadlines
-from sinks.errors import EngineMisconfigured, EngineUnavailable, Unroutable
-from sinks.routes import EngineCall, user_sync_call
+from sinks.engine import http1
+from sinks.engine.deadlines import Deadlines
+from sinks.shared.routes import EngineCall, user_sync_call
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("sinks.engine")  # the name operators filter on: kept across moves
 
 DEFAULT_BASE_URL = "http://localhost:8081"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -111,7 +111,7 @@ class EngineTimeouts:
         return httpx.Timeout(connect=self.connect_s, read=self.read_s, write=self.read_s, pool=None)
 
     def as_pool(self) -> http1.PoolTimeouts:
-        """The same limits for :class:`sinks.http1.ConnectionPool`."""
+        """The same limits for :class:`sinks.engine.http1.ConnectionPool`."""
         return http1.PoolTimeouts(connect_s=self.connect_s, read_s=self.read_s, write_s=self.read_s)
 
 
@@ -221,7 +221,7 @@ class EngineClient:
 
     At most ``max_in_flight`` requests run at once (more wait their turn, which
     is not engine trouble). ``transport``: ``None`` (default) is the fast
-    :class:`sinks.http1.ConnectionPool` of ``max_in_flight`` connections;
+    :class:`sinks.engine.http1.ConnectionPool` of ``max_in_flight`` connections;
     ``"httpx"`` is httpx's network stack in pools of :data:`CONNECTIONS_PER_POOL`
     connections, each request to the least busy pool; an ``httpx.AsyncBaseTransport``
     (tests) is used by one httpx client. ``tls`` applies to ``https://`` engines;
@@ -440,7 +440,7 @@ class EngineClient:
         """Make ``user_id`` known to the engine (``users/sync``) under idempotency key ``event_id``.
 
         For a sync caused by a quiz attempt's ``user_not_found``, pass
-        :func:`sinks.routes.derived_user_sync_key` of the attempt's event id.
+        :func:`sinks.shared.routes.derived_user_sync_key` of the attempt's event id.
         """
         await self.send(user_sync_call(user_id), event_id=event_id)
 
