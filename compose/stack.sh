@@ -34,9 +34,25 @@ PORTS_FILE="$DEV/ports"
 PORT_DEFAULTS="OUTBOX_PG_PORT=25432 OUTBOX_KAFKA_PORT=29092 OUTBOX_KAFKA_CONTROLLER_PORT=29093
 OUTBOX_ENGINE_STUB_PORT=8081 OUTBOX_RELAY_HTTP_PORT=9101 OUTBOX_SINK_HTTP_PORT=9102"
 recorded_port() { [ -f "$PORTS_FILE" ] && sed -n "s/^$1=//p" "$PORTS_FILE"; }
-port_of() {  # $1 variable, $2 default: given, else recorded, else the default
+running_port() {
+    # A stack started before ports were recorded: the ports its running services use
+    # (PostgreSQL's postmaster.pid, Kafka's server.properties while its pid lives).
+    local dir pid
+    case "$1" in
+        OUTBOX_PG_PORT)
+            dir=$(sed -n 's/^dir=//p' "$DEV/pg.current" 2>/dev/null || true)
+            [ -n "$dir" ] && [ -r "$dir/data/postmaster.pid" ] && sed -n 4p "$dir/data/postmaster.pid" ;;
+        OUTBOX_KAFKA_PORT|OUTBOX_KAFKA_CONTROLLER_PORT)
+            pid=$(cat "$DEV/kafka/kafka.pid" 2>/dev/null || true)
+            [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
+            local name=PLAINTEXT; [ "$1" = OUTBOX_KAFKA_PORT ] || name=CONTROLLER
+            sed -n "s/^listeners=.*$name:\/\/[^:,]*:\([0-9]*\).*/\1/p" "$DEV/kafka/server.properties" ;;
+    esac
+}
+port_of() {  # $1 variable, $2 default: given, else recorded, else running, else the default
     local given=${!1:-} rec
     rec=$(recorded_port "$1" || true)
+    [ -n "$rec" ] || rec=$(running_port "$1" 2>/dev/null || true)
     echo "${given:-${rec:-$2}}"
 }
 # Below the kernel's ephemeral range (32768-60999), so no client socket can
