@@ -11,10 +11,11 @@ PYTEST_ARGS ?=
 
 .PHONY: help venv up down status lint rules docs test test-unit test-unit-lane test-integration-lane \
 	test-integration-lane-b test-integration-lane-c test-integration-lane-d test-pg18-lane test-pg-smoke-lane stack-and-rules bench bench-pg18 \
-	demo clean lock wheel
+	demo run stop clean lock wheel
 
 help:
 	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
+	@echo "make run | stop   engine stub, relay and sink in the background on the stack (.dev/run)"
 	@echo "make test    venv, stack up, ruff + mypy, pytest (unit, integration, fault)"
 	@echo "make bench   benchmarks under tests/bench (print figures); the relay's again on PostgreSQL 18"
 	@echo "make rules   promtool: check the Prometheus config and alert rules, run their unit tests"
@@ -23,10 +24,12 @@ help:
 	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
 	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
 
-$(STAMP): pyproject.toml
+# (setuptools' note on every editable install of a package with a package-dir mapping,
+# "Editable installation ... folders with the same name": nothing to act on, not shown)
+$(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,docs]"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[test,docs]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -214,6 +217,17 @@ bench-pg18: venv up
 demo: venv up
 	. ./.dev/env && $(BIN)/outbox-cdc demo
 
+# Day two: the pipeline (engine stub, relay, sink) in the background on the stack, with
+# the ports and tokens of .dev/env; PIDs, ports and logs under .dev/run. `make stop` ends
+# them (SIGTERM, then SIGKILL after a grace); `outbox-cdc demo write --users N` writes
+# a burst into it.
+run: venv up
+	@. ./.dev/env && $(BIN)/outbox-cdc demo start
+
+stop:
+	@if [ -x $(BIN)/outbox-cdc ]; then if [ -f .dev/env ]; then . ./.dev/env; fi; \
+		$(BIN)/outbox-cdc demo stop; fi
+
 # The image installs exactly these pins (with hashes); run after changing
 # dependencies in pyproject.toml and commit the result.
 lock: venv
@@ -225,5 +239,5 @@ lock: venv
 wheel: venv
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
 
-clean: down
+clean: stop down
 	rm -rf .dev $(VENV) build dist site

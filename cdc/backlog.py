@@ -57,7 +57,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin import OffsetSpec as _OffsetSpec  # type: ignore[attr-defined]
 
 from cdc.health import Reply
-from cdc.kafkaclient import CommittedReader
+from cdc.kafkaclient import CommittedReader, served_cause, unreachable
 from cdc.kafkalog import KafkaClientEvents
 from cdc.ops import SlotStatus, read_slot_status
 from cdc.settings import Settings
@@ -340,11 +340,31 @@ class _GroupSide:
             try:
                 age_s, problems = self._oldest_age_s(group)
             except (KafkaException, TimeoutError) as exc:  # a future's result() times out too
-                reason = str(exc) or f"no answer within {KAFKA_TIMEOUT_S:g}s"
+                reason = self._why(exc)
                 return GroupMeasures(
-                    group=group, age_s=None, problems=(f"group {group}: Kafka: {reason}",)
+                    group=group, age_s=None, problems=(f"group {group}: {reason}",)
                 )
         return GroupMeasures(group=group, age_s=age_s, problems=problems)
+
+    def _why(self, exc: BaseException) -> str:
+        """What failed, in words (:func:`cdc.kafkaclient.unreachable`: refused, silent,
+        TLS refused...), not librdkafka's bare ``Broker transport failure``."""
+        if isinstance(exc, TimeoutError) and not str(exc):
+            exc = TimeoutError(f"no answer within {KAFKA_TIMEOUT_S:g}s")
+        try:
+            cause = served_cause(self._admin, self._events) if self._admin else None
+            security = str(self._settings.kafka_config.get("security.protocol", "plaintext"))
+            return str(
+                unreachable(
+                    self._settings.kafka_bootstrap_servers,
+                    exc,
+                    cause=cause,
+                    security_protocol=security,
+                )
+            )
+        except Exception:  # (the diagnosis is a courtesy: never a 500 for it)
+            log.debug("backlog: diagnosing Kafka failed", exc_info=True)
+            return str(exc)
 
     def _oldest_age_s(self, group: str) -> tuple[float | None, tuple[str, ...]]:
         admin, consumer, committed = self._clients()
@@ -505,8 +525,9 @@ _BAD_GROUP = orjson.dumps({"error": "group: 1-249 characters of [A-Za-z0-9._-]"}
 
 
 def backlog_route(guard: BacklogGuard) -> Callable[[Mapping[str, str]], Reply]:
-    """``GET /backlog[?group=G]``: 200 with the JSON while ok or unknown, 429 with
-    ``Retry-After`` while over, 400 for a malformed group name."""
+    """``GET /backlog[?group=G]``: 200 with the JSON while ok, 503 while unknown (a
+    measure could not be taken: ``problems`` says why - Kafka unreachable, the slot
+    missing), 429 with ``Retry-After`` while over, 400 for a malformed group name."""
 
     def route(query: Mapping[str, str]) -> Reply:
         group = query.get("group") or None
@@ -517,6 +538,7 @@ def backlog_route(guard: BacklogGuard) -> Callable[[Mapping[str, str]], Reply]:
         if backlog.over:
             headers = (("Retry-After", str(backlog.retry_after_s)),)
             return Reply(429, "application/json", body, headers)
-        return Reply(200, "application/json", body)
+        status = 503 if backlog.state is BacklogState.UNKNOWN else 200
+        return Reply(status, "application/json", body)
 
     return route

@@ -256,6 +256,8 @@ SELECT r.application_name, s.slot_name,
                       OR a.application_name LIKE '%%slotsync%%'))
 FROM pg_stat_replication r
 LEFT JOIN pg_replication_slots s ON s.active_pid = r.pid AND s.slot_type = 'physical'
+WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots l
+                  WHERE l.active_pid = r.pid AND l.slot_type = 'logical')
 ORDER BY 1
 """
 

@@ -28,6 +28,10 @@ configuration. Guarantees:
   every broker thread every second is one kind), then at most once every
   :data:`REPEAT_LOG_S` with the number of lines held back. A broker outage of
   an hour writes a handful of lines per client, not thousands;
+* a client built with ``reach=True`` also says whether it reaches a broker *now*
+  (:class:`KafkaReach`, from librdkafka's own statistics every
+  :data:`STATS_INTERVAL_MS`): the relay's producer and the sink's consumer, whose
+  ``/readyz`` turn 503 ``kafka unreachable: <why>`` from it;
 * every librdkafka client of the project is built with :meth:`config`
   (relay producer and admin, sink consumer and lag reader, backlog guard, ops
   commands, trace, redelivery, idempotent toolkit): there is no other path.
@@ -47,6 +51,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import orjson
 from confluent_kafka import KafkaError, KafkaException
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,64 @@ _NUMBERS = re.compile(r"\d+")
 _SUPPRESSED = re.compile(r",? ?\d+ identical error\(s\) suppressed")
 #: Errors that say only that no broker is up, not why: never a client's :attr:`cause`.
 CAUSELESS_ERRORS = frozenset({"_ALL_BROKERS_DOWN"})
+#: librdkafka's statistics of a ``reach=True`` client come this often: a broker that goes
+#: away is seen within about this long (one small JSON document parsed per interval).
+STATS_INTERVAL_MS = 1000
+#: librdkafka broker states of a working connection.
+_UP_STATES = frozenset({"UP", "UPDATE"})
+
+
+class KafkaReach:
+    """Whether one client reaches any broker now, from librdkafka's statistics and errors.
+
+    Unreachable means: the last statistics show no broker connection ``UP`` and the
+    client reported an error (a refused connect, a TLS handshake, all brokers down)
+    since it last saw one up. Level, not an old flag: the next statistics with a broker
+    up clear it. A client that has tried nothing (sparse connections: every broker
+    ``INIT``, no error) is not unreachable; neither is one before its first statistics.
+    librdkafka forgets a learned broker that went away and keeps retrying its bootstrap
+    address, whose state reads ``INIT`` between attempts: the errors, not the state,
+    say that it is failing. Written on the thread that serves the client, read on any
+    (one tuple swapped at a time).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        #: (when the last statistics came, since when no broker is reachable or None)
+        self._seen: tuple[float, float | None] = (clock(), None)
+        self._last_up = clock()
+        self._failed_at: float | None = None
+
+    def failed(self) -> None:
+        """The client reported an error (its ``error_cb``)."""
+        self._failed_at = self._clock()
+
+    def on_stats(self, document: str) -> None:
+        """librdkafka's ``stats_cb``: the JSON statistics of the client."""
+        try:
+            brokers = orjson.loads(document).get("brokers") or {}
+            up = any(str(b.get("state", "")) in _UP_STATES for b in brokers.values())
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        now = self._clock()
+        if up:
+            self._last_up = now
+            self._seen = (now, None)
+            return
+        failed = self._failed_at is not None and self._failed_at >= self._last_up
+        since = self._seen[1]
+        self._seen = (now, (since if since is not None else now) if failed else None)
+
+    def unreachable_s(self, *, progress_at: float | None = None) -> float | None:
+        """Seconds without any broker reachable as of the last statistics, or None.
+
+        ``progress_at`` (the owner's last evidence of a working broker, e.g. an
+        acknowledgement): statistics older than it are overruled - reachable.
+        """
+        at, since = self._seen
+        if since is None or (progress_at is not None and progress_at >= at):
+            return None
+        return at - since
 
 
 class RateLimitedLog:
@@ -124,9 +187,16 @@ class KafkaClientEvents:
         *,
         count: Callable[[str], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        on_error: Callable[[str, str], None] | None = None,
+        reach: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``on_error(code, text)`` is called after each error is recorded; ``reach``
+        adds librdkafka's statistics (:attr:`reach`)."""
         self.client = client
+        self._on_error = on_error
+        #: Whether the client reaches a broker now (``reach=True`` only).
+        self.reach: KafkaReach | None = KafkaReach(clock) if reach else None
         self._count = count
         self._on_fatal = on_fatal
         self._clock = clock
@@ -146,8 +216,19 @@ class KafkaClientEvents:
         self.log_lines = RateLimitedLog(self.logger, clock=clock)
 
     def config(self) -> dict[str, Any]:
-        """The client settings that route errors and (rate-limited) log lines here."""
-        return {"error_cb": self.on_error, "logger": self.log_lines}
+        """The client settings that route errors and (rate-limited) log lines here (and
+        librdkafka's statistics, for a client with :attr:`reach`)."""
+        config: dict[str, Any] = {"error_cb": self.on_error, "logger": self.log_lines}
+        if self.reach is not None:
+            config["stats_cb"] = self.reach.on_stats
+            config["statistics.interval.ms"] = STATS_INTERVAL_MS
+        return config
+
+    def why_unreachable(self) -> str:
+        """The client's last word on why no broker answers (for ``kafka unreachable: ...``)."""
+        with self._lock:
+            found = self.cause or self.last_error
+        return found[1] if found is not None else "no broker connection is up"
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -179,10 +260,15 @@ class KafkaClientEvents:
     def _report(self, code: str, text: str, *, is_fatal: bool) -> None:
         if self._count is not None:
             self._count(code)
+        if self.reach is not None:
+            self.reach.failed()
         with self._lock:
             self.last_error = (code, text)
             if code not in CAUSELESS_ERRORS:
                 self.cause = (code, text)
+        if self._on_error is not None:
+            self._on_error(code, text)
+        with self._lock:
             now = self._clock()
             last = self._last_logged.get(code)
             quiet = not is_fatal or self.fatal is not None  # a dead client's repeats too

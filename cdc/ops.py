@@ -41,9 +41,10 @@ from cdc import gaps
 from cdc.constants import OUTBOX_MESSAGE_PREFIX
 from cdc.errors import CdcError, DatabaseSetupError
 from cdc.outbox import user_registered_event, write_event
-from cdc.pgconn import Use, connect
+from cdc.pgconn import Use, connect, failure_text
 from cdc.settings import Settings
 from cdc.wal import pgoutput
+from cdc.wal.stream import slot_holder
 
 Conn = psycopg.Connection[Any]
 #: progress(done, total)
@@ -82,7 +83,12 @@ class SlotStatus(TypedDict):
     plugin: str | None
     database: str | None
     active: bool
+    #: The walsender streaming the slot (a postgres backend, not the relay).
     active_pid: int | None
+    #: Who holds an active slot: the walsender, its client address and the relay's own
+    #: PID and host (its replication connection's application_name), e.g. ``walsender
+    #: 12233 (client 127.0.0.1:40112; relay pid 12053 on host h)``; None when inactive.
+    holder: str | None
     confirmed_flush_lsn: str | None
     restart_lsn: str | None
     current_wal_lsn: str
@@ -135,7 +141,7 @@ def _connect(settings: Settings) -> Conn:
     try:
         return connect(settings.require("pg_dsn").pg_dsn.get_secret_value(), Use.CLI)
     except psycopg.OperationalError as exc:
-        raise CdcError(f"PostgreSQL connection failed: {exc}") from exc
+        raise CdcError(f"PostgreSQL connection failed: {failure_text(exc)}") from exc
 
 
 def slot_status(settings: Settings) -> SlotStatus:
@@ -151,6 +157,9 @@ def read_slot_status(conn: Conn, settings: Settings) -> SlotStatus:
     assert row is not None
     status = _status_from_row(settings.slot, row)
     status["gap"] = _latest_history(conn, settings.slot)
+    if status["active"]:
+        walsender = slot_holder(conn, settings.slot).walsender
+        status["holder"] = str(walsender) if walsender is not None else None
     if status["exists"] and status["wal_status"] != "lost":
         _fill_lag_time(conn, settings, status)
     return status
@@ -174,6 +183,7 @@ def _status_from_row(slot: str, row: tuple[Any, ...]) -> SlotStatus:
         database=row[2],
         active=bool(row[3]),
         active_pid=row[4],
+        holder=None,
         confirmed_flush_lsn=row[5],
         restart_lsn=row[6],
         current_wal_lsn=row[7],
@@ -264,16 +274,20 @@ def unconfirmed_event_count(settings: Settings) -> int | None:
     return int(row[0]) if row is not None else None
 
 
+def active_slot_line(status: SlotStatus) -> str:
+    """``slot S is held by walsender W (client A; relay pid P on host H)``: an active
+    slot's holder, the relay's PID apart from its walsender's."""
+    holder = status["holder"] or f"walsender {status['active_pid']}"
+    return f"slot {status['slot']} is active, held by {holder}"
+
+
 def slot_drop(settings: Settings) -> SlotStatus:
     """Drop the slot; refuse while it is active. Returns its status just before."""
     status = slot_status(settings)
     if not status["exists"]:
         raise SlotNotFoundError(f"slot {settings.slot} does not exist")
     if status["active"]:
-        raise SlotActiveError(
-            f"slot {settings.slot} is active (PID {status['active_pid']}): "
-            "stop the relay first, then drop it"
-        )
+        raise SlotActiveError(f"{active_slot_line(status)}: stop that relay first, then drop it")
     with _connect(settings) as conn:
         try:
             conn.execute("SELECT pg_drop_replication_slot(%s)", (settings.slot,))

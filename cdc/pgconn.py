@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import enum
 import os
+import re
+import socket
 from typing import Any
 
 import psycopg
@@ -119,12 +121,46 @@ SESSION_SETTINGS: dict[Use, dict[str, str]] = {
 }
 
 
+#: What a process says it is in its replication connections' ``application_name``
+#: (``outbox-cdc relay`` by the relay's command; an ops command is ``outbox-cdc cli``).
+PROCESS_ROLE = ["cli"]
+#: PostgreSQL keeps this much of an application_name (NAMEDATALEN - 1 bytes).
+APPLICATION_NAME_MAX = 63
+
+
+def application_name() -> str:
+    """``outbox-cdc <role> pid=<pid> host=<hostname>``: the holder of a slot is named by it
+    (``slot drop``, a standby's wait), the process's PID and host beside the walsender's."""
+    text = f"outbox-cdc {PROCESS_ROLE[0]} pid={os.getpid()} host={socket.gethostname()}"
+    return text.encode()[:APPLICATION_NAME_MAX].decode(errors="ignore")
+
+
+#: :func:`application_name`, read back.
+_NAMED = re.compile(r"^outbox-cdc (\S+) pid=(\d+) host=(\S*)")
+
+
+def describe_holder(application_name: str | None, client_hostname: str | None) -> str:
+    """The process behind a connection, as far as the server shows it: ``relay pid 12053
+    on host h`` (from :func:`application_name`), else its application_name and host."""
+    found = _NAMED.match(application_name or "")
+    if found:
+        role, pid, host = found.groups()
+        return f"{role} pid {pid} on host {host}"
+    parts = [f"application_name {application_name!r}"] if application_name else []
+    return ", ".join(parts + ([f"host {client_hostname}"] if client_hostname else []))
+
+
 def conninfo(dsn: str, use: Use = Use.QUERY) -> str:
-    """``dsn`` with the defaults of ``use`` merged in (see the module docstring)."""
+    """``dsn`` with the defaults of ``use`` merged in (see the module docstring); a
+    replication connection also names its process (:func:`application_name`) unless the
+    DSN or ``PGAPPNAME`` names one."""
     params: dict[str, Any] = conninfo_to_dict(dsn)
     for name, value in CLIENT_DEFAULTS.items():
         if name not in params and not os.environ.get(_ENV_OF.get(name, "")):
             params[name] = value
+    named = "application_name" in params or os.environ.get("PGAPPNAME")
+    if use is Use.REPLICATION and not named:
+        params["application_name"] = application_name()
     ours = " ".join(f"-c {name}={value}" for name, value in SESSION_SETTINGS[use].items())
     if ours:
         theirs = params.get("options") or os.environ.get("PGOPTIONS", "")
@@ -140,3 +176,13 @@ def connect(dsn: str, use: Use = Use.QUERY, **kwargs: Any) -> Conn:
     """
     kwargs.setdefault("autocommit", True)
     return psycopg.connect(conninfo(dsn, use), **kwargs)
+
+
+def failure_text(exc: BaseException) -> str:
+    """A connection error's text without psycopg's own leading ``connection failed:``,
+    for a line that says so itself (``PostgreSQL connection failed: <this>``)."""
+    text = str(exc).strip()
+    for prefix in ("connection failed:", "connection to server failed:"):
+        if text.lower().startswith(prefix):
+            return text[len(prefix) :].strip()
+    return text

@@ -51,7 +51,14 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cdc.errors import ConfigError
@@ -253,7 +260,8 @@ class Settings(BaseSettings):
     #: Nothing delivered, parked or committed for this long while records wait: `/readyz`
     #: 503 `stalled: ...`, `outbox_sink_stalled` 1.
     sink_stall_after_s: float = env("SINK_STALL_AFTER_S", 60.0)
-    #: The engine's base URL, `http://` or `https://`.
+    #: The engine's base URL, `http://` or `https://`. Unset while `ENGINE_STUB_PORT` is set,
+    #: it is the stub's: `http://127.0.0.1:<ENGINE_STUB_PORT>`.
     engine_base_url: str = env("ENGINE_BASE_URL", "http://localhost:8081")
     #: Sent to the engine as `x-api-key` (a secret).
     internal_api_key: SecretStr = env("INTERNAL_API_KEY", SecretStr(""))
@@ -337,6 +345,17 @@ class Settings(BaseSettings):
     log_level: LogLevel = env("LOG_LEVEL", LogLevel.INFO)
     #: `text`, or `json` for one JSON object per line.
     log_format: LogFormat = env("LOG_FORMAT", LogFormat.TEXT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_url_follows_the_stub(cls, data: Any) -> Any:
+        """No ENGINE_BASE_URL but an ENGINE_STUB_PORT: the engine is that stub (``check``
+        and the sink then find the stub the demo or ``make run`` started)."""
+        if isinstance(data, dict) and not {"ENGINE_BASE_URL", "engine_base_url"} & data.keys():
+            port = data.get("ENGINE_STUB_PORT", data.get("engine_stub_port"))
+            if port is not None and str(port).strip().isdigit():
+                return {**data, "ENGINE_BASE_URL": f"http://127.0.0.1:{str(port).strip()}"}
+        return data
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod

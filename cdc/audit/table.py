@@ -41,6 +41,7 @@ from cdc.audit.compare import TableSide
 from cdc.audit.ids import ID_BYTES, SQL_BUCKET, IdBuckets, IdList, uuid_bytes
 from cdc.audit.window import Window
 from cdc.errors import CdcError
+from cdc.pgconn import failure_text
 from cdc.settings import Settings
 from cdc.wal import pgoutput
 from cdc.wal.replproto import str_to_lsn
@@ -91,7 +92,7 @@ def connect(settings: Settings, *, autocommit: bool = True) -> Conn:
             connect_timeout=10,
         )
     except psycopg.OperationalError as exc:
-        raise CdcError(f"PostgreSQL connection failed: {exc}") from exc
+        raise CdcError(f"PostgreSQL connection failed: {failure_text(exc)}") from exc
 
 
 def time_expression(conn: Conn, alias: str = "") -> tuple[sql.Composable, str]:

@@ -146,6 +146,7 @@ def _on_signals(stop: Callable[[], None]) -> None:
 @click.command()
 def relay() -> None:
     """Stream committed outbox inserts from the WAL into Kafka (runs until SIGTERM)."""
+    from cdc import pgconn
     from cdc.relay.loop import Relay
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
@@ -153,6 +154,7 @@ def relay() -> None:
     logging.getLogger("cdc").info(
         "relay starting with %s", settings_line(settings), extra={"state": "starting"}
     )
+    pgconn.PROCESS_ROLE[0] = "relay"  # (its replication connections name it: slot holder)
     runner = Relay(settings)
     _on_signals(runner.stop)
     sys.exit(runner.run())

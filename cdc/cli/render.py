@@ -127,7 +127,8 @@ def slot_line(slot: SlotStatus) -> str:
     """The slot in one line (``lag`` shows it under the consumer group)."""
     if not slot["exists"]:
         return f"slot {slot['slot']}: does not exist"
-    state = f"active (PID {slot['active_pid']})" if slot["active"] else "inactive"
+    holder = slot.get("holder") or f"walsender {slot['active_pid']}"
+    state = f"active ({holder})" if slot["active"] else "inactive"
     return (
         f"slot {slot['slot']}: {state}, WAL lag {fmt_bytes(slot['wal_lag_bytes'])},"
         f" lag time {fmt_age(slot['lag_time_s'])}, confirmed {slot['confirmed_flush_lsn']}"
@@ -145,7 +146,9 @@ def slot_table(status: SlotStatus) -> Any:
     table.add_column("value")
     shown = {
         "plugin": status["plugin"],
-        "active": f"yes (PID {status['active_pid']})" if status["active"] else "no",
+        "active": f"yes, {status['holder'] or 'walsender ' + str(status['active_pid'])}"
+        if status["active"]
+        else "no",
         "confirmed flush LSN": status["confirmed_flush_lsn"],
         "restart LSN": status["restart_lsn"],
         "current WAL LSN": status["current_wal_lsn"],

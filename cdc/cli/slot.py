@@ -54,16 +54,20 @@ def slot_drop_cmd(yes: bool, as_json: bool) -> None:
     Events committed after the slot's confirmed LSN that are not in Kafka yet
     are lost: the count is shown and confirmation asked unless --yes.
     """
-    from cdc.ops import SlotActiveError, slot_drop, slot_status, unconfirmed_event_count
+    from cdc.ops import (
+        SlotActiveError,
+        active_slot_line,
+        slot_drop,
+        slot_status,
+        unconfirmed_event_count,
+    )
 
     settings = load_settings("pg_dsn")
     status = slot_status(settings)
     if not status["exists"]:
         fail(f"slot {settings.slot} does not exist")
     if status["active"]:
-        raise SlotActiveError(
-            f"slot {settings.slot} is active (PID {status['active_pid']}): stop the relay first"
-        )
+        raise SlotActiveError(f"{active_slot_line(status)}: stop that relay first")
     pending = unconfirmed_event_count(settings)
     render.err().print(render.drop_warning(status, pending))
     if not yes and not click.confirm(f"drop slot {settings.slot}?", default=False, err=True):

@@ -89,7 +89,8 @@ class Verdict:
     @property
     def reason(self) -> str:
         """``<cause>: <detail>`` for /readyz and the log."""
-        return f"{self.cause.value if self.cause else self.action.value}: {self.detail}"
+        what = self.cause.value if self.cause else self.action.value
+        return f"{what}: {self.detail}" if self.detail else what
 
 
 #: What a first start on a non-empty outbox tells the operator.
@@ -264,7 +265,14 @@ def _check_identity(e: Evidence, maker: HistoryRow, margin: timedelta, survives:
             f" furthest this relay let it confirm (history row {maker.id}): it was re-created,"
             " advanced or streamed by someone else",
         )
-    return Verdict(Action.STREAM)
+    return Verdict(
+        Action.STREAM,
+        detail=(
+            f"slot {e.slot_name} is the one this relay made (history row {maker.id}) on this"
+            f" system and timeline, confirmed at {lsn_to_str(confirmed)} within its limit"
+            f" {lsn_to_str(limit)}: the relay streams on from there, nothing to recover"
+        ),
+    )
 
 
 def _replaced(e: Evidence, margin: timedelta, why: str) -> Verdict:

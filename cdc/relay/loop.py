@@ -64,6 +64,7 @@ from cdc.producer import (
 from cdc.relay.dead_letters import DeadLetters
 from cdc.relay.fast_path import FastPath
 from cdc.relay.guard import GAP_RECHECK_S, SlotGapError, SlotGuard
+from cdc.relay.kafka_ready import KafkaReadiness
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
@@ -145,10 +146,26 @@ WAIT_TICK_S = 1.0
 SHUTDOWN_FLUSH_S = 15.0
 
 
+#: What the log line of a transition into these states adds (its cause): one line
+#: when a relay becomes a standby, one when it stalls, each saying why.
+_TRANSITION_NOTE = {
+    RelayState.STALLED: " ({reason})",
+    RelayState.STANDBY: ": waiting as hot standby ({reason})",
+}
+
 _XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
 
 
-class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuard, StandbyWait):
+class Relay(
+    FastPath,
+    StandbySafe,
+    Producing,
+    DeadLetters,
+    SlotMonitor,
+    SlotGuard,
+    StandbyWait,
+    KafkaReadiness,
+):
     def __init__(
         self,
         settings: Settings,
@@ -166,7 +183,9 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         self._serve_http = serve_http
         self._producer: Producer | None = None
         #: librdkafka's errors and logs of the producer (the same one across rebuilds)
-        self._events = KafkaClientEvents("producer", count=self._count_kafka_error)
+        self._events = KafkaClientEvents(
+            "producer", count=self._count_kafka_error, on_error=self._on_kafka_error, reach=True
+        )
         self._rebuild_backoff = Backoff(
             min_s=REBUILD_MIN_S, max_s=REBUILD_MAX_S, calm_s=REBUILD_CALM_S
         )
@@ -176,7 +195,9 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             overrides=settings.kafka_config,
             partitions=settings.topic_partitions,
             replication_factor=settings.topic_replication_factor,
-            events=KafkaClientEvents("admin", count=self._count_kafka_error),
+            events=KafkaClientEvents(
+                "admin", count=self._count_kafka_error, on_error=self._on_kafka_error
+            ),
             before_first_use=self._ledger.note_topics,
         )
         table = settings.outbox_table
@@ -206,7 +227,13 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         if state is self._state and reason == self._reason:
             return
         if state is not self._state:
-            log.info("relay %s -> %s", self._state.value, state.value, extra={"state": state.value})
+            log.info(
+                "relay %s -> %s%s",
+                self._state.value,
+                state.value,
+                _TRANSITION_NOTE.get(state, "").format(reason=reason) if reason else "",
+                extra={"state": state.value},
+            )
             self.metrics.state.labels(self._state.value).set(0)
             self.metrics.state.labels(state.value).set(1)
         self._state = state
@@ -280,7 +307,9 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
     def _run_sessions(self) -> None:
         reconnect = Backoff(min_s=RECONNECT_MIN_S, max_s=RECONNECT_MAX_S, calm_s=RECONNECT_MAX_S)
         while not self._stop.is_set():
-            if self._state is not RelayState.GAP:  # (a gap is re-checked quietly)
+            # (a gap is re-checked quietly; a reconnect keeps naming its cause, and a
+            # standby stays a standby, until the session streams or fails otherwise)
+            if self._state not in (RelayState.GAP, RelayState.RECONNECTING, RelayState.STANDBY):
                 self._set_state(RelayState.STARTING)
             try:
                 self._session()
@@ -340,7 +369,8 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
         stream = ReplicationStream(dsn, slot=s.slot, publication=s.publication)
         self._own_walsender = stream.walsender  # (recognised if a dead path orphans it)
         try:
-            stream.start(0)  # a standby stops here (SlotInUseError), without a producer
+            # (a standby stops here - SlotInUseError - without a producer)
+            stream.start(0, confirmed_lsn=info.confirmed_flush_lsn)
             if self._producer is None:
                 self._producer = make_producer(
                     s.kafka_bootstrap_servers,
@@ -395,7 +425,7 @@ class Relay(FastPath, StandbySafe, Producing, DeadLetters, SlotMonitor, SlotGuar
             if heard:
                 heard_at = now
                 silence.heard()
-            stalled = self._stalled(sess, stall, now)
+            stalled = self._stalled(sess, stall, now) or self._kafka_unreachable(sess, stall, now)
             if stalled and state is not RelayState.HELD:  # (HELD already names its cause)
                 state, reason = RelayState.STALLED, stalled
             self._set_state(state, reason)

@@ -62,6 +62,8 @@ class Producing:
 
         def _set_state(self, state: RelayState, reason: str = "") -> None: ...
 
+        def _creating_topic(self, topic: str | None) -> None: ...
+
         def _send_status(self, sess: Session) -> None: ...
 
         _queue_dlq: QueueStep
@@ -118,7 +120,11 @@ class Producing:
             )
             return
         if record.topic not in self._topics.known:
-            self._topics.ensure([record.topic])
+            self._creating_topic(record.topic)  # (/readyz names Kafka's answer meanwhile)
+            try:
+                self._topics.ensure([record.topic])
+            finally:
+                self._creating_topic(None)
         sess.tracker.add(tx_id)
         r = record
         try:

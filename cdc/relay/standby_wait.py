@@ -19,7 +19,13 @@ Guarantees:
   every :data:`cdc.constants.STANDBY_RETRY_S` on one connection, and it leaves
   the wait only when the slot is free to take (or its own orphan holds it, or
   that query fails: the session loop then reports it and backs off); it keeps
-  serving a producer kept from an earlier session.
+  serving a producer kept from an earlier session;
+* the standby is quiet and steady: one INFO line when the relay becomes a standby
+  (``relay starting -> standby: waiting as hot standby (<who holds the slot>)``), one
+  when it takes over (``relay standby -> streaming``), none in between; ``/readyz``
+  answers ``standby: <who holds the slot>`` the whole time (the session loop keeps the
+  state between looks: no ``starting`` flip) and ``outbox_relay_state{state="standby"}``
+  is 1.
 """
 
 from __future__ import annotations
@@ -121,9 +127,7 @@ class StandbyWait:
 
     def _standby(self, reason: str) -> None:
         """Wait as a hot standby until the slot is free to take (see the module docstring)."""
-        if self._state is not RelayState.STANDBY:
-            log.info("slot %s busy (%s): waiting as hot standby", self.settings.slot, reason)
-        self._set_state(RelayState.STANDBY, reason)
+        self._set_state(RelayState.STANDBY, reason)  # (its one line: "-> standby: waiting ...")
         conn: Conn | None = None
         next_look = time.monotonic() + c.STANDBY_RETRY_S
         try:

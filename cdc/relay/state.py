@@ -12,7 +12,12 @@ States and transitions::
     STREAMING | BACKPRESSURE --a dead letter fails--> HELD --a dead letter written--> STREAMING
     STREAMING | BACKPRESSURE --no ack for CDC_RELAY_STALL_AFTER_S--> STALLED --an ack--> back
     (HELD stays HELD, its cause named; outbox_relay_stalled is 1 in both)
-    STARTING | STREAMING | BACKPRESSURE | HELD --stream or Kafka error--> RECONNECTING --> STARTING
+    STREAMING | BACKPRESSURE --Kafka unreachable while work waits--> STALLED at once
+        (``kafka unreachable: <why>``; back at the first ack or a broker up again;
+        outbox_relay_stalled still only after CDC_RELAY_STALL_AFTER_S)
+    STANDBY --slot still held--> STANDBY (no pass through STARTING between looks)
+    STARTING | STREAMING | BACKPRESSURE | HELD --stream or Kafka error--> RECONNECTING
+        --> (its cause kept) STREAMING | STANDBY | another error
     STANDBY | STREAMING | BACKPRESSURE | HELD --producer fatal error--> REBUILDING --> STARTING
     STARTING --slot lost/dropped/failed over--> GAP --recovered or loss accepted--> STARTING
     any --SIGTERM--> STOPPING --> STOPPED

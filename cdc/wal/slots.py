@@ -36,7 +36,7 @@ import psycopg
 from psycopg import pq, sql
 
 from cdc.errors import DatabaseSetupError, StreamError
-from cdc.pgconn import Use, connect
+from cdc.pgconn import Use, connect, failure_text
 from cdc.wal.replproto import str_to_lsn
 
 Conn = psycopg.Connection[Any]
@@ -128,7 +128,7 @@ def _replication(dsn: str) -> Conn:
     try:
         return connect(dsn, Use.REPLICATION, replication="database")
     except psycopg.OperationalError as exc:
-        raise StreamError(f"replication connection failed: {exc}") from exc
+        raise StreamError(f"replication connection failed: {failure_text(exc)}") from exc
 
 
 def identify_system(dsn: str) -> ServerIdentity:

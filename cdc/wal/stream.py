@@ -36,7 +36,7 @@ import select
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -47,7 +47,7 @@ from psycopg.conninfo import make_conninfo
 
 from cdc.errors import DatabaseSetupError, SlotInUseError, StreamError
 from cdc.migrate import check_wal_level
-from cdc.pgconn import Use, connect, conninfo
+from cdc.pgconn import Use, connect, conninfo, describe_holder, failure_text
 from cdc.router import ROUTED_COLUMNS, BrokenOutbox, outbox_layout
 from cdc.wal.replproto import lsn_to_str, pg_now_us, standby_status_update, str_to_lsn
 from cdc.wal.slots import failover_wanted
@@ -302,12 +302,14 @@ TAKE_BACK_WAIT_S = 10.0
 
 @dataclass(frozen=True)
 class Walsender:
-    """A walsender as the server sees it: its pid and its client's address and port
-    (``pg_stat_activity.client_addr`` / ``client_port``: None and -1 over a Unix socket)."""
+    """A walsender as the server sees it (``pg_stat_activity``): its pid, its client's address
+    and port (None and -1 over a Unix socket), who it serves (a relay's PID and host)."""
 
     pid: int
     client_addr: str | None
     client_port: int
+    application_name: str | None = field(default=None, compare=False)
+    client_hostname: str | None = field(default=None, compare=False)
 
     def same_as(self, other: Walsender) -> bool:
         """True when ``other`` is this very walsender: same pid, same client address
@@ -319,12 +321,10 @@ class Walsender:
         )
 
     def __str__(self) -> str:
-        where = (
-            "a Unix socket"
-            if self.client_addr is None
-            else (f"{self.client_addr}:{self.client_port}")
-        )
-        return f"walsender {self.pid} (client {where})"
+        unix = self.client_addr is None
+        where = "a Unix socket" if unix else f"{self.client_addr}:{self.client_port}"
+        holder = describe_holder(self.application_name, self.client_hostname)
+        return f"walsender {self.pid} (client {where}{'; ' + holder if holder else ''})"
 
 
 def _address(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | str | None:
@@ -351,8 +351,9 @@ class SlotHolder:
 
 #: The slot and its active walsender's client address (host() drops the /32).
 _HOLDER_SQL = (
-    "SELECT s.active_pid, host(a.client_addr), a.client_port FROM pg_replication_slots s"
-    " LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid WHERE s.slot_name = %s"
+    "SELECT s.active_pid, host(a.client_addr), coalesce(a.client_port, -1), a.application_name,"
+    " a.client_hostname FROM pg_replication_slots s LEFT JOIN pg_stat_activity a"
+    " ON a.pid = s.active_pid WHERE s.slot_name = %s"
 )
 
 
@@ -361,10 +362,9 @@ def slot_holder(conn: Conn, slot: str) -> SlotHolder:
     row = conn.execute(_HOLDER_SQL, (slot,)).fetchone()
     if row is None:
         return SlotHolder(exists=False, walsender=None)
-    pid, addr, port = row
-    if pid is None:
-        return SlotHolder(exists=True, walsender=None)
-    return SlotHolder(True, Walsender(int(pid), addr, -1 if port is None else int(port)))
+    pid, addr, port, app, hostname = row
+    walsender = Walsender(int(pid), addr, int(port), app or None, hostname) if pid else None
+    return SlotHolder(exists=True, walsender=walsender)
 
 
 def end_walsender(dsn: str, slot: str, pid: int) -> bool:
@@ -497,7 +497,7 @@ class ReplicationStream:
         try:
             self._conn: Conn = connect(dsn, Use.REPLICATION, replication="database")
         except psycopg.OperationalError as exc:
-            raise StreamError(f"replication connection failed: {exc}") from exc
+            raise StreamError(f"replication connection failed: {failure_text(exc)}") from exc
         self._pg = self._conn.pgconn
         try:
             #: this stream's walsender as the server shows it (pid, our socket's address)
@@ -506,14 +506,14 @@ class ReplicationStream:
             self.wal_sender_timeout_ms = _wal_sender_timeout_ms(self._pg)
         except (OSError, psycopg.Error) as exc:
             self._conn.close()
-            raise StreamError(f"replication connection failed: {exc}") from exc
+            raise StreamError(f"replication connection failed: {failure_text(exc)}") from exc
         #: ``() -> (size, payload)`` of a CopyData message already received: size 0
         #: when none is buffered, negative when the stream ended (then :meth:`read`
         #: raises). The relay's hot path; a bound C call, no Python frame.
         self.get_nowait: Callable[[], tuple[int, memoryview]] = partial(self._pg.get_copy_data, 1)
 
-    def start(self, start_lsn: int = 0) -> None:
-        """``START_REPLICATION``; raises SlotInUseError when another relay holds the slot."""
+    def start(self, start_lsn: int = 0, *, confirmed_lsn: int | None = None) -> None:
+        """``START_REPLICATION`` (0: at ``confirmed_lsn``); SlotInUseError if another holds it."""
         command = (
             f"START_REPLICATION SLOT {sql.Identifier(self.slot).as_string(self._conn)} "
             f"LOGICAL {lsn_to_str(start_lsn)} (proto_version '1', "
@@ -531,7 +531,9 @@ class ReplicationStream:
                 raise SlotInUseError(message)
             raise StreamError(f"START_REPLICATION failed: {message}")
         self._pg.nonblocking = 1
-        log.info("slot %s streaming from %s", self.slot, lsn_to_str(start_lsn))
+        known = f"{lsn_to_str(confirmed_lsn)} " if confirmed_lsn is not None else ""
+        where = lsn_to_str(start_lsn) if start_lsn else f"{known}(its confirmed position)"
+        log.info("slot %s streaming from %s", self.slot, where)
 
     def read(self, timeout_s: float) -> memoryview | bytes | None:
         """The next CopyData payload, or None when none arrived within ``timeout_s``."""

@@ -8,6 +8,14 @@ the children with SIGTERM and exits 0 — or 1 with the reason and the children'
 log tails when something did not arrive in time. Running it again works: the
 slot and the group's offsets carry over, the stub starts empty.
 
+Day two (:func:`start_background`, :func:`sinks.cli.runfiles.stop_background`,
+:func:`write_burst`):
+``make run`` starts the same three processes detached on the stack, their PIDs (with
+each process's start time, so a reused PID is never signalled), ports and logs under
+``.dev/run``; ``make stop`` ends them (SIGTERM, then SIGKILL after
+:data:`STOP_GRACE_S`); ``outbox-cdc demo write`` commits a burst into the running
+pipeline; ``outbox-cdc demo --keep-running`` leaves its children running the same way.
+
 Registration goes through the backlog guard (:mod:`cdc.backlog`), as an
 application's registration endpoint would: while the pipeline is over a limit
 the registration is refused with a Retry-After (an HTTP app answers 429) and
@@ -67,6 +75,16 @@ from cdc.outbox import (
 )
 from cdc.producer import TopicManager
 from cdc.settings import Settings
+from sinks.cli.runfiles import (
+    CHILDREN,
+    STOP_GRACE_S,
+    background,
+    forget,
+    run_dir,
+    urls,
+    write_pid,
+    write_ports,
+)
 from sinks.ops.lag import group_lag
 from sinks.ops.offsets import lag_totals
 
@@ -76,8 +94,6 @@ DEMO_TIMEOUT_S = 300.0
 LAG_SETTLE_S = 15.0
 #: Progress refresh period.
 POLL_S = 0.25
-#: A child stopped with SIGTERM gets this long before SIGKILL.
-STOP_GRACE_S = 30.0
 #: The ports the children listen on: (settings field, host the child binds).
 _CHILD_PORTS = (
     ("engine_stub_port", "127.0.0.1"),  # the stub's --host default
@@ -162,17 +178,31 @@ def require_free_ports(settings: Settings) -> None:
         require_free_port(settings, field_name, host=host)
 
 
-def _start_child(name: str, args: list[str], log_dir: Path, env: dict[str, str]) -> Child:
-    log = log_dir / f"demo-{name}.log"
+def _start_child(
+    name: str, args: list[str], log_dir: Path, env: dict[str, str], *, detached: bool = False
+) -> Child:
+    """A child of the demo (dies with it); ``detached``: one of ``make run`` or
+    ``--keep-running``, in a session of its own, outliving this process."""
+    log = log_dir / (f"{name}.log" if detached else f"demo-{name}.log")
     command = [sys.executable, "-m", "cdc.cli", *args]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
-            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            process_group=0,  # its own group: Ctrl-C reaches the demo, which stops it
-        )
+    with log.open("ab" if detached else "wb") as out:
+        if detached:
+            proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own session and group: `make stop` ends it
+            )
+        else:
+            proc = subprocess.Popen(  # noqa: S603 - our own CLI, fixed arguments
+                [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                process_group=0,  # its own group: Ctrl-C reaches the demo, which stops it
+            )
     return Child(name, proc, log)
 
 
@@ -198,18 +228,20 @@ def stop_children(children: list[Child]) -> None:
 
 @contextmanager
 def running_children(
-    settings: Settings, log_dir: Path, env: dict[str, str]
+    settings: Settings, log_dir: Path, env: dict[str, str], *, keep: Path | None = None
 ) -> Iterator[list[Child]]:
-    """Engine stub, relay and sink started and ready; stopped (as groups) on the way out."""
+    """Engine stub, relay and sink started and ready; stopped (as groups) on the way out -
+    unless ``keep`` (a run directory): then they are detached, their PIDs written there
+    (:func:`stop_background` ends them) and stopped only when something failed."""
     log_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
+    kept = False
     try:
-        for name, args in (
-            ("engine-stub", ["engine-stub"]),
-            ("relay", ["relay"]),
-            ("sink", ["sink"]),
-        ):
-            children.append(_start_child(name, args, log_dir, env))
+        for name, args in CHILDREN:
+            child = _start_child(name, args, keep or log_dir, env, detached=keep is not None)
+            children.append(child)
+            if keep is not None:
+                write_pid(keep, child.name, child.proc.pid)
         stub, relay, sink = children
         _wait_http(f"http://127.0.0.1:{settings.engine_stub_port}/_stub/stats", stub)
         _wait_http(f"http://127.0.0.1:{settings.relay_http_port}/readyz", relay)
@@ -217,9 +249,66 @@ def running_children(
         _wait_http(
             f"http://127.0.0.1:{settings.sink_http_port}/readyz", sink, unless="(0 partitions"
         )
+        if keep is not None:
+            write_ports(keep, settings)
         yield children
+        kept = keep is not None
     finally:
-        stop_children(children)
+        if not kept:
+            stop_children(children)
+            if keep is not None:
+                forget(keep)
+
+
+def start_background(*, where: Path) -> list[str]:
+    """``make run``: stub, relay and sink started on the stack, detached, ready; their
+    PIDs, ports and logs under ``where``. Lines for the user."""
+    running = background(where)
+    if running:
+        pids = ", ".join(f"{n} {p}" for n, p in running.items())
+        raise DemoError(f"already running ({pids}): make stop first")
+    settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
+    require_free_ports(settings)
+    require_kafka(settings)
+    migrate(settings.pg_dsn.get_secret_value(), demo=True)
+    ensure_demo_topics(settings)
+    where.mkdir(parents=True, exist_ok=True)
+    with running_children(settings, where, demo_env(settings), keep=where) as children:
+        pass
+    return [
+        *(f"{c.name} running, pid {c.proc.pid}, log {c.log}" for c in children),
+        *urls(settings),
+        "stop them with: make stop (outbox-cdc demo stop)",
+    ]
+
+
+def write_burst(*, users: int, attempts_per_user: int) -> list[str]:
+    """``demo write``: a burst into the running pipeline (the demo's writer, through the
+    backlog guard); followed until the engine stub applied it, when a stub answers."""
+    settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
+    stub_url = f"http://127.0.0.1:{settings.engine_stub_port}"
+    console = Console(stderr=True)
+    guard = BacklogGuard(settings)
+    try:
+        with Progress(*_COLUMNS, console=console) as progress:
+            burst = _burst(
+                settings, guard, users=users, attempts_per_user=attempts_per_user, progress=progress
+            )
+            try:
+                httpx.get(f"{stub_url}/_stub/stats", timeout=2.0)
+            except httpx.HTTPError:
+                return [
+                    f"{len(burst.committed)} events committed; no engine stub at {stub_url}:"
+                    " not followed (make run starts one)"
+                ]
+            applied = _follow(stub_url, burst, progress, [])
+    finally:
+        guard.close()
+    latencies = [applied[e] - burst.committed[e] for e in burst.committed]
+    return [
+        f"{len(burst.committed)} events committed, {len(applied)} applied by the engine stub"
+        f" (commit -> engine p50 {_percentile(latencies, 0.5) * 1000:.1f} ms)"
+    ]
 
 
 def _register(
@@ -349,6 +438,11 @@ def _summary(
     for command, what in hints:
         console.print(f"  {command}\n      {what}")
     console.print("  logs: .dev/demo-relay.log .dev/demo-sink.log .dev/demo-engine-stub.log")
+    console.print(
+        "The demo's processes stop with it: `make run` (or `outbox-cdc demo --keep-running`)"
+        " keeps a pipeline running, `outbox-cdc demo write --users N` writes into it,"
+        " `make stop` ends it."
+    )
 
 
 def require_kafka(settings: Settings) -> None:
@@ -394,7 +488,17 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(128 + signum)
 
 
-def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
+_COLUMNS = (
+    TextColumn("{task.description:<24}"),
+    BarColumn(),
+    MofNCompleteColumn(),
+    TimeElapsedColumn(),
+)
+
+
+def run_demo(
+    *, users: int, attempts_per_user: int, log_dir: Path, keep_running: bool = False
+) -> None:
     """Run the demo; raise :class:`DemoError` when it cannot finish."""
     settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
     require_free_ports(settings)
@@ -407,17 +511,18 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
         f"schema: {'applied ' + ', '.join(applied_versions) if applied_versions else 'up to date'}"
     )
     ensure_demo_topics(settings)
-    with running_children(settings, log_dir, demo_env(settings)) as children:
+    keep = run_dir() if keep_running else None
+    if keep is not None:
+        running = background(keep)
+        if running:
+            pids = ", ".join(f"{n} {p}" for n, p in running.items())
+            raise DemoError(f"already running ({pids}): make stop first")
+        keep.mkdir(parents=True, exist_ok=True)
+    with running_children(settings, log_dir, demo_env(settings), keep=keep) as children:
         console.print("relay, sink and engine stub are up")
-        columns = (
-            TextColumn("{task.description:<24}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-        )
         guard = BacklogGuard(settings)
         try:
-            with Progress(*columns, console=console) as progress:
+            with Progress(*_COLUMNS, console=console) as progress:
                 burst = _burst(
                     settings,
                     guard,
@@ -432,5 +537,13 @@ def run_demo(*, users: int, attempts_per_user: int, log_dir: Path) -> None:
             guard.close()
         lag = _settled_lag(settings)
         _summary(console, burst, applied, settings, lag)
+    if keep is not None:
+        console.print("\nLeft running (--keep-running):")
+        for child in children:
+            console.print(f"  {child.name}: pid {child.proc.pid}, log {child.log}")
+        for line in urls(settings):
+            console.print(f"  {line}")
+        console.print("  write more: outbox-cdc demo write --users 100")
+        console.print("  stop them:  make stop (outbox-cdc demo stop)")
     if lag:
         raise DemoError(f"consumer group {settings.sink_group_id} still lags by {lag} records")

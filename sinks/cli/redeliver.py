@@ -76,7 +76,7 @@ def _redelivery_failure(report: RedeliveryReport, key: str | None) -> str | None
         return f"no record with key {key!r} found" if key is not None else "no event found"
     if report.missing_event_ids:
         return f"not found in Kafka: {', '.join(report.missing_event_ids)}"
-    failed = [i for i in report.items if i.outcome.value != "delivered"]
+    failed = [i for i in report.items if i.outcome.value not in ("delivered", "duplicate")]
     if failed:
         return f"{len(failed)} of {len(report.items)} event(s) not delivered"
     return None

@@ -215,7 +215,7 @@ def show_redelivery(report: RedeliveryReport, *, as_json: bool) -> None:
             item.event_type or "-",
             f"{item.topic}[{item.partition}]@{item.offset}",
             item.outcome.value,
-            "" if item.outcome.value == "delivered" else item.detail,
+            "" if item.outcome.value in ("delivered", "duplicate") else item.detail,
         )
     out().print(table)
 

@@ -71,7 +71,7 @@ def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
     )
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option("--users", type=int, default=500, show_default=True, help="users to register")
 @click.option(
     "--attempts-per-user", type=int, default=5, show_default=True, help="quiz attempts per user"
@@ -83,10 +83,67 @@ def engine_stub(host: str, port: int | None, latency_ms: float) -> None:
     show_default=True,
     help="where the children's logs go",
 )
-def demo(users: int, attempts_per_user: int, log_dir: str) -> None:
-    """Run the whole pipeline on the local stack with a burst of events and a summary."""
+@click.option(
+    "--keep-running",
+    is_flag=True,
+    help="leave relay, sink and stub running afterwards (as make run does; make stop ends them)",
+)
+@click.pass_context
+def demo(
+    ctx: click.Context, users: int, attempts_per_user: int, log_dir: str, keep_running: bool
+) -> None:
+    """Run the whole pipeline on the local stack with a burst of events and a summary.
+
+    Day two: `demo start` (make run) leaves it running, `demo write` writes into it,
+    `demo stop` (make stop) ends it.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
     from pathlib import Path
 
     from sinks.cli.demo import run_demo
 
-    run_demo(users=users, attempts_per_user=attempts_per_user, log_dir=Path(log_dir))
+    run_demo(
+        users=users,
+        attempts_per_user=attempts_per_user,
+        log_dir=Path(log_dir),
+        keep_running=keep_running,
+    )
+
+
+@demo.command("start")
+def demo_start() -> None:
+    """Start engine stub, relay and sink in the background on the stack (make run).
+
+    PIDs, ports and logs go to .dev/run (OUTBOX_DEV_DIR/run); `demo stop` ends them.
+    """
+    from sinks.cli.demo import start_background
+    from sinks.cli.runfiles import run_dir
+
+    for line in start_background(where=run_dir()):
+        click.echo(line)
+
+
+@demo.command("stop")
+def demo_stop() -> None:
+    """Stop what `demo start` (or `demo --keep-running`) left running (make stop)."""
+    from sinks.cli.runfiles import run_dir, stop_background
+
+    for line in stop_background(where=run_dir()):
+        click.echo(line)
+
+
+@demo.command("write")
+@click.option("--users", type=int, default=100, show_default=True, help="users to register")
+@click.option(
+    "--attempts-per-user", type=int, default=2, show_default=True, help="quiz attempts per user"
+)
+def demo_write(users: int, attempts_per_user: int) -> None:
+    """Commit a burst of registrations and quiz attempts into the running pipeline.
+
+    Followed until the engine stub applied every event, when a stub answers.
+    """
+    from sinks.cli.demo import write_burst
+
+    for line in write_burst(users=users, attempts_per_user=attempts_per_user):
+        click.echo(line)

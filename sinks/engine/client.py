@@ -344,8 +344,11 @@ class EngineClient:
 
     async def send(
         self, call: EngineCall, *, event_id: str, headers: Mapping[str, str] | None = None
-    ) -> None:
+    ) -> bool:
         """POST ``call`` with ``event_id`` as idempotency key; return on 2xx, raise otherwise.
+
+        Returns whether the engine answered that it had applied this key before
+        (``2xx {"status":"duplicate"}``: :func:`is_duplicate`).
 
         ``headers`` are sent too (names other than the client's own; values
         without CR, LF or NUL, else :class:`Unroutable`).
@@ -381,6 +384,7 @@ class EngineClient:
         if error is not None:
             error.endpoint = call.path  # the route the failure belongs to
             raise error
+        return is_duplicate(body)
 
     async def _post(
         self,
@@ -572,3 +576,19 @@ def _transport_reason(exc: http1.TransportError | httpx.RequestError) -> str:
     """Why no response arrived, e.g. ``ConnectError: [Errno 111] Connection refused (h:p)``."""
     detail = str(exc) or "no detail"
     return f"{type(exc).__name__}: {detail}"
+
+
+#: A duplicate answer is short: a longer 2xx body is not read for it.
+_DUPLICATE_BODY_MAX = 256
+
+
+def is_duplicate(body: bytes) -> bool:
+    """Whether a 2xx body says the key was applied before: ``{"status": "duplicate"}``
+    (the engine's answer to a reused Idempotency-Key, as the stub gives it)."""
+    if len(body) > _DUPLICATE_BODY_MAX or b"duplicate" not in body:
+        return False
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("status") == "duplicate"

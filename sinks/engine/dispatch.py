@@ -17,9 +17,15 @@ from collections.abc import Mapping
 
 from sinks.core.errors import UserNotFound
 from sinks.engine.client import EngineClient
+from sinks.shared.logs import RepeatLog
 from sinks.shared.routes import CATALOG, EngineCall, Routing, derived_user_sync_key, user_sync_call
 
 log = logging.getLogger("sinks.dispatch")  # the name operators filter on: kept across moves
+
+#: "engine lacks user ...; syncing the user first": the first of each event type in full,
+#: then one summary per type per minute (it was one line per event: 59 of 78 lines).
+#: The process's deliveries run on one event loop; the consumer ticks and flushes it.
+USER_SYNCS = RepeatLog(log, "synced the user first for", level=logging.INFO)
 
 
 async def deliver(
@@ -31,27 +37,39 @@ async def deliver(
     routing: Routing = CATALOG,
     headers: Mapping[str, str] | None = None,
     answered: list[str] | None = None,
+    duplicates: list[str] | None = None,
 ) -> EngineCall:
     """Route (``routing``: the catalog unless configured) and send one event.
 
     Returns the call that the engine accepted. ``answered`` (when given)
     collects the engine path of every request answered 2xx, in order: which
-    routes showed they work during this delivery.
+    routes showed they work during this delivery; ``duplicates`` the path of the
+    event's call when the engine answered it as a duplicate (applied before).
     """
     call = routing.route(event_type, payload)
     try:
-        await engine.send(call, event_id=event_id, headers=headers)
+        duplicate = await engine.send(call, event_id=event_id, headers=headers)
     except UserNotFound as exc:
         user_id = exc.user_id or call.user_id
         if not user_id:
             raise
-        log.info("event %s: engine lacks user %s; syncing the user first", event_id, user_id)
+        USER_SYNCS.event(
+            event_type,
+            "event %s (%s): engine lacks user %s; syncing the user first (further ones are"
+            " counted, summed up once a minute)",
+            event_id,
+            event_type,
+            user_id,
+            extra={"event_id": event_id, "event_type": event_type},
+        )
         sync_key = derived_user_sync_key(event_id)
         sync = user_sync_call(user_id)
         await engine.send(sync, event_id=sync_key, headers=headers)
         if answered is not None:
             answered.append(sync.path)
-        await engine.send(call, event_id=event_id, headers=headers)
+        duplicate = await engine.send(call, event_id=event_id, headers=headers)
     if answered is not None:
         answered.append(call.path)
+    if duplicate and duplicates is not None:
+        duplicates.append(call.path)
     return call

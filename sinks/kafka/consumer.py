@@ -25,7 +25,10 @@ and reports what came of them:
   (else ``parking lot unavailable: <why>``) and the
   sink is not stalled (nothing delivered, parked or committed for
   ``SINK_STALL_AFTER_S`` while work waits: ``stalled: ...``; a shorter blip
-  never shows); a state change is logged once, with its reason;
+  never shows) and the consumer reaches a broker (``kafka unreachable: <why>``, at
+  once while records are held, after :data:`KAFKA_UNREACHABLE_IDLE_S` with nothing
+  held; :class:`cdc.kafkalog.KafkaReach`); a state change is logged once, with its
+  reason;
 * an engine answer is mapped to a core result by its meaning
   (:func:`route_result`), with the engine route of the request that failed
   (``SinkError.endpoint``): a 429 is ``THROTTLED``; a ``Retry-After`` on
@@ -73,7 +76,7 @@ from sinks.core.machine import (
 from sinks.core.retry import Backoff, retry_delay_s
 from sinks.engine import http1
 from sinks.engine.client import EngineClient
-from sinks.engine.dispatch import deliver
+from sinks.engine.dispatch import USER_SYNCS, deliver
 from sinks.kafka.config import consumer_config, subscription
 from sinks.kafka.metrics import SinkMetrics
 from sinks.kafka.worker import KafkaWorker
@@ -96,6 +99,9 @@ MIN_BACKOFF_S = 0.1
 SHUTDOWN_WAIT_S = 10.0
 #: Gauges refresh period; also the longest the loop sleeps (liveness ticks).
 GAUGE_REFRESH_S = 1.0
+#: With nothing held, a consumer that reaches no broker for this long makes /readyz say
+#: ``kafka unreachable``: a broker restart or a leader move is shorter.
+KAFKA_UNREACHABLE_IDLE_S = 10.0
 #: The shortest sleep: a timer the core reports as due now never becomes a busy loop.
 MIN_SLEEP_S = 0.001
 #: Distinct event types named in the per-type metrics; the rest count as "other"
@@ -183,14 +189,18 @@ class Sink:
         self.core = make_core(settings, self.routing)
         self.tracing = SinkTracing.from_env()
         self.kafka_events = KafkaClientEvents(
-            "sink-consumer", count=lambda code: self.metrics.kafka_errors.labels(code).inc()
+            "sink-consumer",
+            count=lambda code: self.metrics.kafka_errors.labels(code).inc(),
+            reach=True,
         )
+        #: the last evidence of a working broker: records, an assignment, a commit
+        self._kafka_heard_at: float | None = None
         self._worker: KafkaWorker | None = None
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._park_error: str | None = None
-        self._reported: tuple[Circuit, str, bool, bool] | None = None
+        self._reported: tuple[Circuit, str, bool, bool, str] | None = None
         self._parked_log = RepeatLog(log, "parked")
         # Skipping is deliberate: each type named once, its repeats only counted.
         self._skipped_log = RepeatLog(log, "skipped", level=logging.INFO, summarize_kinds=False)
@@ -231,6 +241,7 @@ class Sink:
         finally:
             self._parked_log.flush()
             self._skipped_log.flush()
+            USER_SYNCS.flush()
             self.liveness.set("stopped", ready=False)
 
     async def _shutdown(self, worker: KafkaWorker) -> None:
@@ -258,6 +269,7 @@ class Sink:
         self._report()
         self._parked_log.tick()
         self._skipped_log.tick()
+        USER_SYNCS.tick()
 
     def _carry_out(self, action: core.Action) -> None:
         worker = self._worker
@@ -288,6 +300,7 @@ class Sink:
 
     # -- the Kafka side (called on the loop by the worker) ------------------------
     def on_records(self, records: list[Envelope]) -> None:
+        self._kafka_heard_at = time.monotonic()
         now_ms = int(time.time() * 1000)
         for record in records:
             verdict = self.core.consumed(record, now_ms=now_ms)
@@ -309,6 +322,7 @@ class Sink:
         )
 
     def on_assign(self, partitions: list[tuple[str, int]]) -> None:
+        self._kafka_heard_at = time.monotonic()
         self.core.assign(partitions)
         self._wake.set()
 
@@ -321,7 +335,9 @@ class Sink:
 
     def on_commit(self, results: list[tuple[str, int, int, bool]]) -> None:
         for topic, partition, offset, ok in results:
-            if not ok:
+            if ok:
+                self._kafka_heard_at = time.monotonic()
+            else:
                 self.metrics.commit_failures.inc()
             self.core.commit_result(topic, partition, offset, ok=ok)
         self._wake.set()
@@ -507,12 +523,15 @@ class Sink:
         """Readiness, and one log line per change of the circuit or the parking lot."""
         circuit, reason = self.core.circuit, self.core.circuit_reason
         stalled = self._stalled(self.core.stalled_s(time.monotonic()))
-        state = (circuit, reason, self._park_error is None, stalled)
+        unreachable = self._kafka_unreachable()
+        state = (circuit, reason, self._park_error is None, stalled, unreachable)
         if state == self._reported:
             return
         previous = self._reported
         self._reported = state
-        if circuit is not Circuit.CLOSED:
+        if unreachable:
+            status = unreachable
+        elif circuit is not Circuit.CLOSED:
             status = f"engine unavailable: {reason}"
         elif self._park_error is not None:
             status = self._park_error
@@ -522,6 +541,17 @@ class Sink:
             status = self._stall_status(status)
         self.liveness.set(status or "running", ready=not status)
         self._log_change(previous, state)
+
+    def _kafka_unreachable(self) -> str:
+        """``kafka unreachable: <why>`` while no broker answers (overruled by records, an
+        assignment or a commit since): at once with records held or being sent, after
+        :data:`KAFKA_UNREACHABLE_IDLE_S` with none (what waits in Kafka is unseen)."""
+        reach = self.kafka_events.reach
+        away_s = reach.unreachable_s(progress_at=self._kafka_heard_at) if reach else None
+        busy = self.core.held or self.core.sending
+        if away_s is None or (not busy and away_s < KAFKA_UNREACHABLE_IDLE_S):
+            return ""
+        return f"kafka unreachable: {self.kafka_events.why_unreachable()}"
 
     def _stall_status(self, cause: str) -> str:
         after_s = self.settings.sink_stall_after_s
@@ -533,12 +563,17 @@ class Sink:
 
     def _log_change(
         self,
-        previous: tuple[Circuit, str, bool, bool] | None,
-        state: tuple[Circuit, str, bool, bool],
+        previous: tuple[Circuit, str, bool, bool, str] | None,
+        state: tuple[Circuit, str, bool, bool, str],
     ) -> None:
-        """One line per change of the engine's state (OPEN and HALF_OPEN are one: down)."""
+        """One line per change of the engine's state (OPEN and HALF_OPEN are one: down),
+        and one when Kafka becomes unreachable (or reachable again)."""
         if previous is None:
             return
+        if state[4] and not previous[4]:
+            log.warning("sink: %s; not ready until a broker answers", state[4])
+        elif previous[4] and not state[4]:
+            log.info("sink: kafka reachable again")
         was_down, down = previous[0] is not Circuit.CLOSED, state[0] is not Circuit.CLOSED
         extra = {"state": state[0].value}
         if down and not was_down:

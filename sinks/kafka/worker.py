@@ -431,7 +431,9 @@ class LagMonitor:
     def _run(self) -> None:
         events = KafkaClientEvents("sink-lag")
         try:
-            client = Consumer({**self._config, **events.config()})
+            config = {k: v for k, v in self._config.items() if k != "stats_cb"}
+            config["statistics.interval.ms"] = 0  # (the consumer's statistics are not its)
+            client = Consumer({**config, **events.config()})
         except KafkaException as exc:
             log.warning("consumer-lag gauge disabled: %s", exc)
             return

@@ -35,11 +35,16 @@ ProgressFn = Callable[[str, int, int | None], None]
 class Outcome(enum.StrEnum):
     """What became of one redelivered event."""
 
-    DELIVERED = "delivered"  # the engine answered 2xx (a duplicate key included)
+    DELIVERED = "delivered"  # the engine answered 2xx: applied now
+    DUPLICATE = "duplicate"  # the engine answered 2xx {"status":"duplicate"}: applied before
     REJECTED = "rejected"  # the healthy engine refused this event (4xx)
     UNROUTABLE = "unroutable"  # no route, bad payload or no id header: never sent
     ENGINE_UNAVAILABLE = "engine_unavailable"  # engine-wide trouble on this one
     NOT_SENT = "not_sent"  # not tried: the engine was unavailable before its turn
+
+
+#: Outcomes that leave the event applied by the engine (now, or before).
+APPLIED = frozenset({Outcome.DELIVERED, Outcome.DUPLICATE})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,9 +84,7 @@ class RedeliveryReport:
     @property
     def ok(self) -> bool:
         """Every chosen event was found and delivered."""
-        return not self.missing_event_ids and all(
-            i.outcome is Outcome.DELIVERED for i in self.items
-        )
+        return not self.missing_event_ids and all(i.outcome in APPLIED for i in self.items)
 
     def counts(self) -> dict[str, int]:
         out = {o.value: 0 for o in Outcome}
@@ -184,9 +187,14 @@ async def _send_all(
 
 
 async def _send_one(engine: EngineClient, record: Envelope) -> tuple[Outcome, str]:
+    duplicates: list[str] = []
     try:
         call = await deliver(
-            engine, event_type=record.event_type, payload=record.value, event_id=record.event_id
+            engine,
+            event_type=record.event_type,
+            payload=record.value,
+            event_id=record.event_id,
+            duplicates=duplicates,
         )
     except EngineUnavailable as exc:
         return Outcome.ENGINE_UNAVAILABLE, exc.reason
@@ -194,6 +202,8 @@ async def _send_one(engine: EngineClient, record: Envelope) -> tuple[Outcome, st
         return Outcome.UNROUTABLE, exc.reason
     except SinkError as exc:
         return Outcome.REJECTED, exc.reason
+    if duplicates:
+        return Outcome.DUPLICATE, call.path
     return Outcome.DELIVERED, call.path
 
 

@@ -8,17 +8,22 @@ and the demo's start path runs on the just-restarted broker.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from sinks.stub.server import StubServer
@@ -32,6 +37,7 @@ from tests.harness import (
     stack,
     start_relay,
     start_sink,
+    topics_with_prefix,
     wait_until,
 )
 
@@ -52,6 +58,50 @@ class Outage:
     sink_lines: list[str]
     ops: subprocess.CompletedProcess[str]
     ops_wall_s: float
+    #: relay /readyz (status, body) with Kafka stopped and nothing waiting
+    relay_idle: tuple[int | None, str]
+    #: relay and sink /readyz once events wait: (status, body)
+    relay_waiting: tuple[int | None, str]
+    sink_waiting: tuple[int | None, str]
+    #: relay /readyz once an event of a new type waits for its topic to be created
+    relay_new_topic: tuple[int | None, str]
+    #: relay /backlog?group=<the sink's group> meanwhile: (status, JSON document)
+    backlog: tuple[int, dict[str, object]]
+    #: both /readyz 200 again after Kafka came back
+    recovered: bool
+
+
+def _get(url: str) -> tuple[int | None, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return None, str(exc)
+
+
+def _until_unreachable(url: str, words: str = "kafka unreachable") -> tuple[int | None, str]:
+    """Poll ``url`` until it says ``words`` (bounded); its last answer."""
+    last: list[tuple[int | None, str]] = []
+
+    def said() -> bool:
+        last[:] = [_get(url)]
+        return words in last[0][1]
+
+    with contextlib.suppress(AssertionError):
+        wait_until(said, 40, f"{url} to say {words}", interval_s=0.5)
+    return last[0]
+
+
+def _write_events(dsn: str, count: int, aggregate: str = "user") -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+            " SELECT %s, 'k' || g, 'UserCreated', jsonb_build_object('n', g)"
+            " FROM generate_series(1, %s) g",
+            (aggregate, count),
+        )
 
 
 def _lines_since(path: Path, offset: int) -> list[str]:
@@ -75,11 +125,29 @@ def outage(
 ) -> Iterator[Outage]:
     """Relay and sink running; Kafka stopped for OUTAGE_S (an ops command meanwhile); started."""
     tmp = tmp_path_factory.mktemp("outage")
-    relay_cfg = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=uuid.uuid4().hex[:10])
+    # (the stall thresholds far away: /readyz must say why at once, not after them)
+    relay_cfg = RelayConfig(
+        db_dsn=db_dsn,
+        kafka=kafka_bootstrap,
+        unique=uuid.uuid4().hex[:10],
+        extra={"CDC_RELAY_STALL_AFTER_S": "600"},
+    )
     with StubServer(api_key=API_KEY) as stub:
-        sink_cfg = SinkConfig(relay=relay_cfg, engine_url=stub.url, api_key=API_KEY)
-        relay, _ = start_relay(relay_cfg, tmp)
-        sink, _ = start_sink(sink_cfg, tmp)
+        sink_cfg = SinkConfig(
+            relay=relay_cfg,
+            engine_url=stub.url,
+            api_key=API_KEY,
+            extra={"SINK_STALL_AFTER_S": "600"},
+        )
+        relay, relay_port = start_relay(relay_cfg, tmp)
+        sink, sink_port = start_sink(sink_cfg, tmp)
+        relay_url, sink_url = (f"http://127.0.0.1:{p}" for p in (relay_port, sink_port))
+        _write_events(db_dsn, 1)  # (its topic made before the outage)
+        wait_until(
+            lambda: bool(topics_with_prefix(kafka_bootstrap, relay_cfg.topic_prefix + "user")),
+            60,
+            "the user topic",
+        )
         try:
             relay_mark, sink_mark = (p.log_path.stat().st_size for p in (relay, sink))
             stack("down", "kafka")
@@ -96,15 +164,39 @@ def outage(
                     check=False,
                 )
                 ops_wall_s = time.monotonic() - started
+                relay_idle = _get(f"{relay_url}/readyz")  # nothing waits: no outage yet
+                _write_events(db_dsn, 5)
+                relay_waiting = _until_unreachable(f"{relay_url}/readyz")
+                sink_waiting = _until_unreachable(f"{sink_url}/readyz")
+                _write_events(db_dsn, 1, aggregate="quiz")  # a new type: its topic waits
+                relay_new_topic = _until_unreachable(f"{relay_url}/readyz", "(creating topic")
+                status, body = _get(f"{relay_url}/backlog?group={sink_cfg.group}")
+                backlog = (status or 0, json.loads(body) if status else {})
                 time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped)))
                 assert relay.alive() and sink.alive()
             finally:
                 stack("up", "kafka")
+            lines = (
+                _lines_since(relay.log_path, relay_mark),
+                _lines_since(sink.log_path, sink_mark),
+            )
+            recovered = True
+            try:
+                for url in (relay_url, sink_url):
+                    wait_until(lambda u=url: _get(f"{u}/readyz")[0] == 200, 120, f"{url} ready")
+            except AssertionError:
+                recovered = False
             yield Outage(
-                relay_lines=_lines_since(relay.log_path, relay_mark),
-                sink_lines=_lines_since(sink.log_path, sink_mark),
+                relay_lines=lines[0],
+                sink_lines=lines[1],
                 ops=ops,
                 ops_wall_s=ops_wall_s,
+                relay_idle=relay_idle,
+                relay_waiting=relay_waiting,
+                sink_waiting=sink_waiting,
+                relay_new_topic=relay_new_topic,
+                backlog=backlog,
+                recovered=recovered,
             )
         finally:
             for proc in (sink, relay):
@@ -134,6 +226,31 @@ def test_lag_without_kafka_shows_what_it_can_read_and_names_the_failure_in_one_l
     assert "unreachable: connection refused at 127.0.0.1:" in lines[0]
     assert "check KAFKA_BOOTSTRAP_SERVERS" not in lines[0]  # the setting is right: Kafka is down
     print(f"ops command failed after {outage.ops_wall_s:.1f}s, load {os.getloadavg()}")
+
+
+def test_readyz_and_backlog_name_a_kafka_outage_while_work_waits_not_before(
+    outage: Outage,
+) -> None:
+    """Nothing waiting, a stopped broker is no outage (200); events waiting, both /readyz
+    say ``kafka unreachable: <why>`` at once (the stall thresholds are 600 s away), the
+    relay's /backlog answers 503 ``unknown`` naming the failure; all ready again after."""
+    assert outage.relay_idle[0] == 200, outage.relay_idle
+    assert outage.relay_waiting[1].startswith("stalled: kafka unreachable: "), outage.relay_waiting
+    status, body = outage.relay_new_topic
+    assert status == 503 and "kafka unreachable: " in body, outage.relay_new_topic
+    assert "(creating topic " in body and "outbox.event.quiz)" in body, body
+    for name, (status, body) in (("relay", outage.relay_waiting), ("sink", outage.sink_waiting)):
+        assert status == 503, (name, status, body)
+        assert "kafka unreachable: " in body, (name, body)
+        assert "Connection refused" in body or "refused" in body, (name, body)
+    status, doc = outage.backlog
+    assert status == 503, outage.backlog
+    assert doc["state"] == "unknown", doc
+    problems = " ".join(str(p) for p in doc["problems"])  # type: ignore[attr-defined]
+    assert "unreachable: connection refused" in problems, doc
+    assert outage.recovered, "relay and sink /readyz 200 again once Kafka is back"
+    print(f"relay: {outage.relay_waiting}\nsink: {outage.sink_waiting}\nbacklog: {doc}")
+    print(f"relay, a new topic waiting: {outage.relay_new_topic}")
 
 
 def _demo_env(db_dsn: str, kafka: str) -> tuple[RelayConfig, dict[str, str]]:

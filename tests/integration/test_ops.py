@@ -30,6 +30,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from cdc import pgconn
 from cdc.ops import slot_status, unconfirmed_event_count
 from cdc.outbox import OutboxEvent, register_user, write_event
 from cdc.settings import Settings
@@ -41,6 +42,7 @@ from tests.harness import (
     RelayConfig,
     drop_slot,
     env_without,
+    free_port,
     read_topics,
     start_relay,
     wait_until,
@@ -541,6 +543,7 @@ def _two_users_history(ops: Ops) -> History:
 def test_redeliver_by_key_sends_exactly_that_keys_events_in_order_and_moves_no_offset(
     ops: Ops,
 ) -> None:
+    """... and a second redelivery of the same events says ``duplicate`` (exit 0)."""
     history = _two_users_history(ops)
     group_offsets = {(ops.user_topic, 1): 1, (ops.quiz_topic, 0): 2}
     commit(ops.kafka, ops.group, group_offsets)
@@ -551,7 +554,10 @@ def test_redeliver_by_key_sends_exactly_that_keys_events_in_order_and_moves_no_o
         ops.engine_url = stub.url
         result = ops.cli_json("redeliver", "--key", history.user_a)
         applied = stub.applied()["items"]
+        # again: the engine answers 200 {"status":"duplicate"}, and redeliver says so
+        again = ops.cli_json("redeliver", "--key", history.user_a)
 
+    assert [e["outcome"] for e in again["events"]] == ["duplicate"] * 3  # type: ignore[attr-defined]
     expected_ids = []
     for p in history.events_a:
         if p.event_id not in expected_ids:
@@ -936,20 +942,49 @@ def test_slot_drop_asks_then_drops_and_warns_of_the_unconfirmed_events(ops: Ops)
     assert slot_status(ops.settings())["exists"] is False
 
 
-def test_slot_drop_is_refused_while_a_relay_streams_the_slot(ops: Ops) -> None:
+def test_slot_drop_is_refused_while_a_relay_streams_the_slot_naming_that_relay(
+    ops: Ops, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refusal names the holder: the relay's PID and host (its replication
+    connection's application_name), apart from the walsender's PID and client address."""
     _create_slot(ops.db_dsn, ops.slot)
+    monkeypatch.setattr(pgconn, "PROCESS_ROLE", ["relay"])  # (this process streams, as a relay)
     stream = ReplicationStream(ops.db_dsn, slot=ops.slot, publication="outbox_pub")
     try:
         stream.start()
         wait_until(lambda: slot_status(ops.settings())["active"], 30, "slot active")
+        walsender = slot_status(ops.settings())["active_pid"]
 
         done = ops.cli("slot", "drop", "--yes")
 
         assert done.returncode == 1
-        assert "is active" in done.stderr
+        line = " ".join(done.stderr.split())
+        assert f"slot {ops.slot} is active, held by walsender {walsender} (client 127.0.0.1:" in (
+            line
+        )
+        assert f"relay pid {os.getpid()} on host {socket.gethostname()}" in line
+        assert "stop that relay first" in line
         assert slot_status(ops.settings())["exists"] is True
     finally:
         stream.close()
+
+
+def test_slot_status_against_a_closed_port_says_connection_failed_once(ops: Ops) -> None:
+    """One line, ``PostgreSQL connection failed: connection to server at ...``: not
+    ``connection failed: connection failed:`` (psycopg's own prefix is dropped)."""
+    env = {**ops.env(), "CDC_PG_DSN": f"postgresql://postgres@127.0.0.1:{free_port()}/x"}
+    done = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "slot", "status"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "PostgreSQL connection failed: connection to server at" in done.stderr, done.stderr
+    assert "connection failed: connection failed" not in done.stderr
 
 
 # --- resync ----------------------------------------------------------------------------------

@@ -4,9 +4,10 @@
   ``CDC_REPLICATION_SILENCE_S`` with ``wal_sender_timeout`` raised (its
   walsender says nothing meanwhile): the relay looks, leaves the walsender
   alone (and says so), and every event around the transaction arrives once.
-* A hot standby waits cheaply: over a minute beside an active relay it runs no
-  gap check (no tail read of the topics), and it takes over when the active
-  one dies.
+* A hot standby waits cheaply and quietly: over a minute beside an active relay
+  it runs no gap check (no tail read of the topics), logs a few lines at most,
+  its /readyz says ``standby`` at every poll, and it takes over when the active
+  one dies (issue 39, item 5).
 * A recovery whose lock connection dies half-way (killed, or an
   ``idle_session_timeout`` shorter than the recovery) still finishes: the lock
   is taken again and re-checked, the gap is marked recovered once and the
@@ -21,6 +22,8 @@ from __future__ import annotations
 import os
 import re
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -161,6 +164,16 @@ def _kafka_sockets(pid: int, kafka_port: int) -> set[int]:
     return ports
 
 
+def _readyz(port: int) -> tuple[int | None, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return None, str(exc)
+
+
 #: How long the standby is watched: long enough for ~30 gap checks of the old behaviour.
 STANDBY_WATCH_S = 65.0
 
@@ -180,10 +193,24 @@ def test_a_standby_reads_no_topic_tail_for_a_minute_and_takes_over(
         kafka_port = int(cfg.kafka.rsplit(":", 1)[1])
         known = _kafka_sockets(standby.pid, kafka_port)  # (its admin client's, if any)
         opened: set[int] = set()
+        mark = standby.log_path.stat().st_size
+        readyz: list[tuple[int | None, str]] = []
+        next_poll = 0.0
         deadline = time.monotonic() + STANDBY_WATCH_S
         while time.monotonic() < deadline:  # (sampled often: a tail read lasts ~100 ms)
             opened |= _kafka_sockets(standby.pid, kafka_port) - known
+            if time.monotonic() >= next_poll:  # /readyz once a second: standby every time
+                readyz.append(_readyz(standby_port))
+                next_poll = time.monotonic() + 1.0
             time.sleep(0.05)
+        with standby.log_path.open("rb") as f:
+            f.seek(mark)
+            watched = f.read().decode(errors="replace").splitlines()
+        # quiet: the minute's log is a few lines at most (it was 3 INFO lines every ~3 s)
+        assert len(watched) <= 3, "\n".join(watched)
+        assert standby.log_path.read_text().count("waiting as hot standby") == 1
+        flips = [r for r in readyz if r[0] != 503 or not r[1].startswith("standby: ")]
+        assert not flips, f"/readyz left standby {len(flips)} of {len(readyz)} times: {flips[:3]}"
         # A tail read is a new consumer: two connections (bootstrap, then the broker) per
         # gap check, ~60 in this minute before. The relay's admin client may open its
         # broker connection late (librdkafka connects sparsely): at most that one.
@@ -196,6 +223,7 @@ def test_a_standby_reads_no_topic_tail_for_a_minute_and_takes_over(
         ids = _write(cfg.db_dsn, "takeover", 20)
         active.kill()
         wait_for_ready(standby, standby_port, timeout_s=60)
+        assert "relay standby -> streaming" in standby.log_path.read_text()  # its takeover
         assert metric(standby_port, "outbox_relay_gap_checks_total") >= 1, "once it was free"
         found = _ids_in_kafka(cfg, "takeover", len(ids))
         assert set(ids) <= set(found), "every event arrived through the new active relay"

@@ -313,16 +313,23 @@ def test_quiz_attempt_of_a_user_unknown_to_the_engine_syncs_the_user_first(
     stub: StubServer,
     tmp_path: Path,
 ) -> None:
-    user = str(uuid.uuid4())  # never registered: no UserRegistered event exists
-    attempts = _attempts(relay_cfg.db_dsn, [user], per_user=3)
+    """... and says so once, not once per event: ten users synced make one line in full
+    and one summary (issue 39: it was 59 of 78 lines)."""
+    users = [str(uuid.uuid4()) for _ in range(10)]  # never registered: no UserRegistered
+    user = users[0]
+    attempts = _attempts(relay_cfg.db_dsn, users, per_user=3)
     sink, _ = start_sink(sink_cfg, tmp_path)
     try:
         _wait_applied(stub, {a["event_id"] for a in attempts}, 60, sink)
+        assert sink.terminate() == 0  # (SIGTERM: its summaries are written as it stops)
     finally:
         sink.close()
     items = stub.applied(user_id=user)["items"]
     assert items[0]["path"].endswith("users/sync"), "the user is synced before its attempts"
     assert [i["body"]["score"] for i in items[1:]] == [0, 1, 2]
+    log = sink.log_path.read_text()
+    assert log.count("syncing the user first") == 1, log
+    assert "synced the user first for 9 more events of type" in log, log
 
 
 def test_kill_9_of_the_sink_mid_stream_then_restart_applies_everything_once(

@@ -15,6 +15,7 @@ table, never papered over by a slot created silently.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -232,6 +233,14 @@ def test_manual_mode_waits_in_gap_until_recover_execute(cfg: RelayConfig, tmp_pa
         assert set(stranded) <= _ids(msgs, recovered=True)
         status_doc = json.loads(_cli(cfg, "slot", "status", "--json").stdout)
         assert status_doc["gap"]["state"] == "recovered" and status_doc["wal_status"]
+        # no gap now: the dry run says why (it printed "no gap: stream: " before)
+        again = _cli(cfg, "slot", "recover").stdout
+        assert f"no gap: stream: slot {cfg.slot} is the one this relay made" in again, again
+        assert "nothing to recover" in again
+        # the relay's stream start names the slot's confirmed position, not 0/0
+        log = (tmp_path / "second.log").read_text()
+        assert re.search(r"streaming from [0-9A-F]+/[0-9A-F]+ \(its confirmed position\)", log)
+        assert "streaming from 0/0" not in log
     finally:
         relay2.close()
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from cdc.kafkalog import REPEAT_LOG_S, KafkaClientEvents, fatal_error
+from cdc.kafkalog import REPEAT_LOG_S, KafkaClientEvents, KafkaReach, fatal_error
 from cdc.logs import JsonFormatter
 
 
@@ -162,3 +162,52 @@ def test_a_held_first_contact_writes_nothing_but_still_counts(
         events.config()["logger"].log(logging.ERROR, "%s [%s] %s", "FAIL", "c", "refused")
     assert counted == ["_TRANSPORT"]
     assert [r for r in caplog.records if r.name in ("kafka.ops", "cdc.kafkalog")] == []
+
+
+def _stats(*states: str) -> str:
+    brokers = {f"b{i}": {"state": s, "nodeid": i} for i, s in enumerate(states)}
+    return json.dumps({"brokers": brokers})
+
+
+def test_reach_is_level_from_statistics_and_errors_and_overruled_by_later_progress() -> None:
+    """No broker up and an error since one was: unreachable, from the first such statistics
+    on (the bootstrap broker librdkafka falls back to reads INIT between its attempts);
+    the next statistics with one up clear it (no stale flag); an idle client (INIT, no
+    error) is not unreachable; progress after the statistics overrules them."""
+    now = [100.0]
+    reach = KafkaReach(clock=lambda: now[0])
+    assert reach.unreachable_s() is None  # no statistics yet: not unreachable
+    reach.on_stats(_stats("INIT", "INIT"))
+    assert reach.unreachable_s() is None  # nothing tried, nothing failed
+    reach.on_stats(_stats("UP"))
+    now[0] = 101.0
+    reach.on_stats(_stats("DOWN"))
+    assert reach.unreachable_s() is None  # no error reported yet
+    reach.failed()
+    reach.on_stats(_stats("INIT"))  # the learned broker forgotten, the bootstrap retried
+    now[0] = 104.0
+    reach.on_stats(_stats("CONNECT"))
+    assert reach.unreachable_s() == 3.0
+    assert reach.unreachable_s(progress_at=104.5) is None  # an ack after the statistics
+    assert reach.unreachable_s(progress_at=103.0) == 3.0
+    reach.on_stats("not json")
+    assert reach.unreachable_s() == 3.0  # a bad document changes nothing
+    now[0] = 105.0
+    reach.on_stats(_stats("DOWN", "UP"))
+    assert reach.unreachable_s() is None
+    now[0] = 106.0
+    reach.on_stats(_stats("INIT"))
+    assert reach.unreachable_s() is None  # the error was before the broker was up again
+
+
+def test_a_reach_client_asks_for_statistics_and_names_why() -> None:
+    events = KafkaClientEvents("t", reach=True)
+    config = events.config()
+    assert config["statistics.interval.ms"] > 0 and callable(config["stats_cb"])
+    assert "stats_cb" not in KafkaClientEvents("plain").config()
+    assert events.why_unreachable() == "no broker connection is up"
+    events._report("_ALL_BROKERS_DOWN", "1/1 brokers are down", is_fatal=False)
+    assert events.why_unreachable() == "1/1 brokers are down"
+    events._report("_TRANSPORT", "Connect to ipv4#127.0.0.1:1 failed: refused", is_fatal=False)
+    events._report("_ALL_BROKERS_DOWN", "1/1 brokers are down", is_fatal=False)
+    assert events.why_unreachable() == "Connect to ipv4#127.0.0.1:1 failed: refused"

@@ -28,6 +28,19 @@ from tests.observability import (
 #: Where an alert's runbook annotation points: the docs page with the runbook table.
 RUNBOOK_PAGE = "docs/observability/alerts.md"
 
+
+def _site_url() -> str:
+    """mkdocs.yml's ``site_url`` (the published docs site), ending in ``/``."""
+    found = re.search(r"^site_url:\s*(\S+)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert found, "mkdocs.yml names no site_url: the runbook annotations need one"
+    return found.group(1).rstrip("/") + "/"
+
+
+#: The runbook annotation: the built page of RUNBOOK_PAGE under the site's URL (the offline
+#: plugin builds ``page.html``, not ``page/``), absolute: a relative path means nothing to
+#: whoever reads the alert.
+RUNBOOK_URL = _site_url() + RUNBOOK_PAGE.removeprefix("docs/").removesuffix(".md") + ".html"
+
 #: The issue's list: one alert per way the pipeline hurts its users.
 REQUIRED_ALERTS = {
     "OutboxRelayNotStreaming",
@@ -70,7 +83,9 @@ def test_every_required_alert_exists_with_severity_and_runbook_link() -> None:
     for name, rule in rules.items():
         assert rule["labels"]["severity"] in {"critical", "warning"}, name
         assert rule["annotations"]["summary"], name
-        assert RUNBOOK_PAGE in rule["annotations"]["runbook"], name
+        runbook = rule["annotations"]["runbook"]
+        assert runbook.startswith(_site_url()) and runbook.startswith("https://"), name
+        assert runbook == RUNBOOK_URL, name
     assert (ROOT / RUNBOOK_PAGE).is_file()
 
 

@@ -328,3 +328,13 @@ def test_the_docs_page_carries_the_marker_the_hook_fills() -> None:
 def test_python_dash_m_prints_the_page(capsys: pytest.CaptureFixture[str]) -> None:
     assert settings_doc.main() == 0
     assert capsys.readouterr().out == render()
+
+
+def test_engine_base_url_follows_the_stub_port_unless_given() -> None:
+    """``check`` and the sink find the stub of ``make run`` / the demo by ENGINE_STUB_PORT
+    alone (issue 39: it probed localhost:8081); an ENGINE_BASE_URL given wins."""
+    assert Settings.from_env({}).engine_base_url == "http://localhost:8081"
+    stub = Settings.from_env({"ENGINE_STUB_PORT": "30181"})
+    assert stub.engine_base_url == "http://127.0.0.1:30181"
+    given = {"ENGINE_STUB_PORT": "30181", "ENGINE_BASE_URL": "https://engine.example"}
+    assert Settings.from_env(given).engine_base_url == "https://engine.example"
