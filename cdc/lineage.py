@@ -11,7 +11,9 @@ Guarantees:
   one or an ancestor: a promoted standby's records before the promotion are on
   the parent timeline) and this slot. A record without ``origin`` (another
   producer, a relay from before the header), with one that does not parse, or
-  of another system, timeline branch or slot never counts;
+  of another system, timeline branch or slot never counts. :meth:`Owner.judge`
+  is the one judgement of the project: the tail read here, the audit and the
+  relay's start-up check (:mod:`cdc.audit`) all ask it;
 * every record is read by :class:`cdc.records.RecordReader`: a record whose
   headers cannot be read is skipped and counted, never fatal;
 * :func:`read_tails` is bounded: it reads only the topics given (those the
@@ -57,6 +59,10 @@ NEWEST_IDS = 20
 TAIL_GROWTH = 8
 #: Longest wait for one round of tail reads, per 10,000 records asked for (at least this).
 ROUND_TIMEOUT_S = 30.0
+#: Distinct ``origin`` values whose verdict an :class:`Owner` remembers (there are few:
+#: one per relay session's system, timeline and slot), and the longest remembered.
+MAX_ORIGINS = 1_024
+MAX_ORIGIN_BYTES = 256
 
 
 class TailTooDeepError(CdcError):
@@ -92,11 +98,19 @@ def origin_value(identity: ServerIdentity, slot: str) -> str:
 
 @dataclass(frozen=True)
 class Owner:
-    """Whose records count as the relay's own: its system, timeline lineage and slot."""
+    """Whose records count as the relay's own: its system, timeline lineage and slot.
+
+    The one judgement of "is this record ours" (the tail read, the audit, the
+    start-up check). Verdicts are remembered per ``origin`` value (a read meets few
+    distinct ones): at most :data:`MAX_ORIGINS` values of at most
+    :data:`MAX_ORIGIN_BYTES` bytes each."""
 
     system_id: str
     timelines: frozenset[int]
     slot: str
+    _verdicts: dict[bytes, Origin | Skip] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     @classmethod
     def of(cls, server: ServerIdentity, slot: str) -> Owner:
@@ -109,20 +123,31 @@ class Owner:
             and origin.timeline in self.timelines
         )
 
+    def verdict(self, raw: bytes | None) -> Origin | Skip:
+        """The origin of a record whose ``origin`` header is ``raw`` when it is ours,
+        else why not (:attr:`Skip.NO_ORIGIN`, :attr:`Skip.BAD_ORIGIN`,
+        :attr:`Skip.FOREIGN_ORIGIN`)."""
+        if not raw:
+            return Skip.NO_ORIGIN
+        known = self._verdicts.get(raw)
+        if known is None:
+            origin = Origin.parse(raw)
+            if origin is None:
+                known = Skip.BAD_ORIGIN
+            else:
+                known = origin if self.owns(origin) else Skip.FOREIGN_ORIGIN
+            if len(self._verdicts) < MAX_ORIGINS and len(raw) <= MAX_ORIGIN_BYTES:
+                self._verdicts[raw] = known
+        return known
+
     def judge(self, record: Record, reader: RecordReader) -> Origin | None:
         """The record's origin when it is ours; else None, the reason counted in ``reader``."""
         raw = record.header(c.HEADER_ORIGIN)
-        if not raw:
-            reader.skip(Skip.NO_ORIGIN)
+        verdict = (raw and self._verdicts.get(raw)) or self.verdict(raw)  # (the memo first)
+        if isinstance(verdict, Skip):
+            reader.skip(verdict)
             return None
-        origin = Origin.parse(raw)
-        if origin is None:
-            reader.skip(Skip.BAD_ORIGIN)
-            return None
-        if not self.owns(origin):
-            reader.skip(Skip.FOREIGN_ORIGIN)
-            return None
-        return origin
+        return verdict
 
 
 @dataclass(frozen=True)

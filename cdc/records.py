@@ -12,9 +12,10 @@ all). Guarantees:
   partition, offset, timestamp, headers by name) or skips it, counting the
   skip under a reason from a fixed set (:class:`Skip`): a reason is a metric
   label and a log word, never the record's bytes. Nothing it reads is fatal;
-* the ``id`` header is parsed as a uuid into its 16 bytes
-  (:meth:`Record.event_id_bytes`), so callers that hold many ids keep 16 bytes
-  each, not a Python string per record.
+* the ``id`` header is parsed as a uuid into its 16 bytes (:func:`uuid_bytes`,
+  :meth:`Record.event_id_bytes`): PostgreSQL's uuid text, any case, with or
+  without its dashes; anything else is no id. Callers that hold many ids keep 16
+  bytes each, not a Python string per record.
 
 The sink (:mod:`sinks.core.delivery`) re-exports :func:`read_headers` and
 :class:`HeaderRead`; they live here because ``cdc`` is the ground floor.
@@ -22,11 +23,10 @@ The sink (:mod:`sinks.core.delivery`) re-exports :func:`read_headers` and
 
 from __future__ import annotations
 
+import binascii
 import enum
 import operator
-import uuid
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,11 @@ UNREADABLE_HEADERS = "unreadable_headers"
 
 #: Kafka headers in record order: duplicates kept, a null value as None.
 HeaderList = tuple[tuple[str, bytes | None], ...]
+
+#: Bytes of an id (a uuid).
+ID_BYTES = 16
+#: The canonical text of a uuid: 32 hex digits and 4 dashes.
+UUID_TEXT_LEN = 36
 
 #: confluent-kafka's TIMESTAMP_NOT_AVAILABLE timestamp type.
 _KAFKA_TIMESTAMP_NOT_AVAILABLE = 0
@@ -76,22 +81,31 @@ def read_headers(message: Any) -> HeaderRead:
     message, through :data:`_HEADERS`, catching whatever it raises; the
     message's headers are never touched again - the caller keeps what it got.
     """
+    raw = _call_headers(message)
+    if isinstance(raw, str):
+        return HeaderRead((), raw)
+    for item in raw:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header is a {type(item).__name__}")
+        if not (isinstance(item[0], str) and isinstance(item[1], _VALUE_TYPES)):
+            return HeaderRead((), f"{UNREADABLE_HEADERS}: {_UNEXPECTED_TYPES}")
+    return HeaderRead(tuple(raw))
+
+
+#: The types a header's value may have (built once: ``bytes | None`` is a new object per use).
+_VALUE_TYPES = (bytes, type(None))
+_UNEXPECTED_TYPES = "a header of unexpected types"
+
+
+def _call_headers(message: Any) -> list[Any] | str:
+    """``message.headers()`` called once (see :func:`read_headers`): what it returned
+    (``[]`` for none), or the problem (``unreadable_headers: ...``) when it raised."""
     try:
         raw = _HEADERS(message)  # not message.headers(): see _HEADERS
     except Exception as exc:  # SystemError(UnicodeDecodeError), or whatever a fix raises
         cause = exc.__cause__ or exc.__context__ or exc
-        return HeaderRead((), f"{UNREADABLE_HEADERS}: {_describe(cause)}")
-    if not raw:
-        return HeaderRead(())
-    out: list[tuple[str, bytes | None]] = []
-    for item in raw:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header is a {type(item).__name__}")
-        name, value = item
-        if not isinstance(name, str) or not isinstance(value, bytes | None):
-            return HeaderRead((), f"{UNREADABLE_HEADERS}: a header of unexpected types")
-        out.append((name, value))
-    return HeaderRead(tuple(out))
+        return f"{UNREADABLE_HEADERS}: {_describe(cause)}"
+    return raw if isinstance(raw, list) else list(raw) if raw else []
 
 
 def _describe(exc: BaseException) -> str:
@@ -112,9 +126,14 @@ class Skip(enum.StrEnum):
     BROKER_ERROR = "broker_error"  # the consumer handed over an error instead of a record
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Record:
-    """A consumed record as the relay's readers use it (no key or value: they are not read)."""
+    """A consumed record as the relay's readers use it (no key or value: they are not read).
+
+    Its headers are kept as the client returned them, by name, and each value's type is
+    checked when it is read (:meth:`header`): an audit reads millions of records and
+    looks at three headers of each. (Not frozen: a frozen dataclass's ``__init__`` costs
+    as much as the rest of a record's reading.)"""
 
     topic: str
     partition: int
@@ -122,24 +141,42 @@ class Record:
     #: the record's timestamp (commit time for the relay's records); None when the
     #: broker has none
     timestamp_ms: int | None
-    #: by name, the last of duplicates winning (Kafka's ``lastHeader``); None values as b""
-    headers: Mapping[str, bytes]
+    #: by name, the last of duplicates winning (Kafka's ``lastHeader``), unchecked
+    named: dict[Any, Any]
+
+    @property
+    def headers(self) -> dict[str, bytes]:
+        """Every header of a text name and a bytes (or null: ``b""``) value, by name."""
+        return {
+            name: value or b""
+            for name, value in self.named.items()
+            if isinstance(name, str) and isinstance(value, _VALUE_TYPES)
+        }
 
     def header(self, name: str) -> bytes | None:
-        return self.headers.get(name)
+        """The header's value (``b""`` when null); None when absent or not bytes."""
+        value = self.named.get(name)
+        if type(value) is bytes:
+            return value
+        return b"" if value is None and name in self.named else None
 
     def event_id_bytes(self) -> bytes | None:
         """The ``id`` header as the uuid's 16 bytes; None when missing or not a uuid."""
-        return uuid_bytes(self.headers.get(c.HEADER_ID))
+        return uuid_bytes(self.header(c.HEADER_ID))
 
 
 def uuid_bytes(raw: bytes | None) -> bytes | None:
-    """A uuid's text (any form :class:`uuid.UUID` reads) as its 16 bytes; None when not one."""
-    if not raw or len(raw) > 64:
+    """The 16 bytes of a uuid's text (``8-4-4-4-12`` or 32 hex digits, any case); None
+    when it is not one (an ``id`` is data, never trusted to be well formed)."""
+    if raw is None:
+        return None
+    if len(raw) == UUID_TEXT_LEN:
+        raw = raw.replace(b"-", b"")  # (4 dashes exactly, or the length check below fails)
+    if len(raw) != 2 * ID_BYTES:
         return None
     try:
-        return uuid.UUID(raw.decode("ascii")).bytes
-    except (UnicodeDecodeError, ValueError):
+        return binascii.unhexlify(raw)
+    except (binascii.Error, ValueError):
         return None
 
 
@@ -159,17 +196,21 @@ class RecordReader:
 
     def read(self, message: Any) -> Record | None:
         """The record of a consumed ``message`` (not an error event), or None (counted)."""
-        read = read_headers(message)  # first: the only call of headers()
-        if read.problem:
+        raw = _call_headers(message)  # first: the only call of headers()
+        try:
+            named = dict(raw) if not isinstance(raw, str) else None
+        except (TypeError, ValueError):  # an item that is not a pair
+            named = None
+        if named is None:
             self.skip(Skip.UNREADABLE_HEADERS)
             return None
         ts_type, ts_ms = message.timestamp()
-        return Record(
-            topic=str(message.topic()),
-            partition=int(message.partition()),
-            offset=int(message.offset()),
-            timestamp_ms=None if ts_type == _KAFKA_TIMESTAMP_NOT_AVAILABLE else int(ts_ms),
-            headers={name: value or b"" for name, value in read.headers},
+        return Record(  # (confluent-kafka's types: str, int, int, int)
+            message.topic(),
+            message.partition(),
+            message.offset(),
+            None if ts_type == _KAFKA_TIMESTAMP_NOT_AVAILABLE else ts_ms,
+            named,
         )
 
     def summary(self) -> str:

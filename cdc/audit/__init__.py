@@ -22,19 +22,23 @@ Stages of one run (:func:`run_audit`):
 
 Layout: a pure core (:mod:`cdc.audit.ids` compact id sets, :mod:`cdc.audit.compare`,
 :mod:`cdc.audit.window`) and thin shells for PostgreSQL (:mod:`cdc.audit.table`),
-Kafka (:mod:`cdc.audit.kafka`), the repair (:mod:`cdc.audit.repair`), one run
-(:mod:`cdc.audit.run`) and the relay's periodic audit (:mod:`cdc.audit.periodic`).
+Kafka (:mod:`cdc.audit.kafka`: records read by :class:`cdc.records.RecordReader`,
+judged by :class:`cdc.lineage.Owner`), one run (:mod:`cdc.audit.run`) and the
+relay's periodic audit (:mod:`cdc.audit.periodic`). The repair is the project's one
+re-publish path, :func:`cdc.relay.recovery.republish` (``recovered: audit-<run>``).
 
-The relay's start-up verification (DESIGN, relay invariant 11) is a call of
-:func:`verify_since` over the window since the last published record.
+The relay's start-up check (DESIGN, relay invariant 11) is a call of
+:func:`verify_since` over the window since the last published record: the same
+comparison, under the same per-slot audit lock, republishing with ``recovered: verify``.
 """
 
-from cdc.audit.run import AuditBusyError, AuditReport, run_audit, verify_since
+from cdc.audit.run import AuditBusyError, AuditReport, Verification, run_audit, verify_since
 from cdc.audit.window import Window, WindowError, window_for
 
 __all__ = [
     "AuditBusyError",
     "AuditReport",
+    "Verification",
     "Window",
     "WindowError",
     "run_audit",

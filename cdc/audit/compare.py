@@ -6,14 +6,16 @@ bucket at a time, so memory holds the compact arrays plus one bucket's objects):
 * :class:`TableSide` per routed topic: the ids of the rows the window *judges*
   (their time inside it) and of its *context* rows (in the margin before it:
   a record of the window may belong to one; they are never judged missing);
-* :class:`KafkaSide` per topic: the ids of its records, split into those that
-  are this relay's and inside the window (phantom candidates) and the others;
+* :class:`KafkaSide` per topic: the ids of this relay's records (judged by
+  :class:`cdc.lineage.Owner`: its system, timeline lineage and slot), split into
+  those inside the window (phantom candidates) and the others; records of anyone
+  else are only counted - another producer's record never vouches for a row;
 * the ids in the dead-letter topic; the ids still *pending* in the slot (decoded,
   not yet confirmed: in flight, not lost), or ``None`` when that is unknown.
 
 Guarantees of :func:`compare`, for every judged row of topic T, exactly one of:
 
-* ``in_kafka``: a record of T carries its id (more than one: the extra ones are
+* ``in_kafka``: a record of this relay in T carries its id (more than one: the extra ones are
   at-least-once duplicates, counted, not an error);
 * ``dead_lettered``: no record of T, but the dead-letter topic has its id;
 * ``in_flight``: neither, but the slot still holds it (it will be published);
@@ -48,15 +50,18 @@ class KafkaSide:
 
     #: this relay's records inside the window: phantom candidates
     ours_in_window: IdBuckets = field(default_factory=IdBuckets)
-    #: every other record read (other origins, outside the window, no origin)
-    others: IdBuckets = field(default_factory=IdBuckets)
+    #: this relay's records outside the window (or every record with an id, when the
+    #: relay's identity is unknown: then nothing is a phantom candidate)
+    ours_elsewhere: IdBuckets = field(default_factory=IdBuckets)
+    #: records with an id of anyone else (another origin, no origin): never vouch for a row
+    foreign: int = 0
 
     def add(self, id16: bytes, *, candidate: bool) -> None:
-        (self.ours_in_window if candidate else self.others).add(id16)
+        (self.ours_in_window if candidate else self.ours_elsewhere).add(id16)
 
     @property
     def records(self) -> int:
-        return self.ours_in_window.count + self.others.count
+        return self.ours_in_window.count + self.ours_elsewhere.count + self.foreign
 
 
 @dataclass
@@ -71,7 +76,7 @@ class TopicCounts:
     #: judged ids found more than once in the topic, and the records beyond the first
     duplicate_ids: int = 0
     duplicate_records: int = 0
-    #: records of the topic read in all (any origin, any time)
+    #: records of the topic read in all (any origin, any time; with an id)
     records_read: int = 0
 
     def as_json(self) -> dict[str, int]:
@@ -137,7 +142,11 @@ def _compare_bucket(
         rows_read.update(judged)
         rows_read.update(side.context.ids(bucket))
         records = kafka.get(topic)
-        found = records.ours_in_window.ids(bucket) + records.others.ids(bucket) if records else []
+        found = (
+            records.ours_in_window.ids(bucket) + records.ours_elsewhere.ids(bucket)
+            if records
+            else []
+        )
         _judge_rows(set(judged), found, dlq, slot, result.per_topic[topic], result.missing)
     for records in kafka.values():
         orphans = set(records.ours_in_window.ids(bucket)) - rows_read

@@ -2,9 +2,9 @@
 
 Guarantees:
 
-* :func:`uuid_bytes` turns an ``id`` as the relay writes it (PostgreSQL's uuid
-  text, any case, with or without dashes) into its 16 bytes, and anything else
-  into ``None``: the id of a record is data, never trusted to be well formed;
+* ids are the 16 bytes :func:`cdc.records.uuid_bytes` makes of an ``id`` (the
+  one parser of the project: a record's id is data, never trusted to be well
+  formed);
 * :class:`IdBuckets` holds ids as raw bytes in :data:`BUCKETS` ``bytearray``\\ s,
   chosen by :func:`bucket_of`; it costs 16 bytes per id (plus the arrays' growth
   slack), whatever the number of ids. Only one bucket at a time is ever turned
@@ -21,15 +21,12 @@ Guarantees:
 
 from __future__ import annotations
 
-import binascii
 from collections.abc import Iterable, Iterator
+
+from cdc.records import ID_BYTES
 
 #: Number of buckets: a window of 1,000,000 ids is compared ~4,000 ids at a time.
 BUCKETS = 256
-#: Bytes of one id.
-ID_BYTES = 16
-#: The canonical text of a uuid: 32 hex digits and 4 dashes.
-UUID_TEXT_LEN = 36
 #: :func:`bucket_of` in SQL, over ``idb`` (the id's 16 bytes; ``#`` is integer XOR).
 SQL_BUCKET = "get_byte(idb, 2) # get_byte(idb, 3) # get_byte(idb, 15)"
 
@@ -37,20 +34,6 @@ SQL_BUCKET = "get_byte(idb, 2) # get_byte(idb, 3) # get_byte(idb, 15)"
 def bucket_of(id16: bytes) -> int:
     """The bucket of a 16-byte id (see the module docstring)."""
     return id16[2] ^ id16[3] ^ id16[15]
-
-
-def uuid_bytes(raw: bytes | None) -> bytes | None:
-    """The 16 bytes of a uuid's text (``8-4-4-4-12`` or 32 hex digits, any case), else ``None``."""
-    if raw is None:
-        return None
-    if len(raw) == UUID_TEXT_LEN:
-        raw = raw.replace(b"-", b"")  # (4 dashes exactly, or the length check below fails)
-    if len(raw) != 2 * ID_BYTES:
-        return None
-    try:
-        return binascii.unhexlify(raw)
-    except (binascii.Error, ValueError):
-        return None
 
 
 def uuid_text(id16: bytes) -> str:
@@ -74,7 +57,7 @@ class IdBuckets:
         self.count = 0
 
     def add(self, id16: bytes) -> None:
-        """Add one id of :data:`ID_BYTES` bytes (made by :func:`uuid_bytes`)."""
+        """Add one id of :data:`ID_BYTES` bytes (made by :func:`cdc.records.uuid_bytes`)."""
         self._parts[id16[2] ^ id16[3] ^ id16[15]] += id16
         self.count += 1
 

@@ -8,13 +8,20 @@ Guarantees:
   every later record of any timestamp - a republished one too - lies after it)
   and the end (the high watermark, read after the table's snapshot, so every
   record of a row the snapshot saw, if published, lies below it);
+* :func:`plan` reads the given ``topics`` only, when the caller names them (the
+  start-up check: the topics the relay's routes published to), and the
+  dead-letter topic always;
 * :func:`read` consumes each planned partition from its start to that end with a
   consumer of no group (nothing is committed, no group is joined) whose fetch
-  queue is bounded (:data:`QUEUE_KBYTES`); of each record it keeps only the 16
-  bytes of its ``id`` header, in the topic's :class:`~cdc.audit.compare.KafkaSide`
-  (or the dead-letter ids), and whether it is a phantom candidate: a record of
-  this relay (:class:`OriginJudge`) whose timestamp is inside the window. A record
-  whose headers or ``id`` cannot be read is counted, never trusted;
+  queue is bounded (:data:`QUEUE_KBYTES`). Every record is read by
+  :class:`cdc.records.RecordReader` and judged by :class:`cdc.lineage.Owner`
+  (this relay's system, timeline lineage and slot; no ``origin`` is never ours):
+  of a record of this relay it keeps only the 16 bytes of its ``id`` header, in
+  the topic's :class:`~cdc.audit.compare.KafkaSide`, and whether it is a phantom
+  candidate (its timestamp inside the window); a record of anyone else is only
+  counted, by reason. The dead-letter topic's records count by their ``id``
+  alone (a dead letter the relay wrote for a refused record carries nothing
+  else). A record whose headers or ``id`` cannot be read is counted, never trusted;
 * every broker request has a timeout; a read that makes no progress for
   :data:`READ_STALL_S` raises :class:`cdc.errors.KafkaUnavailableError`;
 * :func:`expired_unprocessed` compares the group's committed offset of each
@@ -26,21 +33,20 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from cdc import constants as c
 from cdc.audit.compare import KafkaSide
-from cdc.audit.ids import IdBuckets, uuid_bytes
-from cdc.audit.records import read_headers
+from cdc.audit.ids import IdBuckets
 from cdc.audit.window import Window
 from cdc.errors import KafkaUnavailableError
 from cdc.kafkalog import KafkaClientEvents
-from cdc.lineage import Origin
+from cdc.lineage import Owner
+from cdc.records import Record, RecordReader, Skip
 from cdc.settings import Settings
-from cdc.wal.slots import ServerIdentity
 
 #: Every broker request (metadata, offsets, watermarks, committed offsets) gives up after this.
 KAFKA_TIMEOUT_S = 10.0
@@ -61,8 +67,6 @@ FETCH_MAX_BYTES = 8 * 1024 * 1024
 #: The broker answers a fetch at a partition's end after this (librdkafka's 500 ms
 #: default held the read's last round trip).
 FETCH_WAIT_MS = 50
-#: Distinct origin header values remembered by :class:`OriginJudge` (there are few).
-MAX_ORIGINS = 1_024
 
 
 @dataclass(frozen=True)
@@ -85,34 +89,6 @@ class PartitionPlan:
         }
 
 
-class OriginJudge:
-    """Whether a record's ``origin`` names this relay: its system, its slot, and a
-    timeline at or before the server's current one (an older timeline of the same
-    system is this relay's history before a failover). No ``origin``, or an
-    unknown identity (``None``), is never this relay's."""
-
-    def __init__(self, identity: ServerIdentity | None, slot: str) -> None:
-        self._identity = identity
-        self._slot = slot
-        self._known: dict[bytes, bool] = {}
-
-    def __call__(self, raw: bytes | None) -> bool:
-        if raw is None or self._identity is None:
-            return False
-        known = self._known.get(raw)
-        if known is None:
-            origin = Origin.parse(raw)
-            known = (
-                origin is not None
-                and origin.slot == self._slot
-                and origin.system_id == self._identity.system_id
-                and origin.timeline <= self._identity.timeline
-            )
-            if len(self._known) < MAX_ORIGINS:
-                self._known[raw] = known
-        return known
-
-
 @dataclass
 class KafkaRead:
     """What :func:`read` kept of the records."""
@@ -122,6 +98,8 @@ class KafkaRead:
     records_read: int = 0
     #: per topic: records whose headers or id could not be read
     without_id: dict[str, int] = field(default_factory=dict)
+    #: what the read passed by, by reason (unreadable, no id, not this relay's)
+    reader: RecordReader = field(default_factory=RecordReader)
 
 
 def consumer(settings: Settings, *, group: str | None = None, client: str = "audit") -> Consumer:
@@ -157,9 +135,18 @@ def outbox_topics(client: Consumer, settings: Settings) -> dict[str, list[int]]:
     }
 
 
-def plan(client: Consumer, settings: Settings, window: Window) -> list[PartitionPlan]:
-    """Where the read starts and ends in every partition (see the module docstring)."""
+def plan(
+    client: Consumer,
+    settings: Settings,
+    window: Window,
+    *,
+    topics_only: Collection[str] | None = None,
+) -> list[PartitionPlan]:
+    """Where the read starts and ends in every partition (see the module docstring):
+    of every outbox topic, or of ``topics_only`` (those that exist), and the dead letters."""
     topics = outbox_topics(client, settings)
+    if topics_only is not None:
+        topics = {t: parts for t, parts in topics.items() if t in topics_only}
     try:
         meta = client.list_topics(timeout=KAFKA_TIMEOUT_S).topics
         if settings.dlq_topic in meta:
@@ -188,11 +175,13 @@ def read(
     plans: list[PartitionPlan],
     window: Window,
     *,
-    ours: OriginJudge,
+    owner: Owner | None,
     phantoms_from_ms: int,
 ) -> KafkaRead:
-    """The records of ``plans`` (see the module docstring). Records whose timestamp is
-    at or after ``phantoms_from_ms`` (and inside the window) are phantom candidates."""
+    """The records of ``plans`` (see the module docstring). Records of ``owner`` whose
+    timestamp is at or after ``phantoms_from_ms`` (and inside the window) are phantom
+    candidates. ``owner`` None (the server's identity unknown): every record with an
+    id counts, none is a phantom candidate."""
     out = KafkaRead()
     todo = {(p.topic, p.partition): p.end for p in plans if p.start < p.end}
     for p in plans:
@@ -201,7 +190,7 @@ def read(
     if not todo:
         return out
     client.assign([TopicPartition(p.topic, p.partition, p.start) for p in plans if p.start < p.end])
-    reader = _Reader(out, settings.dlq_topic, ours, max(window.since_ms, phantoms_from_ms), window)
+    reader = _Reader(out, settings.dlq_topic, owner, max(window.since_ms, phantoms_from_ms), window)
     last_progress = time.monotonic()
     while todo:
         # A batch call waits its whole timeout unless the batch fills: wait for the first
@@ -224,47 +213,62 @@ class _Reader:
     """Turns records into ids (the read's hot loop)."""
 
     def __init__(
-        self, out: KafkaRead, dlq_topic: str, ours: OriginJudge, from_ms: int, window: Window
+        self, out: KafkaRead, dlq_topic: str, owner: Owner | None, from_ms: int, window: Window
     ) -> None:
         self.out = out
         self.dlq_topic = dlq_topic
-        self.ours = ours
+        self.owner = owner
         self.from_ms = from_ms
         self.until_ms = window.until_ms
 
     def take(self, messages: list[Any], todo: dict[tuple[str, int], int]) -> None:
-        out, topics, ours = self.out, self.out.topics, self.ours
-        from_ms, until_ms, dlq_topic = self.from_ms, self.until_ms, self.dlq_topic
+        out, reader, dlq_topic = self.out, self.out.reader, self.dlq_topic
         for msg in messages:
-            topic = msg.topic()
             err = msg.error()
             if err is not None:
-                if err.code() == KafkaError._PARTITION_EOF:
-                    todo.pop((topic, msg.partition()), None)
-                    continue
-                raise KafkaUnavailableError(f"reading {topic}[{msg.partition()}]: {err}")
+                _partition_end(msg, err, todo)
+                continue
+            topic = msg.topic()
             if todo:
                 key = (topic, msg.partition())
                 end = todo.get(key)
                 if end is not None and msg.offset() >= end - 1:
                     del todo[key]
             out.records_read += 1
-            headers = read_headers(msg)
-            id16 = uuid_bytes(headers.get(c.HEADER_ID)) if headers is not None else None
+            record = reader.read(msg)  # (the only read of its headers)
+            id16 = record.event_id_bytes() if record is not None else None
             if id16 is None:
+                if record is not None:
+                    reader.skip(Skip.BAD_ID)
                 out.without_id[topic] = out.without_id.get(topic, 0) + 1
-            elif topic == dlq_topic:
+                continue
+            assert record is not None
+            if topic == dlq_topic:
                 out.dead_letters.add(id16)
             else:
-                side = topics.get(topic)
-                if side is None:
-                    side = topics[topic] = KafkaSide()
-                assert headers is not None
-                ts_ms = msg.timestamp()[1]
-                if from_ms <= ts_ms < until_ms and ours(headers.get(c.HEADER_ORIGIN)):
-                    side.ours_in_window.add(id16)
-                else:
-                    side.others.add(id16)
+                self._keep(topic, record, id16)
+
+    def _keep(self, topic: str, record: Record, id16: bytes) -> None:
+        """A record of an outbox topic: this relay's (in the window or not), or another's."""
+        side = self.out.topics.get(topic)
+        if side is None:
+            side = self.out.topics[topic] = KafkaSide()
+        if self.owner is None:
+            side.ours_elsewhere.add(id16)
+        elif self.owner.judge(record, self.out.reader) is None:
+            side.foreign += 1
+        elif self.from_ms <= (record.timestamp_ms or 0) < self.until_ms:
+            side.ours_in_window.add(id16)
+        else:
+            side.ours_elsewhere.add(id16)
+
+
+def _partition_end(msg: Any, err: KafkaError, todo: dict[tuple[str, int], int]) -> None:
+    """A partition's end (done with it), or a broker error (raised)."""
+    if err.code() == KafkaError._PARTITION_EOF:
+        todo.pop((msg.topic(), msg.partition()), None)
+        return
+    raise KafkaUnavailableError(f"reading {msg.topic()}[{msg.partition()}]: {err}")
 
 
 @dataclass(frozen=True)

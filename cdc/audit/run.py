@@ -6,11 +6,25 @@ Guarantees of :func:`run_audit` (the stages of :mod:`cdc.audit`):
   what must be in Kafka: the slot's pending events below it are read next, then
   Kafka's ends - so every row the snapshot saw is in Kafka, still in the slot
   (in flight), dead-lettered, or missing; nothing committed later is judged;
+* which records are this relay's is judged by :class:`cdc.lineage.Owner` (the
+  server's system identifier, its timeline lineage - ancestors included - and the
+  slot): a record of another cluster's relay with the same slot name, of another
+  slot or timeline branch, or without ``origin`` never accounts for a row. When
+  the server cannot be identified, records of any origin are counted and
+  phantoms are not judged (a note says so);
 * nothing of the table is locked; memory is the compact id arrays (16 bytes per
   row and per record) plus one bucket's objects and the listed missing rows;
-* ``repair=True`` republishes every missing row (:mod:`cdc.audit.repair`) and
-  returns after Kafka acknowledged them all; runs that may repair hold an
-  advisory lock per slot (:func:`audit_lock`), so two never republish at once;
+* ``repair=True`` republishes every missing row through the one re-publish path,
+  :func:`cdc.relay.recovery.republish` (``recovered: audit-<run id>``), and
+  returns after Kafka acknowledged them all;
+* every run that may repair - an audit with ``repair``, the start-up check -
+  holds the slot's audit lock (:func:`audit_lock`, a session advisory lock), so
+  two never republish at once: a second one gets :class:`AuditBusyError`;
+* :func:`verify_since` is the relay's start-up check (DESIGN, relay invariant
+  11): the same comparison over the window since the relay's last record, of
+  the topics its routes published to and at most ``max_rows`` rows (a larger
+  window is not read: :class:`WindowTooLargeError`), what is missing
+  republished marked ``recovered: verify``;
 * every stage's time is in :attr:`AuditReport.timings_s`.
 """
 
@@ -19,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -29,11 +43,13 @@ from typing import Any, TypeVar
 from cdc.audit import kafka as kf
 from cdc.audit import table as pg
 from cdc.audit.compare import Comparison, compare
-from cdc.audit.ids import uuid_text
-from cdc.audit.repair import republish
+from cdc.audit.ids import IdList, uuid_text
 from cdc.audit.window import Window, iso, to_ms
 from cdc.errors import CdcError
+from cdc.lineage import Owner, origin_value
+from cdc.relay import recovery
 from cdc.settings import Settings
+from cdc.wal.replproto import lsn_to_str
 from cdc.wal.slots import ServerIdentity, identify_system
 
 log = logging.getLogger("cdc.audit")
@@ -42,15 +58,22 @@ log = logging.getLogger("cdc.audit")
 LIST_LIMIT = 1_000
 #: Phantom ids listed in a report.
 PHANTOMS_LISTED = 100
+#: The ``recovered`` header of what the start-up check republishes (an audit's says
+#: ``audit-<run id>``).
+VERIFY_MARK = "verify"
 
 Progress = Callable[[str], None]
 T = TypeVar("T")
 
 
 class AuditBusyError(CdcError):
-    """Another audit that may repair runs on the same slot."""
+    """Another audit that may repair (or the start-up check) runs on the same slot."""
 
     retriable = True
+
+
+class WindowTooLargeError(CdcError):
+    """The start-up check's window holds more rows than it may read."""
 
 
 @contextmanager
@@ -137,6 +160,9 @@ class AuditReport:
             "kafka": {
                 "records_read": self.kafka.records_read,
                 "records_without_id": dict(self.kafka.without_id),
+                "records_passed_by": {
+                    reason.value: n for reason, n in sorted(self.kafka.reader.skipped.items())
+                },
                 "partitions": [p.as_json() for p in self.plans],
             },
             "slot": {
@@ -183,30 +209,95 @@ class _Clock:
             self.timings[name] = time.monotonic() - started
 
 
-def _read_kafka(
-    settings: Settings, window: Window, identity: ServerIdentity | None, horizon_ms: int
-) -> tuple[kf.KafkaRead, list[kf.PartitionPlan]]:
-    client = kf.consumer(settings)
-    try:
-        plans = kf.plan(client, settings, window)
-        records = kf.read(
-            client,
-            settings,
-            plans,
-            window,
-            ours=kf.OriginJudge(identity, settings.slot),
-            phantoms_from_ms=horizon_ms,
+@dataclass
+class Compared:
+    """The window's rows against this relay's records: what the audit and the start-up
+    check share (the table in one snapshot, the slot's pending events, Kafka)."""
+
+    table: pg.TableRead
+    pending: pg.Pending
+    kafka: kf.KafkaRead
+    plans: list[kf.PartitionPlan]
+    comparison: Comparison
+    judge_phantoms: bool
+
+
+def _compare(
+    settings: Settings,
+    window: Window,
+    *,
+    owner: Owner | None,
+    clock: _Clock,
+    horizon_ms: int,
+    topics_only: Collection[str] | None = None,
+    max_rows: int | None = None,
+) -> Compared:
+    """Read the table (one snapshot), the slot and Kafka; compare (module docstring).
+    With ``max_rows``, a window of more rows raises :class:`WindowTooLargeError` before
+    anything but the count is read."""
+    margin_s = settings.gap_margin_s
+    with (
+        pg.connect(settings, autocommit=False) as conn,
+        ThreadPoolExecutor(1, thread_name_prefix="audit-table") as pool,
+    ):
+        snapshot = pg.open_snapshot(conn, settings)
+        if max_rows is not None:
+            rows = pg.count_judged(snapshot, window, margin_s=margin_s)
+            if rows > max_rows:
+                conn.rollback()
+                raise WindowTooLargeError(
+                    f"{rows} rows in the window, more than {max_rows}"
+                    " (CDC_START_VERIFY_MAX_ROWS): not checked (`outbox-cdc audit` covers it)"
+                )
+        # The table's ids are aggregated by the server while Kafka is read here: the
+        # snapshot's position, all the Kafka side needs of it, is known already.
+        reading = pool.submit(
+            clock.timed, "table", pg.read_ids, snapshot, settings, window, margin_s=margin_s
         )
-    finally:
-        client.close()
-    return records, plans
+        with clock.stage("slot"):
+            pending = pg.pending_in_slot(settings, snapshot.lsn)
+        with clock.stage("kafka"):
+            client = kf.consumer(settings)
+            try:
+                plans = kf.plan(client, settings, window, topics_only=topics_only)
+                records = kf.read(
+                    client, settings, plans, window, owner=owner, phantoms_from_ms=horizon_ms
+                )
+            finally:
+                client.close()
+        table = reading.result()
+    judge_phantoms = settings.outbox_keeps_rows and owner is not None
+    with clock.stage("compare"):
+        comparison = compare(
+            table.topics,
+            records.topics,
+            dead_letters=records.dead_letters,
+            pending=pending.ids,
+            judge_phantoms=judge_phantoms,
+        )
+    return Compared(table, pending, records, plans, comparison, judge_phantoms)
 
 
 def _identity(settings: Settings) -> tuple[ServerIdentity | None, str]:
     try:
         return identify_system(settings.pg_dsn.get_secret_value()), ""
     except CdcError as exc:
-        return None, f"cannot identify the server ({exc}): phantoms not judged"
+        return None, (
+            f"cannot identify the server ({exc}): records of any origin counted as this"
+            " relay's, phantoms not judged"
+        )
+
+
+def _republish(settings: Settings, missing: IdList, origin: str, found: Compared, mark: str) -> int:
+    """The one re-publish path (:func:`cdc.relay.recovery.republish`), ``lsn`` the
+    snapshot's position (each row committed at or before it)."""
+    return recovery.republish(
+        settings,
+        missing.blob(),
+        origin=origin,
+        mark=mark,
+        lsn=lsn_to_str(found.table.snapshot_lsn),
+    )
 
 
 def run_audit(
@@ -254,64 +345,41 @@ def _run(
     now = now or datetime.now(UTC)
     run_id = uuid.uuid4().hex[:12]
     identity, identity_note = _identity(settings)
+    owner = Owner.of(identity, settings.slot) if identity is not None else None
     margin_s = settings.gap_margin_s
     horizon_ms = to_ms(now - timedelta(seconds=settings.recovery_horizon_s))
-    with (
-        pg.connect(settings, autocommit=False) as conn,
-        ThreadPoolExecutor(1, thread_name_prefix="audit-table") as pool,
-    ):
-        snapshot = pg.open_snapshot(conn, settings)
-        # The table's ids are aggregated by the server while Kafka is read here: the
-        # snapshot's position, all the Kafka side needs of it, is known already.
-        reading = pool.submit(
-            clock.timed, "table", pg.read_ids, snapshot, settings, window, margin_s=margin_s
-        )
-        with clock.stage("slot"):
-            pending = pg.pending_in_slot(settings, snapshot.lsn)
-        with clock.stage("kafka"):
-            records, plans = _read_kafka(settings, window, identity, horizon_ms)
-        table = reading.result()
-    judge_phantoms = settings.outbox_keeps_rows and identity is not None
-    with clock.stage("compare"):
-        comparison = compare(
-            table.topics,
-            records.topics,
-            dead_letters=records.dead_letters,
-            pending=pending.ids,
-            judge_phantoms=judge_phantoms,
-        )
+    found = _compare(settings, window, owner=owner, clock=clock, horizon_ms=horizon_ms)
+    comparison = found.comparison
     with clock.stage("group"):
-        checked = kf.expired_unprocessed(settings, group or settings.sink_group_id, plans)
+        checked = kf.expired_unprocessed(settings, group or settings.sink_group_id, found.plans)
         parked = pg.parked_by_status(settings, window, margin_s=margin_s)
     with clock.stage("describe"):
         listed = pg.describe(settings, comparison.missing.first(limit))
     report = AuditReport(
         run_id=run_id,
         window=window,
-        time_basis=table.time_basis,
+        time_basis=found.table.time_basis,
         comparison=comparison,
-        table=table,
-        pending=pending,
-        kafka=records,
-        plans=plans,
+        table=found.table,
+        pending=found.pending,
+        kafka=found.kafka,
+        plans=found.plans,
         group=checked,
         parked=parked,
         missing_rows=listed,
-        judge_phantoms=judge_phantoms,
+        judge_phantoms=found.judge_phantoms,
         timings_s=clock.timings,
     )
     report.notes = _notes(settings, report, identity_note, horizon_ms)
-    proven = pending.ids is not None  # in flight told apart from missing
+    proven = found.pending.ids is not None  # in flight told apart from missing
     if repair and report.missing_count and (proven or repair_unproven):
         with clock.stage("repair"):
-            done = republish(
-                settings,
-                comparison.missing,
-                run_id=run_id,
-                snapshot_lsn=table.snapshot_lsn,
-                identity=identity or identify_system(settings.pg_dsn.get_secret_value()),
+            server = identity or identify_system(settings.pg_dsn.get_secret_value())
+            report.repair_mark = f"audit-{run_id}"
+            origin = origin_value(server, settings.slot)
+            report.repaired = _republish(
+                settings, comparison.missing, origin, found, report.repair_mark
             )
-        report.repaired, report.repair_mark = done.records, done.mark
     return report
 
 
@@ -357,10 +425,78 @@ def _notes(
     return notes
 
 
+@dataclass
+class Verification:
+    """What :func:`verify_since` found and did."""
+
+    window: Window
+    #: rows of the window (judged)
+    table_rows: int = 0
+    #: rows of the window with no record of this relay in Kafka (nor dead-lettered, nor
+    #: in flight)
+    missing: IdList = field(default_factory=IdList)
+    in_flight: int = 0
+    #: records republished (``recovered: verify``), dead letters included
+    republished: int = 0
+    #: records the Kafka read passed by, by reason (``reason=count, ...``)
+    passed_by: str = ""
+    #: why nothing was checked (the window is too large); "" when it was
+    skipped: str = ""
+    #: what could not be told (the slot could not be read: in flight counted missing)
+    notes: list[str] = field(default_factory=list)
+
+    def first_missing_ids(self, count: int) -> list[str]:
+        return [uuid_text(i) for i in self.missing.first(count)]
+
+
 def verify_since(
-    settings: Settings, since: datetime, *, until: datetime | None = None, repair: bool = True
-) -> AuditReport:
-    """The relay's start-up verification: audit ``[since, until or now)`` and republish
-    what is missing (in-flight events - still in the slot - are not missing)."""
-    end = until or datetime.now(UTC)
-    return run_audit(settings, Window.between(since, end), repair=repair)
+    settings: Settings,
+    since: datetime,
+    *,
+    until: datetime | None = None,
+    repair: bool = True,
+    server: ServerIdentity | None = None,
+    origin: str | None = None,
+    topics: Collection[str] | None = None,
+    max_rows: int | None = None,
+) -> Verification:
+    """The relay's start-up check: compare ``[since, until or now)`` as the audit does
+    (only records of ``server``'s lineage and this slot vouch for a row; in-flight events
+    - still in the slot - are not missing) and republish what is missing, marked
+    ``recovered: verify`` (``origin``: the session's, by default ``server``'s with this
+    slot). ``topics``: read only these (and the dead letters); a window
+    of more than ``max_rows`` rows is not read (:attr:`Verification.skipped`). With
+    ``repair`` it holds the slot's audit lock (:class:`AuditBusyError`)."""
+    settings.require("pg_dsn", "kafka_bootstrap_servers")
+    window = Window.between(since, until or datetime.now(UTC))
+    with audit_lock(settings) if repair else nullcontext():
+        server = server or identify_system(settings.pg_dsn.get_secret_value())
+        horizon_ms = to_ms(datetime.now(UTC) - timedelta(seconds=settings.recovery_horizon_s))
+        try:
+            found = _compare(
+                settings,
+                window,
+                owner=Owner.of(server, settings.slot),
+                clock=_Clock(),
+                horizon_ms=horizon_ms,
+                topics_only=topics,
+                max_rows=max_rows,
+            )
+        except WindowTooLargeError as exc:
+            return Verification(window, skipped=str(exc))
+        cmp = found.comparison
+        result = Verification(
+            window,
+            table_rows=found.table.judged_rows,
+            missing=cmp.missing,
+            in_flight=cmp.total("in_flight"),
+            passed_by=found.kafka.reader.summary(),
+        )
+        if found.pending.ids is None:
+            result.notes.append(
+                f"in-flight events cannot be told from missing ones ({found.pending.note})"
+            )
+        if repair and len(cmp.missing):
+            origin = origin or origin_value(server, settings.slot)
+            result.republished = _republish(settings, cmp.missing, origin, found, VERIFY_MARK)
+    return result

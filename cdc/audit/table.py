@@ -28,7 +28,6 @@ Guarantees:
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -38,10 +37,11 @@ from psycopg import IsolationLevel, sql
 from psycopg import errors as pgerrors
 
 from cdc.audit.compare import TableSide
-from cdc.audit.ids import ID_BYTES, SQL_BUCKET, IdBuckets, IdList, uuid_bytes
+from cdc.audit.ids import SQL_BUCKET, IdBuckets
 from cdc.audit.window import Window
 from cdc.errors import CdcError
 from cdc.pgconn import failure_text
+from cdc.records import uuid_bytes
 from cdc.settings import Settings
 from cdc.wal import pgoutput
 from cdc.wal.replproto import str_to_lsn
@@ -61,8 +61,6 @@ PEEK_TIMEOUT_MS = 60_000
 PEEK_SLOT_PREFIX = "outbox_audit_peek_"
 #: Changes the peek reads per round trip.
 PEEK_FETCH_ROWS = 5_000
-#: Rows of the repair's query per round trip (streamed, as the gap recovery reads).
-REPAIR_FETCH_ROWS = 2_000
 #: Time basis names, as the report shows them.
 COMMIT_TIME, CREATED_AT = "commit_timestamp", "created_at"
 
@@ -201,6 +199,17 @@ def read_ids(
     return read
 
 
+def count_judged(snapshot: Snapshot, window: Window, *, margin_s: float) -> int:
+    """Rows of the window (judged, not context) in ``snapshot``; leaves its transaction open."""
+    source = snapshot.source
+    query = sql.SQL(
+        "SELECT count(*) FROM (SELECT {when} AS ts FROM {table} WHERE {where}) AS w"
+        " WHERE ts >= %(since)s AND ts < %(until)s"
+    ).format(when=source.when, table=source.table, where=source.where())
+    row = snapshot.conn.execute(query, _params(window, margin_s)).fetchone()
+    return int(row[0]) if row else 0
+
+
 def read_window(conn: Conn, settings: Settings, window: Window, *, margin_s: float) -> TableRead:
     """:func:`open_snapshot` then :func:`read_ids` on one thread."""
     return read_ids(open_snapshot(conn, settings), settings, window, margin_s=margin_s)
@@ -325,24 +334,3 @@ def describe(settings: Settings, ids: list[bytes]) -> list[MissingRow]:
             ([uuid.UUID(bytes=i) for i in ids],),
         ).fetchall()
     return [MissingRow(str(r[0]), str(r[1]), str(r[2]), r[3]) for r in rows]
-
-
-_REPAIR_SQL = """
-SELECT o.id::text, o.aggregatetype, o.aggregateid, o.type, o.payload::text,
-       o.tracingspancontext, {when} AS ts
-FROM {table} AS o
-JOIN (SELECT encode(substring(%(ids)s::bytea FROM g * {size} + 1 FOR {size}), 'hex')::uuid AS id
-      FROM generate_series(0, %(count)s - 1) AS g) AS m ON o.id::uuid = m.id
-ORDER BY ts, o.created_at, o.id
-"""
-
-
-def repair_rows(conn: Conn, settings: Settings, ids: IdList) -> Iterator[tuple[Any, ...]]:
-    """The full rows of ``ids`` in commit order (as the table knows it), streamed:
-    ``(id, aggregatetype, aggregateid, type, payload text, tracingspancontext, time)``."""
-    source = _source(conn, settings)
-    when, _ = time_expression(conn, "o")
-    query = sql.SQL(_REPAIR_SQL).format(when=when, table=source.table, size=sql.Literal(ID_BYTES))
-    params = {"ids": ids.blob(), "count": len(ids)}
-    with conn.cursor() as cur:
-        yield from cur.stream(query, params, size=REPAIR_FETCH_ROWS)

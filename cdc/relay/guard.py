@@ -31,9 +31,15 @@ Guarantees:
   its start, the rows committed between the relay's last record in Kafka (minus
   the margin; never before its first start when that chose not to publish the
   rows already there) and that start (minus the margin) are checked against the
-  relay's records in its topics (:func:`cdc.verify.missing_rows`); missing ones
-  are re-published, marked ``recovered: verify``. It runs in a thread, once per
-  process (again at the next session if it failed), and never stops the stream.
+  relay's records in its topics by the audit's comparison
+  (:func:`cdc.audit.verify_since`: only records of this relay's system, timeline
+  lineage and slot vouch for a row); missing ones are re-published through the
+  one re-publish path, marked ``recovered: verify``. It holds the slot's audit
+  lock while it checks and repairs: while an audit holds it, the check waits
+  (polling every :data:`START_CHECK_POLL_S`, at most :data:`START_CHECK_BUSY_WAIT_S`),
+  so the two never repair at once and the check sees what the audit republished.
+  It runs in a thread, once per process (again at the next session if it failed
+  or waited too long), and never stops the stream.
 * every slot the guard creates (first start, recovery) is a failover slot when
   ``CDC_FAILOVER_SLOT`` asks for one on this server (auto: PostgreSQL 17+), and a
   slot it streams on is altered to match before the session starts; after a
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -53,8 +60,10 @@ from confluent_kafka import KafkaException
 
 from cdc import constants as c
 from cdc import gaps
+from cdc.audit.run import AuditBusyError, verify_since
+from cdc.audit.window import Window, to_ms
 from cdc.errors import CdcError, DatabaseSetupError, StreamError
-from cdc.lineage import LastRecord, Owner, origin_value
+from cdc.lineage import LastRecord, origin_value
 from cdc.relay import recovery
 from cdc.relay.gap import Action, GapCause, Verdict
 from cdc.relay.ledger import SlotLedger
@@ -62,7 +71,6 @@ from cdc.relay.metrics import RelayMetrics
 from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.state import RelayState
 from cdc.settings import Settings
-from cdc.verify import Window, missing_rows
 from cdc.wal.replproto import str_to_lsn
 from cdc.wal.slots import (
     FAILOVER_SLOTS_MIN_VERSION,
@@ -78,10 +86,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cdc.relay")
 
+#: Missing ids the start-up check's WARNING line names.
+LOGGED_IDS = 5
 #: A relay waiting in `gap` checks the slot and the history again this often.
 GAP_RECHECK_S = 5.0
-#: The start-up check polls the slot's confirmed LSN this often until it passes the start.
+#: The start-up check polls the slot's confirmed LSN this often until it passes the start,
+#: and the audit lock this often while an audit holds it.
 START_CHECK_POLL_S = 2.0
+#: Longest the start-up check waits for an audit holding the slot's audit lock (an audit
+#: of a 1,000,000-row window takes tens of seconds; `outbox-cdc audit --repair` of a
+#: wider one longer): past it, the check is tried again at the next session.
+START_CHECK_BUSY_WAIT_S = 1_800.0
 
 
 class SlotGapError(CdcError):
@@ -319,24 +334,26 @@ class SlotGuard:
             return
         margin = timedelta(seconds=self.settings.gap_margin_s)
         begin = last.commit_ts - margin
-        window = Window(begin if since is None else max(begin, since), start_at - margin)
-        if window.end <= window.start:
+        begin = begin if since is None else max(begin, since)
+        end = start_at - margin
+        if to_ms(end) <= to_ms(begin):
             self._start_checked = True
             return
         self._start_check = threading.Thread(
             target=self._start_check_run,
-            args=(window, Owner.of(server, self.settings.slot), origin, str_to_lsn(start_lsn)),
+            args=(Window.between(begin, end), server, origin, str_to_lsn(start_lsn)),
             name="start-check",
             daemon=True,
         )
         self._start_check.start()
 
-    def _start_check_run(self, window: Window, owner: Owner, origin: str, start_lsn: int) -> None:
+    def _start_check_run(
+        self, window: Window, server: ServerIdentity, origin: str, start_lsn: int
+    ) -> None:
         try:
             if not self._wait_confirmed(start_lsn):
                 return
-            self._start_check_window(window, owner, origin)
-            self._start_checked = True
+            self._start_checked = self._start_check_window(window, server, origin)
         except (CdcError, KafkaException, psycopg.Error, OSError, ValueError) as exc:
             log.warning(
                 "start-up check of slot %s failed (tried again at the next session): %s",
@@ -356,22 +373,43 @@ class SlotGuard:
             self._stop.wait(START_CHECK_POLL_S)
         return False
 
-    def _start_check_window(self, window: Window, owner: Owner, origin: str) -> None:
+    def _start_check_window(self, window: Window, server: ServerIdentity, origin: str) -> bool:
+        """Check ``window`` and republish what is missing, under the slot's audit lock
+        (waiting while an audit holds it); True when it was checked (or too large to)."""
         s = self.settings
         with recovery.connect(s) as conn:
             topics = gaps.outputs(conn, s.slot, gaps.OUTPUT_TOPIC)
-        found = missing_rows(
-            s,
-            window,
-            topics=[*topics, s.dlq_topic],
-            owner=owner,
-            trusted_topics=[s.dlq_topic],
-            max_rows=s.start_verify_max_rows,
-        )
-        span = f"{window.start.isoformat()} .. {window.end.isoformat()}"
+        span = f"{window.as_json()['since']} .. {window.as_json()['until']}"
+        deadline = time.monotonic() + START_CHECK_BUSY_WAIT_S
+        while True:
+            try:
+                found = verify_since(
+                    s,
+                    window.since,
+                    until=window.until,
+                    server=server,
+                    origin=origin,
+                    topics=topics,
+                    max_rows=s.start_verify_max_rows,
+                )
+                break
+            except AuditBusyError as exc:
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "start-up check of slot %s (%s) not done: %s for more than %gs"
+                        " (tried again at the next session)",
+                        s.slot,
+                        span,
+                        exc,
+                        START_CHECK_BUSY_WAIT_S,
+                    )
+                    return False
+                log.info("start-up check of slot %s waits: %s", s.slot, exc)
+                if self._stop.wait(START_CHECK_POLL_S):
+                    return False
         if found.skipped:
             log.warning("start-up check of slot %s skipped (%s): %s", s.slot, span, found.skipped)
-            return
+            return True
         if not found.missing:
             log.info(
                 "start-up check of slot %s: the %d outbox rows committed in %s are in Kafka",
@@ -379,18 +417,20 @@ class SlotGuard:
                 found.table_rows,
                 span,
             )
-            return
-        sent = recovery.republish(s, found.missing, origin=origin)
-        self.metrics.start_check_republished.inc(sent)
+            return True
+        self.metrics.start_check_republished.inc(found.republished)
         log.warning(
             "start-up check of slot %s: %d of the %d outbox rows committed in %s were not in"
-            " Kafka: re-published (header recovered=verify)",
+            " Kafka (first: %s): re-published (header recovered=verify)%s",
             s.slot,
             len(found.missing),
             found.table_rows,
             span,
+            ", ".join(found.first_missing_ids(LOGGED_IDS)),
+            "; " + "; ".join(found.notes) if found.notes else "",
             extra={"state": RelayState.STREAMING.value},
         )
+        return True
 
 
 def _check_history_unmoved(lock: RecoveryLock, found: recovery.Inspection) -> None:

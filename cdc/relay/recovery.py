@@ -34,15 +34,15 @@ Guarantees:
 * :func:`make_slot` (a first start, ``slot init --from now``) makes or adopts the
   slot and records its identity; ``slot init --from table`` opens a gap of cause
   ``first_start`` over the whole table (:func:`open_first_start`) and recovers it;
-* :func:`republish` publishes chosen rows of the table (the start-up check's
-  missing ones), marked ``recovered``, through the same router and publisher.
+* :func:`republish` publishes chosen rows of the table (what the start-up check
+  or the audit found missing), marked ``recovered``, through the same router and
+  publisher: the one path for both.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -73,6 +73,7 @@ from cdc.outbox import table_identifier
 from cdc.pgconn import Use
 from cdc.pgconn import connect as pg_connect
 from cdc.producer import IdsInFlight, TopicManager, is_record_error, make_producer
+from cdc.records import ID_BYTES
 from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide, unrecoverable_reason
 from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.standby_safe import wait_standby_flushed
@@ -106,8 +107,6 @@ DLQ_MAX_VALUE_BYTES = 512 * 1024
 #: least this often: a retry re-publishes at most this many rows, or this long's worth.
 PROGRESS_EVERY_ROWS = 50_000
 PROGRESS_EVERY_S = 15.0
-#: Rows per query of :func:`republish` (ids passed as one array).
-REPUBLISH_CHUNK = 1_000
 
 
 class GapUnrecoverableError(CdcError):
@@ -287,12 +286,13 @@ def why_unrecoverable(conn: Conn, settings: Settings, last: LastRecord | None) -
     )
 
 
-def _order_column(conn: Conn) -> sql.Composable:
+def _order_column(conn: Conn, alias: str = "") -> sql.Composable:
     """The rows' commit time when the server tracks it, else their transaction's start."""
+    prefix = f"{alias}." if alias else ""
     row = conn.execute("SHOW track_commit_timestamp").fetchone()
     if row is not None and str(row[0]).lower() == "on":
-        return sql.SQL("COALESCE(pg_xact_commit_timestamp(xmin), created_at)")
-    return sql.SQL("created_at")
+        return sql.SQL(f"COALESCE(pg_xact_commit_timestamp({prefix}xmin), {prefix}created_at)")
+    return sql.SQL(f"{prefix}created_at")
 
 
 def _window_query(conn: Conn, settings: Settings, start: datetime | None) -> sql.Composed:
@@ -734,12 +734,34 @@ def make_slot(settings: Settings, found: Inspection, *, cause: str, detail: str)
     return made
 
 
-def republish(
-    settings: Settings, ids: list[uuid.UUID], *, origin: str, mark: bytes = b"verify"
-) -> int:
-    """Publish the outbox rows ``ids`` again (header ``recovered``: ``mark``), each with
-    its own commit time (or ``created_at``); the rows published, once Kafka acknowledged
-    every one. Rows no longer in the table are skipped."""
+#: The rows of :func:`republish`: ids passed as one ``bytea`` of 16-byte ids, in commit
+#: order as far as the table knows it (one aggregate's rows keep their order).
+_REPUBLISH_SQL = """
+SELECT o.id::text, o.aggregatetype, o.aggregateid, o.type, o.payload::text,
+       o.tracingspancontext, {when} AS ts
+FROM {table} AS o
+JOIN (SELECT encode(substring(%(ids)s::bytea FROM g * {size} + 1 FOR {size}), 'hex')::uuid AS id
+      FROM generate_series(0, %(count)s - 1) AS g) AS m ON o.id::uuid = m.id
+ORDER BY ts, o.created_at, o.id
+"""
+
+
+def republish(settings: Settings, ids: bytes, *, origin: str, mark: str, lsn: str = "") -> int:
+    """Publish the outbox rows ``ids`` (16-byte uuids, concatenated) again: the record
+    the relay would have produced (same topic, key, value bytes and headers, ``origin``
+    the given one, ``lsn`` the given position - a row's own commit LSN is not in the
+    table - and the timestamp its commit time, else ``created_at``) plus
+    ``recovered: mark``. The one re-publish path of chosen rows: the start-up check's
+    (``verify``) and the audit's (``audit-<run>``).
+
+    Rows are read in one streamed query and published in commit order as far as the table
+    knows it (commit time, else ``created_at``, then id); rows no longer in the table are
+    skipped; a row the router or Kafka refuses is dead-lettered with the reason, never
+    dropped. Returns the records published once Kafka acknowledged every one; any other
+    Kafka error raises :class:`KafkaUnavailableError` (a second run republishes again,
+    which is harmless: consumers dedupe on ``id``)."""
+    if len(ids) % ID_BYTES:
+        raise ValueError(f"ids must be {ID_BYTES}-byte uuids, concatenated")
     if not ids:
         return 0
     producer = make_producer(
@@ -747,18 +769,23 @@ def republish(
     )
     publisher = _Publisher(settings, producer, topic_manager(settings), _Acks())
     origin_header = (c.HEADER_ORIGIN, origin.encode())
+    marked = mark.encode()
     try:
         with connect(settings) as conn:
-            when = _order_column(conn)
-            query = sql.SQL(
-                "SELECT id::text, aggregatetype, aggregateid, type, payload::text,"
-                " tracingspancontext, {when} AS ts FROM {table} WHERE id = ANY(%s)"
-                " ORDER BY ts, created_at, id"
-            ).format(when=when, table=table_identifier(settings.outbox_table))
-            for at in range(0, len(ids), REPUBLISH_CHUNK):
-                for row in conn.execute(query, (ids[at : at + REPUBLISH_CHUNK],)).fetchall():
-                    tx = TxContext("", _epoch_us(row[6]), origin_header)
-                    publisher.send(_record(row, tx, settings, mark))
+            query = sql.SQL(_REPUBLISH_SQL).format(
+                when=_order_column(conn, "o"),
+                table=table_identifier(settings.outbox_table),
+                size=sql.Literal(ID_BYTES),
+            )
+            tx: TxContext | None = None
+            tx_ts: datetime | None = None
+            params = {"ids": ids, "count": len(ids) // ID_BYTES}
+            with conn.cursor() as cur:
+                for row in cur.stream(query, params, size=FETCH_ROWS):
+                    if tx is None or row[6] != tx_ts:  # rows of one transaction share its time
+                        tx_ts = row[6]
+                        tx = TxContext(lsn, _epoch_us(row[6]), origin_header)
+                    publisher.send(_record(row, tx, settings, marked))
         publisher.wait_acked()
     finally:
         producer.flush(0)

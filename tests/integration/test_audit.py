@@ -37,7 +37,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +47,11 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 from psycopg import sql
 
+from cdc.audit.run import AuditBusyError, audit_lock, run_audit, verify_since
+from cdc.audit.window import Window
 from cdc.migrate import migrate
 from cdc.outbox import OutboxEvent, register_user, write_event
+from cdc.settings import Settings
 from sinks.stub.server import StubServer
 from tests.harness import (
     ROOT,
@@ -561,6 +564,36 @@ def test_other_relays_records_are_not_phantoms_and_a_record_of_ours_without_a_ro
     finally:
         for proc in procs:
             proc.close()
+
+
+# -- one lock: the start-up check and the audit ------------------------------------------------
+
+
+def test_the_start_check_and_a_repairing_audit_never_hold_the_slot_at_once(
+    cfg: RelayConfig,
+) -> None:
+    """Edge: the relay's start-up check (verify_since) and an audit that repairs (the
+    periodic one, `audit --repair`) take the slot's one audit lock (a PostgreSQL advisory
+    lock): while one holds it, the other is refused before it reads anything; another
+    slot's lock is another lock."""
+    settings = Settings(
+        pg_dsn=cfg.db_dsn,
+        kafka_bootstrap_servers=cfg.kafka,
+        slot=cfg.slot,
+        topic_prefix=cfg.topic_prefix,
+        dlq_topic=cfg.dlq_topic,
+    )
+    now = datetime.now(UTC)
+    window = Window.between(now - timedelta(minutes=1), now)
+    with audit_lock(settings):
+        with pytest.raises(AuditBusyError):
+            verify_since(settings, window.since, until=window.until)
+        with pytest.raises(AuditBusyError):
+            run_audit(settings, window, repair=True)
+        with audit_lock(settings.model_copy(update={"slot": cfg.slot + "_other"})):
+            pass
+    with audit_lock(settings):  # (released with its session)
+        pass
 
 
 # -- exit codes ---------------------------------------------------------------------------------

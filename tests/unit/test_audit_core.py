@@ -13,8 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cdc.audit.compare import KafkaSide, TableSide, compare
-from cdc.audit.ids import BUCKETS, IdBuckets, IdList, bucket_of, uuid_bytes, uuid_text
+from cdc.audit.ids import BUCKETS, IdBuckets, IdList, bucket_of, uuid_text
+from cdc.audit.kafka import KafkaRead, _Reader
 from cdc.audit.window import Window, WindowError, parse_duration_s, parse_when, window_for
+from cdc.lineage import MAX_ORIGINS, Owner
+from cdc.records import RecordReader, Skip, uuid_bytes
+from cdc.wal.slots import ServerIdentity
 
 NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 
@@ -217,7 +221,7 @@ def test_a_record_in_another_topic_does_not_account_for_a_row() -> None:
     assert not len(got.phantoms)  # it has a row: not a phantom either
 
 
-# --- records read defensively ------------------------------------------------------------------
+# --- records read defensively, judged by the one owner -------------------------------------
 
 
 class _Message:
@@ -247,37 +251,86 @@ class _Message:
         return self._headers
 
 
-def test_headers_that_cannot_be_read_are_none_never_an_exception() -> None:
-    from cdc.audit.records import read_headers
+#: This relay: system 42, promoted from timeline 1 to 2 (its records on 1 are its own).
+SERVER = ServerIdentity("42", 2, ((1, 0x3000060),))
+OURS = b"42/1/slot"
 
-    broken = SystemError("<method 'headers'> returned a result with an exception set")
-    assert read_headers(_Message("t", broken)) is None
-    assert read_headers(_Message("t", [("a", b"1"), ("a", b"2")])) == {"a": b"2"}  # last wins
-    assert read_headers(_Message("t", None)) == {}
-    assert read_headers(_Message("t", ["not a pair"])) is None
+
+def _read(messages: list[_Message], owner: Owner | None = None) -> KafkaRead:
+    out = KafkaRead()
+    owner = Owner.of(SERVER, "slot") if owner is None else owner
+    _Reader(out, "dlq", owner, 0, Window(0, 5_000)).take(messages, {})  # type: ignore[arg-type]
+    return out
 
 
 def test_a_record_without_a_readable_id_is_counted_not_trusted() -> None:
-    from cdc.audit.kafka import KafkaRead, OriginJudge, _Reader
-    from cdc.wal.slots import ServerIdentity
-
-    ours = b"42/1/slot"
-    good, other = uuid.uuid4(), uuid.uuid4()
-    out = KafkaRead()
-    reader = _Reader(out, "dlq", OriginJudge(ServerIdentity("42", 1), "slot"), 0, Window(0, 5_000))
-    reader.take(
+    good, ancestor = uuid.uuid4(), uuid.uuid4()
+    out = _read(
         [
-            _Message("t.user", [("id", str(good).encode()), ("origin", ours)]),
-            _Message("t.user", [("id", str(other).encode()), ("origin", b"42/2/slot")]),
-            _Message("t.user", [("id", b"not-an-id")]),
+            _Message("t.user", [("id", str(good).encode()), ("origin", b"42/2/slot")]),
+            _Message("t.user", [("id", str(ancestor).encode()), ("origin", OURS)]),
+            _Message("t.user", [("id", b"not-an-id"), ("origin", OURS)]),
             _Message("t.user", SystemError("broken header name")),
-            _Message("dlq", [("id", str(good).encode())]),
-        ],
-        {},
+            _Message("t.user", ["not a pair"]),
+            _Message("dlq", [("id", str(good).encode())]),  # (a dead letter carries only its id)
+        ]
     )
-    assert out.records_read == 5
-    assert out.without_id == {"t.user": 2}
+    assert out.records_read == 6
+    assert out.without_id == {"t.user": 3}
+    assert out.reader.skipped == {Skip.BAD_ID: 1, Skip.UNREADABLE_HEADERS: 2}
     side = out.topics["t.user"]
-    assert list(side.ours_in_window) == [good.bytes]
-    assert list(side.others) == [other.bytes]  # a later timeline is not this server's history
+    assert sorted(side.ours_in_window) == sorted([good.bytes, ancestor.bytes])  # (ancestor tli)
     assert list(out.dead_letters) == [good.bytes]
+
+
+@pytest.mark.parametrize(
+    ("origin", "reason"),
+    [
+        (b"99/1/slot", Skip.FOREIGN_ORIGIN),  # another cluster's relay with the same slot name
+        (b"42/3/slot", Skip.FOREIGN_ORIGIN),  # a sibling branch of this server's history
+        (b"42/2/shard_b", Skip.FOREIGN_ORIGIN),  # another relay (slot) of this cluster
+        (None, Skip.NO_ORIGIN),  # Debezium, another team's producer, an old relay
+        (b"garbage", Skip.BAD_ORIGIN),
+    ],
+)
+def test_a_foreign_record_never_accounts_for_a_row_nor_is_a_phantom(
+    origin: bytes | None, reason: Skip
+) -> None:
+    """Edge (issue 34 item 2 for the audit and the start-up check, one comparison): a record
+    that is not this relay's, carrying the id of a row of the window, does not make the
+    row found - the row is missing and is republished - and is not a phantom candidate."""
+    row = uuid.uuid4()
+    headers = [("id", str(row).encode())] + ([("origin", origin)] if origin else [])
+    out = _read([_Message("t.user", headers)])
+    assert out.reader.skipped == {reason: 1}
+    side = out.topics["t.user"]
+    assert side.foreign == 1 and not len(side.ours_in_window) and not len(side.ours_elsewhere)
+    table = {"t.user": TableSide()}
+    table["t.user"].judged.add(row.bytes)
+    got = compare(
+        table, out.topics, dead_letters=IdBuckets(), pending=IdBuckets(), judge_phantoms=True
+    )
+    assert list(got.missing) == [row.bytes]
+    assert not len(got.phantoms)
+
+
+def test_with_the_server_unknown_any_record_vouches_and_none_is_a_phantom_candidate() -> None:
+    row = uuid.uuid4()
+    out = KafkaRead()
+    _Reader(out, "dlq", None, 0, Window(0, 5_000)).take(  # type: ignore[arg-type]
+        [_Message("t.user", [("id", str(row).encode())])], {}
+    )
+    side = out.topics["t.user"]
+    assert list(side.ours_elsewhere) == [row.bytes] and not len(side.ours_in_window)
+
+
+def test_an_owners_remembered_verdicts_stay_bounded_and_count_every_record() -> None:
+    owner = Owner.of(SERVER, "slot")
+    reader = RecordReader()
+    for i in range(MAX_ORIGINS + 10):
+        record = reader.read(_Message("t", [("id", b"x"), ("origin", f"9{i}0/1/slot".encode())]))
+        assert record is not None and owner.judge(record, reader) is None
+    big = reader.read(_Message("t", [("origin", b"4" * 300 + b"/1/slot")]))
+    assert big is not None and owner.judge(big, reader) is None
+    assert reader.skipped == {Skip.FOREIGN_ORIGIN: MAX_ORIGINS + 11}
+    assert len(owner._verdicts) == MAX_ORIGINS

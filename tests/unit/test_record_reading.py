@@ -11,11 +11,13 @@ does - and fails the test if read a second time.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cdc.records import RecordReader, Skip, uuid_bytes
 from sinks.core.delivery import UNREADABLE_HEADERS, Envelope, read_headers
 from sinks.idempotent import BadEvent, event_id_of
 from sinks.shared.routes import Unroutable, route_envelope
@@ -136,3 +138,110 @@ def test_an_id_header_of_any_bytes_is_an_id_or_bad_input(raw: bytes) -> None:
     except BadEvent:
         return
     assert event_id and event_id.isprintable() and "\x00" not in event_id
+
+
+# -- the relay's side of the one reader (cdc.records.RecordReader) --------------------------
+
+
+def test_ids_are_read_as_the_uuids_16_bytes_and_anything_else_is_none() -> None:
+    value = uuid.uuid4()
+    assert uuid_bytes(str(value).encode()) == value.bytes
+    assert uuid_bytes(str(value).upper().encode()) == value.bytes
+    for raw in (None, b"", b"not-a-uuid", b"\xff" * 36, b"0" * 100):
+        assert uuid_bytes(raw) is None
+
+
+class _OnceMessage:
+    """A consumed record whose headers() raises as confluent-kafka does for a non-UTF-8 name."""
+
+    def __init__(
+        self, headers: list[tuple[str, bytes | None]] | None, broken: bool = False
+    ) -> None:
+        self._headers = headers
+        self._broken = broken
+        self.calls = 0
+
+    def headers(self) -> list[tuple[str, bytes | None]] | None:
+        self.calls += 1
+        assert self.calls == 1, "headers() read twice: SIGSEGV in confluent-kafka"
+        if self._broken:
+            try:
+                b"\xff".decode()
+            except UnicodeDecodeError as exc:
+                raise SystemError("returned a result with an exception set") from exc
+        return self._headers
+
+    def timestamp(self) -> tuple[int, int]:
+        return (1, 1_700_000_000_000)
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return 2
+
+    def offset(self) -> int:
+        return 9
+
+
+def test_the_reader_skips_an_unreadable_record_counting_why_and_reads_headers_once() -> None:
+    reader = RecordReader()
+    broken = _OnceMessage(None, broken=True)
+    assert reader.read(broken) is None
+    assert reader.skipped == {Skip.UNREADABLE_HEADERS: 1} and broken.calls == 1
+    fine = _OnceMessage([("id", b"a"), ("id", b"b"), ("x", None)])
+    record = reader.read(fine)
+    assert record is not None and fine.calls == 1
+    assert record.headers == {"id": b"b", "x": b""}  # (the last of duplicates wins)
+    assert (record.topic, record.partition, record.offset) == ("t", 2, 9)
+    assert reader.summary() == "unreadable_headers=1"
+
+
+@settings(max_examples=300, deadline=None)
+@given(record=kafka_records())
+def test_the_relays_reader_and_the_sinks_agree_on_every_record(record: RawRecord) -> None:
+    """One reader: what RecordReader reads of a record is what read_headers reads of it
+    (readable or not; by name, the last of duplicates winning, null as b"")."""
+    shown = read_headers(FakeMessage(record))
+    reader = RecordReader()
+    message = FakeMessage(record)
+    got = reader.read(message)
+    assert message.header_calls == 1
+    if shown.problem:
+        assert got is None and reader.skipped == {Skip.UNREADABLE_HEADERS: 1}
+        return
+    assert got is not None
+    by_name = {name: value or b"" for name, value in shown.headers}
+    assert got.headers == by_name
+    assert all(got.header(name) == value for name, value in by_name.items())
+
+
+class _Typed:
+    def __init__(self, headers: Any) -> None:
+        self._headers = headers
+
+    def headers(self) -> Any:
+        return self._headers
+
+    def timestamp(self) -> tuple[int, int]:
+        return (0, 0)  # (no timestamp)
+
+    def topic(self) -> str:
+        return "t"
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return 1
+
+
+def test_the_relays_reader_skips_what_is_no_pair_and_never_returns_a_value_not_bytes() -> None:
+    reader = RecordReader()
+    assert reader.read(_Typed(["not a pair"])) is None
+    assert reader.read(_Typed([("id", b"1", "extra")])) is None
+    assert reader.skipped == {Skip.UNREADABLE_HEADERS: 2}
+    odd = reader.read(_Typed([("id", "text"), ("origin", 7), ("x", None), (b"raw", b"v")]))
+    assert odd is not None and odd.timestamp_ms is None
+    assert (odd.header("id"), odd.header("origin"), odd.header("x")) == (None, None, b"")
+    assert odd.event_id_bytes() is None and odd.headers == {"x": b""}
