@@ -27,8 +27,8 @@ from cdc import constants as c
 from cdc.audit import table as pg
 from cdc.audit.ids import IdList
 from cdc.lineage import origin_value
-from cdc.producer import make_producer
 from cdc.relay import recovery
+from cdc.relay.transactional import present_ids
 from cdc.router import TxContext
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
@@ -57,22 +57,25 @@ def republish(
         return Republished(0, mark)
     origin_header = (c.HEADER_ORIGIN, origin_value(identity, settings.slot).encode())
     lsn = lsn_to_str(snapshot_lsn)
-    producer = make_producer(
-        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
+    producer, txs = recovery.publishing_producer(
+        settings, system_id=identity.system_id, purpose="repair"
     )
     publisher = recovery._Publisher(
-        settings, producer, recovery.topic_manager(settings), recovery._Acks()
+        settings, producer, recovery.topic_manager(settings), recovery._Acks(), tx=txs
     )
     try:
         with pg.connect(settings) as conn:
-            tx: TxContext | None = None
-            tx_ts: datetime | None = None
-            for row in pg.repair_rows(conn, settings, ids):
-                if row[6] != tx_ts:  # rows of one transaction share its commit time
-                    tx_ts = row[6]
-                    tx = TxContext(lsn, recovery._epoch_us(row[6]), origin_header)
-                assert tx is not None
-                publisher.send(recovery._record(row, tx, settings, mark.encode()))
+            rows = list(pg.repair_rows(conn, settings, ids))
+        if txs is not None and rows:  # exactly-once: only ids read_committed lacks
+            txs.present = present_ids(settings, min(recovery._epoch_us(r[6]) for r in rows) // 1000)
+        tx: TxContext | None = None
+        tx_ts: datetime | None = None
+        for row in rows:
+            if row[6] != tx_ts:  # rows of one transaction share its commit time
+                tx_ts = row[6]
+                tx = TxContext(lsn, recovery._epoch_us(row[6]), origin_header)
+            assert tx is not None
+            publisher.send(recovery._record(row, tx, settings, mark.encode()))
         publisher.wait_acked()
     finally:
         producer.flush(0)

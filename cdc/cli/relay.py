@@ -153,7 +153,12 @@ def relay() -> None:
     logging.getLogger("cdc").info(
         "relay starting with %s", settings_line(settings), extra={"state": "starting"}
     )
-    runner = Relay(settings)
+    if settings.delivery == "exactly-once":
+        from cdc.relay.exactly_once import ExactlyOnceRelay
+
+        runner: Relay = ExactlyOnceRelay(settings)
+    else:
+        runner = Relay(settings)
     _on_signals(runner.stop)
     sys.exit(runner.run())
 

@@ -76,6 +76,7 @@ from cdc.producer import IdsInFlight, TopicManager, is_record_error, make_produc
 from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide, unrecoverable_reason
 from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.standby_safe import wait_standby_flushed
+from cdc.relay.transactional import Transactions, exactly_once, present_ids
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
@@ -420,8 +421,12 @@ class _Publisher:
     acks: _Acks
     sent: int = 0
     run: _Run | None = None
+    #: exactly-once mode: the ids to skip and the transactions (cdc.relay.transactional)
+    tx: Transactions | None = None
 
     def send(self, record: KafkaRecord) -> None:
+        if self.tx is not None and self.tx.skip(record.event_id):
+            return
         if record.topic not in self.topics.known:
             self.topics.ensure([record.topic])
         run = self.run
@@ -470,6 +475,8 @@ class _Publisher:
                 self.run = None
                 continue
             if not left:
+                if self.tx is not None:
+                    self.tx.commit()
                 return
             if time.monotonic() > deadline:
                 raise KafkaUnavailableError(f"recovery: {left} records not acknowledged")
@@ -479,6 +486,21 @@ class _Publisher:
         for err, record in refused:
             self.sent -= 1  # the refused record is replaced by its dead letter
             self.send(_dead_letter_of(err, record, self.settings))
+
+
+def publishing_producer(
+    settings: Settings, *, system_id: str, purpose: str
+) -> tuple[Producer, Transactions | None]:
+    """The producer of a republishing run: transactional in exactly-once mode (with the
+    ids to skip filled in by the caller), else the relay's at-least-once producer."""
+    if exactly_once(settings):
+        tx = Transactions(settings, system_id=system_id, purpose=purpose)
+        return tx.producer, tx
+    # Delivered records call nothing (a _Run per RUN_RECORDS finds a refused one's id).
+    producer = make_producer(
+        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
+    )
+    return producer, None
 
 
 def topic_manager(settings: Settings) -> TopicManager:
@@ -637,11 +659,10 @@ def _recover(
         log.info("gap %d: resuming its recovery from %s", gap.id, since.isoformat())
     floor = _db_now(lock.conn) - timedelta(seconds=settings.gap_margin_s)
     acks = _Acks()
-    # Delivered records call nothing (a _Run per RUN_RECORDS finds a refused one's id).
-    producer = make_producer(
-        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
-    )
-    publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks)
+    producer, txs = publishing_producer(settings, system_id=server.system_id, purpose="recovery")
+    if txs is not None:  # exactly-once: what read_committed consumers hold already is skipped
+        txs.present = present_ids(settings, _epoch_us(since) // 1000 if since else 0)
+    publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks, tx=txs)
     progress = _Progress(lock, gap.id, floor, gap.rows_recovered or 0, publisher)
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
@@ -742,10 +763,10 @@ def republish(
     every one. Rows no longer in the table are skipped."""
     if not ids:
         return 0
-    producer = make_producer(
-        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
+    producer, txs = publishing_producer(
+        settings, system_id=origin.split("/", 1)[0], purpose="recovery"
     )
-    publisher = _Publisher(settings, producer, topic_manager(settings), _Acks())
+    publisher = _Publisher(settings, producer, topic_manager(settings), _Acks(), tx=txs)
     origin_header = (c.HEADER_ORIGIN, origin.encode())
     try:
         with connect(settings) as conn:
@@ -755,10 +776,16 @@ def republish(
                 " tracingspancontext, {when} AS ts FROM {table} WHERE id = ANY(%s)"
                 " ORDER BY ts, created_at, id"
             ).format(when=when, table=table_identifier(settings.outbox_table))
-            for at in range(0, len(ids), REPUBLISH_CHUNK):
-                for row in conn.execute(query, (ids[at : at + REPUBLISH_CHUNK],)).fetchall():
-                    tx = TxContext("", _epoch_us(row[6]), origin_header)
-                    publisher.send(_record(row, tx, settings, mark))
+            rows = [
+                row
+                for at in range(0, len(ids), REPUBLISH_CHUNK)
+                for row in conn.execute(query, (ids[at : at + REPUBLISH_CHUNK],)).fetchall()
+            ]
+        if txs is not None and rows:  # exactly-once: only what Kafka does not hold
+            txs.present = present_ids(settings, min(_epoch_us(r[6]) for r in rows) // 1000)
+        for row in rows:
+            tx = TxContext("", _epoch_us(row[6]), origin_header)
+            publisher.send(_record(row, tx, settings, mark))
         publisher.wait_acked()
     finally:
         producer.flush(0)

@@ -38,8 +38,10 @@ was fenced - and does what :meth:`TxBatch.due` and the events answer
 
 States and transitions::
 
-    IDLE --record (BEGIN)--> OPEN --due: closed WAL tx and (records >= max or age >= max_ms)
+    IDLE --record (BEGIN)--> OPEN --due: closed WAL tx, nothing waiting, and
+                                     (records >= max or age >= max_ms)
                                      (COMMIT)--> COMMITTING --ok--> IDLE
+    OPEN --shutdown: flush (COMMIT when due-able, else ABORT)
     COMMITTING --retriable failure, within budget (COMMIT)--> COMMITTING
     COMMITTING --other failure, or budget spent (ABORT)--> ABORTING
     OPEN --age >= abort_after_ms, or a failed record (ABORT)--> ABORTING
@@ -153,15 +155,17 @@ class TxBatch:
         self.records += 1
         return Action.NONE
 
-    def due(self, now_ms: int) -> Action:
-        """What is due now: COMMIT, ABORT (too old), RESTART, EXIT or NONE."""
+    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
+        """What is due now: COMMIT, ABORT (too old), RESTART, EXIT or NONE. ``waiting``:
+        records of the transaction are not handed to Kafka yet (dead letters not
+        written): no commit before they are."""
         if self.state is not TxState.OPEN:
             return _SETTLED.get(self.state, Action.NONE)
         age_ms = now_ms - self.opened_ms
         if age_ms >= self.limits.abort_after_ms:
             self.state = TxState.ABORTING
             return Action.ABORT
-        if self.wal_open or self.candidate is None:
+        if self.wal_open or waiting or self.candidate is None:
             return Action.NONE
         if self.records >= self.limits.max_records or age_ms >= self.limits.max_ms:
             self.state = TxState.COMMITTING
@@ -169,12 +173,12 @@ class TxBatch:
             return Action.COMMIT
         return Action.NONE
 
-    def flush(self, now_ms: int) -> Action:
+    def flush(self, now_ms: int, *, waiting: bool = False) -> Action:
         """Commit now if a transaction can be (shutdown): COMMIT, ABORT (a WAL
-        transaction is open: it would be read again anyway) or NONE."""
+        transaction is open, or records wait: it would be read again anyway) or NONE."""
         if self.state is not TxState.OPEN:
             return Action.NONE
-        if self.wal_open or self.candidate is None:
+        if self.wal_open or waiting or self.candidate is None:
             self.state = TxState.ABORTING
             return Action.ABORT
         self.state = TxState.COMMITTING
@@ -192,6 +196,8 @@ class TxBatch:
 
     def commit_failed(self, *, retriable: bool, now_ms: int) -> Action:
         """The commit failed: COMMIT again (retriable, within budget) or ABORT."""
+        if self.state is TxState.ABORTING:  # (a record failed meanwhile)
+            return Action.ABORT
         if self.state is not TxState.COMMITTING:
             raise ValueError(f"commit_failed while {self.state.value}")
         if retriable and now_ms - self.commit_started_ms < self.limits.commit_budget_ms:
