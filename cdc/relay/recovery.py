@@ -695,6 +695,14 @@ def _recover(
         publisher.wait_acked()
     finally:
         producer.flush(0)
+    if txs is not None:
+        log.info(
+            "gap %d: exactly-once: %d rows of the window already in Kafka (read_committed)"
+            " skipped, %d published in transactions",
+            gap.id,
+            txs.skipped,
+            publisher.sent,
+        )
     with connect(settings) as conn:
         slot = read_slot(conn, settings.slot)
     return gaps.Recovered(

@@ -360,3 +360,118 @@ def test_a_broker_killed_between_produce_and_commit_aborts_and_republishes_once(
         assert "abort" in relay.log_path.read_text(errors="replace")
     finally:
         relay.close()
+
+
+def _insert(dsn: str, aggregate: str, count: int, *, start: int = 1) -> list[str]:
+    """``count`` events of ``aggregate`` over 5 keys, one transaction each; their ids."""
+    ids = []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for i in range(start, start + count):
+            row = conn.execute(
+                "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+                " VALUES (%s, 'k' || (%s %% 5), 'Steady', jsonb_build_object('seq', %s::int))"
+                " RETURNING id::text",
+                (aggregate, i, i),
+            ).fetchone()
+            assert row is not None
+            ids.append(str(row[0]))
+    return ids
+
+
+def _create_topic(kafka: str, topic: str, config: dict[str, str]) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": kafka})
+    new = NewTopic(topic, num_partitions=2, replication_factor=-1, config=config)
+    admin.create_topics([new])[topic].result(timeout=30)
+
+
+def test_dead_letters_are_written_exactly_once_through_an_aborted_transaction_and_a_kill_9(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """Three hostile events among ordinary ones: a row the broker refuses (over the
+    topic's max.message.bytes: its failed delivery aborts the Kafka transaction; read
+    again, it is dead-lettered), a row the producer refuses locally (over 1 MB), a
+    logical message that is not JSON. The relay is killed -9 once after them: each
+    dead letter is in the dead-letter topic exactly once, every other event once."""
+    topic = cfg.topic_prefix + "hostile"
+    _create_topic(cfg.kafka, topic, {"max.message.bytes": "100000"})
+    cfg.extra.update({"KAFKA_CONFIG_COMPRESSION_TYPE": "none", "KAFKA_CONFIG_BATCH_SIZE": "16384"})
+    relay, _ = start_relay(cfg, tmp_path, name="relay-0")
+    try:
+        ids = _insert(cfg.db_dsn, "hostile", 100)
+        with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
+            broker_refused = conn.execute(
+                "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+                " VALUES ('hostile', 'k1', 'Big', jsonb_build_object('blob', (SELECT"
+                " string_agg(md5(i::text), '') FROM generate_series(1, 6250) AS i)))"
+                " RETURNING id::text"
+            ).fetchone()
+            conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json')")
+        with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
+            local_refused = conn.execute(
+                "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+                " VALUES ('hostile', 'k2', 'Huge', jsonb_build_object('blob', (SELECT"
+                " string_agg(md5(i::text), '') FROM generate_series(1, 40000) AS i)))"
+                " RETURNING id::text"
+            ).fetchone()
+        assert broker_refused is not None and local_refused is not None
+        ids += _insert(cfg.db_dsn, "hostile", 100, start=101)
+        time.sleep(3.0)
+        relay.kill()
+        relay.close()
+        relay, _ = start_relay(cfg, tmp_path, name="relay-1")
+        ids += _insert(cfg.db_dsn, "hostile", 50, start=201)
+        msgs = read_committed(cfg.kafka, topic, expect=len(ids))
+        dead = read_committed(cfg.kafka, cfg.dlq_topic, expect=3)
+    finally:
+        relay.close()
+    seen = Counter(headers_of(m)["id"].decode() for m in msgs)
+    assert set(seen) == set(ids) and max(seen.values()) == 1
+    dead_ids = Counter(headers_of(m)["id"].decode() for m in dead)
+    assert dead_ids == Counter({str(broker_refused[0]): 1, str(local_refused[0]): 1, "": 1})
+
+
+def test_gap_recovery_in_exactly_once_mode_publishes_no_id_twice(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """The slot is dropped while the relay is stopped; the recovery's window (the last
+    record minus CDC_GAP_MARGIN_S) reaches back over records already in Kafka: in
+    this mode those are skipped, the stranded rows published once, marked recovered."""
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+
+    cfg.extra["CDC_GAP_MARGIN_S"] = "30"
+    relay, _ = start_relay(cfg, tmp_path, name="first")
+    try:
+        published = _insert(cfg.db_dsn, "gap", 50)
+        read_committed(cfg.kafka, cfg.topic_prefix + "gap", expect=50, idle_s=1.0)
+        assert relay.terminate() == 0
+    finally:
+        relay.close()
+    stranded = _insert(cfg.db_dsn, "gap", 30, start=51)
+    subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "slot", "drop", "--yes"],
+        env=cfg.env(free_port()),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    relay, _ = start_relay(cfg, tmp_path, name="second")
+    try:
+        after = _insert(cfg.db_dsn, "gap", 20, start=81)
+        expected = published + stranded + after
+        msgs = read_committed(cfg.kafka, cfg.topic_prefix + "gap", expect=len(expected))
+        log = relay.log_path.read_text(errors="replace")
+    finally:
+        relay.close()
+    seen = Counter(headers_of(m)["id"].decode() for m in msgs)
+    assert set(seen) == set(expected)
+    assert max(seen.values()) == 1, "an id published twice"
+    recovered = {headers_of(m)["id"].decode() for m in msgs if "recovered" in headers_of(m)}
+    assert set(stranded) <= recovered
+    assert "recovering the window" in log

@@ -4,7 +4,8 @@ The model is the world around the machine: a WAL of committed transactions (each
 with 0-3 records), the slot's confirmed LSN, Kafka's read_committed log and
 checkpoint, the open Kafka transaction, and one relay session reading the WAL
 from the slot, driving :class:`TxBatch` as :mod:`cdc.relay.exactly_once` does.
-Hypothesis interleaves reads, commits, time, status updates and the faults: a
+Hypothesis interleaves reads (records and dead letters, which wait in the session
+until drained into the transaction), commits, time, status updates and the faults: a
 failed record, a commit timeout (retriable) and a commit failure, a failing
 abort, a broker restart between produce and commit (the open transaction is
 lost: its commit fails), a fencing by a newer relay, kill -9 of the relay and
@@ -51,6 +52,8 @@ class Session:
     read_records: int = 0
     tracker: int = 0
     covered: bool = False
+    #: dead letters queued, not yet handed to Kafka (the shell's pending_dlq)
+    pending_dlq: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -143,8 +146,8 @@ class TxBatchModel(RuleBasedStateMachine):
         self.wal_end = base + 10
 
     @precondition(lambda self: self.sess is not None)
-    @rule()
-    def read(self) -> None:
+    @rule(dead=st.booleans())
+    def read(self, dead: bool = False) -> None:
         sess = self.sess
         assert sess is not None
         if sess.read_idx >= len(self.wal):
@@ -163,20 +166,33 @@ class TxBatchModel(RuleBasedStateMachine):
                 return
             self._do(batch.record(self.now_ms))
             assert self.kafka.pending is not None
-            self.kafka.pending.append(rid)
+            if dead:  # a dead letter: queued now, handed to Kafka later
+                sess.pending_dlq.append(rid)
+            else:
+                self.kafka.pending.append(rid)
             return
         sess.in_tx = False
         sess.read_idx += 1
         batch.wal_closed(tx.end_lsn)
         sess.tracker = max(sess.tracker, tx.end_lsn)  # (optimistic: delivered at once)
-        self._do(batch.due(self.now_ms))
+        self._do(batch.due(self.now_ms, waiting=bool(sess.pending_dlq)))
+
+    @precondition(lambda self: self.sess is not None and self.sess.pending_dlq)
+    @rule()
+    def drain_dlq(self) -> None:
+        sess = self.sess
+        assert sess is not None
+        if self.kafka.pending is not None:
+            self.kafka.pending.extend(sess.pending_dlq)
+            sess.pending_dlq.clear()
 
     @precondition(lambda self: self.sess is not None)
     @rule(ms=st.integers(1, 200))
     def tick(self, ms: int) -> None:
         self.now_ms += ms
-        assert self.sess is not None
-        self._do(self.sess.batch.due(self.now_ms))
+        sess = self.sess
+        assert sess is not None
+        self._do(sess.batch.due(self.now_ms, waiting=bool(sess.pending_dlq)))
 
     @precondition(lambda self: self.sess is not None)
     @rule()
@@ -261,8 +277,9 @@ class TxBatchModel(RuleBasedStateMachine):
             if sess.read_idx == len(self.wal) and not sess.in_tx:
                 if sess.batch.state is TxState.IDLE:
                     break
+                self.drain_dlq() if sess.pending_dlq else None
                 self.now_ms += LIMITS.max_ms
-                self._do(sess.batch.due(self.now_ms))
+                self._do(sess.batch.due(self.now_ms, waiting=bool(sess.pending_dlq)))
             else:
                 self.read()
         all_ids = [rid for tx in self.wal for rid in tx.records]
