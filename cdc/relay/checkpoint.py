@@ -99,7 +99,6 @@ def read_checkpoint(
     consumer = Consumer(
         {
             **_client_config(settings, "checkpoint"),
-            **settings.kafka_config,
             "group.id": f"outbox-cdc-checkpoint-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,

@@ -273,8 +273,10 @@ class ExactlyOnceRelay(Relay):
         headers: Headers,
         timestamp_ms: int,
     ) -> None:
-        if self._batch.state in (TxState.ABORTING, TxState.FAILED, TxState.FENCED):
-            sess.tracker.ack(tx_id)  # (the transaction is lost anyway: read again)
+        if self._batch.state not in (TxState.IDLE, TxState.OPEN):
+            # (a failed report during a commit or an abort: the transaction is lost
+            # anyway, and the record read again - a refused one is remembered)
+            sess.tracker.ack(tx_id)
             return
         if self._skipped(sess, tx_id):
             return
@@ -303,8 +305,8 @@ class ExactlyOnceRelay(Relay):
         (dead-lettered when it is read again)."""
         if is_fenced(err):
             self._fenced = self._fenced or f"{err.name()}: {err.str()}"
+        self._batch.failed()  # (first: no dead letter joins a transaction that must abort)
         super()._report_failed(reports, err, msg)
-        self._batch.failed()
         reports.sess.fatal = reports.sess.fatal or err
 
     def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
