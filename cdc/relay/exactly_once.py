@@ -41,6 +41,7 @@ import time
 from typing import Any, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from prometheus_client import Counter, Gauge
 
 from cdc.errors import CdcError, ConfigError, KafkaUnavailableError, ProducerFatalError
 from cdc.health import Liveness
@@ -60,7 +61,7 @@ log = logging.getLogger("cdc.relay")
 #: One commit_transaction call waits at most this long (it flushes the records first);
 #: a retriable failure is retried within :data:`COMMIT_BUDGET_S`. Below the server's
 #: default wal_sender_timeout (60 s): the loop answers no keepalive meanwhile.
-COMMIT_TIMEOUT_S = 10.0
+COMMIT_TIMEOUT_S = 5.0
 #: All attempts at one commit together; then the transaction is aborted.
 COMMIT_BUDGET_S = 10.0
 #: One abort_transaction call waits at most this long; a failed abort rebuilds the
@@ -134,6 +135,12 @@ class ExactlyOnceRelay(Relay):
         super().__init__(*args, **kwargs)
         s = self.settings
         budget_ms = int(COMMIT_BUDGET_S * 1000)
+        if s.standby_safe:
+            # (held records are produced after their WAL transaction ended: a commit
+            # could carry a checkpoint past records not yet in its transaction)
+            raise ConfigError(
+                "CDC_STANDBY_SAFE does not combine with CDC_DELIVERY=exactly-once: unset one"
+            )
         if s.tx_timeout_ms <= budget_ms:
             raise ConfigError(
                 f"CDC_TX_TIMEOUT_MS={s.tx_timeout_ms} must exceed the commit budget"
@@ -147,6 +154,17 @@ class ExactlyOnceRelay(Relay):
         )
         self._checkpoint_topic = ckpt.checkpoint_topic(s)
         self.liveness = _ModeLiveness()
+        self._transactions = Counter(
+            "outbox_relay_kafka_transactions_total",
+            "Exactly-once: Kafka transactions ended, by outcome (committed, aborted)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._checkpoint_lsn = Gauge(
+            "outbox_relay_checkpoint_lsn",
+            "Exactly-once: the last committed checkpoint (a commit end-LSN, as a number)",
+            registry=self.registry,
+        )
         #: the producer whose init_transactions succeeded (None: call it first)
         self._initialised: Producer | None = None
         self._batch = TxBatch(self._limits, 0)
@@ -216,6 +234,7 @@ class ExactlyOnceRelay(Relay):
         start = sess.tracker.confirmable
         checkpoint = found if found is not None else 0
         self._batch = TxBatch(self._limits, checkpoint)
+        self._checkpoint_lsn.set(checkpoint)
         assert isinstance(sess.tracker, CheckpointTracker)
         sess.tracker.batch = self._batch
         self._sess = sess
@@ -237,9 +256,17 @@ class ExactlyOnceRelay(Relay):
             self._act(sess, self._batch.due(_now_ms(), waiting=bool(sess.pending_dlq)))
 
     def _shutdown(self, sess: Session) -> None:
+        """Commit what can be (an open WAL transaction's records are aborted: the slot
+        sends it again), then the relay's own shutdown: the last confirmation goes no
+        further than the committed checkpoint."""
         self._drain_dlq(sess)
-        self._act(sess, self._batch.flush(_now_ms(), waiting=bool(sess.pending_dlq)))
-        super()._shutdown(sess)
+        try:
+            self._act(sess, self._batch.flush(_now_ms(), waiting=bool(sess.pending_dlq)))
+        except KafkaUnavailableError as exc:  # (an abort, or a producer let go; fenced raises)
+            log.warning("at shutdown: %s", exc)
+        self._sess = None  # (the loop's polls act on transactions no more)
+        if self._producer is not None:
+            super()._shutdown(sess)
 
     # -- record-handling steps ---------------------------------------------------------
     def _on_commit(self, sess: Session, data: bytes | memoryview, at: int) -> None:  # type: ignore[override]
@@ -359,12 +386,15 @@ class ExactlyOnceRelay(Relay):
             return batch.commit_failed(retriable=retriable, now_ms=_now_ms())
         self._commit_unfinished = False
         batch.commit_ok()
+        self._transactions.labels("committed").inc()
+        self._checkpoint_lsn.set(batch.committed)
         return Action.NONE
 
     def _abort(self, sess: Session, why: str) -> Action:
         producer = self._producer
         assert producer is not None
         if self._commit_unfinished:  # (abort_transaction would conflict with it)
+            self._transactions.labels("aborted").inc()
             self._batch.aborted()
             self._drop_producer()
             raise ProducerFatalError(
@@ -372,6 +402,7 @@ class ExactlyOnceRelay(Relay):
                 " producer (its init_transactions aborts the transaction)"
             )
         log.warning("aborting the Kafka transaction (%s)", why)
+        self._transactions.labels("aborted").inc()
         try:
             producer.abort_transaction(ABORT_TIMEOUT_S)
         except KafkaException as exc:
@@ -389,10 +420,18 @@ class ExactlyOnceRelay(Relay):
     def _abandon(self, sess: Session) -> None:
         """The session ends with an exception: abort a Kafka transaction left open
         (fenced: the relay stops; a failed abort: the producer is rebuilt)."""
+        self._sess = None
         open_states = (TxState.OPEN, TxState.COMMITTING, TxState.ABORTING)
         if self._batch.state in open_states and self._fenced is None and self._producer is not None:
             self._abort(sess, "the session ended")
-        self._sess = None
+        # A new session takes a new producer: init_transactions runs once per producer,
+        # and the next session may come after another relay held the slot (and fenced
+        # this producer) - a fresh one takes the id back.
+        self._drop_producer()
+
+    def _rebuild_producer(self, reason: str) -> None:
+        self._drop_producer()  # (close() would try to end the transaction once more)
+        super()._rebuild_producer(reason)
 
     def _kafka_failed(self, exc: KafkaException, what: str) -> None:
         """A transactional call failed: fenced stops the relay; anything else ends the

@@ -1,8 +1,10 @@
 """CDC_DELIVERY=exactly-once against real PostgreSQL and Kafka: every event once to read_committed.
 
-* kill -9 of the relay ``OUTBOX_EOS_KILLS`` times (default 8) under a steady writer:
-  a read_committed consumer sees every committed event exactly once, in per-key
-  order; the same run at-least-once shows duplicates (the test can see them);
+* kill -9 of the relay ``OUTBOX_EOS_KILLS`` times (default 8) and of the broker
+  ``OUTBOX_EOS_BROKER_RESTARTS`` times (default 2) under a steady writer: a
+  read_committed consumer sees every committed event exactly once, in per-key
+  order; the same run at-least-once (relay kills only) shows duplicates (the test
+  can see them);
 * zombie: the active relay paused (SIGSTOP), a standby takes over and publishes,
   the paused one resumed: fenced, it publishes nothing, exits non-zero;
 * a broker killed between produce and commit: the transaction is aborted,
@@ -40,11 +42,14 @@ from tests.harness import (
     wait_for_ready,
     wait_until,
 )
+from tests.integration.test_relay_errors import metric, readyz
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
 #: kill -9s of the relay per run (the issue's figure is 20; 8 keeps a run near a minute)
 KILLS = int(os.environ.get("OUTBOX_EOS_KILLS", "8"))
+#: broker restarts (kill -9, start) among the relay's kill -9s in the exactly-once run
+BROKER_RESTARTS = int(os.environ.get("OUTBOX_EOS_BROKER_RESTARTS", "2"))
 #: the steady writer's events per second (one event per transaction)
 WRITE_RATE = 100
 KEYS = 20
@@ -165,14 +170,26 @@ def _tally(msgs: list, expected: set[str]) -> tuple[int, int]:  # type: ignore[t
     return missing, duplicates
 
 
-def _kill_n_times(cfg: RelayConfig, tmp: Path, aggregate: str) -> tuple[int, int, int]:
+def _kill_n_times(
+    cfg: RelayConfig, tmp: Path, aggregate: str, *, broker_restarts: int = 0
+) -> tuple[int, int, int]:
     writer = Writer(cfg.db_dsn, aggregate)
-    relay, _ = start_relay(cfg, tmp, name="relay-0")
+    relay, port = start_relay(cfg, tmp, name="relay-0")
+    mode = cfg.extra["CDC_DELIVERY"]
+    assert readyz(port) == (200, f"streaming ({mode})" if mode == "exactly-once" else "streaming")
     writer.start()
     rng = random.Random(40)
     try:
+        restart_at = {
+            round((j + 1) * KILLS / (broker_restarts + 1)) for j in range(broker_restarts)
+        }
         for i in range(KILLS):
             time.sleep(rng.uniform(0.5, 2.5))
+            if i in restart_at:  # the broker killed -9 and started again, the relay running
+                stack("kill", "kafka")
+                time.sleep(rng.uniform(0.5, 2.0))
+                stack("up", "kafka")
+                time.sleep(rng.uniform(0.5, 2.5))
             relay.kill()
             relay.close()
             relay, _ = start_relay(cfg, tmp, name=f"relay-{i + 1}")
@@ -192,10 +209,12 @@ def _kill_n_times(cfg: RelayConfig, tmp: Path, aggregate: str) -> tuple[int, int
     return len(expected), missing, duplicates
 
 
-def test_kill_9_under_a_steady_writer_every_event_exactly_once_to_read_committed(
+def test_kill_9_and_broker_restarts_under_a_steady_writer_every_event_once_to_read_committed(
     cfg: RelayConfig, tmp_path: Path, record_property: object
 ) -> None:
-    total, missing, duplicates = _kill_n_times(cfg, tmp_path, "eos")
+    total, missing, duplicates = _kill_n_times(
+        cfg, tmp_path, "eos", broker_restarts=BROKER_RESTARTS
+    )
     record_property("duplicates", duplicates)  # type: ignore[operator]
     assert total > 0
     assert (missing, duplicates) == (0, 0)
@@ -322,7 +341,7 @@ def test_a_broker_killed_between_produce_and_commit_aborts_and_republishes_once(
     they are published again: exactly once to read_committed."""
     cfg.extra.update({"CDC_TX_MAX_MS": "12000", "CDC_TX_TIMEOUT_MS": "30000"})
     topic = cfg.topic_prefix + "brokerkill"
-    relay, _ = start_relay(cfg, tmp_path)
+    relay, port = start_relay(cfg, tmp_path)
     try:
         with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:  # the topic exists first
             conn.execute(
@@ -358,6 +377,9 @@ def test_a_broker_killed_between_produce_and_commit_aborts_and_republishes_once(
         print(f"\nread_uncommitted copies: {sum(raw.values())} of {len(expected)} events")
         assert sum(raw.values()) > len(expected), "no aborted copy: nothing was aborted"
         assert "abort" in relay.log_path.read_text(errors="replace")
+        aborted = 'outcome="aborted"'
+        assert metric(port, "outbox_relay_kafka_transactions_total", aborted) >= 1
+        assert metric(port, "outbox_relay_kafka_transactions_total", 'outcome="committed"') >= 2
     finally:
         relay.close()
 
@@ -475,3 +497,33 @@ def test_gap_recovery_in_exactly_once_mode_publishes_no_id_twice(
     recovered = {headers_of(m)["id"].decode() for m in msgs if "recovered" in headers_of(m)}
     assert set(stranded) <= recovered
     assert "recovering the window" in log
+
+
+def test_sigterm_commits_the_open_transaction_exits_0_and_a_restart_publishes_nothing_twice(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """A Kafka transaction open at SIGTERM (CDC_TX_MAX_MS=20000) is committed by the
+    shutdown: its records become visible, the process exits 0, and the next relay
+    skips them (the checkpoint covers them) and publishes only what came after."""
+    cfg.extra["CDC_TX_MAX_MS"] = "20000"
+    topic = cfg.topic_prefix + "sigterm"
+    relay, _ = start_relay(cfg, tmp_path, name="first")
+    try:
+        first = _insert(cfg.db_dsn, "sigterm", 20)
+        wait_until(
+            lambda: sum(_read_uncommitted_ids(cfg.kafka, topic).values()) >= 20,
+            60,
+            "the records produced into the open transaction",
+        )
+        assert relay.terminate() == 0, relay.log_tail()
+    finally:
+        relay.close()
+    assert _count_committed(cfg.kafka, topic) == 20
+    relay, _ = start_relay(cfg, tmp_path, name="second")
+    try:
+        later = _insert(cfg.db_dsn, "sigterm", 10, start=21)
+        msgs = read_committed(cfg.kafka, topic, expect=30)
+    finally:
+        relay.close()
+    seen = Counter(headers_of(m)["id"].decode() for m in msgs)
+    assert set(seen) == set(first + later) and max(seen.values()) == 1

@@ -20,6 +20,12 @@ its restart reading the checkpoint. After every step:
   retried no longer than ``commit_budget_ms``;
 * and at the end, once the faults stop, every record of the WAL is in the log
   exactly once (nothing lost, nothing twice).
+
+Mutants at the bottom re-create the bugs the machine exists to prevent (confirming
+what Kafka acknowledged rather than committed; splitting a WAL transaction; a skip
+rule one transaction too wide; committing while dead letters wait), each with the
+interleaving that shows it (``SCRIPTS``), run on every run against the mutant (the
+model fails) and against the real machine (it passes).
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ class Kafka:
 
 
 class TxBatchModel(RuleBasedStateMachine):
+    #: the machine under test (the mutants below replace it)
+    batch_cls: type[TxBatch] = TxBatch
+
     def __init__(self) -> None:
         super().__init__()
         self.wal: list[WalTx] = []
@@ -85,7 +94,7 @@ class TxBatchModel(RuleBasedStateMachine):
         confirmed LSN (what an init_transactions aborted is gone)."""
         self.kafka.pending = None
         self.kafka.doomed = False
-        batch = TxBatch(LIMITS, self.kafka.checkpoint or 0)
+        batch = self.batch_cls(LIMITS, self.kafka.checkpoint or 0)
         idx = next(
             (i for i, t in enumerate(self.wal) if t.end_lsn > self.slot_confirmed), len(self.wal)
         )
@@ -349,3 +358,109 @@ def test_covered_is_strictly_below_the_checkpoint() -> None:
 def test_limits_must_be_positive(bad: int) -> None:
     with pytest.raises(ValueError):
         TxLimits(max_records=bad, max_ms=1, abort_after_ms=1, commit_budget_ms=1)
+
+
+# -- mutants: the bugs this model exists for, each caught -----------------------------
+
+
+class _ConfirmsPastTheCheckpoint(TxBatch):
+    """Confirms what Kafka acknowledged, not what it committed."""
+
+    __slots__ = ()
+
+    def confirm_bound(self, confirmable: int) -> int:
+        return confirmable
+
+
+class _CommitsInsideAWalTransaction(TxBatch):
+    """Commits at the record bound even inside a WAL transaction (a split without a
+    position inside it in the checkpoint)."""
+
+    __slots__ = ()
+
+    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
+        if self.state is TxState.OPEN and self.records >= self.limits.max_records:
+            self.candidate = self.candidate or 1
+            self.state = TxState.COMMITTING
+            self.commit_started_ms = now_ms
+            return Action.COMMIT
+        return super().due(now_ms, waiting=waiting)
+
+
+class _SkipsTheCheckpointsOwnSuccessor(TxBatch):
+    """Skips a transaction committed right at the checkpoint (<= instead of <)."""
+
+    __slots__ = ()
+
+    def covered(self, final_lsn: int) -> bool:
+        return final_lsn <= self.skip_below + 100
+
+
+class _CommitsWhileDeadLettersWait(TxBatch):
+    """Commits while dead letters of the transaction are not handed to Kafka yet."""
+
+    __slots__ = ()
+
+    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
+        return super().due(now_ms)
+
+
+def _check(model: TxBatchModel) -> None:
+    model.nothing_twice()
+    model.confirmed_and_checkpointed_are_in_kafka()
+    model.waits_are_bounded()
+
+
+#: Per mutant, the interleaving that shows its bug (steps: rule name and arguments); the
+#: model's invariants (or its teardown: every record once) must fail on it.
+SCRIPTS: dict[type[TxBatch], list[tuple[str, dict[str, object]]]] = {
+    _ConfirmsPastTheCheckpoint: [
+        ("pg_commit", {"n": 2}),
+        *[("read", {})] * 4,
+        ("status", {}),
+    ],
+    _CommitsInsideAWalTransaction: [
+        ("pg_commit", {"n": 6}),
+        *[("read", {})] * 5,
+        ("tick", {"ms": 1}),
+    ],
+    _SkipsTheCheckpointsOwnSuccessor: [
+        ("pg_commit", {"n": 1}),
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 3,
+        ("tick", {"ms": 60}),
+        ("kill9", {}),
+        ("relay_restart", {}),
+    ],
+    _CommitsWhileDeadLettersWait: [
+        ("pg_commit", {"n": 1}),
+        ("read", {}),
+        ("read", {"dead": True}),
+        ("read", {}),
+        ("tick", {"ms": 60}),
+    ],
+}
+
+
+@pytest.mark.parametrize("mutant", list(SCRIPTS), ids=lambda m: m.__name__.strip("_"))
+def test_the_model_catches_the_mutant(mutant: type[TxBatch]) -> None:
+    class Mutated(TxBatchModel):
+        batch_cls = mutant
+
+    model = Mutated()
+    with pytest.raises(AssertionError):
+        for name, kwargs in SCRIPTS[mutant]:
+            getattr(model, name)(**kwargs)
+            _check(model)
+        model.teardown()
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS.values()), ids=lambda _: "script")
+def test_the_real_machine_passes_every_mutants_script(
+    script: list[tuple[str, dict[str, object]]],
+) -> None:
+    model = TxBatchModel()
+    for name, kwargs in script:
+        getattr(model, name)(**kwargs)
+        _check(model)
+    model.teardown()
