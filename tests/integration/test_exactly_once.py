@@ -527,3 +527,56 @@ def test_sigterm_commits_the_open_transaction_exits_0_and_a_restart_publishes_no
         relay.close()
     seen = Counter(headers_of(m)["id"].decode() for m in msgs)
     assert set(seen) == set(first + later) and max(seen.values()) == 1
+
+
+def test_the_audits_repair_in_exactly_once_mode_publishes_the_missing_once_in_a_transaction(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """Rows the relay never saw (its slot advanced by hand) are repaired by
+    ``outbox-cdc audit --repair`` in this mode inside a Kafka transaction: a
+    read_committed consumer sees each once, marked; a second repair finds nothing."""
+    import subprocess
+    import sys
+    from datetime import UTC, datetime
+
+    from tests.harness import ROOT
+
+    def audit(*args: str) -> tuple[int, dict[str, object]]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "cdc.cli", "audit", "--json", *args],
+            env=cfg.env(free_port()),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode in (0, 1), proc.stderr
+        return proc.returncode, json.loads(proc.stdout)
+
+    topic = cfg.topic_prefix + "audited"
+    relay, _ = start_relay(cfg, tmp_path)
+    try:
+        since = datetime.now(UTC).isoformat()
+        time.sleep(1.1)
+        published = _insert(cfg.db_dsn, "audited", 10)
+        read_committed(cfg.kafka, topic, expect=10, idle_s=1.0)
+        assert relay.terminate() == 0
+    finally:
+        relay.close()
+    skipped = _insert(cfg.db_dsn, "audited", 7, start=11)
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_replication_slot_advance(%s, pg_current_wal_lsn())", (cfg.slot,))
+    time.sleep(1.1)
+    until = datetime.now(UTC).isoformat()
+    code, repaired = audit("--since", since, "--until", until, "--repair")
+    assert code == 1 and repaired["repaired"] == 7, repaired
+    msgs = read_committed(cfg.kafka, topic, expect=17)
+    seen = Counter(headers_of(m)["id"].decode() for m in msgs)
+    assert set(seen) == set(published + skipped) and max(seen.values()) == 1
+    mark = str(repaired["repair_mark"]).encode()
+    assert {
+        headers_of(m)["id"].decode() for m in msgs if headers_of(m).get("recovered") == mark
+    } == set(skipped)
+    code, clean = audit("--since", since, "--until", until, "--repair")
+    assert code == 0 and clean["repaired"] == 0, clean
