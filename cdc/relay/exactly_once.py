@@ -50,7 +50,7 @@ from cdc.producer import producer_config
 from cdc.relay import checkpoint as ckpt
 from cdc.relay.loop import ACK_WAIT_S, READ_WAIT_S, Relay
 from cdc.relay.producing import Reports
-from cdc.relay.state import Headers, Session
+from cdc.relay.state import Headers, Session, _PendingDlq
 from cdc.relay.txbatch import Action, TxBatch, TxLimits, TxState
 from cdc.router import DeadLetterCode
 from cdc.wal.lsn import LsnTracker
@@ -335,6 +335,15 @@ class ExactlyOnceRelay(Relay):
         self._batch.failed()  # (first: no dead letter joins a transaction that must abort)
         super()._report_failed(reports, err, msg)
         reports.sess.fatal = reports.sess.fatal or err
+
+    def _dlq_report_failed(self, sess: Session, item: _PendingDlq, err: KafkaError) -> None:
+        """A dead letter's delivery failed: its transaction cannot commit either (aborted,
+        the session ends; the dead letter is made again when its record is read again)."""
+        if is_fenced(err):
+            self._fenced = self._fenced or f"{err.name()}: {err.str()}"
+        self._batch.failed()
+        super()._dlq_report_failed(sess, item, err)
+        sess.fatal = sess.fatal or err
 
     def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
         if is_fenced(exc) or _fatal_code(exc) in FENCED_CODES:

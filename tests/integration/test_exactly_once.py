@@ -449,6 +449,12 @@ def test_dead_letters_are_written_exactly_once_through_an_aborted_transaction_an
     finally:
         relay.close()
     seen = Counter(headers_of(m)["id"].decode() for m in msgs)
+    extra = [
+        (headers_of(m), len(m.value()), m.partition(), m.offset())
+        for m in msgs
+        if headers_of(m)["id"].decode() not in ids
+    ]
+    assert not extra, (extra, str(broker_refused[0]), str(local_refused[0]))
     assert set(seen) == set(ids) and max(seen.values()) == 1
     dead_ids = Counter(headers_of(m)["id"].decode() for m in dead)
     assert dead_ids == Counter({str(broker_refused[0]): 1, str(local_refused[0]): 1, "": 1})
