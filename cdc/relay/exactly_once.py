@@ -375,21 +375,26 @@ class ExactlyOnceRelay(Relay):
         assert producer is not None and batch.candidate is not None
         value = lsn_to_str(batch.candidate).encode()
         try:
-            producer.produce(
-                self._checkpoint_topic,
-                value,
-                self._origin.encode(),
-                0,
-                headers=ckpt.checkpoint_headers(self._origin),  # type: ignore[arg-type]
-            )
+            if not self._commit_unfinished:  # (a retry only calls commit_transaction again)
+                producer.produce(
+                    self._checkpoint_topic,
+                    value,
+                    self._origin.encode(),
+                    0,
+                    headers=ckpt.checkpoint_headers(self._origin),  # type: ignore[arg-type]
+                )
             producer.commit_transaction(COMMIT_TIMEOUT_S)
         except KafkaException as exc:
             err = exc.args[0] if exc.args else None
             if is_fenced(exc) or _fatal_code(exc) is not None:
                 self._kafka_failed(exc, "commit_transaction")
+            # A record that failed during the commit has its report queued: served now,
+            # it is remembered (a refused one is dead-lettered when read again) and the
+            # transaction marked failed - never a retry of a commit that cannot succeed.
+            self._serve_reports(producer)
             retriable = isinstance(err, KafkaError) and err.retriable()
             # (after a retriable failure librdkafka takes only commit_transaction again)
-            self._commit_unfinished = retriable
+            self._commit_unfinished = self._commit_unfinished or retriable
             log.warning("Kafka transaction commit failed: %s", exc)
             sess.stream.send_status(self._ledger.bound(sess.tracker.confirmable))
             return batch.commit_failed(retriable=retriable, now_ms=_now_ms())
@@ -457,13 +462,20 @@ class ExactlyOnceRelay(Relay):
             raise ProducerFatalError(f"{what} failed: {exc}") from exc
         raise KafkaUnavailableError(f"{what} failed: {exc}") from exc
 
+    def _serve_reports(self, producer: Producer) -> None:
+        """Serve the delivery reports already queued (failed ones are remembered)."""
+        with contextlib.suppress(KafkaException):
+            producer.poll(0)
+
     def _drop_producer(self) -> None:
-        """Purge and let go of the producer without close() (which would try to end the
-        transaction once more); the next session makes a new one."""
+        """Serve the reports already there (a refused record is remembered), purge and
+        let go of the producer without close() (which would try to end the transaction
+        once more); the next session makes a new one."""
         producer, self._producer = self._producer, None
         self._initialised = None
         self._commit_unfinished = False
         if producer is not None:
+            self._serve_reports(producer)
             with contextlib.suppress(KafkaException):
                 producer.purge(in_queue=True, in_flight=True)
 
