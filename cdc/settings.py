@@ -90,6 +90,9 @@ POSITIVE = frozenset(
         "gap_tail_records",
         "gap_tail_max_records",
         "audit_window_s",
+        "tx_max_records",
+        "tx_max_ms",
+        "tx_timeout_ms",
     }
 )
 #: Highest TCP port number.
@@ -202,6 +205,34 @@ class Settings(BaseSettings):
     #: reading WAL (back-pressure); bounds memory while Kafka is slow or away
     #: (~1.5 KB a record over ~75 MB: 20,000 keeps the relay near 100 MB).
     relay_max_in_flight: int = env("CDC_MAX_IN_FLIGHT", 20_000)
+    # Exactly-once publishing (cdc.relay.exactly_once).
+    #: `at-least-once`: after a relay crash the transactions since the slot's confirmed LSN
+    #: are published again (consumers deduplicate by the `id` header). `exactly-once`: the
+    #: relay publishes in Kafka transactions that also carry a checkpoint of its WAL
+    #: position; a consumer reading with `isolation.level=read_committed` sees every event
+    #: once, through relay crashes, broker restarts and a takeover (a second relay fences
+    #: the first).
+    delivery: Literal["at-least-once", "exactly-once"] = env("CDC_DELIVERY", "at-least-once")
+    #: Exactly-once: the producer's `transactional.id`; empty: `outbox-cdc.<system
+    #: identifier>.<slot>`, the same for every relay of that slot (so the one that takes
+    #: the slot over fences the one before it). Set it only to keep an id across a move.
+    transactional_id: str = env("CDC_TRANSACTIONAL_ID", "")
+    #: Exactly-once: the compacted topic of the relay's checkpoints (the commit end-LSN of
+    #: the last WAL transaction in each Kafka transaction, keyed by the relay's `origin`);
+    #: empty: the topic prefix without its last dot + `__checkpoints`
+    #: (`outbox.event__checkpoints`, outside the sink's subscription).
+    checkpoint_topic: str = env("CDC_CHECKPOINT_TOPIC", "")
+    #: Exactly-once: a Kafka transaction is committed once it holds this many records (a
+    #: WAL transaction is never split: a larger one makes one larger Kafka transaction).
+    tx_max_records: int = env("CDC_TX_MAX_RECORDS", 5_000)
+    #: Exactly-once: a Kafka transaction is committed once it is this old (and its last
+    #: WAL transaction has ended): the most a read_committed consumer waits for a record on
+    #: top of the usual latency.
+    tx_max_ms: int = env("CDC_TX_MAX_MS", 50)
+    #: Exactly-once: the producer's `transaction.timeout.ms` (the broker aborts a
+    #: transaction open longer). The relay aborts one itself 10 s (its commit budget)
+    #: before: the longest a single WAL transaction may take to read and publish.
+    tx_timeout_ms: int = env("CDC_TX_TIMEOUT_MS", 60_000)
     #: No message from the server (keepalives included) for this long while the relay
     #: reads: the relay looks at its walsender (pg_stat_activity, pg_stat_replication) and
     #: reopens the connection only when the path is dead; a walsender busy decoding a large

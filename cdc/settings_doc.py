@@ -81,6 +81,13 @@ GROUPS: tuple[Group, ...] = (
         "([The record contract](../record-contract.md), [Scaling](../relay/scaling.md)).",
     ),
     Group(
+        "Relay: exactly-once delivery",
+        ("CDC_DELIVERY", "CDC_TRANSACTIONAL_ID", "CDC_CHECKPOINT_TOPIC", "CDC_TX_"),
+        "Kafka transactions that carry the relay's checkpoint: every event once to a consumer"
+        " reading with `isolation.level=read_committed` ([The record contract]"
+        "(../record-contract.md)).",
+    ),
+    Group(
         "Relay: flow and health",
         ("CDC_MAX_IN_FLIGHT", "CDC_REPLICATION_", "CDC_RELAY_"),
         "Back-pressure, a silent replication connection, a stall ([The relay](../relay/index.md)).",

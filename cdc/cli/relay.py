@@ -155,7 +155,12 @@ def relay() -> None:
         "relay starting with %s", settings_line(settings), extra={"state": "starting"}
     )
     pgconn.PROCESS_ROLE[0] = "relay"  # (its replication connections name it: slot holder)
-    runner = Relay(settings)
+    if settings.delivery == "exactly-once":
+        from cdc.relay.exactly_once import ExactlyOnceRelay
+
+        runner: Relay = ExactlyOnceRelay(settings)
+    else:
+        runner = Relay(settings)
     _on_signals(runner.stop)
     sys.exit(runner.run())
 

@@ -166,6 +166,9 @@ class Relay(
     StandbyWait,
     KafkaReadiness,
 ):
+    #: A read turn waits this long for WAL when nothing is in flight.
+    _read_wait_s: float = READ_WAIT_S
+
     def __init__(
         self,
         settings: Settings,
@@ -372,17 +375,10 @@ class Relay(
             # (a standby stops here - SlotInUseError - without a producer)
             stream.start(0, confirmed_lsn=info.confirmed_flush_lsn)
             if self._producer is None:
-                self._producer = make_producer(
-                    s.kafka_bootstrap_servers,
-                    s.kafka_config,
-                    events=self._events,
-                    # delivered records call nothing (Reports counts them), unless
-                    # tracing ends a span at every report
-                    failed_reports_only=self._tracing is None,
-                )
+                self._producer = self._new_producer(origin)
             sess = Session(
                 stream=stream,
-                tracker=LsnTracker(info.confirmed_flush_lsn),
+                tracker=self._new_tracker(info.confirmed_flush_lsn),
                 last_confirmed=info.confirmed_flush_lsn,
                 origin=origin,
             )
@@ -394,6 +390,22 @@ class Relay(
                 sess.reports = None  # (it holds the session: no cycle left for the GC)
         finally:
             stream.close()
+
+    def _new_producer(self, origin: tuple[str, bytes]) -> Producer:
+        """The session's producer (cdc.relay.exactly_once makes a transactional one)."""
+        s = self.settings
+        return make_producer(
+            s.kafka_bootstrap_servers,
+            s.kafka_config,
+            events=self._events,
+            # delivered records call nothing (Reports counts them), unless
+            # tracing ends a span at every report
+            failed_reports_only=self._tracing is None,
+        )
+
+    def _new_tracker(self, start_lsn: int) -> LsnTracker:
+        """The session's LSN tracker (cdc.relay.exactly_once caps it at its checkpoint)."""
+        return LsnTracker(start_lsn)
 
     def _stream_loop(self, sess: Session) -> None:
         next_status = 0.0
@@ -531,7 +543,7 @@ class Relay(
         on_change, handle = self._on_change, self._handle
         on_insert, on_begin, on_commit = self._on_insert, self._on_begin, self._on_commit
         limit = self.settings.relay_max_in_flight
-        wait_s = ACK_WAIT_S if tracker.in_flight else READ_WAIT_S
+        wait_s = ACK_WAIT_S if tracker.in_flight else self._read_wait_s
         data: memoryview | bytes | None
         for _ in range(READ_BATCH):
             nbytes, data = get_nowait()

@@ -77,6 +77,7 @@ from cdc.records import ID_BYTES
 from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide, unrecoverable_reason
 from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.standby_safe import wait_standby_flushed
+from cdc.relay.transactional import Transactions, exactly_once, present_ids
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
@@ -420,8 +421,12 @@ class _Publisher:
     acks: _Acks
     sent: int = 0
     run: _Run | None = None
+    #: exactly-once mode: the ids to skip and the transactions (cdc.relay.transactional)
+    tx: Transactions | None = None
 
     def send(self, record: KafkaRecord) -> None:
+        if self.tx is not None and self.tx.skip(record.event_id):
+            return
         if record.topic not in self.topics.known:
             self.topics.ensure([record.topic])
         run = self.run
@@ -470,6 +475,8 @@ class _Publisher:
                 self.run = None
                 continue
             if not left:
+                if self.tx is not None:
+                    self.tx.commit()
                 return
             if time.monotonic() > deadline:
                 raise KafkaUnavailableError(f"recovery: {left} records not acknowledged")
@@ -479,6 +486,21 @@ class _Publisher:
         for err, record in refused:
             self.sent -= 1  # the refused record is replaced by its dead letter
             self.send(_dead_letter_of(err, record, self.settings))
+
+
+def publishing_producer(
+    settings: Settings, *, system_id: str, purpose: str
+) -> tuple[Producer, Transactions | None]:
+    """The producer of a republishing run: transactional in exactly-once mode (with the
+    ids to skip filled in by the caller), else the relay's at-least-once producer."""
+    if exactly_once(settings):
+        tx = Transactions(settings, system_id=system_id, purpose=purpose)
+        return tx.producer, tx
+    # Delivered records call nothing (a _Run per RUN_RECORDS finds a refused one's id).
+    producer = make_producer(
+        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
+    )
+    return producer, None
 
 
 def topic_manager(settings: Settings) -> TopicManager:
@@ -637,11 +659,10 @@ def _recover(
         log.info("gap %d: resuming its recovery from %s", gap.id, since.isoformat())
     floor = _db_now(lock.conn) - timedelta(seconds=settings.gap_margin_s)
     acks = _Acks()
-    # Delivered records call nothing (a _Run per RUN_RECORDS finds a refused one's id).
-    producer = make_producer(
-        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
-    )
-    publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks)
+    producer, txs = publishing_producer(settings, system_id=server.system_id, purpose="recovery")
+    if txs is not None:  # exactly-once: what read_committed consumers hold already is skipped
+        txs.present = present_ids(settings, _epoch_us(since) // 1000 if since else 0)
+    publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks, tx=txs)
     progress = _Progress(lock, gap.id, floor, gap.rows_recovered or 0, publisher)
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
@@ -674,6 +695,14 @@ def _recover(
         publisher.wait_acked()
     finally:
         producer.flush(0)
+    if txs is not None:
+        log.info(
+            "gap %d: exactly-once: %d rows of the window already in Kafka (read_committed)"
+            " skipped, %d published in transactions",
+            gap.id,
+            txs.skipped,
+            publisher.sent,
+        )
     with connect(settings) as conn:
         slot = read_slot(conn, settings.slot)
     return gaps.Recovered(
@@ -764,10 +793,12 @@ def republish(settings: Settings, ids: bytes, *, origin: str, mark: str, lsn: st
         raise ValueError(f"ids must be {ID_BYTES}-byte uuids, concatenated")
     if not ids:
         return 0
-    producer = make_producer(
-        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
+    # (the start-up check and the audit run under the audit lock, never at once: one id
+    # of theirs, apart from a gap recovery's, which may run alongside)
+    producer, txs = publishing_producer(
+        settings, system_id=origin.split("/", 1)[0], purpose="repair"
     )
-    publisher = _Publisher(settings, producer, topic_manager(settings), _Acks())
+    publisher = _Publisher(settings, producer, topic_manager(settings), _Acks(), tx=txs)
     origin_header = (c.HEADER_ORIGIN, origin.encode())
     marked = mark.encode()
     try:
@@ -782,6 +813,10 @@ def republish(settings: Settings, ids: bytes, *, origin: str, mark: str, lsn: st
             params = {"ids": ids, "count": len(ids) // ID_BYTES}
             with conn.cursor() as cur:
                 for row in cur.stream(query, params, size=FETCH_ROWS):
+                    if tx is None and txs is not None:
+                        # exactly-once: only what Kafka does not hold; the rows come in
+                        # commit order, so the first one's time is the earliest
+                        txs.present = present_ids(settings, _epoch_us(row[6]) // 1000)
                     if tx is None or row[6] != tx_ts:  # rows of one transaction share its time
                         tx_ts = row[6]
                         tx = TxContext(lsn, _epoch_us(row[6]), origin_header)

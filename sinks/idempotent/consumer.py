@@ -93,6 +93,9 @@ class IdempotentConsumer:
         self.consumer = Consumer(
             {
                 "auto.offset.reset": "earliest",
+                # librdkafka's default, stated: records of aborted relay transactions
+                # (CDC_DELIVERY=exactly-once) are never handled; the ledger still dedupes
+                "isolation.level": "read_committed",
                 **self._kafka_config,
                 **self._events.config(),
                 "enable.auto.offset.store": False,

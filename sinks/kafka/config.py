@@ -30,6 +30,9 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         "heartbeat.interval.ms": 2_000,
         "topic.metadata.refresh.interval.ms": 5_000,
         "fetch.wait.max.ms": 50,
+        # librdkafka's default, stated: records of aborted (exactly-once) relay
+        # transactions are never delivered; ids stay the idempotency keys either way
+        "isolation.level": "read_committed",
     }
     config.update(settings.kafka_config)
     return config

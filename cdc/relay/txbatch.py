@@ -1,0 +1,233 @@
+"""Exactly-once publishing's Kafka transactions, as a pure state machine (no I/O).
+
+The relay in ``CDC_DELIVERY=exactly-once`` mode (:mod:`cdc.relay.exactly_once`)
+tells this machine what happened - a WAL transaction opened or closed, a record
+handed to Kafka, time passed, a commit or abort finished or failed, the producer
+was fenced - and does what :meth:`TxBatch.due` and the events answer
+(:class:`Action`). Guarantees, checked after every step by the model test
+(``tests/unit/test_txbatch_model.py``):
+
+* **a WAL transaction stays whole inside one Kafka transaction**: a commit is
+  never due while a WAL transaction is open. (Splitting one would need the
+  checkpoint to name a position inside it - an LSN plus a record index - and
+  a restart to skip part of a transaction it reads again: possible, but a
+  second skip rule for a rare case; a large WAL transaction makes one large
+  Kafka transaction instead, bounded by ``transaction.timeout.ms``.)
+* **the checkpoint never runs ahead of the records**: the checkpoint a commit
+  writes (:attr:`TxBatch.candidate`) is the commit end-LSN of the last WAL
+  transaction *closed* inside the open Kafka transaction; every record of it,
+  and of every earlier WAL transaction, was handed to Kafka in this or an
+  earlier transaction, and :attr:`committed` moves to it only on
+  :meth:`commit_ok`.
+* **the LSN confirmed to PostgreSQL never passes the last committed
+  checkpoint** while a Kafka transaction is open, committing, aborting or
+  failed (:meth:`confirm_bound`). Only with no Kafka transaction at all
+  (IDLE: everything read so far was committed or skipped) may the tracker's
+  own answer - an idle outbox's WAL end - be confirmed.
+* **a restart skips what a committed transaction holds**: :meth:`covered` is
+  true exactly for WAL transactions whose commit LSN lies below the
+  checkpoint read at start (``final_lsn < checkpoint``: a later transaction's
+  commit record starts at or after an earlier one's end).
+* **every wait is bounded**: a Kafka transaction open for
+  ``abort_after_ms`` (the transaction timeout less the commit budget) is
+  aborted - the broker would abort it anyway; a commit that keeps failing
+  retriably is retried until ``commit_budget_ms`` after it started, then
+  aborted; after an abort (done or failed) the session ends (FAILED) and the
+  next one starts from the slot and the checkpoint.
+* **fenced is final**: once fenced, nothing else is done; the relay exits.
+
+States and transitions::
+
+    IDLE --record (BEGIN)--> OPEN --due: closed WAL tx, nothing waiting, and
+                                     (records >= max or age >= max_ms)
+                                     (COMMIT)--> COMMITTING --ok--> IDLE
+    OPEN --shutdown: flush (COMMIT when due-able, else ABORT)
+    COMMITTING --retriable failure, within budget (COMMIT)--> COMMITTING
+    COMMITTING --other failure, or budget spent (ABORT)--> ABORTING
+    OPEN --age >= abort_after_ms, or a failed record (ABORT)--> ABORTING
+    ABORTING --aborted / abort failed--> FAILED   (the session ends: RESTART)
+    any --fenced--> FENCED   (the relay says so and exits non-zero)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class TxState(enum.Enum):
+    IDLE = "idle"  # no Kafka transaction open: everything read is committed or skipped
+    OPEN = "open"  # a Kafka transaction is open and takes records
+    COMMITTING = "committing"  # the checkpoint is produced, the commit is under way
+    ABORTING = "aborting"  # the Kafka transaction is being aborted
+    FAILED = "failed"  # aborted (or the abort failed): the session must end
+    FENCED = "fenced"  # a newer relay took the transactional.id: stop for good
+
+
+class Action(enum.Enum):
+    NONE = "none"  # nothing to do
+    BEGIN = "begin"  # begin a Kafka transaction (before producing this record)
+    COMMIT = "commit"  # produce the checkpoint (candidate) and commit the transaction
+    ABORT = "abort"  # abort the Kafka transaction
+    RESTART = "restart"  # end the session (its reads since the checkpoint are read again)
+    EXIT = "exit"  # fenced: publish nothing more, exit non-zero
+
+
+#: What is due in a state that takes no more records.
+_SETTLED = {TxState.FENCED: Action.EXIT, TxState.FAILED: Action.RESTART}
+
+
+@dataclass(frozen=True)
+class TxLimits:
+    """The bounds of one Kafka transaction (milliseconds, records)."""
+
+    #: a due commit once this many records are in the transaction (CDC_TX_MAX_RECORDS)
+    max_records: int
+    #: a due commit once the transaction is this old (CDC_TX_MAX_MS)
+    max_ms: int
+    #: an open transaction this old is aborted (transaction.timeout.ms less the commit budget)
+    abort_after_ms: int
+    #: a commit failing retriably is retried this long, then aborted
+    commit_budget_ms: int
+
+    def __post_init__(self) -> None:
+        if min(self.max_records, self.max_ms, self.abort_after_ms, self.commit_budget_ms) < 1:
+            raise ValueError(f"transaction limits must be positive: {self}")
+
+
+class TxBatch:
+    """One session's Kafka transactions; ``checkpoint`` is what the checkpoint topic held
+    at the session's start (read_committed), or the slot's confirmed LSN when none."""
+
+    __slots__ = (
+        "candidate",
+        "commit_started_ms",
+        "committed",
+        "limits",
+        "opened_ms",
+        "records",
+        "skip_below",
+        "state",
+        "wal_open",
+    )
+
+    def __init__(self, limits: TxLimits, checkpoint: int) -> None:
+        self.limits = limits
+        self.state = TxState.IDLE
+        #: the last committed checkpoint (commit end-LSN)
+        self.committed = checkpoint
+        #: WAL transactions whose commit LSN is below this were committed before: skipped
+        self.skip_below = checkpoint
+        #: the checkpoint the next commit writes (None: no WAL transaction closed in it yet)
+        self.candidate: int | None = None
+        #: records handed to Kafka in the open transaction
+        self.records = 0
+        self.opened_ms = 0
+        self.commit_started_ms = 0
+        #: a WAL transaction is open (a commit must wait for its end)
+        self.wal_open = False
+
+    def covered(self, final_lsn: int) -> bool:
+        """Whether the WAL transaction committed at ``final_lsn`` is in Kafka already."""
+        return final_lsn < self.skip_below
+
+    def wal_opened(self) -> None:
+        """A WAL transaction began (Begin, or a pseudo-transaction around a message)."""
+        self.wal_open = True
+
+    def wal_closed(self, end_lsn: int) -> None:
+        """A WAL transaction ended at ``end_lsn``; all of its records were handed over
+        (a covered one's were skipped)."""
+        self.wal_open = False
+        if self.state is TxState.OPEN:
+            self.candidate = end_lsn
+
+    def record(self, now_ms: int) -> Action:
+        """A record is about to be produced: BEGIN when no transaction is open."""
+        if self.state is TxState.IDLE:
+            self.state = TxState.OPEN
+            self.opened_ms = now_ms
+            self.records = 1
+            self.candidate = None
+            return Action.BEGIN
+        if self.state is not TxState.OPEN:
+            raise ValueError(f"record while the Kafka transaction is {self.state.value}")
+        self.records += 1
+        return Action.NONE
+
+    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
+        """What is due now: COMMIT, ABORT (too old), RESTART, EXIT or NONE. ``waiting``:
+        records of the transaction are not handed to Kafka yet (dead letters not
+        written): no commit before they are."""
+        if self.state is not TxState.OPEN:
+            return _SETTLED.get(self.state, Action.NONE)
+        age_ms = now_ms - self.opened_ms
+        if age_ms >= self.limits.abort_after_ms:
+            self.state = TxState.ABORTING
+            return Action.ABORT
+        if self.wal_open or waiting or self.candidate is None:
+            return Action.NONE
+        if self.records >= self.limits.max_records or age_ms >= self.limits.max_ms:
+            self.state = TxState.COMMITTING
+            self.commit_started_ms = now_ms
+            return Action.COMMIT
+        return Action.NONE
+
+    def flush(self, now_ms: int, *, waiting: bool = False) -> Action:
+        """Commit now if a transaction can be (shutdown): COMMIT, ABORT (a WAL
+        transaction is open, or records wait: it would be read again anyway) or NONE."""
+        if self.state is not TxState.OPEN:
+            return Action.NONE
+        if self.wal_open or waiting or self.candidate is None:
+            self.state = TxState.ABORTING
+            return Action.ABORT
+        self.state = TxState.COMMITTING
+        self.commit_started_ms = now_ms
+        return Action.COMMIT
+
+    def commit_ok(self) -> None:
+        """The Kafka commit succeeded: the checkpoint it carried is committed."""
+        if self.state is not TxState.COMMITTING or self.candidate is None:
+            raise ValueError(f"commit_ok while {self.state.value}")
+        self.committed = self.candidate
+        self.state = TxState.IDLE
+        self.candidate = None
+        self.records = 0
+
+    def commit_failed(self, *, retriable: bool, now_ms: int) -> Action:
+        """The commit failed: COMMIT again (retriable, within budget) or ABORT."""
+        if self.state is TxState.ABORTING:  # (a record failed meanwhile)
+            return Action.ABORT
+        if self.state is not TxState.COMMITTING:
+            raise ValueError(f"commit_failed while {self.state.value}")
+        if retriable and now_ms - self.commit_started_ms < self.limits.commit_budget_ms:
+            return Action.COMMIT
+        self.state = TxState.ABORTING
+        return Action.ABORT
+
+    def failed(self) -> Action:
+        """A record of the open transaction failed (a failed delivery report, a produce
+        error): the transaction cannot commit. ABORT (or NONE when none is open)."""
+        if self.state in (TxState.OPEN, TxState.COMMITTING):
+            self.state = TxState.ABORTING
+            return Action.ABORT
+        return Action.NONE
+
+    def aborted(self) -> Action:
+        """The abort finished, or failed (the broker aborts at the transaction timeout,
+        the next producer's init_transactions at once): the session ends."""
+        if self.state is TxState.FENCED:
+            return Action.EXIT
+        self.state = TxState.FAILED
+        return Action.RESTART
+
+    def fenced(self) -> Action:
+        """A newer producer took the transactional.id: nothing more is published."""
+        self.state = TxState.FENCED
+        return Action.EXIT
+
+    def confirm_bound(self, confirmable: int) -> int:
+        """The LSN that may be confirmed to PostgreSQL, given the tracker's answer."""
+        if self.state is TxState.IDLE:
+            return confirmable
+        return confirmable if confirmable < self.committed else self.committed

@@ -1,0 +1,192 @@
+"""Exactly-once publishing's cost: drain rate against at-least-once, commit->read_committed latency.
+
+Drain: for each of 1-event and 100-event transactions, a pair of slots per run is
+created at one moment, ``BENCH_RELAY_EVENTS`` events (100,000 for figures) are
+written while nothing streams, then - ``REPEATS`` times, interleaved - an
+at-least-once relay drains one slot and an exactly-once relay the other, each timed
+from its ``/readyz`` until ``outbox_relay_events_total`` reaches the count (the
+exactly-once relay's commits, which block its reading, fall inside that time).
+Goal (issue 40): exactly-once / at-least-once >= 0.8.
+
+Latency: a paced writer commits 1-event transactions at 2,000/s for
+``BENCH_EOS_LATENCY_S`` seconds while an exactly-once relay runs; a consumer with
+``isolation.level=read_committed`` timestamps every record on receipt and subtracts
+its ``commit_ts`` header: the figure holds the wait for the Kafka commit
+(``CDC_TX_MAX_MS``) and Kafka's consume delay. Goal: p99 <= 100 ms.
+
+Only correctness is asserted (every event arrives once); the figures are printed
+with their goals and recorded for ``make bench``'s summary.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import psycopg
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from tests.bench.conftest import Pace, create_topics, paced, slots_to_drop
+from tests.bench.report import fmt, percentile, print_table, record_goal
+from tests.bench.test_relay_bench import (
+    EVENTS_PER_CASE,
+    PARTITIONS,
+    WARMUP_EVENTS,
+    _fill,
+    _insert_sql,
+    _Receiver,
+    _relayed,
+    _wait_ready_precisely,
+    cfg,
+)
+from tests.harness import RelayConfig, start_relay, wait_until
+
+pytestmark = [pytest.mark.bench, pytest.mark.integration]
+
+__all__ = ["cfg", "slots_to_drop"]  # (fixtures, shared with the relay bench)
+
+#: Timed drains per mode and case (median reported).
+REPEATS = int(os.environ.get("BENCH_EOS_REPEATS", "3"))
+GOAL_RATIO = 0.8
+LATENCY_RATE_PER_S = 2_000
+LATENCY_DURATION_S = float(os.environ.get("BENCH_EOS_LATENCY_S", "15"))
+GOAL_P99_MS = 100.0
+EOS = {"CDC_DELIVERY": "exactly-once"}
+
+
+def _drain_s(cfg: RelayConfig, tmp: Path, *, slot: str, topic: str, extra: dict[str, str]) -> float:
+    """Seconds from the relay's /readyz until it relayed the backlog of ``slot``."""
+    run_cfg = replace(cfg, extra={**cfg.extra, **extra, "CDC_SLOT": slot})
+    relay, port = start_relay(run_cfg, tmp, name=f"relay-{slot}", wait_ready=False)
+    try:
+        t_ready = _wait_ready_precisely(relay, port)
+        wait_until(
+            lambda: _relayed(port, topic) >= EVENTS_PER_CASE,
+            600,
+            f"{EVENTS_PER_CASE} events relayed ({slot})",
+            interval_s=0.05,
+        )
+        elapsed_s = time.monotonic() - t_ready
+        assert relay.terminate() == 0, relay.log_tail()
+    finally:
+        relay.close()
+    return elapsed_s
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("per_tx", [1, 100], ids=["1-event-tx", "100-event-tx"])
+def test_exactly_once_drains_a_backlog_at_most_a_fifth_slower_than_at_least_once(
+    per_tx: int, cfg: RelayConfig, tmp_path: Path, slots_to_drop: list[str]
+) -> None:
+    aggregate = f"eos{per_tx}"
+    topic = cfg.topic_prefix + aggregate
+    alo_slots = [f"{cfg.slot}_alo{run}" for run in range(REPEATS)]
+    eos_slots = [f"{cfg.slot}_eos{run}" for run in range(REPEATS)]
+    create_topics(cfg.kafka, [topic, cfg.dlq_topic], partitions=PARTITIONS)
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        slots_to_drop.extend(alo_slots + eos_slots)
+        conn.execute(
+            "SELECT pg_create_logical_replication_slot(name, 'pgoutput')"
+            " FROM unnest(%s::text[]) AS name",
+            (alo_slots + eos_slots,),
+        )
+    _fill(cfg.db_dsn, aggregate, EVENTS_PER_CASE, per_tx)
+    alo: list[float] = []
+    eos: list[float] = []
+    for run, (alo_slot, eos_slot) in enumerate(zip(alo_slots, eos_slots, strict=True)):
+        # (each mode goes first every other run: a first drain reads the WAL from disk)
+        order = [(alo, alo_slot, {}), (eos, eos_slot, EOS)]
+        for rates, slot, extra in order if run % 2 == 0 else order[::-1]:
+            rates.append(
+                EVENTS_PER_CASE / _drain_s(cfg, tmp_path, slot=slot, topic=topic, extra=extra)
+            )
+    ratio = statistics.median(eos) / statistics.median(alo)
+    print_table(
+        f"exactly-once vs at-least-once drain, {EVENTS_PER_CASE:,} events in {per_tx}-event"
+        f" transactions ({REPEATS} runs each, interleaved)",
+        ["run", "at-least-once ev/s", "exactly-once ev/s", "ratio"],
+        [
+            [str(i + 1), fmt(a), fmt(e), fmt(e / a, 2)]
+            for i, (a, e) in enumerate(zip(alo, eos, strict=True))
+        ]
+        + [
+            [
+                "median",
+                fmt(statistics.median(alo)),
+                fmt(statistics.median(eos)),
+                f"{ratio:.2f} (goal >= {GOAL_RATIO})",
+            ]
+        ],
+    )
+    record_goal(
+        f"exactly-once / at-least-once drain, {per_tx}-event tx", ratio, at_least=GOAL_RATIO
+    )
+    assert all(math.isfinite(r) and r > 0 for r in alo + eos)
+
+
+@pytest.mark.timeout(600)
+def test_exactly_once_commit_to_read_committed_consumer_latency_at_2000_per_s(
+    cfg: RelayConfig, tmp_path: Path, slots_to_drop: list[str]
+) -> None:
+    topic = cfg.topic_prefix + "latency"
+    create_topics(cfg.kafka, [topic, cfg.dlq_topic], partitions=PARTITIONS)
+    slots_to_drop.append(cfg.slot)
+    expect = round(LATENCY_RATE_PER_S * LATENCY_DURATION_S)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": cfg.kafka,
+            "group.id": f"bench-eos-latency-{cfg.unique}",
+            "enable.auto.commit": False,
+            "fetch.wait.max.ms": 5,
+            "fetch.error.backoff.ms": 5,
+            "isolation.level": "read_committed",
+        }
+    )
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(PARTITIONS)])
+    receiver = _Receiver(consumer)
+    receiver.start()
+    eos_cfg = replace(cfg, extra={**cfg.extra, **EOS})
+    relay, _ = start_relay(eos_cfg, tmp_path)
+    payload = '{"user_id": "00000000-0000-0000-0000-000000000000", "source": "bench"}'
+    pace = Pace(0, 0.0, 0.0)
+    try:
+        with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+            for i in range(WARMUP_EVENTS):
+                conn.execute(_insert_sql("Warmup"), (f"w{i}", payload))
+            wait_until(lambda: receiver.warmup >= WARMUP_EVENTS, 60, "warm-up records")
+            for i in paced(LATENCY_RATE_PER_S, LATENCY_DURATION_S, pace):
+                conn.execute(_insert_sql("BenchLatency"), (f"k{i % 1000}", payload))
+        wait_until(lambda: len(receiver.ids) >= expect or receiver.error, 120, "latency records")
+        assert relay.terminate() == 0, relay.log_tail()
+    finally:
+        receiver.stop.set()
+        receiver.join(10)
+        consumer.close()
+        relay.close()
+    assert receiver.error is None, receiver.error
+    assert len(receiver.ids) == expect, f"{len(receiver.ids)} of {expect} events arrived"
+    assert len(receiver.latencies_s) == expect, "a record seen twice by read_committed"
+    lat_ms = [s * 1000.0 for s in receiver.latencies_s]
+    p50, p99 = percentile(lat_ms, 50), percentile(lat_ms, 99)
+    print_table(
+        f"exactly-once commit->read_committed consumer, {LATENCY_RATE_PER_S:,}/s offered for"
+        f" {LATENCY_DURATION_S:.0f} s (1-event transactions, CDC_TX_MAX_MS default)",
+        ["figure", "value", "goal"],
+        [
+            ["offered rate achieved ev/s", fmt(pace.rate_per_s), ""],
+            ["commit->consumer p50 ms", fmt(p50, 1), ""],
+            ["commit->consumer p99 ms", fmt(p99, 1), f"<= {GOAL_P99_MS:.0f}"],
+            ["commit->consumer max ms", fmt(max(lat_ms), 1), ""],
+        ],
+    )
+    record_goal(
+        f"exactly-once commit->read_committed p99 ms at {LATENCY_RATE_PER_S:,}/s",
+        p99,
+        at_most=GOAL_P99_MS,
+        digits=1,
+    )

@@ -1,0 +1,466 @@
+"""Exactly-once transactions (cdc.relay.txbatch) against a model of PostgreSQL and Kafka.
+
+The model is the world around the machine: a WAL of committed transactions (each
+with 0-3 records), the slot's confirmed LSN, Kafka's read_committed log and
+checkpoint, the open Kafka transaction, and one relay session reading the WAL
+from the slot, driving :class:`TxBatch` as :mod:`cdc.relay.exactly_once` does.
+Hypothesis interleaves reads (records and dead letters, which wait in the session
+until drained into the transaction), commits, time, status updates and the faults: a
+failed record, a commit timeout (retriable) and a commit failure, a failing
+abort, a broker restart between produce and commit (the open transaction is
+lost: its commit fails), a fencing by a newer relay, kill -9 of the relay and
+its restart reading the checkpoint. After every step:
+
+* the read_committed log holds no record twice;
+* every WAL transaction at or below the slot's confirmed LSN, and at or below
+  the committed checkpoint, has all its records in the read_committed log;
+* a commit never happens inside a WAL transaction, and the checkpoint it writes
+  never names a transaction whose records are not in that or an earlier one;
+* an open Kafka transaction is never older than ``abort_after_ms``; a commit is
+  retried no longer than ``commit_budget_ms``;
+* and at the end, once the faults stop, every record of the WAL is in the log
+  exactly once (nothing lost, nothing twice).
+
+Mutants at the bottom re-create the bugs the machine exists to prevent (confirming
+what Kafka acknowledged rather than committed; splitting a WAL transaction; a skip
+rule one transaction too wide; committing while dead letters wait), each with the
+interleaving that shows it (``SCRIPTS``), run on every run against the mutant (the
+model fails) and against the real machine (it passes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from cdc.relay.txbatch import Action, TxBatch, TxLimits, TxState
+
+LIMITS = TxLimits(max_records=4, max_ms=50, abort_after_ms=400, commit_budget_ms=100)
+
+
+@dataclass
+class WalTx:
+    final_lsn: int
+    end_lsn: int
+    records: list[str]
+
+
+@dataclass
+class Session:
+    batch: TxBatch
+    #: next WAL transaction to read (index), and records read of the current one
+    read_idx: int
+    in_tx: bool = False
+    read_records: int = 0
+    tracker: int = 0
+    covered: bool = False
+    #: dead letters queued, not yet handed to Kafka (the shell's pending_dlq)
+    pending_dlq: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Kafka:
+    log: list[str] = field(default_factory=list)
+    checkpoint: int | None = None
+    pending: list[str] | None = None
+    #: the broker lost the open transaction (restart between produce and commit)
+    doomed: bool = False
+
+
+class TxBatchModel(RuleBasedStateMachine):
+    #: the machine under test (the mutants below replace it)
+    batch_cls: type[TxBatch] = TxBatch
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wal: list[WalTx] = []
+        self.slot_confirmed = 0
+        self.kafka = Kafka()
+        self.now_ms = 0
+        self.sess: Session | None = None
+        self.commit_faults: list[bool] = []  # retriable? per coming commit
+        self.abort_fails = False
+        self.next_id = 0
+        self.wal_end = 0
+        self._start()
+
+    # -- the world -------------------------------------------------------------
+    def _start(self) -> None:
+        """A relay session: the checkpoint read (read_committed), the slot read from its
+        confirmed LSN (what an init_transactions aborted is gone)."""
+        self.kafka.pending = None
+        self.kafka.doomed = False
+        batch = self.batch_cls(LIMITS, self.kafka.checkpoint or 0)
+        idx = next(
+            (i for i, t in enumerate(self.wal) if t.end_lsn > self.slot_confirmed), len(self.wal)
+        )
+        self.sess = Session(batch=batch, read_idx=idx, tracker=self.slot_confirmed)
+
+    def _do(self, action: Action) -> None:
+        """The shell: perform what the machine asked."""
+        sess = self.sess
+        assert sess is not None
+        batch = sess.batch
+        while action is not Action.NONE:
+            if action is Action.BEGIN:
+                assert self.kafka.pending is None
+                self.kafka.pending = []
+                return
+            if action is Action.COMMIT:
+                action = self._commit(batch)
+            elif action is Action.ABORT:
+                self.kafka.pending = None
+                self.kafka.doomed = False
+                action = batch.aborted()
+            elif action in (Action.RESTART, Action.EXIT):
+                self.sess = None  # the session ends (EXIT: the process too)
+                self.kafka.pending = None
+                return
+
+    def _commit(self, batch: TxBatch) -> Action:
+        sess = self.sess
+        assert sess is not None and batch.candidate is not None
+        assert not sess.in_tx, "a commit inside a WAL transaction"
+        assert batch.state is TxState.COMMITTING
+        pending = self.kafka.pending
+        assert pending is not None
+        # the checkpoint never names a transaction whose records are not all in Kafka
+        for tx in self.wal:
+            if tx.end_lsn <= batch.candidate:
+                for rid in tx.records:
+                    assert rid in self.kafka.log or rid in pending, (rid, batch.candidate)
+        if self.kafka.doomed:
+            return batch.commit_failed(retriable=False, now_ms=self.now_ms)
+        if self.commit_faults:
+            retriable = self.commit_faults.pop(0)
+            self.now_ms += 30  # (a commit timeout takes time)
+            return batch.commit_failed(retriable=retriable, now_ms=self.now_ms)
+        self.kafka.log.extend(pending)
+        self.kafka.checkpoint = batch.candidate
+        self.kafka.pending = None
+        batch.commit_ok()
+        return Action.NONE
+
+    # -- rules -----------------------------------------------------------------
+    @rule(n=st.integers(0, 3))
+    def pg_commit(self, n: int) -> None:
+        base = 100 * (len(self.wal) + 1)
+        ids = [f"e{self.next_id + i}" for i in range(n)]
+        self.next_id += n
+        self.wal.append(WalTx(base, base + 10, ids))
+        self.wal_end = base + 10
+
+    @precondition(lambda self: self.sess is not None)
+    @rule(dead=st.booleans())
+    def read(self, dead: bool = False) -> None:
+        sess = self.sess
+        assert sess is not None
+        if sess.read_idx >= len(self.wal):
+            return
+        tx = self.wal[sess.read_idx]
+        batch = sess.batch
+        if not sess.in_tx:
+            sess.in_tx, sess.read_records = True, 0
+            sess.covered = batch.covered(tx.final_lsn)
+            batch.wal_opened()
+            return
+        if sess.read_records < len(tx.records):
+            rid = tx.records[sess.read_records]
+            sess.read_records += 1
+            if sess.covered:
+                return
+            self._do(batch.record(self.now_ms))
+            assert self.kafka.pending is not None
+            if dead:  # a dead letter: queued now, handed to Kafka later
+                sess.pending_dlq.append(rid)
+            else:
+                self.kafka.pending.append(rid)
+            return
+        sess.in_tx = False
+        sess.read_idx += 1
+        batch.wal_closed(tx.end_lsn)
+        sess.tracker = max(sess.tracker, tx.end_lsn)  # (optimistic: delivered at once)
+        self._do(batch.due(self.now_ms, waiting=bool(sess.pending_dlq)))
+
+    @precondition(lambda self: self.sess is not None and self.sess.pending_dlq)
+    @rule()
+    def drain_dlq(self) -> None:
+        sess = self.sess
+        assert sess is not None
+        if self.kafka.pending is not None:
+            self.kafka.pending.extend(sess.pending_dlq)
+            sess.pending_dlq.clear()
+
+    @precondition(lambda self: self.sess is not None)
+    @rule(ms=st.integers(1, 200))
+    def tick(self, ms: int) -> None:
+        self.now_ms += ms
+        sess = self.sess
+        assert sess is not None
+        self._do(sess.batch.due(self.now_ms, waiting=bool(sess.pending_dlq)))
+
+    @precondition(lambda self: self.sess is not None)
+    @rule()
+    def keepalive(self) -> None:
+        """The server's WAL end, read once every transaction before it was read."""
+        sess = self.sess
+        assert sess is not None
+        if sess.read_idx == len(self.wal) and not sess.in_tx:
+            sess.tracker = max(sess.tracker, self.wal_end + 5)
+
+    @precondition(lambda self: self.sess is not None)
+    @rule()
+    def status(self) -> None:
+        sess = self.sess
+        assert sess is not None
+        self.slot_confirmed = max(self.slot_confirmed, sess.batch.confirm_bound(sess.tracker))
+
+    @precondition(lambda self: self.sess is not None and self.sess.batch.state is TxState.OPEN)
+    @rule()
+    def produce_error(self) -> None:
+        assert self.sess is not None
+        self._do(self.sess.batch.failed())
+
+    @rule(retriable=st.booleans())
+    def commit_fault(self, retriable: bool) -> None:
+        self.commit_faults.append(retriable)
+
+    @rule()
+    def abort_fault(self) -> None:
+        self.abort_fails = True  # (an abort that fails ends the session the same way)
+
+    @rule()
+    def broker_restart(self) -> None:
+        if self.kafka.pending is not None:
+            self.kafka.doomed = True
+
+    @precondition(lambda self: self.sess is not None)
+    @rule()
+    def fenced(self) -> None:
+        assert self.sess is not None
+        self._do(self.sess.batch.fenced())
+
+    @precondition(lambda self: self.sess is not None)
+    @rule()
+    def kill9(self) -> None:
+        self.sess = None
+        self.kafka.pending = None  # (the next init_transactions aborts it)
+
+    @precondition(lambda self: self.sess is None)
+    @rule()
+    def relay_restart(self) -> None:
+        self._start()
+
+    # -- invariants ------------------------------------------------------------
+    @invariant()
+    def nothing_twice(self) -> None:
+        assert len(self.kafka.log) == len(set(self.kafka.log)), self.kafka.log
+
+    @invariant()
+    def confirmed_and_checkpointed_are_in_kafka(self) -> None:
+        bound = max(self.slot_confirmed, self.kafka.checkpoint or 0)
+        logged = set(self.kafka.log)
+        for tx in self.wal:
+            if tx.end_lsn <= bound:
+                assert set(tx.records) <= logged, (tx, bound)
+
+    @invariant()
+    def waits_are_bounded(self) -> None:
+        sess = self.sess
+        if sess is not None and sess.batch.state is TxState.OPEN:
+            assert self.now_ms - sess.batch.opened_ms < LIMITS.abort_after_ms
+
+    def teardown(self) -> None:
+        """Faults stop; the relay runs until it has read everything: every record once."""
+        self.commit_faults.clear()
+        self.kafka.doomed = False
+        for _ in range(10 * (len(self.wal) + 5)):
+            if self.sess is None:
+                self._start()
+            sess = self.sess
+            assert sess is not None
+            if sess.read_idx == len(self.wal) and not sess.in_tx:
+                if sess.batch.state is TxState.IDLE:
+                    break
+                self.drain_dlq() if sess.pending_dlq else None
+                self.now_ms += LIMITS.max_ms
+                self._do(sess.batch.due(self.now_ms, waiting=bool(sess.pending_dlq)))
+            else:
+                self.read()
+        all_ids = [rid for tx in self.wal for rid in tx.records]
+        assert sorted(self.kafka.log) == sorted(all_ids)
+
+
+TestTxBatchModel = TxBatchModel.TestCase
+TestTxBatchModel.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_a_commit_is_never_due_inside_a_wal_transaction() -> None:
+    batch = TxBatch(LIMITS, 0)
+    batch.wal_opened()
+    assert batch.record(0) is Action.BEGIN
+    for _ in range(10):
+        batch.record(0)
+    assert batch.due(LIMITS.max_ms * 2) is Action.NONE  # (records past max: still whole)
+    batch.wal_closed(110)
+    assert batch.due(LIMITS.max_ms * 2) is Action.COMMIT
+
+
+def test_an_open_transaction_past_abort_after_is_aborted_even_inside_a_wal_transaction() -> None:
+    batch = TxBatch(LIMITS, 0)
+    batch.wal_opened()
+    batch.record(0)
+    assert batch.due(LIMITS.abort_after_ms) is Action.ABORT
+    assert batch.aborted() is Action.RESTART
+    assert batch.due(LIMITS.abort_after_ms) is Action.RESTART
+
+
+def test_the_confirm_bound_holds_at_the_committed_checkpoint_until_idle() -> None:
+    batch = TxBatch(LIMITS, 50)
+    batch.wal_opened()
+    batch.record(0)
+    batch.wal_closed(210)
+    assert batch.confirm_bound(300) == 50
+    assert batch.due(LIMITS.max_ms) is Action.COMMIT
+    assert batch.confirm_bound(300) == 50
+    batch.commit_ok()
+    assert batch.committed == 210
+    assert batch.confirm_bound(300) == 300  # (idle: the tracker's answer, e.g. a WAL end)
+
+
+def test_a_retriable_commit_failure_is_retried_within_its_budget_then_aborted() -> None:
+    batch = TxBatch(LIMITS, 0)
+    batch.wal_opened()
+    batch.record(0)
+    batch.wal_closed(110)
+    assert batch.due(LIMITS.max_ms) is Action.COMMIT
+    assert batch.commit_failed(retriable=True, now_ms=LIMITS.max_ms + 1) is Action.COMMIT
+    at = LIMITS.max_ms + LIMITS.commit_budget_ms
+    assert batch.commit_failed(retriable=True, now_ms=at) is Action.ABORT
+
+
+def test_covered_is_strictly_below_the_checkpoint() -> None:
+    batch = TxBatch(LIMITS, 210)
+    assert batch.covered(200)
+    assert not batch.covered(210)  # (a transaction may commit right at the last one's end)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_limits_must_be_positive(bad: int) -> None:
+    with pytest.raises(ValueError):
+        TxLimits(max_records=bad, max_ms=1, abort_after_ms=1, commit_budget_ms=1)
+
+
+# -- mutants: the bugs this model exists for, each caught -----------------------------
+
+
+class _ConfirmsPastTheCheckpoint(TxBatch):
+    """Confirms what Kafka acknowledged, not what it committed."""
+
+    __slots__ = ()
+
+    def confirm_bound(self, confirmable: int) -> int:
+        return confirmable
+
+
+class _CommitsInsideAWalTransaction(TxBatch):
+    """Commits at the record bound even inside a WAL transaction (a split without a
+    position inside it in the checkpoint)."""
+
+    __slots__ = ()
+
+    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
+        if self.state is TxState.OPEN and self.records >= self.limits.max_records:
+            self.candidate = self.candidate or 1
+            self.state = TxState.COMMITTING
+            self.commit_started_ms = now_ms
+            return Action.COMMIT
+        return super().due(now_ms, waiting=waiting)
+
+
+class _SkipsTheCheckpointsOwnSuccessor(TxBatch):
+    """Skips a transaction committed right at the checkpoint (<= instead of <)."""
+
+    __slots__ = ()
+
+    def covered(self, final_lsn: int) -> bool:
+        return final_lsn <= self.skip_below + 100
+
+
+class _CommitsWhileDeadLettersWait(TxBatch):
+    """Commits while dead letters of the transaction are not handed to Kafka yet."""
+
+    __slots__ = ()
+
+    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
+        return super().due(now_ms)
+
+
+def _check(model: TxBatchModel) -> None:
+    model.nothing_twice()
+    model.confirmed_and_checkpointed_are_in_kafka()
+    model.waits_are_bounded()
+
+
+#: Per mutant, the interleaving that shows its bug (steps: rule name and arguments); the
+#: model's invariants (or its teardown: every record once) must fail on it.
+SCRIPTS: dict[type[TxBatch], list[tuple[str, dict[str, object]]]] = {
+    _ConfirmsPastTheCheckpoint: [
+        ("pg_commit", {"n": 2}),
+        *[("read", {})] * 4,
+        ("status", {}),
+    ],
+    _CommitsInsideAWalTransaction: [
+        ("pg_commit", {"n": 6}),
+        *[("read", {})] * 5,
+        ("tick", {"ms": 1}),
+    ],
+    _SkipsTheCheckpointsOwnSuccessor: [
+        ("pg_commit", {"n": 1}),
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 3,
+        ("tick", {"ms": 60}),
+        ("kill9", {}),
+        ("relay_restart", {}),
+    ],
+    _CommitsWhileDeadLettersWait: [
+        ("pg_commit", {"n": 1}),
+        ("read", {}),
+        ("read", {"dead": True}),
+        ("read", {}),
+        ("tick", {"ms": 60}),
+    ],
+}
+
+
+@pytest.mark.parametrize("mutant", list(SCRIPTS), ids=lambda m: m.__name__.strip("_"))
+def test_the_model_catches_the_mutant(mutant: type[TxBatch]) -> None:
+    class Mutated(TxBatchModel):
+        batch_cls = mutant
+
+    model = Mutated()
+    with pytest.raises(AssertionError):
+        for name, kwargs in SCRIPTS[mutant]:
+            getattr(model, name)(**kwargs)
+            _check(model)
+        model.teardown()
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS.values()), ids=lambda _: "script")
+def test_the_real_machine_passes_every_mutants_script(
+    script: list[tuple[str, dict[str, object]]],
+) -> None:
+    model = TxBatchModel()
+    for name, kwargs in script:
+        getattr(model, name)(**kwargs)
+        _check(model)
+    model.teardown()
