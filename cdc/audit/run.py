@@ -30,6 +30,7 @@ Guarantees of :func:`run_audit` (the stages of :mod:`cdc.audit`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -39,6 +40,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
+
+import psycopg
 
 from cdc.audit import kafka as kf
 from cdc.audit import table as pg
@@ -84,7 +87,12 @@ def audit_lock(settings: Settings) -> Iterator[None]:
         row = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)).fetchone()
         if not row or not row[0]:
             raise AuditBusyError(f"another audit of slot {settings.slot} is running")
-        yield
+        try:
+            yield
+        finally:  # released at once (a closed connection's lock outlives it a moment)
+            with contextlib.suppress(psycopg.Error):
+                if not conn.broken:
+                    conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))
 
 
 @dataclass

@@ -128,9 +128,14 @@ class RecoveryLock:
         return bool(found and found[0])
 
     def close(self) -> None:
-        """Release the lock (with its connection)."""
+        """Release the lock, then its connection: released at once for every other process
+        (a closed connection's lock lives on until its backend has exited - a moment in
+        which another process would still see the recovery running)."""
         conn, self._conn = self._conn, None
         if conn is not None:
+            with contextlib.suppress(psycopg.Error):  # (a dead connection released it)
+                if not conn.closed and not conn.broken:
+                    conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (lock_name(self.slot),))
             with contextlib.suppress(psycopg.Error):  # (closing a dead connection)
                 conn.close()
 

@@ -17,7 +17,7 @@ from cdc.relay.exactly_once import (
 from cdc.relay.transactional import transactional_id as republish_id
 from cdc.relay.txbatch import Action, TxBatch, TxLimits
 from cdc.settings import Settings, build
-from sinks.consumer import consumer_config
+from sinks.kafka.config import consumer_config
 
 LIMITS = TxLimits(max_records=10, max_ms=50, abort_after_ms=1_000, commit_budget_ms=100)
 
