@@ -84,8 +84,8 @@ test-unit: venv
 #   PostgreSQL, never the ones the other integration tests use;
 # - the evidence suites (gap evidence, the audit, TLS) and a route down for minutes, on a
 #   stack of their own (LANE_C_DEV);
-# - the relay's connection and fault suites on another (LANE_D_DEV): they stop and start its
-#   PostgreSQL and Kafka;
+# - the relay's connection and fault suites and exactly-once publishing on another
+#   (LANE_D_DEV): they stop and start its PostgreSQL and Kafka;
 # - the other integration tests, against the stack of `make up` (the system's PostgreSQL,
 #   15 here); they print as they go;
 # - the relay's own suites (slot gap, failover, fidelity, relay faults) again on
@@ -110,10 +110,11 @@ LANE_C_DEV   := $(CURDIR)/.dev/lane-c
 LANE_C_ENV   := OUTBOX_DEV_DIR=$(LANE_C_DEV) OUTBOX_PG_PORT=25572 OUTBOX_KAFKA_PORT=29492 \
 	OUTBOX_KAFKA_CONTROLLER_PORT=29493
 
-#: the relay's connection and fault suites (they stop and start the stack's PostgreSQL and
-#: Kafka, drop packets, hold walsenders): lane D
+#: the relay's connection and fault suites and exactly-once publishing (they stop and start
+#: the stack's PostgreSQL and Kafka, drop packets, hold walsenders): lane D
 LANE_D_TESTS := tests/integration/test_relay_connections.py tests/integration/test_relay_network_faults.py \
-	tests/integration/test_relay_faults.py tests/integration/test_relay_errors.py
+	tests/integration/test_relay_faults.py tests/integration/test_relay_errors.py \
+	tests/integration/test_exactly_once.py
 LANE_D_DEV   := $(CURDIR)/.dev/lane-d
 LANE_D_ENV   := OUTBOX_DEV_DIR=$(LANE_D_DEV) OUTBOX_PG_PORT=25592 OUTBOX_KAFKA_PORT=29592 \
 	OUTBOX_KAFKA_CONTROLLER_PORT=29593
