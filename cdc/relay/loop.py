@@ -50,7 +50,6 @@ from cdc.errors import (
     KafkaUnavailableError,
     ProducerFatalError,
     SlotInUseError,
-    StreamError,
 )
 from cdc.health import HealthServer, Liveness
 from cdc.kafkalog import KafkaClientEvents
@@ -68,7 +67,7 @@ from cdc.relay.kafka_ready import KafkaReadiness
 from cdc.relay.metrics import RelayMetrics
 from cdc.relay.monitor import SlotMonitor
 from cdc.relay.producing import Producing
-from cdc.relay.silence import LAST_CHANCE_S, Silence, SilenceWatch, silence_bound_s
+from cdc.relay.silent_session import SilentSession
 from cdc.relay.stall import StallWatch
 from cdc.relay.standby_safe import StandbySafe
 from cdc.relay.standby_wait import StandbyWait
@@ -80,10 +79,8 @@ from cdc.wal.replproto import lsn_to_str
 from cdc.wal.stream import (
     ReplicationStream,
     check_replication_privilege,
-    end_walsender,
     ensure_publication,
     ensure_slot,
-    look_at_walsender,
     server_is_utf8,
 )
 
@@ -101,14 +98,6 @@ READ_WAIT_S = 0.1
 #: The same while records are in flight: their delivery reports are served
 #: between waits, so an ack (and the confirmation behind it) is not held back.
 ACK_WAIT_S = 0.005
-
-
-#: Quiet this long, the relay's status update asks the server for a reply, so a
-#: live server is never silent for CDC_REPLICATION_SILENCE_S (its own keepalives
-#: come only after wal_sender_timeout/2 without a reply from the relay, and the
-#: relay's status updates reset that clock: without asking, an idle live server
-#: could be silent indefinitely).
-REPLY_REQUEST_AFTER_S = 5.0
 
 
 #: Confirm progress at most this often (fewer duplicates after a crash).
@@ -165,6 +154,7 @@ class Relay(
     SlotGuard,
     StandbyWait,
     KafkaReadiness,
+    SilentSession,
 ):
     #: A read turn waits this long for WAL when nothing is in flight.
     _read_wait_s: float = READ_WAIT_S
@@ -453,77 +443,6 @@ class Relay(
                 self._send_status(sess, ask_reply=self._asking(silence, silent_s))
                 next_status = now + c.STATUS_INTERVAL_S
 
-    @staticmethod
-    def _asking(silence: SilenceWatch, silent_s: float) -> bool:
-        """Whether this status update asks the server for a reply (noted by the watch)."""
-        ask = silent_s >= silence.ask_after_s(REPLY_REQUEST_AFTER_S)
-        if ask:
-            silence.asking(time.time_ns() // 1000)
-        return ask
-
-    def _silence_watch(self, sess: Session) -> SilenceWatch:
-        """The session's silence detector: it looks after CDC_REPLICATION_SILENCE_S; an
-        unseen walsender is ended after what its wal_sender_timeout promises."""
-        configured_s = self.settings.replication_silence_s
-        timeout_ms = sess.stream.wal_sender_timeout_ms
-        return SilenceWatch(
-            look_after_s=configured_s, bound_s=silence_bound_s(configured_s, timeout_ms)
-        )
-
-    def _judge_silence(self, sess: Session, watch: SilenceWatch, silent_s: float) -> None:
-        """Look at the silent session's walsender over an ordinary connection; leave a
-        working one alone (and say so, at most once per interval); end the session (and
-        its walsender) only when the path to it is dead: raises StreamError then."""
-        stream = sess.stream
-        dsn = stream.server_dsn(self.settings.pg_dsn.get_secret_value())
-        pid = stream.backend_pid
-        look, unseen = None, ""
-        try:
-            look = look_at_walsender(dsn, self.settings.slot, pid)
-        except psycopg.Error as exc:
-            unseen = _first_line(exc)
-        verdict = watch.judge(silent_s, time.monotonic(), look, unseen)
-        if verdict.action is Silence.END and self._answers_at_last(sess):
-            watch.heard()  # (the next turn reads what came)
-            return
-        self.metrics.walsender_looks.labels(verdict.action.value).inc()
-        if verdict.action is Silence.END:
-            self._end_silent(dsn, pid, silent_s, verdict.reason)
-            raise StreamError(
-                f"replication connection silent for {silent_s:.0f}s (no message, keepalives"
-                f" included, though the relay asked for one) and its walsender {pid}"
-                f" {verdict.reason}: reopening it (CDC_REPLICATION_SILENCE_S)"
-            )
-        if verdict.log:
-            log.info(
-                "replication connection silent for %.0fs, but its walsender %d %s:"
-                " leaving it alone",
-                silent_s,
-                pid,
-                verdict.reason,
-            )
-
-    def _answers_at_last(self, sess: Session) -> bool:
-        """One last reply request before a session is ended: True when something
-        arrives within LAST_CHANCE_S (a walsender just out of a long replay)."""
-        sess.stream.send_status(sess.tracker.confirmable, reply_requested=True)
-        return sess.stream.wait_readable(LAST_CHANCE_S)
-
-    def _end_silent(self, dsn: str, pid: int, silent_s: float, why: str) -> None:
-        """Count and log a dead replication connection; end its walsender (which a
-        half-open path keeps holding the slot), so the next session can start."""
-        self.metrics.replication_silences.inc()
-        ended = end_walsender(dsn, self.settings.slot, pid)
-        log.warning(
-            "replication connection silent for %.0fs (CDC_REPLICATION_SILENCE_S=%.0f) and"
-            " its walsender %d %s: closing it%s",
-            silent_s,
-            self.settings.replication_silence_s,
-            pid,
-            why,
-            f"; its walsender {pid} ended" if ended else "",
-        )
-
     def _stalled(self, sess: Session, stall: StallWatch, now: float) -> str | None:
         """Why the session is stalled (work waits, nothing acknowledged), or None."""
         reason = stall.observe(
@@ -600,8 +519,3 @@ class Relay(
             lsn_to_str(sess.tracker.confirmable),
             sess.tracker.in_flight,
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

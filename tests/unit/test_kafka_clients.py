@@ -15,7 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = {"Consumer", "Producer", "AdminClient"}
 #: Modules whose clients take a configuration their caller built with KafkaClientEvents.
-CONFIG_FROM_CALLER = {"cdc/kafkaclient.py", "sinks/kafka/worker.py"}
+CONFIG_FROM_CALLER = {
+    "cdc/kafkaclient.py",
+    "sinks/kafka/worker.py",
+    "cdc/relay/exactly_once.py",  # (the relay's own KafkaClientEvents, self._events)
+}
 
 
 def _sources() -> list[Path]:

@@ -102,6 +102,7 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
     from cdc.errors import StreamError
     from cdc.relay import loop as relay_mod
     from cdc.relay import silence as silence_mod
+    from cdc.relay import silent_session as silent_mod
     from cdc.relay.loop import Relay
     from cdc.settings import Settings
     from cdc.wal.lsn import LsnTracker
@@ -144,13 +145,13 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
             sent_lsn=100,
         )
 
-    monkeypatch.setattr(relay_mod, "look_at_walsender", look)
+    monkeypatch.setattr(silent_mod, "look_at_walsender", look)
     monkeypatch.setattr(silence_mod, "LOOK_EVERY_S", 0.3)
     monkeypatch.setattr(relay_mod, "TopicManager", lambda **_: FakeTopics())
     monkeypatch.setattr(
-        relay_mod, "end_walsender", lambda dsn, slot, pid: ended.append(pid) or True
+        silent_mod, "end_walsender", lambda dsn, slot, pid: ended.append(pid) or True
     )
-    monkeypatch.setattr(relay_mod, "REPLY_REQUEST_AFTER_S", 0.1)
+    monkeypatch.setattr(silent_mod, "REPLY_REQUEST_AFTER_S", 0.1)
     relay = Relay(
         Settings(
             pg_dsn="postgresql://x",
