@@ -37,7 +37,7 @@ from cdc import gaps
 from cdc.errors import SlotInUseError
 from cdc.outbox import OutboxEvent, write_event
 from cdc.relay import recovery
-from cdc.relay.recovery_lock import RecoveryLock, recovery_in_progress
+from cdc.relay.recovery_lock import RecoveryLock, lock_name, recovery_in_progress
 from cdc.settings import Settings
 from tests.harness import (
     Proc,
@@ -307,7 +307,10 @@ def test_a_recovery_outlasting_idle_session_timeout_finishes_once(
     relay, port = start_relay(cfg, tmp_path, name="second", wait_ready=False)
     try:
         wait_until(
-            lambda: _recovery_lock_holder(cfg.db_dsn), 120, "the recovery to take its lock", 0.01
+            lambda: _recovery_lock_holder(cfg.db_dsn, cfg.slot),
+            120,
+            "the recovery to take its lock",
+            0.01,
         )
         time.sleep(3 * IDLE_TIMEOUT_S)  # the lock's connection idle past the timeout
         blocker.commit()
@@ -328,7 +331,10 @@ def test_a_recovery_whose_lock_connection_is_killed_finishes_once(
     relay, port = start_relay(cfg, tmp_path, name="second", wait_ready=False)
     try:
         holder = wait_until(
-            lambda: _recovery_lock_holder(cfg.db_dsn), 120, "the recovery to take its lock", 0.01
+            lambda: _recovery_lock_holder(cfg.db_dsn, cfg.slot),
+            120,
+            "the recovery to take its lock",
+            0.01,
         )
         with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_terminate_backend(%s)", (holder,))
@@ -339,12 +345,17 @@ def test_a_recovery_whose_lock_connection_is_killed_finishes_once(
         relay.close()
 
 
-def _recovery_lock_holder(dsn: str) -> int | None:
-    """The pid holding an advisory lock in this database (the relay's recovery lock)."""
+def _recovery_lock_holder(dsn: str, slot: str) -> int | None:
+    """The pid holding the relay's recovery lock of ``slot`` (that advisory key only: the
+    start-up check's audit lock and the migration lock are advisory locks too)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            "SELECT l.pid FROM pg_locks l, (SELECT hashtext(%s)::bigint AS key) k"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND l.classid = ((k.key >> 32) & 4294967295)::oid"
+            " AND l.objid = (k.key & 4294967295)::oid",
+            (lock_name(slot),),
         ).fetchone()
     return None if row is None else int(row[0])
 
