@@ -251,9 +251,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 # -- a warm broker before the first figure ---------------------------------------
 
-#: Records per warm-up round (2-3 s on a slow machine), and the longest warm-up.
+#: Records per warm-up round (2-3 s on a slow machine), and the longest warm-up
+#: (BENCH_WARMUP_MAX_S=0 skips it: for a quick proof that a bench runs, not for figures).
 WARMUP_RECORDS = 200_000
-WARMUP_MAX_S = 240.0
+WARMUP_MAX_S = float(os.environ.get("BENCH_WARMUP_MAX_S", "240"))
 #: Warm when the broker's JIT compiler threads took under this share of a core, in
 #: each of the last two rounds.
 WARMUP_JIT_SHARE = 0.05
@@ -276,6 +277,9 @@ def _warm_broker(kafka_bootstrap: str) -> None:
 
     from tests.bench.report import cpu_seconds, kafka_pid, threads_cpu_seconds
 
+    if WARMUP_MAX_S <= 0:
+        print("\n== broker warm-up skipped (BENCH_WARMUP_MAX_S=0): figures unfit to compare")
+        return
     pid = kafka_pid()
     topic = f"bench-warmup-{uuid.uuid4().hex[:8]}"
     partitions = 6
