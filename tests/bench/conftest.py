@@ -26,7 +26,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from cdc.producer import PRODUCER_DEFAULTS
-from tests.bench.report import GOALS, print_goals
+from tests.bench.report import GOALS, metric_sum, print_goals, scrape
 from tests.harness import Proc, env_without, free_port, wait_until
 from tests.pki import Pki
 
@@ -209,6 +209,58 @@ def paced(rate_per_s: float, duration_s: float, pace: Pace) -> Iterator[int]:
         pace.elapsed_s = time.monotonic() - start  # also right for a writer stopped early
 
 
+# -- a relay's drain -------------------------------------------------------------
+
+#: Events the relay published, per topic. Moved into the counter by the relay's status
+#: updates: while the slot's confirmation waits for the ledger's first raise of its
+#: confirm limit (at the start of a drain, up to a second) none go out, so the counter
+#: stands still - it read a drain of 2,000 events that took 37 ms as 1.05 s.
+EVENTS_METRIC = "outbox_relay_events_total"
+#: WAL transactions whose every record Kafka acknowledged, counted at the acknowledgement
+#: itself (the count of the relay's commit->ack histogram): what a drain is timed by.
+ACKED_TX_METRIC = "outbox_relay_commit_to_ack_seconds_count"
+#: Longest wait, once a drain is acknowledged, for its events in the counter above.
+COUNTED_WAIT_S = 60.0
+
+
+def relayed(port: int, topic: str) -> float:
+    """Events the relay on ``port`` published to ``topic`` (its last status update's count)."""
+    return metric_sum(scrape(port), EVENTS_METRIC, topic=topic)
+
+
+def acked_transactions(port: int) -> float:
+    """WAL transactions the relay on ``port`` had all records of acknowledged by Kafka."""
+    return metric_sum(scrape(port), ACKED_TX_METRIC)
+
+
+def wait_drained(
+    port: int,
+    topic: str,
+    *,
+    events: int,
+    transactions: int,
+    committed: bool = False,
+    timeout_s: float = 600.0,
+) -> float:
+    """The monotonic time the relay on ``port`` had ``transactions`` WAL transactions
+    acknowledged (``committed``: and, exactly-once, the Kafka transaction that holds
+    them committed - the status update that follows each commit moves the events
+    counter); then, not timed, waits until ``events`` reached ``topic``."""
+
+    def acked() -> bool:
+        text = scrape(port)
+        if metric_sum(text, ACKED_TX_METRIC) < transactions:
+            return False
+        return not committed or metric_sum(text, EVENTS_METRIC, topic=topic) >= events
+
+    wait_until(acked, timeout_s, f"{transactions:,} transactions acknowledged", interval_s=0.02)
+    at = time.monotonic()
+    wait_until(
+        lambda: relayed(port, topic) >= events, COUNTED_WAIT_S, f"{events:,} events in {topic}"
+    )
+    return at
+
+
 # -- slots -----------------------------------------------------------------------
 
 
@@ -251,9 +303,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 # -- a warm broker before the first figure ---------------------------------------
 
-#: Records per warm-up round (2-3 s on a slow machine), and the longest warm-up.
+#: Records per warm-up round (2-3 s on a slow machine), and the longest warm-up
+#: (BENCH_WARMUP_MAX_S=0 skips it: for a quick proof that a bench runs, not for figures).
 WARMUP_RECORDS = 200_000
-WARMUP_MAX_S = 240.0
+WARMUP_MAX_S = float(os.environ.get("BENCH_WARMUP_MAX_S", "240"))
 #: Warm when the broker's JIT compiler threads took under this share of a core, in
 #: each of the last two rounds.
 WARMUP_JIT_SHARE = 0.05
@@ -276,6 +329,9 @@ def _warm_broker(kafka_bootstrap: str) -> None:
 
     from tests.bench.report import cpu_seconds, kafka_pid, threads_cpu_seconds
 
+    if WARMUP_MAX_S <= 0:
+        print("\n== broker warm-up skipped (BENCH_WARMUP_MAX_S=0): figures unfit to compare")
+        return
     pid = kafka_pid()
     topic = f"bench-warmup-{uuid.uuid4().hex[:8]}"
     partitions = 6

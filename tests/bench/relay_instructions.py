@@ -6,11 +6,12 @@ it over: a ``memoryview``) is fed to the relay's own stream loop
 (:meth:`Relay._stream_loop`: ``_read_batch``, the fast path, the producer, the
 delivery reports, status updates) with a real producer and the local broker, until
 every record is acknowledged. Only the replication connection is replaced (its
-``get_nowait`` a C call, as psycopg's is). The stream is the same every run (seeded
-ids) and so are dict layouts (``PYTHONHASHSEED=0``). A warm-up of 1,000 events
-comes first in every run (what happens once, whatever the broker's timing), and
-the in-flight bound is never reached (how often the loop turns while waiting for
-room would depend on the broker's timing).
+``get_nowait`` a C call, as psycopg's is), and the slot ledger's writes (a replay
+streams no slot and touches no database: :func:`replay_relay`). The stream is the
+same every run (seeded ids) and so are dict layouts (``PYTHONHASHSEED=0``). A
+warm-up of 1,000 events comes first in every run (what happens once, whatever the
+broker's timing), and the in-flight bound is never reached (how often the loop
+turns while waiting for room would depend on the broker's timing).
 
 ``--callgrind`` runs that under ``valgrind --tool=callgrind --separate-threads=yes``
 for 2,000 and 22,000 events, and for building the stream alone, and prints the
@@ -42,6 +43,7 @@ import time
 import uuid
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 OID = 16_500
 PG_EPOCH_US = 946_684_800_000_000
@@ -113,6 +115,11 @@ def build_stream(
     return messages, lsn
 
 
+#: The walsender's ``wal_sender_timeout`` a replayed session reports: PostgreSQL's
+#: default, so the relay's silence watch has the finite bound of a real session.
+WAL_SENDER_TIMEOUT_MS = 60_000
+
+
 class ReplayStream:
     """The replication connection's part the stream loop uses, replaying ``messages``;
     at their end it stops the relay (its loop then returns)."""
@@ -122,6 +129,7 @@ class ReplayStream:
         self.get_nowait = partial(next, iter(pairs), (0, None))
         self._stop = stop
         self.backend_pid = 0
+        self.wal_sender_timeout_ms = WAL_SENDER_TIMEOUT_MS
 
     def read(self, timeout_s: float) -> memoryview | None:
         nbytes, data = self.get_nowait()
@@ -134,6 +142,34 @@ class ReplayStream:
         pass
 
 
+def replay_relay(settings: Any) -> Any:
+    """A :class:`~cdc.relay.loop.Relay` whose slot ledger touches no database.
+
+    A replay streams no slot: nothing vouches for one, so the real ledger's
+    :meth:`~cdc.relay.ledger.SlotLedger.bound` and ``cap`` confirm as far as asked
+    (their per-turn checks are still counted), and only what it would write - the
+    topics and forms before their first record - is kept in memory instead (the
+    replay's DSN names no server). On an older checkout without a ledger the
+    override is never called."""
+    from cdc.relay.ledger import SlotLedger
+    from cdc.relay.loop import Relay
+
+    class ReplayLedger(SlotLedger):
+        def __init__(self, settings: Any) -> None:
+            super().__init__(settings)
+            #: what the relay would have recorded: kind -> names, in order
+            self.noted: dict[str, list[str]] = {}
+
+        def _note(self, kind: str, names: list[str]) -> None:
+            self.noted.setdefault(kind, []).extend(names)
+
+    class ReplayRelay(Relay):
+        def _init_guard(self) -> None:
+            self._ledger = ReplayLedger(self.settings)
+
+    return ReplayRelay(settings, serve_http=False)
+
+
 def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> None:
     """Feed :data:`WARMUP_EVENTS` rows, then ``events`` more, through the relay's
     stream loop, each part until all its records are acknowledged.
@@ -144,7 +180,7 @@ def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> Non
     with the stream and moved with the imported code)."""
     if not build_only:
         from cdc.producer import make_producer
-        from cdc.relay.loop import GC_THRESHOLDS, Relay
+        from cdc.relay.loop import GC_THRESHOLDS
         from cdc.relay.state import Session
         from cdc.settings import Settings
         from cdc.wal.lsn import LsnTracker
@@ -166,7 +202,7 @@ def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> Non
         # would depend on the broker's timing (valgrind runs every thread slowly)
         relay_max_in_flight=10 * (WARMUP_EVENTS + events),
     )
-    relay = Relay(settings, serve_http=False)
+    relay = replay_relay(settings)
     relay._utf8 = True
     relay._table = ("public", "outbox")
     topic = settings.topic_prefix + aggregate
@@ -197,6 +233,11 @@ def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> Non
             failed = sess.fatal or sess.fault
             sys.exit(f"replay incomplete: {acked} of {expected} acknowledged, {failed}")
     relay._producer.flush(30)
+    # A relay records its topic before its first record to it (an older checkout
+    # measured with this file may have no ledger at all).
+    noted = getattr(getattr(relay, "_ledger", None), "noted", None)
+    if noted is not None and noted != {"topic": [topic]}:
+        sys.exit(f"the replay's ledger recorded {noted}, not [{topic}]")
 
 
 def _main_thread_ir(args: list[str], env: dict[str, str]) -> int:

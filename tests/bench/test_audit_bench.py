@@ -19,6 +19,7 @@ complete: every event in Kafka, none missing).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import psycopg
 import pytest
 
 from cdc.migrate import migrate
-from tests.bench.conftest import create_topics
+from tests.bench.conftest import create_topics, wait_drained
 from tests.bench.report import fmt, metric_sum, print_table, record_goal, scrape
 from tests.conftest import create_database, drop_database
 from tests.harness import ROOT, Proc, RelayConfig, drop_slot, http_status, start_relay, wait_until
@@ -38,6 +39,7 @@ from tests.harness import ROOT, Proc, RelayConfig, drop_slot, http_status, start
 pytestmark = [pytest.mark.bench, pytest.mark.integration]
 
 EVENTS = int(os.environ.get("AUDIT_BENCH_EVENTS", "1000000"))
+EVENTS_PER_TX = 100
 WARMUP = 50
 PARTITIONS = 6
 GOAL_RATIO = 1.0
@@ -74,7 +76,7 @@ def _load() -> str:
     return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min)"
 
 
-def _fill(dsn: str, aggregate: str, total: int, per_tx: int = 100) -> None:
+def _fill(dsn: str, aggregate: str, total: int, per_tx: int = EVENTS_PER_TX) -> None:
     assert aggregate.isalnum()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
@@ -108,8 +110,14 @@ def _drain(cfg: RelayConfig, tmp: Path, topic: str) -> float:
 
         wait_until(ready, 300, "relay /readyz", interval_s=0.01)
         started = time.monotonic()
-        wait_until(lambda: _relayed(port, topic) >= EVENTS, 1800, "drain", interval_s=0.05)
-        rate = EVENTS / (time.monotonic() - started)
+        drained = wait_drained(
+            port,
+            topic,
+            events=EVENTS,
+            transactions=math.ceil(EVENTS / EVENTS_PER_TX),
+            timeout_s=1800,
+        )
+        rate = EVENTS / (drained - started)
         assert relay.terminate() == 0, relay.log_tail()
     finally:
         relay.close()

@@ -27,9 +27,9 @@ from psycopg import sql
 
 from cdc.backlog import BacklogGuard
 from cdc.settings import Settings
-from tests.bench.conftest import create_topics, topic_record_count
-from tests.bench.report import fmt, metric_sum, print_table, scrape
-from tests.harness import Proc, RelayConfig, free_port, start_relay, wait_until
+from tests.bench.conftest import acked_transactions, create_topics, relayed, topic_record_count
+from tests.bench.report import fmt, print_table
+from tests.harness import Proc, RelayConfig, free_port, http_status, start_relay, wait_until
 
 pytestmark = [pytest.mark.bench, pytest.mark.integration]
 
@@ -75,33 +75,72 @@ def _slots(dsn: str, names: list[str]) -> None:
         )
 
 
-def _drain_s(cfg: RelayConfig, tmp: Path, runs: list[dict[str, str]], topic: str) -> float:
-    """Start one relay per env overlay in ``runs`` at once; seconds from all
-    ready to EVENTS acknowledged in ``topic`` (summed over the relays)."""
+def _transactions(dsn: str, aggregate: str, shard: int | None = None) -> int:
+    """WAL transactions holding rows of ``aggregate`` (of one ``shard``'s row filter)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(DISTINCT xmin::text) FROM outbox WHERE aggregatetype = %(aggregate)s"
+            " AND (%(shard)s::int IS NULL OR (hashtext(aggregateid) & 1) = %(shard)s::int)",
+            {"aggregate": aggregate, "shard": shard},
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _first_ready(relays: list[tuple[Proc, int]]) -> float:
+    """Wait until every relay answers /readyz (polled every 10 ms); the monotonic time
+    the first one did: it streams from then on, whether the others are ready or not."""
+    ready: dict[int, float] = {}
+
+    def all_ready() -> bool:
+        for proc, port in relays:
+            if port in ready:
+                continue
+            if not proc.alive():
+                raise AssertionError(f"relay exited early:\n{proc.log_tail()}")
+            if http_status(f"http://127.0.0.1:{port}/readyz", timeout_s=1) == 200:
+                ready[port] = time.monotonic()
+        return len(ready) == len(relays)
+
+    wait_until(all_ready, 120, "relays /readyz", interval_s=0.01)
+    return min(ready.values())
+
+
+def _drain_s(
+    cfg: RelayConfig, tmp: Path, runs: list[tuple[dict[str, str], int]], topic: str
+) -> float:
+    """Start one relay per (env overlay, WAL transactions it streams) in ``runs`` at
+    once; seconds from the first one ready (streaming) until each had its transactions
+    acknowledged by Kafka (counted at the acknowledgement:
+    :func:`tests.bench.conftest.wait_drained`); then, not timed, EVENTS in ``topic``
+    (summed over the relays)."""
     relays: list[tuple[Proc, int]] = []
     try:
-        for n, extra in enumerate(runs):
+        for n, (extra, _) in enumerate(runs):
             relays.append(
                 start_relay(
                     replace(cfg, extra={**cfg.extra, **extra}),
                     tmp,
                     name=f"r{n}-{extra['CDC_SLOT']}",
+                    wait_ready=False,
                 )
             )
-        started = time.monotonic()
+        started = _first_ready(relays)
         wait_until(
-            lambda: (
-                sum(
-                    metric_sum(scrape(port), "outbox_relay_events_total", topic=topic)
-                    for _, port in relays
-                )
-                >= EVENTS
+            lambda: all(
+                acked_transactions(port) >= transactions
+                for (_, port), (_, transactions) in zip(relays, runs, strict=True)
             ),
             600,
-            f"{EVENTS} events relayed",
+            "every transaction acknowledged",
             interval_s=0.02,
         )
-        return time.monotonic() - started
+        elapsed_s = time.monotonic() - started
+        wait_until(
+            lambda: sum(relayed(port, topic) for _, port in relays) >= EVENTS,
+            60,
+            f"{EVENTS} events relayed",
+        )
+        return elapsed_s
     finally:
         for proc, _ in relays:
             proc.close()
@@ -132,11 +171,11 @@ def test_partitioner_murmur2_against_crc32_drain_rate(
     slots_to_drop.extend(slot for _, _, slot in plan)
     _slots(cfg.db_dsn, [slot for _, _, slot in plan])
     _fill(cfg.db_dsn, "part")
+    transactions = _transactions(cfg.db_dsn, "part")
     rates: dict[str, list[float]] = {"murmur2_random": [], "consistent_random": []}
     for _, partitioner, slot in plan:
-        seconds = _drain_s(
-            cfg, tmp_path, [{"CDC_SLOT": slot, "KAFKA_CONFIG_PARTITIONER": partitioner}], topic
-        )
+        overlay = {"CDC_SLOT": slot, "KAFKA_CONFIG_PARTITIONER": partitioner}
+        seconds = _drain_s(cfg, tmp_path, [(overlay, transactions)], topic)
         rates[partitioner].append(EVENTS / seconds)
     assert topic_record_count(cfg.kafka, topic) == EVENTS * len(plan)
     pairs = [
@@ -177,13 +216,20 @@ def test_sharded_relays_against_one_relay_drain_rate(
     slots_to_drop.extend(single + [s for pair in sharded for s in pair])
     _slots(cfg.db_dsn, single + [s for pair in sharded for s in pair])
     _fill(cfg.db_dsn, "shard")
+    # (a transaction with rows of both shards is streamed, and acknowledged, by both)
+    whole = _transactions(cfg.db_dsn, "shard")
+    per_shard = [_transactions(cfg.db_dsn, "shard", shard) for shard in range(2)]
     one_rates, two_rates = [], []
     try:
         for run in range(REPEATS):
-            one_rates.append(EVENTS / _drain_s(cfg, tmp_path, [{"CDC_SLOT": single[run]}], topic))
+            one = [({"CDC_SLOT": single[run]}, whole)]
+            one_rates.append(EVENTS / _drain_s(cfg, tmp_path, one, topic))
             overlays = [
-                {"CDC_SLOT": slot, "CDC_PUBLICATION": pub, "CDC_PUBLICATION_FILTERED": "true"}
-                for slot, pub in zip(sharded[run], pubs, strict=True)
+                (
+                    {"CDC_SLOT": slot, "CDC_PUBLICATION": pub, "CDC_PUBLICATION_FILTERED": "true"},
+                    transactions,
+                )
+                for slot, pub, transactions in zip(sharded[run], pubs, per_shard, strict=True)
             ]
             two_rates.append(EVENTS / _drain_s(cfg, tmp_path, overlays, topic))
     finally:

@@ -28,7 +28,14 @@ import pytest
 
 from tests.bench.conftest import StubProc, create_topics, start_stub
 from tests.bench.report import CpuMeter, fmt, print_table
-from tests.harness import RelayConfig, SinkConfig, group_caught_up, start_sink, wait_until
+from tests.harness import (
+    RelayConfig,
+    SinkConfig,
+    group_caught_up,
+    start_sink,
+    wait_until,
+    without_derived_user_syncs,
+)
 from tests.integration.test_record_fuzz import hostile, sink_events, write_mixed
 from tests.records import RawProducer
 
@@ -90,7 +97,9 @@ def _run(name: str, db_dsn: str, kafka: str, stub: StubProc, tmp: Path, *, hosti
         assert sink.alive(), sink.log_tail()
     finally:
         sink.close()
-    items = stub.applied_items()[before:]
+    # (a quiz attempt read before its user's registration syncs the user under a key of
+    # its own: an engine call of that event, not an extra event)
+    items = without_derived_user_syncs(stub.applied_items()[before:], written.good_ids)
     applied = Counter(i["event_id"] for i in items)
     assert set(applied) == written.good_ids and max(applied.values()) == 1
     span_s = items[-1]["applied_at"] - items[0]["applied_at"]

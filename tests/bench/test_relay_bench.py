@@ -6,9 +6,10 @@ Throughput: for each of 1-event and 100-event transactions, relay slots and
 written while nothing streams, then - three times, interleaved -
 ``pg_recvlogical`` drains a ceiling slot to ``/dev/null`` (the cost of
 decoding and shipping the same WAL with no Python and no Kafka) and a relay
-drains its own slot into Kafka, timed from its ``/readyz`` until its
-``outbox_relay_events_total`` reaches the count. Medians are reported, with
-CPU per process, because the machine may carry other load.
+drains its own slot into Kafka, timed from its ``/readyz`` until Kafka acknowledged
+every transaction of the backlog (:func:`tests.bench.conftest.wait_drained`: the
+relay counts them at the acknowledgement). Medians are reported, with CPU per
+process, because the machine may carry other load.
 
 Latency: a paced writer commits 1-event transactions at 2,000/s while the
 relay runs; a consumer in this process timestamps every record on receipt
@@ -44,6 +45,7 @@ from tests.bench.conftest import (
     create_topics,
     paced,
     topic_record_count,
+    wait_drained,
     walsender_pid,
 )
 from tests.bench.report import (
@@ -53,7 +55,6 @@ from tests.bench.report import (
     histogram_buckets,
     histogram_quantile,
     kafka_pid,
-    metric_sum,
     peak_rss_mb,
     percentile,
     print_table,
@@ -78,7 +79,6 @@ TARGET_RATIO = 0.7
 GOAL_RATIO = {1: 1.0, 100: 0.9}
 TARGET_P99_MS = 50.0
 TARGET_RSS_MB = 100.0
-EVENTS_METRIC = "outbox_relay_events_total"
 EXTRA_VAR = "BENCH_RELAY_EXTRA"
 LATENCY_METRIC = "outbox_relay_commit_to_ack_seconds"
 #: A user-registration-like payload (~150 bytes of JSON), built server-side.
@@ -217,10 +217,6 @@ def _wait_ready_precisely(proc: Proc, port: int) -> float:
     return time.monotonic()
 
 
-def _relayed(port: int, topic: str) -> float:
-    return metric_sum(scrape(port), EVENTS_METRIC, topic=topic)
-
-
 @dataclass(frozen=True)
 class _Drain:
     """One timed drain of the backlog by the relay, with its ceiling run."""
@@ -241,7 +237,7 @@ class _Drain:
         return self.relay_per_s / share if share > 0 else math.nan  # (a drain too short to meter)
 
 
-def _relay_drain(cfg: RelayConfig, tmp: Path, *, slot: str, topic: str, run: int) -> _Drain:
+def _relay_drain(cfg: RelayConfig, tmp: Path, *, slot: str, topic: str, per_tx: int) -> _Drain:
     """Start a relay on ``slot``; time it from /readyz until it acked the backlog."""
     run_cfg = replace(cfg, extra={**cfg.extra, "CDC_SLOT": slot})
     relay, port = start_relay(run_cfg, tmp, name=f"relay-{slot}", wait_ready=False)
@@ -250,13 +246,13 @@ def _relay_drain(cfg: RelayConfig, tmp: Path, *, slot: str, topic: str, run: int
         cpu = CpuMeter(
             {"relay": relay.pid, "walsender": walsender_pid(cfg.db_dsn, slot), "kafka": kafka_pid()}
         ).start()
-        wait_until(
-            lambda: _relayed(port, topic) >= EVENTS_PER_CASE,
-            600,
-            f"{EVENTS_PER_CASE} events relayed (run {run})",
-            interval_s=0.05,
+        drained = wait_drained(
+            port,
+            topic,
+            events=EVENTS_PER_CASE,
+            transactions=math.ceil(EVENTS_PER_CASE / per_tx),
         )
-        elapsed_s = time.monotonic() - t_ready
+        elapsed_s = drained - t_ready
         cpu_pct = cpu.stop()
         rss_mb = peak_rss_mb(relay.pid)
         assert relay.terminate() == 0, relay.log_tail()
@@ -296,9 +292,9 @@ def test_relay_drains_a_backlog_near_the_pg_recvlogical_ceiling(
 
     # Ceiling and relay runs interleaved, so background load hits both alike.
     runs = []
-    for run, (relay_slot, ceiling_slot) in enumerate(zip(relay_slots, ceiling_slots, strict=True)):
+    for relay_slot, ceiling_slot in zip(relay_slots, ceiling_slots, strict=True):
         ceiling = _ceiling_events_per_s(cfg.db_dsn, ceiling_slot, endpos, EVENTS_PER_CASE)
-        drain = _relay_drain(cfg, tmp_path, slot=relay_slot, topic=topic, run=run)
+        drain = _relay_drain(cfg, tmp_path, slot=relay_slot, topic=topic, per_tx=per_tx)
         runs.append(replace(drain, ceiling_per_s=ceiling))
 
     in_topic = topic_record_count(cfg.kafka, topic)

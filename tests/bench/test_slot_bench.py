@@ -24,6 +24,7 @@ Figures are printed; only correctness is asserted (every event arrived).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import threading
@@ -39,7 +40,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from psycopg import sql
 
 from cdc.migrate import migrate
-from tests.bench.conftest import Pace, create_topics, paced
+from tests.bench.conftest import Pace, create_topics, paced, wait_drained
 from tests.bench.report import fmt, metric_sum, percentile, print_table, scrape
 from tests.clusters import STANDBY_SLOT, ClusterPair, clusters_root
 from tests.conftest import drop_database
@@ -56,6 +57,7 @@ from tests.harness import (
 pytestmark = [pytest.mark.bench, pytest.mark.integration]
 
 EVENTS = 20_000
+EVENTS_PER_TX = 100
 REPEATS = 3
 WARMUP = 50
 PARTITIONS = 6
@@ -72,7 +74,7 @@ def _load() -> str:
     return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min, 2 cores)"
 
 
-def _fill(dsn: str, aggregate: str, total: int, per_tx: int = 100) -> None:
+def _fill(dsn: str, aggregate: str, total: int, per_tx: int = EVENTS_PER_TX) -> None:
     assert aggregate.isalnum()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
@@ -135,10 +137,13 @@ def _recovery_run(cfg: RelayConfig, tmp: Path, run: int) -> tuple[float, float, 
     relay, port = start_relay(cfg, tmp, name=f"stream-{run}", wait_ready=False)
     try:
         started = _ready(relay, port)
-        wait_until(
-            lambda: _relayed(port, cfg.topic_prefix + tail) >= EVENTS, 600, "drain", interval_s=0.02
+        drained = wait_drained(
+            port,
+            cfg.topic_prefix + tail,
+            events=EVENTS,
+            transactions=math.ceil(EVENTS / EVENTS_PER_TX),
         )
-        stream_per_s = EVENTS / (time.monotonic() - started)
+        stream_per_s = EVENTS / (drained - started)
         assert relay.terminate() == 0, relay.log_tail()
     finally:
         relay.close()
