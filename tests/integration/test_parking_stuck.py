@@ -186,7 +186,7 @@ def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everyt
         assert watched_peak - watch_from < RSS_GROWTH_BOUND, "memory grows while paused"
 
         wait_until(
-            lambda: stub.stats()["applied"] == GOOD, 300, "every good record", interval_s=1.0
+            lambda: stub.stats()["applied"] == GOOD, 600, "every good record", interval_s=1.0
         )
         wait_until(
             lambda: group_caught_up(kafka_bootstrap, cfg.group, [topic]),

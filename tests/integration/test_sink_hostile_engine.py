@@ -251,7 +251,7 @@ def test_postgres_away_under_a_flood_of_unroutable_events_keeps_memory_bounded_a
             )
             _wait_held_settled(port)  # (records fetched before the pause are taken in first)
             held, rss = [], []
-            for _ in range(10):  # paused: what is held, and the memory, stop growing
+            for _ in range(20):  # paused: what is held, and the memory, stop growing
                 held.append(_metric(port, "outbox_sink_held_records"))
                 rss.append(_rss_kib(sink.pid))
                 time.sleep(0.5)
@@ -267,4 +267,8 @@ def test_postgres_away_under_a_flood_of_unroutable_events_keeps_memory_bounded_a
     assert paused == PARTITIONS
     bound = MAX_BUFFERED + CONSUME_BATCH + HANDOFF_MAX_RECORDS
     assert max(held) <= bound, f"{max(held)} records held, bound {bound}"
-    assert max(rss) - min(rss) < 20 * 1024, f"RSS grew while paused: {rss} KiB"
+    # Growth is a rising floor: the failed parks' garbage comes and goes with the
+    # collector (one run read 157 -> 167 -> 143 MiB), a leak lifts the lowest reading.
+    floor_rise = min(rss[10:]) - min(rss[:10])
+    print(f"\nRSS while paused (KiB): {rss}; the floor rose {floor_rise} KiB")
+    assert floor_rise < 20 * 1024, f"RSS grew while paused: {rss} KiB"
