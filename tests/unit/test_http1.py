@@ -913,14 +913,15 @@ def test_the_read_timeout_outlives_requests_on_a_kept_connection() -> None:
 def test_the_read_timeout_is_silence_not_total_time() -> None:
     async def dribble(request: Received, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
-        for byte in b"slow!":
-            await asyncio.sleep(0.06)
+        for byte in b"slow!":  # 5 x 0.2 s = 1 s in all, past the 0.8 s read timeout
+            await asyncio.sleep(0.2)
             writer.write(bytes([byte]))
         return True
 
     async def go() -> None:
         async with Server(dribble) as server:
-            pool = pool_for(server, timeouts=PoolTimeouts(read_s=0.15))
+            # (4x the gap: a loaded machine's scheduling delay is no silence)
+            pool = pool_for(server, timeouts=PoolTimeouts(read_s=0.8))
             response = await post(pool)
             assert response.body == b"slow!"
             await pool.aclose()
