@@ -56,7 +56,6 @@ EXCEPTED = {
 #: says when one of them is split and must leave this list.
 TO_SPLIT = {
     "cdc/settings.py": "the settings class: one field per setting, grouped by section",
-    "cdc/relay/recovery.py": "closing a gap from the outbox table",
 }
 
 
