@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from cdc.settings import Settings, redact_dsn
+from cdc.settings import Settings
+from cdc.settings_values import redact_dsn
 
 #: How long one probe waits for PostgreSQL or Kafka before it reports them unreachable.
 PROBE_TIMEOUT_S = 5.0

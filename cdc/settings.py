@@ -16,19 +16,19 @@ Guarantees:
   raises :class:`cdc.errors.ConfigError` naming the variable (and never the
   value of a secret);
 * beyond its type, every value is checked for what the processes need, so a
-  mistake stops the start with one message instead of failing later: numbers
-  are never negative (:data:`NEGATIVE_ALLOWED` excepted) and some never 0
-  (:data:`POSITIVE`), ports are 1..65535, URLs (:data:`URL_SCHEMES`) have a
-  scheme and a host, ``LOG_LEVEL`` / ``LOG_FORMAT`` are known names, and the
-  ``KAFKA_CONFIG_*`` settings pass librdkafka's own validation (a throwaway
-  producer and consumer); their values are never shown (a SASL password);
+  mistake stops the start with one message instead of failing later
+  (:mod:`cdc.settings_values`): numbers are never negative and some never 0,
+  ports are 1..65535, URLs have a scheme and a host, ``LOG_LEVEL`` /
+  ``LOG_FORMAT`` are known names, and the ``KAFKA_CONFIG_*`` settings pass
+  librdkafka's own validation (a throwaway producer and consumer); their values
+  are never shown (a SASL password);
 * secrets (the DSN, ``INTERNAL_API_KEY``, ``ADMIN_API_TOKEN``, proxy URLs that
   may carry credentials) are :class:`pydantic.SecretStr`: ``repr``, ``str``
   and :meth:`Settings.safe_summary` never show them; code that needs the value
   asks for it with ``.get_secret_value()``;
-* :func:`redact_dsn` hides the password of a DSN in any form libpq accepts
-  (URL, ``?password=``, key=value with spaces or quotes) by parsing it with
-  psycopg's own conninfo parser.
+* :func:`~cdc.settings_values.redact_dsn` hides the password of a DSN in any
+  form libpq accepts (URL, ``?password=``, key=value with spaces or quotes) by
+  parsing it with psycopg's own conninfo parser.
 
 ``Settings(...)`` is exactly its arguments over the defaults (tests build it
 that way); :meth:`Settings.from_env` reads the environment and the file.
@@ -41,15 +41,12 @@ means): the configuration page shows it, and a test refuses a field without one.
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import (
     Field,
@@ -62,48 +59,21 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cdc.errors import ConfigError
+from cdc.settings_values import (
+    KAFKA_CONFIG_PREFIX,
+    REDACTED,
+    URL_SCHEMES,
+    check_kafka_config,
+    check_number,
+    check_url,
+    parse_dsn,
+    redact_dsn,
+    redact_url,
+)
 
-KAFKA_CONFIG_PREFIX = "KAFKA_CONFIG_"
 CONFIG_FILE_VAR = "CDC_CONFIG_FILE"
-#: conninfo keywords whose value is a secret (libpq's ``password`` and the
-#: passphrase of an encrypted client key).
-DSN_SECRET_KEYS = frozenset({"password", "sslpassword"})
-REDACTED = "***"
 #: Proxy variables are read in either case, the upper case first (curl's habit).
 _LOWERCASE_FALLBACK = ("HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY")
-
-
-#: Numeric settings that may be negative, and what a negative value means.
-NEGATIVE_ALLOWED = frozenset({"topic_replication_factor"})  # -1: the broker's default
-#: Numeric settings that must be above 0 (0 would stall or divide: no partitions, no
-#: request in flight, a zero timeout, a scheduler spinning).
-POSITIVE = frozenset(
-    {
-        "topic_partitions",
-        "relay_max_in_flight",
-        "sink_max_in_flight",
-        "retry_batch_size",
-        "admin_api_max_body_bytes",
-        "engine_connect_timeout_s",
-        "engine_read_timeout_s",
-        "scheduler_interval_s",
-        "gap_tail_records",
-        "gap_tail_max_records",
-        "audit_window_s",
-        "tx_max_records",
-        "tx_max_ms",
-        "tx_timeout_ms",
-    }
-)
-#: Highest TCP port number.
-MAX_PORT = 65535
-#: URL settings: attribute -> the schemes it takes.
-URL_SCHEMES = {
-    "engine_base_url": ("http", "https"),
-    "https_proxy": ("http",),
-    "http_proxy": ("http",),
-}
-_PROPERTY_RE = re.compile(r'property:? "?([A-Za-z0-9._-]+)"?')
 
 
 class LogLevel(StrEnum):
@@ -400,15 +370,7 @@ class Settings(BaseSettings):
     @classmethod
     def _numbers_in_range(cls, value: Any, info: ValidationInfo) -> Any:
         """Counts, sizes and durations are never negative (some > 0); a port is 1..65535."""
-        name = info.field_name or ""
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return value
-        if name.endswith("_port") and not 1 <= value <= MAX_PORT:
-            raise ValueError(f"expected a TCP port, 1..{MAX_PORT}")
-        if value <= 0 and name in POSITIVE:
-            raise ValueError("expected a number > 0")
-        if value < 0 and name not in NEGATIVE_ALLOWED:
-            raise ValueError("expected a number >= 0")
+        check_number(info.field_name or "", value)
         return value
 
     @field_validator(*URL_SCHEMES)
@@ -416,18 +378,7 @@ class Settings(BaseSettings):
     def _url_has_scheme_and_host(cls, value: Any, info: ValidationInfo) -> Any:
         """``localhost:8081`` is refused: the scheme says plain HTTP or TLS."""
         text = value.get_secret_value() if isinstance(value, SecretStr) else str(value)
-        if not text:
-            return value
-        schemes = URL_SCHEMES[info.field_name or ""]
-        try:
-            parts = urlsplit(text)
-            ok = parts.scheme in schemes and bool(parts.hostname)
-            parts.port  # noqa: B018 - raises ValueError on a port out of range
-        except ValueError:
-            ok = False
-        if not ok:
-            example = "http://host:port" if schemes == ("http",) else "https://engine.example"
-            raise ValueError(f"expected an {' or '.join(schemes)} URL with a host, e.g. {example}")
+        check_url(info.field_name or "", text)
         return value
 
     @field_validator("kafka_config")
@@ -453,7 +404,7 @@ class Settings(BaseSettings):
     @classmethod
     def _dsn_parses(cls, value: SecretStr) -> SecretStr:
         """libpq must parse the DSN; its error text may quote the password, so it is dropped."""
-        if value.get_secret_value() and _parse_dsn(value.get_secret_value()) is None:
+        if value.get_secret_value() and parse_dsn(value.get_secret_value()) is None:
             raise ValueError("not a connection string libpq can parse (value not shown)")
         return value
 
@@ -549,51 +500,6 @@ def _explain(error: Any) -> str:
     return f"{where}={error.get('input')!r}: {msg}"
 
 
-class _Silent(logging.Logger):
-    """A logger that drops everything: librdkafka's start-up notes while checking a config."""
-
-    def __init__(self) -> None:
-        super().__init__("kafka.config-check", logging.CRITICAL + 1)
-
-
-def check_kafka_config(config: Mapping[str, str]) -> None:
-    """Raise ``ValueError`` naming the ``KAFKA_CONFIG_*`` variable librdkafka refuses.
-
-    Builds a throwaway producer (with the relay's own defaults under the
-    settings, as the relay will) and consumer; neither connects (no bootstrap
-    servers), so librdkafka validates names and values as it will at start.
-    Its message quotes the value, which may be a password: the message is
-    rebuilt from the property's name only.
-    """
-    from confluent_kafka import Consumer, KafkaException, Producer  # noqa: PLC0415 - heavy
-
-    from cdc.producer import producer_config  # noqa: PLC0415 - it imports this module
-
-    as_relay: dict[str, Any] = producer_config("", config)  # the relay's defaults under it
-    as_consumer: dict[str, Any] = {**config, "group.id": "outbox-cdc-config-check"}
-    for client, conf in ((Producer, as_relay), (Consumer, as_consumer)):
-        try:
-            client({**conf, "logger": _Silent()})
-        except (KafkaException, ValueError, TypeError) as exc:
-            raise ValueError(_kafka_config_problem(str(exc), config)) from None
-
-
-def _kafka_config_problem(message: str, config: Mapping[str, str]) -> str:
-    """librdkafka's refusal as ``KAFKA_CONFIG_NAME: what`` without any configured value."""
-    match = _PROPERTY_RE.search(message)
-    if match is None:  # e.g. "No provider for SASL mechanism GSSAPI": no property named
-        detail = message.split('str="', 1)[-1].rstrip('"})')
-        for value in sorted(config.values(), key=len, reverse=True):
-            if value:
-                detail = detail.replace(value, REDACTED)
-        return f"{KAFKA_CONFIG_PREFIX}*: librdkafka refuses the configuration: {detail}"
-    prop = match.group(1)
-    variable = KAFKA_CONFIG_PREFIX + prop.upper().replace(".", "_")
-    if prop not in config or "no such configuration property" in message.lower():
-        return f"{variable}: librdkafka has no such setting (see its CONFIGURATION.md)"
-    return f"{variable}: librdkafka refuses this value (value not shown; see its CONFIGURATION.md)"
-
-
 class _MappingSource(PydanticBaseSettingsSource):
     """Settings from an environment mapping: each field's variable, and ``KAFKA_CONFIG_*``."""
 
@@ -642,63 +548,3 @@ class _TomlSource(PydanticBaseSettingsSource):
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{CONFIG_FILE_VAR} {self._path}: {exc}") from exc
         return {_BY_VARIABLE.get(key, key): value for key, value in raw.items()}
-
-
-def redact_dsn(dsn: str) -> str:
-    """The DSN as ``key=value`` pairs with any password replaced by ``***``.
-
-    Parsed by libpq (psycopg's ``conninfo_to_dict``), so every form libpq
-    accepts is covered: ``postgresql://u:pw@h/db``, ``...?password=pw``,
-    ``password = pw``, ``password='p w'``. A DSN libpq cannot parse is not
-    echoed at all (its text may hold the password).
-    """
-    if not dsn:
-        return ""
-    params = _parse_dsn(dsn)
-    if params is None:
-        return "<unparseable DSN>"
-    for key in DSN_SECRET_KEYS & params.keys():
-        params[key] = REDACTED
-    from psycopg.conninfo import make_conninfo  # noqa: PLC0415 - see _parse_dsn
-
-    return make_conninfo("", **params)
-
-
-def _parse_dsn(dsn: str) -> dict[str, Any] | None:
-    """libpq's reading of ``dsn`` (``None`` when it cannot parse it).
-
-    psycopg is imported here, not at the top: it costs a CLI start-up a
-    noticeable part of a second that commands without a database need not pay.
-    """
-    import psycopg  # noqa: PLC0415 - deferred, see the docstring
-
-    try:
-        return psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.Error:
-        return None
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the secret of its userinfo replaced by ``***`` (proxy URLs).
-
-    ``user:password@`` keeps the user and hides the password; a userinfo with no
-    password (``KEY@proxy``: some proxy services take an API key as the user) is
-    hidden whole.
-    """
-    if not url:
-        return ""
-    try:
-        parts = urlsplit(url)
-        username, password = parts.username, parts.password
-    except ValueError:
-        return "<unparseable URL>"
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    if password is not None:
-        userinfo = f"{username or ''}:{REDACTED}"
-    elif username:
-        userinfo = REDACTED
-    else:
-        return url
-    return urlunsplit(parts._replace(netloc=f"{userinfo}@{host}"))

@@ -25,7 +25,7 @@ Layout: a pure core (:mod:`cdc.audit.ids` compact id sets, :mod:`cdc.audit.compa
 Kafka (:mod:`cdc.audit.kafka`: records read by :class:`cdc.records.RecordReader`,
 judged by :class:`cdc.lineage.Owner`), one run (:mod:`cdc.audit.run`) and the
 relay's periodic audit (:mod:`cdc.audit.periodic`). The repair is the project's one
-re-publish path, :func:`cdc.relay.recovery.republish` (``recovered: audit-<run>``).
+re-publish path, :func:`cdc.relay.republish.republish` (``recovered: audit-<run>``).
 
 The relay's start-up check (DESIGN, relay invariant 11) is a call of
 :func:`verify_since` over the window since the last published record: the same

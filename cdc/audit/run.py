@@ -15,7 +15,7 @@ Guarantees of :func:`run_audit` (the stages of :mod:`cdc.audit`):
 * nothing of the table is locked; memory is the compact id arrays (16 bytes per
   row and per record) plus one bucket's objects and the listed missing rows;
 * ``repair=True`` republishes every missing row through the one re-publish path,
-  :func:`cdc.relay.recovery.republish` (``recovered: audit-<run id>``), and
+  :func:`cdc.relay.republish.republish` (``recovered: audit-<run id>``), and
   returns after Kafka acknowledged them all;
 * every run that may repair - an audit with ``repair``, the start-up check -
   holds the slot's audit lock (:func:`audit_lock`, a session advisory lock), so
@@ -50,7 +50,7 @@ from cdc.audit.ids import IdList, uuid_text
 from cdc.audit.window import Window, iso, to_ms
 from cdc.errors import CdcError
 from cdc.lineage import Owner, origin_value
-from cdc.relay import recovery
+from cdc.relay.republish import republish
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
 from cdc.wal.slots import ServerIdentity, identify_system
@@ -297,9 +297,9 @@ def _identity(settings: Settings) -> tuple[ServerIdentity | None, str]:
 
 
 def _republish(settings: Settings, missing: IdList, origin: str, found: Compared, mark: str) -> int:
-    """The one re-publish path (:func:`cdc.relay.recovery.republish`), ``lsn`` the
+    """The one re-publish path (:func:`cdc.relay.republish.republish`), ``lsn`` the
     snapshot's position (each row committed at or before it)."""
-    return recovery.republish(
+    return republish(
         settings,
         missing.blob(),
         origin=origin,

@@ -124,7 +124,8 @@ def settings_line(settings: Settings) -> str:
     password, a secret as ``***``), librdkafka's ``KAFKA_CONFIG_*`` by name only
     (their values may hold SASL passwords). A value with a space, a quote or
     nothing in it is quoted."""
-    from cdc.settings import ENV, KAFKA_CONFIG_PREFIX
+    from cdc.settings import ENV
+    from cdc.settings_values import KAFKA_CONFIG_PREFIX
 
     shown = settings.safe_summary()
     parts = []

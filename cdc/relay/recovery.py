@@ -34,9 +34,9 @@ Guarantees:
 * :func:`make_slot` (a first start, ``slot init --from now``) makes or adopts the
   slot and records its identity; ``slot init --from table`` opens a gap of cause
   ``first_start`` over the whole table (:func:`open_first_start`) and recovers it;
-* :func:`republish` publishes chosen rows of the table (what the start-up check
-  or the audit found missing), marked ``recovered``, through the same router and
-  publisher: the one path for both.
+* the publishing itself (every record acknowledged, a refused one dead-lettered,
+  exactly-once mode's transactions) is :mod:`cdc.relay.republish`'s, the one path
+  of a recovery, the start-up check and the audit's repair.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaException
 from psycopg import sql
 
 from cdc import constants as c
@@ -72,13 +72,22 @@ from cdc.lineage import (
 from cdc.outbox import table_identifier
 from cdc.pgconn import Use
 from cdc.pgconn import connect as pg_connect
-from cdc.producer import IdsInFlight, TopicManager, is_record_error, make_producer
-from cdc.records import ID_BYTES
+from cdc.producer import TopicManager
 from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide, unrecoverable_reason
 from cdc.relay.recovery_lock import RecoveryLock
+from cdc.relay.republish import (
+    FETCH_ROWS,
+    Acks,
+    Publisher,
+    epoch_us,
+    order_column,
+    outbox_record,
+    publishing_producer,
+    topic_manager,
+)
 from cdc.relay.standby_safe import wait_standby_flushed
-from cdc.relay.transactional import Transactions, exactly_once, present_ids
-from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
+from cdc.relay.transactional import present_ids
+from cdc.router import TxContext
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
 from cdc.wal.slots import (
@@ -95,15 +104,6 @@ log = logging.getLogger("cdc.relay")
 
 Conn = psycopg.Connection[Any]
 
-#: Rows per chunk of the recovery's streamed query.
-FETCH_ROWS = 2_000
-#: Records produced between two polls of the delivery reports (the queue's room is
-#: polled for as well whenever it is full).
-POLL_EVERY = 100
-#: Longest wait for Kafka to acknowledge the recovered records.
-ACK_TIMEOUT_S = 120.0
-#: A dead letter's value above this is replaced by a note (as the streaming path does).
-DLQ_MAX_VALUE_BYTES = 512 * 1024
 #: A recovery records its progress (after Kafka acknowledged every row sent) at
 #: least this often: a retry re-publishes at most this many rows, or this long's worth.
 PROGRESS_EVERY_ROWS = 50_000
@@ -287,20 +287,11 @@ def why_unrecoverable(conn: Conn, settings: Settings, last: LastRecord | None) -
     )
 
 
-def _order_column(conn: Conn, alias: str = "") -> sql.Composable:
-    """The rows' commit time when the server tracks it, else their transaction's start."""
-    prefix = f"{alias}." if alias else ""
-    row = conn.execute("SHOW track_commit_timestamp").fetchone()
-    if row is not None and str(row[0]).lower() == "on":
-        return sql.SQL(f"COALESCE(pg_xact_commit_timestamp({prefix}xmin), {prefix}created_at)")
-    return sql.SQL(f"{prefix}created_at")
-
-
 def _window_query(conn: Conn, settings: Settings, start: datetime | None) -> sql.Composed:
     """The window's rows in commit order: those of the publication's row filter only
     (a shard of the outbox, ``CDC_PUBLICATION_FILTERED``): the other shares are the
     other relays' to recover."""
-    when = _order_column(conn)
+    when = order_column(conn)
     schema, name = resolve_table(conn, settings.outbox_table)
     conditions: list[sql.Composable] = []
     if start is not None:
@@ -339,220 +330,6 @@ def _clear_slot(settings: Settings) -> None:
             slot.wal_status,
         )
         conn.execute("SELECT pg_drop_replication_slot(%s)", (settings.slot,))
-
-
-class _Acks:
-    """Failed delivery reports of the recovery's records: records Kafka refused for
-    themselves (to dead-letter), the first other error. The producer runs with
-    ``delivery.report.only.error``: a delivered record calls nothing, and
-    ``flush()`` returning 0 means every report was served."""
-
-    def __init__(self) -> None:
-        self.refused: list[tuple[KafkaError, KafkaRecord]] = []
-        self.error: KafkaError | None = None
-
-    def failed(self, err: KafkaError, msg: Message, event_id: bytes | None) -> None:
-        if is_record_error(err):
-            self.refused.append((err, _refused_record(msg, event_id)))
-        else:
-            self.error = self.error or err
-
-
-class _Run(IdsInFlight):
-    """The delivery-report callback of up to :data:`RUN_RECORDS` recovered records:
-    a failed report finds its record's event id (reports carry no headers)."""
-
-    __slots__ = ("acks",)
-
-    acks: _Acks
-
-    def __call__(self, err: KafkaError | None, msg: Message) -> None:
-        if err is not None:
-            self.acks.failed(err, msg, self.event_id_of(msg) if is_record_error(err) else None)
-
-
-#: Records that share one :class:`_Run` (it is freed once all their reports are served).
-RUN_RECORDS = 1_000
-
-
-#: A dead letter Kafka refused for its size is sent again with every field cut to this.
-DLQ_MINIMAL_FIELD_BYTES = 1024
-
-
-def _refused_record(msg: Message, event_id: bytes | None) -> KafkaRecord:
-    """A refused record back from its delivery report, with the event id its run
-    found (the report itself carries no headers)."""
-    headers = [(c.HEADER_ID, event_id)] if event_id else []
-    return KafkaRecord(
-        str(msg.topic()),
-        msg.key() or b"",
-        msg.value() or b"",
-        headers,
-        int(msg.timestamp()[1]),
-        (event_id or b"").decode(errors="replace"),
-    )
-
-
-def _dead_letter_of(err: KafkaError, record: KafkaRecord, settings: Settings) -> KafkaRecord:
-    """The dead letter of a recovered record Kafka refused (as the streaming path writes
-    it); the minimal form when the refused record is itself a dead letter."""
-    minimal = record.topic == settings.dlq_topic
-    if minimal and b'"original_key_size"' in record.value:  # already the minimal form
-        raise KafkaUnavailableError(f"recovery: Kafka refused a dead letter: {err.str()}")
-    return dead_letter(
-        reason=f"Kafka refused the record: {err.str()}",
-        event_id=record.event_id,
-        original_topic=record.topic,
-        key=record.key,
-        raw=record.value,
-        headers=record.headers,
-        tx=TxContext("", record.timestamp_ms * 1000),
-        dlq_topic=settings.dlq_topic,
-        max_value_bytes=0 if minimal else DLQ_MAX_VALUE_BYTES,
-        max_field_bytes=DLQ_MINIMAL_FIELD_BYTES if minimal else None,
-    )
-
-
-@dataclass
-class _Publisher:
-    settings: Settings
-    producer: Producer
-    topics: TopicManager
-    acks: _Acks
-    sent: int = 0
-    run: _Run | None = None
-    #: exactly-once mode: the ids to skip and the transactions (cdc.relay.transactional)
-    tx: Transactions | None = None
-
-    def send(self, record: KafkaRecord) -> None:
-        if self.tx is not None and self.tx.skip(record.event_id):
-            return
-        if record.topic not in self.topics.known:
-            self.topics.ensure([record.topic])
-        run = self.run
-        if run is None or len(run) >= RUN_RECORDS:
-            run = self.run = _Run()
-            run.acks = self.acks
-        while True:
-            try:
-                # Positional (topic, value, key, partition, callback, on_delivery,
-                # timestamp, headers), as the streaming path: keywords cost a tenth.
-                self.producer.produce(
-                    record.topic,
-                    record.value,
-                    record.key,
-                    -1,
-                    run,
-                    None,
-                    record.timestamp_ms,
-                    record.headers,  # type: ignore[arg-type]  # (list is invariant)
-                )
-                break
-            except BufferError:
-                self.producer.poll(0.1)
-            except KafkaException as exc:
-                err = exc.args[0] if exc.args else None
-                if isinstance(err, KafkaError) and is_record_error(err):
-                    record = _dead_letter_of(err, record, self.settings)
-                    continue
-                raise KafkaUnavailableError(f"recovery produce failed: {exc}") from exc
-        run.append((hash((record.key, record.value)), record.event_id.encode()))
-        self.sent += 1
-        if not self.sent % POLL_EVERY:  # delivery reports: served in batches, not per row
-            self.producer.poll(0)
-
-    def wait_acked(self) -> None:
-        """Until Kafka acknowledged every record; refused ones are dead-lettered (and
-        acknowledged) first; any other error raises (the gap stays open)."""
-        self.run = None  # (its reports can free it)
-        deadline = time.monotonic() + ACK_TIMEOUT_S
-        while True:
-            left = self.producer.flush(1.0)  # (serves the reports)
-            if self.acks.error is not None:
-                raise KafkaUnavailableError(f"recovery: Kafka error: {self.acks.error}")
-            if self.acks.refused:
-                self._dead_letter_refused()
-                self.run = None
-                continue
-            if not left:
-                if self.tx is not None:
-                    self.tx.commit()
-                return
-            if time.monotonic() > deadline:
-                raise KafkaUnavailableError(f"recovery: {left} records not acknowledged")
-
-    def _dead_letter_refused(self) -> None:
-        refused, self.acks.refused = self.acks.refused, []
-        for err, record in refused:
-            self.sent -= 1  # the refused record is replaced by its dead letter
-            self.send(_dead_letter_of(err, record, self.settings))
-
-
-def publishing_producer(
-    settings: Settings, *, system_id: str, purpose: str
-) -> tuple[Producer, Transactions | None]:
-    """The producer of a republishing run: transactional in exactly-once mode (with the
-    ids to skip filled in by the caller), else the relay's at-least-once producer."""
-    if exactly_once(settings):
-        tx = Transactions(settings, system_id=system_id, purpose=purpose)
-        return tx.producer, tx
-    # Delivered records call nothing (a _Run per RUN_RECORDS finds a refused one's id).
-    producer = make_producer(
-        settings.kafka_bootstrap_servers, settings.kafka_config, failed_reports_only=True
-    )
-    return producer, None
-
-
-def topic_manager(settings: Settings) -> TopicManager:
-    """The topics of a recovery run outside the relay (the CLI): each recorded as the
-    relay's before its first record (the relay's own manager does it through its ledger)."""
-
-    def note(topics: list[str]) -> None:
-        with connect(settings) as conn:
-            gaps.note_output(
-                conn,
-                settings.slot,
-                gaps.OUTPUT_TOPIC,
-                [t for t in topics if t != settings.dlq_topic],
-            )
-
-    return TopicManager(
-        bootstrap=settings.kafka_bootstrap_servers,
-        overrides=settings.kafka_config,
-        partitions=settings.topic_partitions,
-        replication_factor=settings.topic_replication_factor,
-        before_first_use=note,
-    )
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-def _epoch_us(ts: datetime) -> int:
-    """A commit time as exact Unix microseconds (no float rounding)."""
-    return (ts - _EPOCH) // timedelta(microseconds=1)
-
-
-def _record(row: tuple[Any, ...], tx: TxContext, settings: Settings, mark: bytes) -> KafkaRecord:
-    event_id, aggtype, aggid, etype, payload, trace = row[:6]
-    try:
-        record = route_fields(
-            event_id, aggtype, aggid, etype, payload, trace, tx, settings.topic_prefix
-        )
-    except RouteError as exc:
-        record = dead_letter(
-            reason=exc.reason,
-            event_id=exc.event_id or str(event_id or ""),
-            original_topic=settings.topic_prefix + str(aggtype or ""),
-            key=str(aggid or "").encode(),
-            raw=exc.raw,
-            headers=[],
-            tx=tx,
-            dlq_topic=settings.dlq_topic,
-            max_value_bytes=DLQ_MAX_VALUE_BYTES,
-        )
-    record.headers.append((c.HEADER_RECOVERED, mark))
-    return record
 
 
 def recover(
@@ -613,7 +390,7 @@ class _Progress:
     floor: datetime
     #: rows re-published by earlier attempts
     base_rows: int
-    publisher: _Publisher
+    publisher: Publisher
     rows_then: int = 0
     at: float = field(default_factory=time.monotonic)
 
@@ -658,11 +435,11 @@ def _recover(
     if since is not None and gap.resume_from is not None:
         log.info("gap %d: resuming its recovery from %s", gap.id, since.isoformat())
     floor = _db_now(lock.conn) - timedelta(seconds=settings.gap_margin_s)
-    acks = _Acks()
+    acks = Acks()
     producer, txs = publishing_producer(settings, system_id=server.system_id, purpose="recovery")
     if txs is not None:  # exactly-once: what read_committed consumers hold already is skipped
-        txs.present = present_ids(settings, _epoch_us(since) // 1000 if since else 0)
-    publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks, tx=txs)
+        txs.present = present_ids(settings, epoch_us(since) // 1000 if since else 0)
+    publisher = Publisher(settings, producer, topics or topic_manager(settings), acks, tx=txs)
     progress = _Progress(lock, gap.id, floor, gap.rows_recovered or 0, publisher)
     mark = str(gap.id).encode()
     origin_header = (c.HEADER_ORIGIN, origin.encode())
@@ -688,9 +465,9 @@ def _recover(
                     if row[6] != tx_ts:  # rows of one transaction share its commit time
                         tx_ts = row[6]
                         progress.before(tx_ts)
-                        tx = TxContext(lsn, _epoch_us(tx_ts), origin_header)
+                        tx = TxContext(lsn, epoch_us(tx_ts), origin_header)
                     assert tx is not None
-                    publisher.send(_record(row, tx, settings, mark))
+                    publisher.send(outbox_record(row, tx, settings, mark))
             conn.execute("COMMIT")
         publisher.wait_acked()
     finally:
@@ -761,67 +538,3 @@ def make_slot(settings: Settings, found: Inspection, *, cause: str, detail: str)
         )
         gaps.record_created(conn, made, event=event)
     return made
-
-
-#: The rows of :func:`republish`: ids passed as one ``bytea`` of 16-byte ids, in commit
-#: order as far as the table knows it (one aggregate's rows keep their order).
-_REPUBLISH_SQL = """
-SELECT o.id::text, o.aggregatetype, o.aggregateid, o.type, o.payload::text,
-       o.tracingspancontext, {when} AS ts
-FROM {table} AS o
-JOIN (SELECT encode(substring(%(ids)s::bytea FROM g * {size} + 1 FOR {size}), 'hex')::uuid AS id
-      FROM generate_series(0, %(count)s - 1) AS g) AS m ON o.id::uuid = m.id
-ORDER BY ts, o.created_at, o.id
-"""
-
-
-def republish(settings: Settings, ids: bytes, *, origin: str, mark: str, lsn: str = "") -> int:
-    """Publish the outbox rows ``ids`` (16-byte uuids, concatenated) again: the record
-    the relay would have produced (same topic, key, value bytes and headers, ``origin``
-    the given one, ``lsn`` the given position - a row's own commit LSN is not in the
-    table - and the timestamp its commit time, else ``created_at``) plus
-    ``recovered: mark``. The one re-publish path of chosen rows: the start-up check's
-    (``verify``) and the audit's (``audit-<run>``).
-
-    Rows are read in one streamed query and published in commit order as far as the table
-    knows it (commit time, else ``created_at``, then id); rows no longer in the table are
-    skipped; a row the router or Kafka refuses is dead-lettered with the reason, never
-    dropped. Returns the records published once Kafka acknowledged every one; any other
-    Kafka error raises :class:`KafkaUnavailableError` (a second run republishes again,
-    which is harmless: consumers dedupe on ``id``)."""
-    if len(ids) % ID_BYTES:
-        raise ValueError(f"ids must be {ID_BYTES}-byte uuids, concatenated")
-    if not ids:
-        return 0
-    # (the start-up check and the audit run under the audit lock, never at once: one id
-    # of theirs, apart from a gap recovery's, which may run alongside)
-    producer, txs = publishing_producer(
-        settings, system_id=origin.split("/", 1)[0], purpose="repair"
-    )
-    publisher = _Publisher(settings, producer, topic_manager(settings), _Acks(), tx=txs)
-    origin_header = (c.HEADER_ORIGIN, origin.encode())
-    marked = mark.encode()
-    try:
-        with connect(settings) as conn:
-            query = sql.SQL(_REPUBLISH_SQL).format(
-                when=_order_column(conn, "o"),
-                table=table_identifier(settings.outbox_table),
-                size=sql.Literal(ID_BYTES),
-            )
-            tx: TxContext | None = None
-            tx_ts: datetime | None = None
-            params = {"ids": ids, "count": len(ids) // ID_BYTES}
-            with conn.cursor() as cur:
-                for row in cur.stream(query, params, size=FETCH_ROWS):
-                    if tx is None and txs is not None:
-                        # exactly-once: only what Kafka does not hold; the rows come in
-                        # commit order, so the first one's time is the earliest
-                        txs.present = present_ids(settings, _epoch_us(row[6]) // 1000)
-                    if tx is None or row[6] != tx_ts:  # rows of one transaction share its time
-                        tx_ts = row[6]
-                        tx = TxContext(lsn, _epoch_us(row[6]), origin_header)
-                    publisher.send(_record(row, tx, settings, marked))
-        publisher.wait_acked()
-    finally:
-        producer.flush(0)
-    return publisher.sent

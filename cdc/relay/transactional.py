@@ -8,7 +8,7 @@ Guarantees (``CDC_DELIVERY=exactly-once`` only; at-least-once publishing is unch
   each partition (a row's records carry its commit time: every record of a row
   committed since then lies there, republished ones included); bounded by
   :data:`READ_STALL_S` without progress;
-* a publisher (:class:`cdc.relay.recovery._Publisher`) given a
+* a publisher (:class:`cdc.relay.republish.Publisher`) given a
   :class:`Transactions` skips every row whose id is present, and publishes the rest
   inside Kafka transactions of its own ``transactional.id`` (the relay's plus
   ``.recovery`` or ``.repair``: a second run of the same kind fences the first;

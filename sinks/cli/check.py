@@ -21,7 +21,8 @@ from collections.abc import Iterator
 
 from cdc.check import Finding, Probe, fail, ok, warn
 from cdc.errors import ConfigError
-from cdc.settings import Settings, redact_url
+from cdc.settings import Settings
+from cdc.settings_values import redact_url
 from sinks.core.errors import EngineMisconfigured, EngineRejected, EngineUnavailable, Unroutable
 
 # The engine client and psycopg are imported inside the probes: this module is

@@ -61,7 +61,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from cdc.errors import ConfigError
-from cdc.settings import Settings, redact_url
+from cdc.settings import Settings
+from cdc.settings_values import redact_url
 from sinks.core.errors import EngineMisconfigured, EngineUnavailable, Unroutable
 from sinks.core.retry import classify
 from sinks.engine import http1

@@ -50,7 +50,7 @@ from cdc import gaps
 from cdc.migrate import migrate
 from cdc.outbox import OutboxEvent, emit_event, write_event
 from cdc.records import read_headers
-from cdc.relay import recovery
+from cdc.relay import recovery, republish
 from cdc.settings import Settings
 from tests.harness import (
     ROOT,
@@ -471,15 +471,15 @@ def test_a_recovery_that_died_half_way_resumes_from_its_recorded_progress(
     found = recovery.inspect(settings)
     gap = recovery.open_gap(settings, found)
     monkeypatch.setattr(recovery, "PROGRESS_EVERY_ROWS", 3)
-    send = recovery._Publisher.send
+    send = republish.Publisher.send
     mine = set(stranded)
 
-    def failing_send(self: recovery._Publisher, record: Any) -> None:
+    def failing_send(self: republish.Publisher, record: Any) -> None:
         if record.event_id == stranded[8]:
             raise recovery.KafkaUnavailableError("Kafka went away (test)")
         send(self, record)
 
-    monkeypatch.setattr(recovery._Publisher, "send", failing_send)
+    monkeypatch.setattr(republish.Publisher, "send", failing_send)
     with pytest.raises(recovery.KafkaUnavailableError):
         recovery.recover(settings, gap)
     monkeypatch.undo()

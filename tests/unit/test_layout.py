@@ -11,7 +11,7 @@ What it holds (read from the files, every import counted as
   of :data:`LAYERS` (bottom first): no arrow runs back up, so there is no circle
   between them either; ``sinks.core`` imports nothing of ``sinks`` outside it;
 - no module of ``cdc`` or ``sinks`` passes :data:`MAX_LINES`, but the two named
-  in :data:`EXCEPTED` and those in :data:`TO_SPLIT`.
+  in :data:`EXCEPTED`.
 """
 
 from __future__ import annotations
@@ -49,14 +49,6 @@ MAX_LINES = 600
 EXCEPTED = {
     "sinks/core/machine.py": "the core state machine: every transition and its invariant",
     "cdc/wal/pgoutput.py": "the protocol codec: one decoder per pgoutput message",
-}
-
-#: Past the bound today, to split (not the sink's: the relay's and the kernel's
-#: owners). Listed so that no other module passes it meanwhile; the test below
-#: says when one of them is split and must leave this list.
-TO_SPLIT = {
-    "cdc/settings.py": "the settings class: one field per setting, grouped by section",
-    "cdc/relay/recovery.py": "closing a gap from the outbox table",
 }
 
 
@@ -144,12 +136,10 @@ def test_no_module_passes_the_bound_but_the_named_ones() -> None:
     over = sorted(
         f"{name}: {lines} lines"
         for name, lines in sizes.items()
-        if lines > MAX_LINES and name not in EXCEPTED and name not in TO_SPLIT
+        if lines > MAX_LINES and name not in EXCEPTED
     )
     assert not over, f"modules over {MAX_LINES} lines (split by role):\n" + "\n".join(over)
-    assert set(EXCEPTED) | set(TO_SPLIT) <= set(sizes), "a named module no longer exists"
-    split = sorted(name for name in TO_SPLIT if sizes[name] <= MAX_LINES)
-    assert not split, f"now within {MAX_LINES} lines: take them off TO_SPLIT: {split}"
+    assert set(EXCEPTED) <= set(sizes), "a named module no longer exists"
 
 
 def test_the_checks_see_what_they_claim_to() -> None:

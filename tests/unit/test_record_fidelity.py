@@ -201,7 +201,7 @@ def test_one_depth_rule_for_the_fast_path_the_full_decoder_and_the_recovery(
 ) -> None:
     """Issue 34 item 9: a payload at MAX_DEPTH is published on every path, one level
     deeper it is dead-lettered on every path, with the same reason."""
-    from cdc.relay.recovery import _record
+    from cdc.relay.republish import outbox_record
     from cdc.settings import Settings
 
     rows = _deep_rows()
@@ -220,7 +220,9 @@ def test_one_depth_rule_for_the_fast_path_the_full_decoder_and_the_recovery(
     settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9")
     tx = TxContext("0/B000", 0)
     recovered = [
-        _record((*(None if v is None else v.decode() for v in r[:5]), None), tx, settings, b"1")
+        outbox_record(
+            (*(None if v is None else v.decode() for v in r[:5]), None), tx, settings, b"1"
+        )
         for r in rows
     ]
     assert [r.topic for r in recovered] == [

@@ -1,4 +1,4 @@
-"""The gap recovery's publisher (cdc.relay.recovery._Publisher) against a producer
+"""The gap recovery's publisher (cdc.relay.republish.Publisher) against a producer
 that reports like confluent-kafka with ``delivery.report.only.error``: a delivered
 record calls nothing, a refused one calls its callback; reports carry no headers.
 
@@ -14,7 +14,7 @@ from typing import Any
 from confluent_kafka import KafkaError
 
 from cdc import constants as c
-from cdc.relay.recovery import _Acks, _Publisher
+from cdc.relay.republish import Acks, Publisher
 from cdc.router import KafkaRecord
 from cdc.settings import Settings
 from tests.unit.test_relay_routing import FakeTopics
@@ -91,7 +91,7 @@ def test_a_record_refused_in_its_report_is_dead_lettered_with_its_event_id() -> 
     producer = ReportingProducer(refuse={b"k1"})
     topics = FakeTopics()
     settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="x:1", dlq_topic=DLQ)
-    publisher = _Publisher(settings, producer, topics, _Acks())  # type: ignore[arg-type]
+    publisher = Publisher(settings, producer, topics, Acks())  # type: ignore[arg-type]
     records = [_record(n) for n in range(3)]
     alike = dataclasses.replace(
         records[1], event_id="00000009-5d1c-4f7e-9a53-0e6f3c1d2a10", value=b"{}"

@@ -10,8 +10,9 @@ from pydantic import ValidationError
 
 from cdc import settings_doc
 from cdc.errors import ConfigError
-from cdc.settings import ENV, SECRET_FIELDS, Settings, env, redact_dsn
+from cdc.settings import ENV, SECRET_FIELDS, Settings, env
 from cdc.settings_doc import SettingsDocError, render
+from cdc.settings_values import redact_dsn
 
 #: What docs/configuration/index.md holds where the generated reference goes.
 MARKER = "<!-- settings-reference -->"
