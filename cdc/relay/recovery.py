@@ -661,7 +661,8 @@ def _recover(
     acks = _Acks()
     producer, txs = publishing_producer(settings, system_id=server.system_id, purpose="recovery")
     if txs is not None:  # exactly-once: what read_committed consumers hold already is skipped
-        txs.present = present_ids(settings, _epoch_us(since) // 1000 if since else 0)
+        owner = Owner.of(server, settings.slot)  # (only the relay's own records count)
+        txs.present = present_ids(settings, _epoch_us(since) // 1000 if since else 0, owner)
     publisher = _Publisher(settings, producer, topics or topic_manager(settings), acks, tx=txs)
     progress = _Progress(lock, gap.id, floor, gap.rows_recovered or 0, publisher)
     mark = str(gap.id).encode()
@@ -815,8 +816,11 @@ def republish(settings: Settings, ids: bytes, *, origin: str, mark: str, lsn: st
                 for row in cur.stream(query, params, size=FETCH_ROWS):
                     if tx is None and txs is not None:
                         # exactly-once: only what Kafka does not hold; the rows come in
-                        # commit order, so the first one's time is the earliest
-                        txs.present = present_ids(settings, _epoch_us(row[6]) // 1000)
+                        # commit order, so the first one's time is the earliest; only
+                        # records of this server's lineage and slot vouch for an id
+                        server = identify_system(settings.pg_dsn.get_secret_value())
+                        owner = Owner.of(server, settings.slot)
+                        txs.present = present_ids(settings, _epoch_us(row[6]) // 1000, owner)
                     if tx is None or row[6] != tx_ts:  # rows of one transaction share its time
                         tx_ts = row[6]
                         tx = TxContext(lsn, _epoch_us(row[6]), origin_header)
