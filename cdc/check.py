@@ -452,7 +452,11 @@ def kafka(settings: Settings) -> Iterator[Finding]:
 
 
 def _topics(settings: Settings, partitions: dict[str, int]) -> Iterator[Finding]:
-    ours = {t: n for t, n in partitions.items() if t.startswith(settings.topic_prefix)}
+    ours = {
+        t: n
+        for t, n in partitions.items()
+        if t.startswith(settings.topic_prefix) and t != settings.checkpoint_topic_name
+    }
     want = settings.topic_partitions
     if not ours:
         yield ok("topics", f"none named {settings.topic_prefix}* yet: the relay creates them")

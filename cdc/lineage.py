@@ -234,17 +234,14 @@ def relay_topics(conn: Any, settings: Settings, listed: Iterable[str]) -> tuple[
     """The topics whose tails hold the relay's memory: those its routes published to
     (recorded in ``outbox_cdc_slot_output``) that exist; with none recorded (a relay
     from before migration 007), every listed topic of ``CDC_TOPIC_PREFIX`` but the
-    dead-letter topic. The second value: True when they came from the record."""
+    dead-letter topic; the exactly-once checkpoint topic never. The second value: True
+    when they came from the record."""
     existing = set(listed)
     recorded = gaps.outputs(conn, settings.slot, gaps.OUTPUT_TOPIC)
     if recorded:
-        return [t for t in recorded if t in existing], True
-    return (
-        sorted(
-            t for t in existing if t.startswith(settings.topic_prefix) and t != settings.dlq_topic
-        ),
-        False,
-    )
+        checkpoints = settings.checkpoint_topic_name  # (holds no event, whatever its name)
+        return [t for t in recorded if t in existing and t != checkpoints], True
+    return sorted(t for t in existing if settings.is_outbox_topic(t)), False
 
 
 def consumer(settings: Settings, purpose: str) -> Consumer:

@@ -42,6 +42,7 @@ means): the configuration page shows it, and a test refuses a field without one.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from enum import StrEnum
@@ -189,8 +190,11 @@ class Settings(BaseSettings):
     transactional_id: str = env("CDC_TRANSACTIONAL_ID", "")
     #: Exactly-once: the compacted topic of the relay's checkpoints (the commit end-LSN of
     #: the last WAL transaction in each Kafka transaction, keyed by the relay's `origin`);
-    #: empty: the topic prefix without its last dot + `__checkpoints`
-    #: (`outbox.event__checkpoints`, outside the sink's subscription).
+    #: empty: `__outbox_cdc_checkpoints.` + the topic prefix without its trailing dots
+    #: (`__outbox_cdc_checkpoints.outbox.event`): it never starts with `CDC_TOPIC_PREFIX`,
+    #: so the sink's subscription never takes it for an outbox topic. The relay's readers
+    #: (the audit, the start-up check, gap recovery) and the sink pass this topic by
+    #: even when a name of your own falls under the prefix.
     checkpoint_topic: str = env("CDC_CHECKPOINT_TOPIC", "")
     #: Exactly-once: a Kafka transaction is committed once it holds this many records (a
     #: WAL transaction is never split: a larger one makes one larger Kafka transaction).
@@ -443,6 +447,19 @@ class Settings(BaseSettings):
             raise ConfigError(f"missing setting: {', '.join(missing)}")
         return self
 
+    @property
+    def checkpoint_topic_name(self) -> str:
+        """``CDC_CHECKPOINT_TOPIC``, or the default (:func:`default_checkpoint_topic`)."""
+        return self.checkpoint_topic or default_checkpoint_topic(self.topic_prefix)
+
+    def is_outbox_topic(self, name: str) -> bool:
+        """A topic of ``CDC_TOPIC_PREFIX`` that holds events: neither the dead-letter
+        topic nor the checkpoint topic (whatever names they were given)."""
+        return name.startswith(self.topic_prefix) and name not in (
+            self.dlq_topic,
+            self.checkpoint_topic_name,
+        )
+
     def topic_for(self, aggregate_type: str) -> str:
         """The Kafka topic of an aggregate type: prefix + aggregatetype."""
         return f"{self.topic_prefix}{aggregate_type}"
@@ -473,6 +490,30 @@ _BY_VARIABLE = {var: name for name, var in ENV.items()}
 SECRET_FIELDS = frozenset(
     name for name, info in Settings.model_fields.items() if info.annotation is SecretStr
 )
+
+
+#: The default checkpoint topic's name begins with this (Kafka's ``__`` marks a topic as
+#: not an application's own: tools hide it, MirrorMaker 2 does not copy it by default).
+CHECKPOINT_TOPIC_BASE = "__outbox_cdc_checkpoints"
+#: The base used instead when ``CDC_TOPIC_PREFIX`` is itself a beginning of
+#: :data:`CHECKPOINT_TOPIC_BASE` (``_``, ``__outbox``...): its first character differs.
+CHECKPOINT_TOPIC_OTHER_BASE = "outbox-cdc-checkpoints"
+#: Kafka's longest topic name.
+MAX_TOPIC_CHARS = 249
+_NOT_TOPIC_CHAR = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def default_checkpoint_topic(topic_prefix: str) -> str:
+    """``__outbox_cdc_checkpoints.<prefix>`` (the prefix without its trailing dots, any
+    character Kafka does not allow as ``_``): never a name that starts with a non-empty
+    ``topic_prefix`` (the sink's subscription, the audit and the tail reads take every
+    topic that does for an outbox topic)."""
+    tail = _NOT_TOPIC_CHAR.sub("_", topic_prefix.rstrip("."))
+    for base in (CHECKPOINT_TOPIC_BASE, CHECKPOINT_TOPIC_OTHER_BASE):
+        name = f"{base}.{tail}"[:MAX_TOPIC_CHARS] if tail else base
+        if not topic_prefix or not name.startswith(topic_prefix):
+            break
+    return name
 
 
 def build(cls: type[Settings], **values: Any) -> Settings:

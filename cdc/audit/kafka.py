@@ -2,8 +2,9 @@
 
 Guarantees:
 
-* :func:`plan` finds every outbox topic (``CDC_TOPIC_PREFIX*``) and the
-  dead-letter topic, and for each partition the offset of the window's start
+* :func:`plan` finds every outbox topic (``CDC_TOPIC_PREFIX*``, never the
+  exactly-once checkpoint topic, whatever its name) and the dead-letter topic,
+  and for each partition the offset of the window's start
   (``offsets_for_times``: the first offset whose timestamp is at or after it;
   every later record of any timestamp - a republished one too - lies after it)
   and the end (the high watermark, read after the table's snapshot, so every
@@ -123,7 +124,8 @@ def consumer(settings: Settings, *, group: str | None = None, client: str = "aud
 
 
 def outbox_topics(client: Consumer, settings: Settings) -> dict[str, list[int]]:
-    """The outbox topics (prefix, not the dead-letter topic) and their partitions."""
+    """The outbox topics (prefix; neither the dead-letter nor the checkpoint topic) and
+    their partitions."""
     try:
         meta = client.list_topics(timeout=KAFKA_TIMEOUT_S).topics
     except KafkaException as exc:
@@ -131,7 +133,7 @@ def outbox_topics(client: Consumer, settings: Settings) -> dict[str, list[int]]:
     return {
         name: sorted(meta[name].partitions)
         for name in sorted(meta)
-        if name.startswith(settings.topic_prefix) and name != settings.dlq_topic
+        if settings.is_outbox_topic(name)
     }
 
 

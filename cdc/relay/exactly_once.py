@@ -22,8 +22,12 @@ poll. Guarantees (DESIGN.md, relay invariant 13):
   :meth:`TxBatch.confirm_bound`), so it follows Kafka's commit (invariant 1);
 * every start reads its checkpoint with ``read_committed`` and skips every WAL
   transaction whose commit LSN lies below it: nothing committed is published
-  twice. Records of an aborted transaction are invisible to a read_committed
-  consumer and are read again from the slot;
+  twice. The checkpoint is verified first (:func:`cdc.relay.checkpoint.judge`:
+  its ``origin`` header, its value, not beyond the server's WAL position); one
+  that is not trusted is warned about once and the session starts from the
+  slot's confirmed position (duplicates possible, never a loss). Records of an
+  aborted transaction are invisible to a read_committed consumer and are read
+  again from the slot;
 * a failed record, a failed commit (after retries within the commit budget) or
   a transaction open for ``CDC_TX_TIMEOUT_MS`` less the commit budget is
   aborted and the session ends; the next one starts from the slot and the
@@ -174,6 +178,8 @@ class ExactlyOnceRelay(Relay):
         self._fenced_producer: Producer | None = None
         #: a commit_transaction failed retriably: only commit_transaction may follow
         self._commit_unfinished = False
+        #: why a checkpoint was not trusted (each warned about once)
+        self._distrusted: set[str] = set()
 
     # -- the session -------------------------------------------------------------
     @property
@@ -230,8 +236,25 @@ class ExactlyOnceRelay(Relay):
             self._initialised = producer
         self._origin = sess.origin[1].decode()
         topic = ckpt.ensure_checkpoint_topic(self.settings)
-        found = ckpt.read_checkpoint(self.settings, topic, self._origin)
+        # (after init_transactions: the relay before is fenced, its checkpoints are all
+        # at or below the WAL position now)
+        wal_bound = ckpt.server_wal_position(self.settings)
+        read = ckpt.read_checkpoint(self.settings, topic, self._origin, wal_bound=wal_bound)
+        found = read.lsn
         start = sess.tracker.confirmable
+        if read.distrusted and read.distrusted not in self._distrusted:
+            self._distrusted.add(read.distrusted)  # (once per reason and process)
+            log.warning(
+                "checkpoint of %s in %s (%s) not trusted: %s; starting from the slot's"
+                " confirmed position %s instead (WAL transactions since then may be"
+                " published again; none is lost)",
+                self._origin,
+                topic,
+                read.where,
+                read.distrusted,
+                lsn_to_str(start),
+                extra={"topic": topic},
+            )
         checkpoint = found if found is not None else 0
         self._batch = TxBatch(self._limits, checkpoint)
         self._checkpoint_lsn.set(checkpoint)

@@ -438,7 +438,8 @@ def _recover(
     acks = Acks()
     producer, txs = publishing_producer(settings, system_id=server.system_id, purpose="recovery")
     if txs is not None:  # exactly-once: what read_committed consumers hold already is skipped
-        txs.present = present_ids(settings, epoch_us(since) // 1000 if since else 0)
+        owner = Owner.of(server, settings.slot)  # (only the relay's own records count)
+        txs.present = present_ids(settings, epoch_us(since) // 1000 if since else 0, owner)
     publisher = Publisher(settings, producer, topics or topic_manager(settings), acks, tx=txs)
     progress = _Progress(lock, gap.id, floor, gap.rows_recovered or 0, publisher)
     mark = str(gap.id).encode()

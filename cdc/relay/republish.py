@@ -43,6 +43,7 @@ from psycopg import sql
 from cdc import constants as c
 from cdc import gaps
 from cdc.errors import KafkaUnavailableError
+from cdc.lineage import Owner
 from cdc.outbox import table_identifier
 from cdc.pgconn import Use
 from cdc.pgconn import connect as pg_connect
@@ -51,6 +52,7 @@ from cdc.records import ID_BYTES
 from cdc.relay.transactional import Transactions, exactly_once, present_ids
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
+from cdc.wal.slots import identify_system
 
 Conn = psycopg.Connection[Any]
 
@@ -355,7 +357,10 @@ def republish(settings: Settings, ids: bytes, *, origin: str, mark: str, lsn: st
                     if tx is None and txs is not None:
                         # exactly-once: only what Kafka does not hold; the rows come in
                         # commit order, so the first one's time is the earliest
-                        txs.present = present_ids(settings, epoch_us(row[6]) // 1000)
+                        # (only records of this server's lineage and slot vouch for an id)
+                        server = identify_system(settings.pg_dsn.get_secret_value())
+                        owner = Owner.of(server, settings.slot)
+                        txs.present = present_ids(settings, epoch_us(row[6]) // 1000, owner)
                     if tx is None or row[6] != tx_ts:  # rows of one transaction share its time
                         tx_ts = row[6]
                         tx = TxContext(lsn, epoch_us(row[6]), origin_header)

@@ -2,12 +2,20 @@
 
 Guarantees (``CDC_DELIVERY=exactly-once`` only; at-least-once publishing is unchanged):
 
-* :func:`present_ids` reads, with ``isolation.level=read_committed``, the ``id``
-  header of every record of the relay's outbox topics and its dead-letter topic
-  from the first offset whose timestamp is at or after ``since_ms`` to the end of
-  each partition (a row's records carry its commit time: every record of a row
-  committed since then lies there, republished ones included); bounded by
-  :data:`READ_STALL_S` without progress;
+* :func:`present_ids` reads, with ``isolation.level=read_committed``, the
+  records of the relay's outbox topics (never the checkpoint topic) and its
+  dead-letter topic from the first offset whose timestamp is at or after
+  ``since_ms`` to the end of each partition (a row's records carry its commit
+  time: every record of a row committed since then lies there, republished ones
+  included); bounded by :data:`READ_STALL_S` without progress. Every record is
+  read by :class:`cdc.records.RecordReader` (a record whose headers cannot be
+  read is passed by, never fatal) and only evidence the relay owns counts
+  (what is present is *skipped*: a record wrongly counted is a row lost): the
+  ``id`` of a record of an outbox topic only when :class:`cdc.lineage.Owner`
+  judges it the relay's own (this system, timeline lineage and slot); a dead
+  letter by its ``id`` alone (as the audit counts it). Everything passed by is
+  counted by reason and logged once per read. Ids are kept as their 16 bytes
+  (:class:`PresentIds`: no Python object per id);
 * a publisher (:class:`cdc.relay.republish.Publisher`) given a
   :class:`Transactions` skips every row whose id is present, and publishes the rest
   inside Kafka transactions of its own ``transactional.id`` (the relay's plus
@@ -28,10 +36,11 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
-from cdc import constants as c
 from cdc.errors import KafkaUnavailableError
 from cdc.kafkalog import KafkaClientEvents
+from cdc.lineage import Owner
 from cdc.producer import producer_config
+from cdc.records import ID_BYTES, RecordReader, Skip, uuid_bytes
 from cdc.settings import Settings
 
 log = logging.getLogger("cdc.relay")
@@ -42,6 +51,68 @@ KAFKA_TIMEOUT_S = 15.0
 READ_STALL_S = 60.0
 #: init_transactions / commit_transaction / abort_transaction wait at most this long.
 TX_CALL_TIMEOUT_S = 30.0
+#: :class:`PresentIds` spreads ids over this many sorted blobs (a lookup bisects one).
+ID_BUCKETS = 256
+
+
+class PresentIds:
+    """A set of 16-byte ids in :data:`ID_BUCKETS` sorted blobs: 16 bytes per id, no
+    Python object per id (a window can hold millions). Add, then :meth:`freeze`, then
+    look up (``in``: a binary search of one blob)."""
+
+    __slots__ = ("_parts", "_sorted", "count")
+
+    def __init__(self) -> None:
+        self._parts = [bytearray() for _ in range(ID_BUCKETS)]
+        self._sorted: list[bytes] | None = None
+        #: ids added (duplicates included)
+        self.count = 0
+
+    @classmethod
+    def of(cls, ids: Iterable[bytes]) -> PresentIds:
+        """The ids given (16 bytes each), frozen."""
+        present = cls()
+        for id16 in ids:
+            present.add(id16)
+        return present.freeze()
+
+    def add(self, id16: bytes) -> None:
+        """Add one id of :data:`~cdc.records.ID_BYTES` bytes (before :meth:`freeze`)."""
+        if self._sorted is not None:
+            raise RuntimeError("PresentIds is frozen")
+        self._parts[id16[2] ^ id16[3] ^ id16[15]] += id16  # (cdc.audit.ids.bucket_of)
+        self.count += 1
+
+    def freeze(self) -> PresentIds:
+        """Sort each blob (one bucket's ids as objects at a time); no more adds."""
+        if self._sorted is None:
+            out = []
+            for part in self._parts:
+                blob = bytes(part)
+                ids = sorted({blob[i : i + ID_BYTES] for i in range(0, len(blob), ID_BYTES)})
+                out.append(b"".join(ids))
+            self._sorted, self._parts = out, []
+        return self
+
+    def __contains__(self, id16: object) -> bool:
+        if not isinstance(id16, bytes) or len(id16) != ID_BYTES:
+            return False
+        blob = self.freeze()._sorted[id16[2] ^ id16[3] ^ id16[15]]  # type: ignore[index]
+        lo, hi = 0, len(blob) // ID_BYTES
+        while lo < hi:
+            mid = (lo + hi) // 2
+            at = blob[mid * ID_BYTES : (mid + 1) * ID_BYTES]
+            if at == id16:
+                return True
+            if at < id16:
+                lo = mid + 1
+            else:
+                hi = mid
+        return False
+
+    def __len__(self) -> int:
+        """Distinct ids (after :meth:`freeze`)."""
+        return sum(len(b) for b in self.freeze()._sorted or ()) // ID_BYTES
 
 
 def exactly_once(settings: Settings) -> bool:
@@ -67,14 +138,14 @@ class Transactions:
         config["transaction.timeout.ms"] = settings.tx_timeout_ms
         config["message.timeout.ms"] = settings.tx_timeout_ms
         self.producer = Producer(config)
-        self.present: set[str] = set()
+        self.present = PresentIds()
         self.skipped = 0
         self._open = False
         _call("init_transactions", lambda: self.producer.init_transactions(TX_CALL_TIMEOUT_S))
 
     def skip(self, event_id: str) -> bool:
         """Whether ``event_id`` is in Kafka already (counted); else a transaction is open."""
-        if event_id in self.present:
+        if uuid_bytes(event_id.encode()) in self.present:
             self.skipped += 1
             return True
         if not self._open:
@@ -122,16 +193,19 @@ def _consumer(settings: Settings) -> Consumer:
     )
 
 
-def present_ids(settings: Settings, since_ms: int, topics: Iterable[str] | None = None) -> set[str]:
-    """The ids of the records read_committed consumers see in the relay's topics from
-    ``since_ms`` on (see the module docstring)."""
+def present_ids(
+    settings: Settings, since_ms: int, owner: Owner, topics: Iterable[str] | None = None
+) -> PresentIds:
+    """The ids read_committed consumers see in the relay's topics from ``since_ms`` on,
+    in records of ``owner`` (and dead letters): see the module docstring."""
     client = _consumer(settings)
+    checkpoints = settings.checkpoint_topic_name
     try:
         meta = client.list_topics(timeout=KAFKA_TIMEOUT_S).topics
         names = (
-            [t for t in topics if t in meta]
+            [t for t in topics if t in meta and t != checkpoints]
             if topics is not None
-            else [t for t in meta if t.startswith(settings.topic_prefix)]
+            else [t for t in meta if settings.is_outbox_topic(t)]
         )
         if settings.dlq_topic in meta and settings.dlq_topic not in names:
             names.append(settings.dlq_topic)
@@ -146,19 +220,51 @@ def present_ids(settings: Settings, since_ms: int, topics: Iterable[str] | None 
             if 0 <= found.offset < high:
                 todo[(found.topic, found.partition)] = high
                 assign.append(TopicPartition(found.topic, found.partition, found.offset))
-        return _read(client, assign, todo)
+        ids = _Ids(owner, settings.dlq_topic)
+        _read(client, assign, todo, ids)
     except KafkaException as exc:
         raise KafkaUnavailableError(f"reading the ids present in Kafka: {exc}") from exc
     finally:
         client.close()
+    if ids.reader.skipped:
+        log.info(
+            "reading the ids present in Kafka: %d records passed by (not this relay's, or"
+            " unreadable; their ids do not count as published): %s",
+            sum(ids.reader.skipped.values()),
+            ids.reader.summary(),
+        )
+    return ids.present.freeze()
+
+
+class _Ids:
+    """What a read keeps: the ids of the relay's own records and of dead letters."""
+
+    def __init__(self, owner: Owner, dlq_topic: str) -> None:
+        self.owner = owner
+        self.dlq_topic = dlq_topic
+        self.reader = RecordReader()
+        self.present = PresentIds()
+
+    def take(self, msg: Any) -> None:
+        """One consumed record (not an error event): its id kept when it counts."""
+        reader = self.reader
+        record = reader.read(msg)  # (the only read of its headers)
+        if record is None:
+            return
+        id16 = record.event_id_bytes()
+        if id16 is None:
+            reader.skip(Skip.BAD_ID)
+            return
+        if record.topic != self.dlq_topic and self.owner.judge(record, reader) is None:
+            return
+        self.present.add(id16)
 
 
 def _read(
-    client: Consumer, assign: list[TopicPartition], todo: dict[tuple[str, int], int]
-) -> set[str]:
-    present: set[str] = set()
+    client: Consumer, assign: list[TopicPartition], todo: dict[tuple[str, int], int], ids: _Ids
+) -> None:
     if not todo:
-        return present
+        return
     client.assign(assign)
     last_progress = time.monotonic()
     while todo:
@@ -170,21 +276,20 @@ def _read(
                 f"reading the ids present in Kafka made no progress for {READ_STALL_S:g}s"
             )
         for msg in messages:
-            _take(msg, present, todo)
-    return present
+            _take(msg, ids, todo)
 
 
-def _take(msg: Any, present: set[str], todo: dict[tuple[str, int], int]) -> None:
-    """One consumed message: its id kept; its partition done at the end or EOF."""
+def _take(msg: Any, ids: _Ids, todo: dict[tuple[str, int], int]) -> None:
+    """One consumed message: its id kept (when it counts); its partition done at the
+    end or EOF."""
     err = msg.error()
     where = (msg.topic(), msg.partition())
     if err is not None:
         if err.code() == KafkaError._PARTITION_EOF:
             todo.pop(where, None)
+        else:
+            ids.reader.skip(Skip.BROKER_ERROR)
         return
-    for name, value in msg.headers() or ():
-        if name == c.HEADER_ID and isinstance(value, bytes):
-            present.add(value.decode(errors="replace"))
-            break
+    ids.take(msg)
     if msg.offset() + 1 >= todo.get(where, 0):
         todo.pop(where, None)

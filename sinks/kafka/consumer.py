@@ -115,12 +115,15 @@ SERVER_ERRORS = range(500, 600)
 ROUTE_TROUBLE = frozenset({ResultKind.UNAVAILABLE, ResultKind.SERVER_ERROR, ResultKind.THROTTLED})
 #: The parking lot's event_type of a record whose type has no route.
 UNROUTABLE = "UNROUTABLE"
+CHECKPOINT_RECORD = "the relay's checkpoint topic, CDC_CHECKPOINT_TOPIC"  #: (a pattern took it)
 
 
-def classifier(routing: Routing) -> Callable[[Envelope], Verdict]:
-    """The routing verdict of a record: skipped, deliverable, or bad input to park at once."""
+def classifier(routing: Routing, checkpoint_topic: str = "") -> Callable[[Envelope], Verdict]:
+    """A record's routing verdict: skipped, deliverable, or bad input to park at once."""
 
     def classify(record: Envelope) -> Verdict:
+        if record.topic == checkpoint_topic:
+            return Verdict(Route.IGNORE, CHECKPOINT_RECORD)
         if routing.is_ignored(record.topic, record.event_type):
             return Verdict(Route.IGNORE, "SINK_IGNORED_TYPES")
         try:
@@ -164,7 +167,7 @@ def make_core(settings: Settings, routing: Routing) -> SinkCore:
         inline_backoff_s=INLINE_BACKOFF_S,
         backoff=lambda: Backoff(base_s=min(0.5, backoff_cap_s), cap_s=backoff_cap_s),
         commit_interval_s=COMMIT_INTERVAL_S,
-        classify=classifier(routing),
+        classify=classifier(routing, settings.checkpoint_topic_name),
     )
 
 
@@ -305,20 +308,19 @@ class Sink:
         for record in records:
             verdict = self.core.consumed(record, now_ms=now_ms)
             if verdict is not None and verdict.route is Route.IGNORE:
-                self._skipped(record)
+                self._skipped(record, verdict.reason)
         if self.core.needs_pause():
             self._step()  # pause now: batches already posted must not pile up first
         self._wake.set()
 
-    def _skipped(self, record: Envelope) -> None:
-        event_type = record.event_type
-        self.metrics.skipped.labels(self._type_labels.label(event_type)).inc()
-        self._skipped_log.event(
-            event_type,
-            "skipping events of type %r (SINK_IGNORED_TYPES); counted in"
-            " outbox_sink_skipped_total, logged once",
-            event_type,
-            extra={"event_type": event_type, "topic": record.topic},
+    def _skipped(self, record: Envelope, reason: str) -> None:
+        self.metrics.skipped.labels(self._type_labels.label(record.event_type)).inc()
+        self._skipped_log.event(  # (SINK_IGNORED_TYPES: once per type; checkpoints: per topic)
+            f"topic {record.topic}" if reason == CHECKPOINT_RECORD else record.event_type,
+            "skipping events of type %r (%s); counted in outbox_sink_skipped_total, logged once",
+            record.event_type,
+            reason,
+            extra={"event_type": record.event_type, "topic": record.topic},
         )
 
     def on_assign(self, partitions: list[tuple[str, int]]) -> None:

@@ -586,3 +586,165 @@ def test_the_audits_repair_in_exactly_once_mode_publishes_the_missing_once_in_a_
     } == set(skipped)
     code, clean = audit("--since", since, "--until", until, "--repair")
     assert code == 0 and clean["repaired"] == 0, clean
+
+
+# --- evidence the relay does not own ------------------------------------------------------
+
+
+def _ours(msgs: list, origin: bytes) -> Counter[str]:  # type: ignore[type-arg]
+    """The ids of the records of ``origin`` among ``msgs``, read defensively (a record
+    whose header name is not UTF-8 must not be read with ``headers()``)."""
+    from cdc.records import RecordReader
+
+    reader, seen = RecordReader(), Counter[str]()
+    for m in msgs:
+        record = reader.read(m)
+        if record is not None and record.header("origin") == origin:
+            seen[(record.header("id") or b"").decode()] += 1
+    return seen
+
+
+def _publish_then_stop(cfg: RelayConfig, tmp: Path, aggregate: str) -> tuple[list[str], bytes]:
+    """50 events published by a relay that is then stopped (SIGTERM); their ids and the
+    relay's ``origin``."""
+    relay, _ = start_relay(cfg, tmp, name="first")
+    try:
+        published = _insert(cfg.db_dsn, aggregate, 50)
+        msgs = read_committed(cfg.kafka, cfg.topic_prefix + aggregate, expect=50, idle_s=1.0)
+        assert relay.terminate() == 0, relay.log_tail()
+    finally:
+        relay.close()
+    return published, headers_of(msgs[0])["origin"]
+
+
+def test_gap_recovery_does_not_skip_a_row_whose_id_only_a_foreign_record_carries(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """Exactly-once recovery skips the ids read_committed consumers already hold. Records
+    another producer wrote into the relay's topic with the ids of stranded rows - of
+    another system, of another slot of this system, without ``origin``, and one with the
+    relay's very origin but a header name that is not UTF-8 (``headers()`` raised
+    SystemError: issue 34's crash) - vouch for nothing: every stranded row is published
+    by the recovery, once, and the unreadable record crashes nothing."""
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+    from tests.records import RawProducer, RawRecord
+
+    cfg.extra["CDC_GAP_MARGIN_S"] = "30"
+    topic = cfg.topic_prefix + "foreign"
+    published, origin = _publish_then_stop(cfg, tmp_path, "foreign")
+    stranded = _insert(cfg.db_dsn, "foreign", 30, start=51)
+    system = origin.split(b"/")[0]
+    forged = {
+        stranded[0]: ((b"origin", b"1234567890123456789/1/" + cfg.slot.encode()),),
+        stranded[1]: ((b"origin", system + b"/1/another_slot"),),
+        stranded[2]: (),
+        stranded[3]: ((b"origin", origin), (b"\xff\xfe-not-utf8", b"x")),
+    }
+    RawProducer(cfg.kafka).send(
+        topic,
+        0,
+        [
+            RawRecord(key=b"k0", value=b"{}", headers=((b"id", i.encode()), *extra))
+            for i, extra in forged.items()
+        ],
+    )
+    subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "slot", "drop", "--yes"],
+        env=cfg.env(free_port()),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    relay, _ = start_relay(cfg, tmp_path, name="second")
+    try:
+        after = _insert(cfg.db_dsn, "foreign", 20, start=81)
+        expected = published + stranded + after
+        msgs = read_committed(cfg.kafka, topic, expect=len(expected) + len(forged))
+        log = relay.log_path.read_text(errors="replace")
+        assert relay.alive(), relay.log_tail()
+    finally:
+        relay.close()
+    assert "recovering the window" in log
+    seen = _ours(msgs, origin)
+    assert set(seen) == set(expected), f"lost: {sorted(set(expected) - set(seen))}"
+    assert max(seen.values()) == 1, "an id published twice"
+    assert (
+        "reading the ids present in Kafka: 4 records passed by" in log
+        and "foreign_origin=2, no_origin=1, unreadable_headers=1" in log
+    ), log
+
+
+def _forge_checkpoint(cfg: RelayConfig, origin: bytes, lsn: str) -> str:
+    """A record under the relay's key with its ``origin`` header, in its checkpoint
+    topic, outside any transaction: anyone may write one. The topic."""
+    from confluent_kafka import Producer
+
+    from cdc.settings import default_checkpoint_topic
+
+    topic = default_checkpoint_topic(cfg.topic_prefix)
+    producer = Producer({"bootstrap.servers": cfg.kafka})
+    producer.produce(topic, lsn.encode(), origin, headers=[("origin", origin)])
+    assert producer.flush(30) == 0
+    return topic
+
+
+def test_a_forged_checkpoint_beyond_the_servers_wal_is_not_trusted_and_nothing_is_lost(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """A checkpoint under the relay's key and origin whose LSN lies beyond the server's
+    WAL position would make the relay skip every transaction since it stopped: it is not
+    trusted (one warning), the relay starts from the slot's confirmed position, and the
+    rows written while it was stopped are published once."""
+    published, origin = _publish_then_stop(cfg, tmp_path, "forged")
+    while_down = _insert(cfg.db_dsn, "forged", 20, start=51)
+    _forge_checkpoint(cfg, origin, "FFFF/FFFFFF00")
+    relay, _ = start_relay(cfg, tmp_path, name="second")
+    try:
+        later = _insert(cfg.db_dsn, "forged", 10, start=71)
+        expected = published + while_down + later
+        msgs = read_committed(cfg.kafka, cfg.topic_prefix + "forged", expect=len(expected))
+        log = relay.log_path.read_text(errors="replace")
+    finally:
+        relay.close()
+    assert "not trusted: its LSN FFFF/FFFFFF00 lies beyond the server's WAL position" in log
+    seen = Counter(headers_of(m)["id"].decode() for m in msgs)
+    assert set(seen) == set(expected), f"lost: {sorted(set(expected) - set(seen))}"
+    assert max(seen.values()) == 1
+
+
+def test_a_forged_checkpoint_ahead_of_the_truth_loses_nothing_the_start_up_check_repairs(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """A forged checkpoint within the server's WAL (its current position) passes every
+    check a record can: the relay skips the transactions written while it was stopped.
+    The start-up check (the audit's comparison with the outbox table) runs in this mode
+    too: it finds those rows missing and republishes them, marked ``recovered: verify``,
+    once."""
+    cfg.extra["CDC_GAP_MARGIN_S"] = "1"
+    published, origin = _publish_then_stop(cfg, tmp_path, "ahead")
+    while_down = _insert(cfg.db_dsn, "ahead", 20, start=51)
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
+    assert row is not None
+    _forge_checkpoint(cfg, origin, str(row[0]))
+    time.sleep(2.5)  # (the start-up check's window ends CDC_GAP_MARGIN_S before the start)
+    relay, _ = start_relay(cfg, tmp_path, name="second")
+    try:
+        later = _insert(cfg.db_dsn, "ahead", 10, start=71)
+        expected = published + while_down + later
+        msgs = read_committed(cfg.kafka, cfg.topic_prefix + "ahead", expect=len(expected))
+        log = relay.log_path.read_text(errors="replace")
+    finally:
+        relay.close()
+    assert f"checkpoint {row[0]} of {origin.decode()}" in log, "the forged checkpoint was trusted"
+    assert "20 of the" in log and "were not in Kafka" in log, "the start-up check did not repair"
+    seen = Counter(headers_of(m)["id"].decode() for m in msgs)
+    assert set(seen) == set(expected), f"lost: {sorted(set(expected) - set(seen))}"
+    assert max(seen.values()) == 1
+    verified = {headers_of(m)["id"].decode() for m in msgs if headers_of(m).get("recovered")}
+    assert verified == set(while_down)

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import re
+import uuid
+
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from cdc.errors import CdcError, ConfigError
-from cdc.lineage import Origin
-from cdc.relay.checkpoint import TOPIC_CONFIG, checkpoint_topic
+from cdc.lineage import Origin, Owner
+from cdc.records import Skip
+from cdc.relay.checkpoint import TOPIC_CONFIG, Checkpoint, _Newest, checkpoint_topic, judge
 from cdc.relay.exactly_once import (
     CheckpointTracker,
     RelayFencedError,
     is_fenced,
     transactional_id,
 )
+from cdc.relay.transactional import PresentIds, Transactions, _Ids
 from cdc.relay.transactional import transactional_id as republish_id
 from cdc.relay.txbatch import Action, TxBatch, TxLimits
-from cdc.settings import Settings, build
+from cdc.settings import Settings, build, default_checkpoint_topic
 from sinks.kafka.config import consumer_config
 
 LIMITS = TxLimits(max_records=10, max_ms=50, abort_after_ms=1_000, commit_budget_ms=100)
@@ -45,10 +50,192 @@ def test_republishing_runs_have_ids_of_their_own_never_the_streaming_relays() ->
 def test_the_checkpoint_topic_defaults_outside_the_sinks_subscription() -> None:
     settings = _settings()
     topic = checkpoint_topic(settings)
-    assert topic == "outbox.event__checkpoints"
+    assert topic == "__outbox_cdc_checkpoints.outbox.event"
     assert not topic.startswith(settings.topic_prefix)
     assert checkpoint_topic(_settings(checkpoint_topic="cp")) == "cp"
     assert TOPIC_CONFIG["cleanup.policy"] == "compact"
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "outbox",
+        "outbox.event.",
+        "outbox.",
+        "o",
+        "_",
+        "__",
+        "__outbox_cdc",
+        "outbox-cdc",
+        "a b/c",
+        "",
+    ],
+)
+def test_the_default_checkpoint_topic_never_starts_with_the_topic_prefix(prefix: str) -> None:
+    """The prefix "outbox" (no dot) made `outbox__checkpoints`: the sink's `^outbox.*`,
+    the audit and the present-ids read took it for an outbox topic."""
+    topic = default_checkpoint_topic(prefix)
+    assert not prefix or not topic.startswith(prefix)
+    assert re.fullmatch(r"[A-Za-z0-9._-]{1,249}", topic), topic
+    assert not re.match(f"^{re.escape(prefix)}.*", topic) or not prefix
+    assert default_checkpoint_topic("x" * 400).startswith("__outbox_cdc_checkpoints.x")
+    assert len(default_checkpoint_topic("x" * 400)) == 249
+
+
+def test_the_configured_checkpoint_topic_is_never_an_outbox_topic_even_under_the_prefix() -> None:
+    settings = _settings(topic_prefix="outbox", checkpoint_topic="outbox__checkpoints")
+    assert settings.is_outbox_topic("outbox.orders")
+    assert not settings.is_outbox_topic("outbox__checkpoints")
+    assert not _settings(topic_prefix="outbox", dlq_topic="outbox.dlq").is_outbox_topic(
+        "outbox.dlq"
+    )
+    assert not _settings().is_outbox_topic("elsewhere.orders")
+
+
+class _Topics:
+    """A client whose metadata lists ``names`` (one partition each)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.topics = {n: type("T", (), {"partitions": {0: None}})() for n in names}
+
+    def list_topics(self, timeout: float) -> _Topics:
+        return self
+
+
+def test_the_audit_never_reads_the_checkpoint_topic_as_an_outbox_topic() -> None:
+    from cdc.audit.kafka import outbox_topics
+
+    settings = _settings(topic_prefix="outbox", checkpoint_topic="outbox.checkpoints")
+    client = _Topics(["outbox.orders", "outbox.checkpoints", "outbox.dlq", "other"])
+    assert list(outbox_topics(client, settings)) == ["outbox.orders"]  # type: ignore[arg-type]
+    settings = _settings(topic_prefix="outbox", dlq_topic="outbox.dlq")
+    client = _Topics(["outbox.orders", default_checkpoint_topic("outbox"), "outbox.dlq"])
+    assert list(outbox_topics(client, settings)) == ["outbox.orders"]  # type: ignore[arg-type]
+
+
+def test_the_sink_skips_records_of_the_checkpoint_topic_its_pattern_matches() -> None:
+    from sinks.core.delivery import Envelope
+    from sinks.core.machine import Route
+    from sinks.kafka.consumer import CHECKPOINT_RECORD, classifier
+
+    class _Routing:
+        def is_ignored(self, topic: str, event_type: str) -> bool:
+            return False
+
+        def route_envelope(self, record: Envelope) -> object:
+            return type("Call", (), {"path": "/x"})()
+
+    classify = classifier(_Routing(), "outbox.checkpoints")  # type: ignore[arg-type]
+    checkpoint = Envelope(topic="outbox.checkpoints", partition=0, offset=1, key=b"o", value=b"0/1")
+    assert classify(checkpoint).route is Route.IGNORE
+    assert classify(checkpoint).reason == CHECKPOINT_RECORD
+    event = Envelope(topic="outbox.orders", partition=0, offset=1, key=b"k", value=b"{}")
+    assert classify(event).route is Route.DELIVER
+
+
+ORIGIN = "7714869915919296735/1/outbox_slot"
+
+
+def _newest(
+    origin: bytes | None = ORIGIN.encode(), value: bytes = b"0/1000", *, unreadable: bool = False
+) -> _Newest:
+    return _Newest(offset=7, origin=origin, value=value, unreadable=unreadable)
+
+
+def test_a_checkpoint_counts_when_its_origin_value_and_lsn_are_verified() -> None:
+    assert judge(_newest(), ORIGIN, wal_bound=0x1000) == Checkpoint(0x1000)
+    assert judge(None, ORIGIN, wal_bound=0x1000) == Checkpoint(None)
+
+
+@pytest.mark.parametrize(
+    ("newest", "reason"),
+    [
+        (_newest(origin=None), "no origin header"),
+        (_newest(origin=b"7714869915919296735/1/other_slot"), "another origin header"),
+        (_newest(value=b"not an lsn"), "no LSN"),
+        (_newest(value=b"\xff\xfe"), "no LSN"),
+        (_newest(unreadable=True), "headers cannot be read"),
+        (_newest(value=b"0/1001"), "beyond the server's WAL position 0/1000"),
+        (_newest(value=b"FFFFFFFF/FFFFFFFF"), "beyond"),
+    ],
+)
+def test_a_checkpoint_not_verified_does_not_count_and_says_why(
+    newest: _Newest, reason: str
+) -> None:
+    """A record under the relay's key it cannot vouch for must never move the start
+    forward (a checkpoint ahead of the truth skips transactions not in Kafka: loss)."""
+    found = judge(newest, ORIGIN, wal_bound=0x1000)
+    assert found.lsn is None
+    assert reason in found.distrusted
+    assert found.where == "offset 7"
+
+
+def test_present_ids_are_16_bytes_each_and_looked_up_exactly() -> None:
+    ids = [uuid.uuid4().bytes for _ in range(5_000)] + [uuid.uuid1().bytes for _ in range(500)]
+    present = PresentIds.of([*ids, ids[0]])
+    assert len(present) == len(ids)
+    assert all(i in present for i in ids)
+    assert not any(uuid.uuid4().bytes in present for _ in range(2_000))
+    assert None not in present and b"short" not in present and str(ids[0]) not in present
+    assert uuid.uuid4().bytes not in PresentIds()  # (empty, frozen at its first lookup)
+    with pytest.raises(RuntimeError):
+        present.add(ids[0])
+
+
+def _message(topic: str, headers: list[tuple[bytes, bytes]]) -> object:
+    from tests.records import RawRecord
+    from tests.unit.test_record_reading import FakeMessage
+
+    class _At(FakeMessage):
+        def topic(self) -> str:
+            return topic
+
+    return _At(RawRecord(key=b"k", value=b"{}", headers=tuple(headers)))
+
+
+def test_only_the_relays_own_records_and_dead_letters_vouch_for_an_id() -> None:
+    """A record of another producer or cluster carrying a row's id must not make recovery
+    skip the row; a record whose header name is not UTF-8 (SystemError in headers())
+    is passed by, counted, never fatal."""
+    owner = Owner("7714869915919296735", frozenset({1, 2}), "outbox_slot")
+    ids = {name: uuid.uuid4() for name in ("ours", "old_tli", "foreign", "none", "dlq", "bad")}
+
+    def h(name: str, origin: str | None) -> list[tuple[bytes, bytes]]:
+        out = [(b"id", str(ids[name]).encode())]
+        return out + ([(b"origin", origin.encode())] if origin is not None else [])
+
+    took = _Ids(owner, "outbox.dlq")
+    for msg in [
+        _message("outbox.event.o", h("ours", ORIGIN)),
+        _message("outbox.event.o", h("old_tli", "7714869915919296735/2/outbox_slot")),
+        _message("outbox.event.o", h("foreign", "1234/1/outbox_slot")),
+        _message("outbox.event.o", h("none", None)),
+        _message("outbox.dlq", h("dlq", None)),
+        _message("outbox.event.o", [*h("bad", ORIGIN), (b"\xff\xfe", b"x")]),
+        _message("outbox.event.o", [(b"id", b"not-a-uuid"), (b"origin", ORIGIN.encode())]),
+    ]:
+        took.take(msg)
+    present = took.present.freeze()
+    kept = {name for name, i in ids.items() if i.bytes in present}
+    assert kept == {"ours", "old_tli", "dlq"}
+    assert took.reader.skipped == {
+        Skip.FOREIGN_ORIGIN: 1,
+        Skip.NO_ORIGIN: 1,
+        Skip.UNREADABLE_HEADERS: 1,
+        Skip.BAD_ID: 1,
+    }
+
+
+def test_a_republisher_skips_an_id_only_when_it_is_present_as_bytes() -> None:
+    present_id, missing_id = uuid.uuid4(), uuid.uuid4()
+    txs = Transactions.__new__(Transactions)
+    txs.present = PresentIds.of([present_id.bytes])
+    txs.skipped = 0
+    txs._open = True  # (no producer: a transaction counts as open)
+    assert txs.skip(str(present_id)) and txs.skipped == 1
+    assert txs.skip(str(present_id).upper())
+    assert not txs.skip(str(missing_id))
+    assert not txs.skip("not-a-uuid")
 
 
 @pytest.mark.parametrize(
