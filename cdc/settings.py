@@ -339,7 +339,8 @@ class Settings(BaseSettings):
     # Audit (cdc.audit): the outbox table against Kafka against the group.
     #: The active relay audits the trailing window this often (0 turns the periodic audit off).
     audit_interval_s: float = env("CDC_AUDIT_INTERVAL_S", 300.0)
-    #: Width of the window each periodic audit checks, and of `outbox-cdc audit`'s default one.
+    #: Width of the window each periodic audit checks, and of `outbox-cdc audit`'s default one
+    #: (it never starts before the relay's first start: `slot init --from now` rows are not judged).
     audit_window_s: float = env("CDC_AUDIT_WINDOW_S", 3600.0)
     #: The window ends this long ago: events committed since are in flight, not yet judged.
     audit_settle_s: float = env("CDC_AUDIT_SETTLE_S", 60.0)

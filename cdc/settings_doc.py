@@ -84,8 +84,8 @@ GROUPS: tuple[Group, ...] = (
         "Relay: exactly-once delivery",
         ("CDC_DELIVERY", "CDC_TRANSACTIONAL_ID", "CDC_CHECKPOINT_TOPIC", "CDC_TX_"),
         "Kafka transactions that carry the relay's checkpoint: every event once to a consumer"
-        " reading with `isolation.level=read_committed` ([The record contract]"
-        "(../record-contract.md)).",
+        " reading with `isolation.level=read_committed` ([Exactly-once delivery]"
+        "(../relay/exactly-once.md)).",
     ),
     Group(
         "Relay: flow and health",

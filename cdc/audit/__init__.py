@@ -30,14 +30,17 @@ re-publish path, :func:`cdc.relay.republish.republish` (``recovered: audit-<run>
 The relay's start-up check (DESIGN, relay invariant 11) is a call of
 :func:`verify_since` over the window since the last published record: the same
 comparison, under the same per-slot audit lock, republishing with ``recovered: verify``.
+Neither judges rows committed before the relay's first start when that chose not to
+publish them (``slot init --from now``, an empty outbox): the slot history's first row.
 """
 
 from cdc.audit.run import AuditBusyError, AuditReport, Verification, run_audit, verify_since
-from cdc.audit.window import Window, WindowError, window_for
+from cdc.audit.window import BeforeFirstStartError, Window, WindowError, window_for
 
 __all__ = [
     "AuditBusyError",
     "AuditReport",
+    "BeforeFirstStartError",
     "Verification",
     "Window",
     "WindowError",

@@ -13,6 +13,10 @@ Guarantees:
 * the window is ``CDC_AUDIT_WINDOW_S`` wide and ends ``CDC_AUDIT_SETTLE_S`` ago;
   events still in the slot are in flight, never judged missing; when the audit
   cannot tell (the slot cannot be read) it judges nothing (``skipped``);
+* it never starts before the relay's first start when that chose not to publish
+  the rows already in the table (``slot init --from now``, an empty outbox): those
+  rows are never judged nor republished (the start-up check keeps the same
+  boundary); a window that ends before it is not run (``skipped``);
 * what it finds missing is republished (``CDC_AUDIT_REPAIR=on``, the default)
   and counted; a run that found something writes one WARNING line naming the
   counts and the first ids; ``outbox_audit_missing`` is the last judged run's count.
@@ -34,7 +38,7 @@ from confluent_kafka import KafkaException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cdc.audit.run import AuditBusyError, AuditReport, run_audit
-from cdc.audit.window import window_for
+from cdc.audit.window import BeforeFirstStartError, window_for
 from cdc.errors import CdcError
 from cdc.relay.state import RelayState
 from cdc.settings import Settings
@@ -126,7 +130,7 @@ class PeriodicAudit:
         started = time.monotonic()
         try:
             report = run_audit(s, window, repair=s.audit_repair, repair_unproven=False)
-        except AuditBusyError as exc:
+        except (AuditBusyError, BeforeFirstStartError) as exc:
             self.metrics.runs.labels("skipped").inc()
             log.info("audit skipped: %s", exc)
             return None

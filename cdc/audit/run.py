@@ -25,6 +25,13 @@ Guarantees of :func:`run_audit` (the stages of :mod:`cdc.audit`):
   the topics its routes published to and at most ``max_rows`` rows (a larger
   window is not read: :class:`WindowTooLargeError`), what is missing
   republished marked ``recovered: verify``;
+* the window never starts before the relay's first start when that chose not to
+  publish the rows already in the table (``slot init --from now``, an empty
+  outbox: :func:`first_start`, the boundary the start-up check keeps too): a
+  window that began earlier is moved to it, and a note and ``requested_since``
+  say so; rows before it are judged (and repaired) only with
+  ``before_first_start=True`` (``audit --before-first-start``); a window that ends
+  before it raises :class:`cdc.audit.window.BeforeFirstStartError`;
 * every stage's time is in :attr:`AuditReport.timings_s`.
 """
 
@@ -43,11 +50,12 @@ from typing import Any, TypeVar
 
 import psycopg
 
+from cdc import gaps
 from cdc.audit import kafka as kf
 from cdc.audit import table as pg
 from cdc.audit.compare import Comparison, compare
 from cdc.audit.ids import IdList, uuid_text
-from cdc.audit.window import Window, iso, to_ms
+from cdc.audit.window import Window, from_first_start, iso, to_ms
 from cdc.errors import CdcError
 from cdc.lineage import Owner, origin_value
 from cdc.relay.republish import republish
@@ -95,6 +103,14 @@ def audit_lock(settings: Settings) -> Iterator[None]:
                     conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))
 
 
+def first_start(settings: Settings) -> datetime | None:
+    """When the relay's first start made (or took over) the slot choosing not to publish
+    the rows already in the table (``slot init --from now``, an empty outbox); None when
+    there is no such boundary (:func:`cdc.gaps.responsible_since`)."""
+    with pg.connect(settings) as conn:
+        return gaps.responsible_since(conn, settings.slot)
+
+
 @dataclass
 class AuditReport:
     """Everything one run found (see :meth:`as_json` for the document scripts read)."""
@@ -115,6 +131,10 @@ class AuditReport:
     repair_mark: str | None = None
     notes: list[str] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)
+    #: the relay's first start, when it chose not to publish the rows before it
+    first_start: datetime | None = None
+    #: the start asked for, when the window was moved to :attr:`first_start`
+    requested_since: datetime | None = None
 
     @property
     def missing_count(self) -> int:
@@ -142,6 +162,8 @@ class AuditReport:
         return {
             "run_id": self.run_id,
             "window": self.window.as_json(),
+            "first_start": None if self.first_start is None else iso(self.first_start),
+            "requested_since": None if self.requested_since is None else iso(self.requested_since),
             "time_basis": self.time_basis,
             "table_rows": self.table.judged_rows,
             "in_kafka": cmp.total("in_kafka"),
@@ -315,6 +337,7 @@ def run_audit(
     group: str | None = None,
     repair: bool = False,
     repair_unproven: bool = True,
+    before_first_start: bool = False,
     limit: int = LIST_LIMIT,
     progress: Progress | None = None,
     now: datetime | None = None,
@@ -323,12 +346,18 @@ def run_audit(
 
     With ``repair`` the whole run holds the slot's audit lock (:class:`AuditBusyError`
     when another run holds it). ``repair_unproven=False`` republishes nothing when the
-    slot's pending events could not be read (missing and in flight are then one count)."""
+    slot's pending events could not be read (missing and in flight are then one count).
+    The window starts no earlier than the relay's first start (:func:`first_start`)
+    unless ``before_first_start``."""
     settings.require("pg_dsn", "kafka_bootstrap_servers")
-    with audit_lock(settings) if repair else nullcontext():
-        return _run(
+    with audit_lock(settings) if repair else nullcontext():  # (before anything is read)
+        boundary = first_start(settings)
+        judged = (
+            window if before_first_start else from_first_start(window, boundary, slot=settings.slot)
+        )
+        report = _run(
             settings,
-            window,
+            judged,
             group=group,
             repair=repair,
             repair_unproven=repair_unproven,
@@ -336,6 +365,33 @@ def run_audit(
             progress=progress,
             now=now,
         )
+    report.first_start = boundary
+    if judged != window:
+        report.requested_since = window.since
+    report.notes[:0] = _first_start_notes(settings, window, judged, boundary)
+    return report
+
+
+def _first_start_notes(
+    settings: Settings, requested: Window, judged: Window, boundary: datetime | None
+) -> list[str]:
+    """What the reader must know when the window asked for reaches before the first start."""
+    if boundary is None or requested.since_ms >= to_ms(boundary):
+        return []
+    why = (
+        "the rows committed before it were not published by choice (`slot init --from now`,"
+        " or an empty outbox then)"
+    )
+    if judged != requested:
+        return [
+            f"the window starts at slot {settings.slot}'s first start ({iso(boundary)}), not"
+            f" at {iso(requested.since)}: {why} and are not judged nor repaired"
+            " (--before-first-start judges them)"
+        ]
+    return [
+        f"the window reaches before slot {settings.slot}'s first start ({iso(boundary)}): {why}"
+        " and are counted missing (--before-first-start)"
+    ]
 
 
 def _run(

@@ -10,7 +10,12 @@ Guarantees:
   (``90s``, ``15m``, ``2h``, ``1d``, ``1h30m``) or an ISO-8601 time (a time
   without offset is UTC); anything else raises :class:`WindowError` naming the
   option and the accepted forms;
-* :func:`window_for` gives the default: ending ``settle_s`` ago, ``width_s`` wide.
+* :func:`window_for` gives the default: ending ``settle_s`` ago, ``width_s`` wide;
+* :func:`from_first_start` moves a window's start to the relay's first start when it
+  began before it (the rows committed before a ``slot init --from now`` or an
+  empty-outbox first start were never the relay's to publish: the start-up check
+  never judges them either); a window that ends at or before it raises
+  :class:`BeforeFirstStartError`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 class WindowError(CdcError):
     """A window option is not a duration nor a time, or the window is empty."""
+
+
+class BeforeFirstStartError(WindowError):
+    """The whole window is before the relay's first start: nothing in it was its to publish."""
 
 
 def to_ms(when: datetime) -> int:
@@ -119,3 +128,17 @@ def window_for(
         parse_when(since, now=now, option="--since") if since else end - timedelta(seconds=width_s)
     )
     return Window.between(start, end)
+
+
+def from_first_start(window: Window, first_start: datetime | None, *, slot: str) -> Window:
+    """``window``, starting no earlier than ``first_start`` (None: no such boundary);
+    :class:`BeforeFirstStartError` when it ends at or before it."""
+    if first_start is None or window.since_ms >= to_ms(first_start):
+        return window
+    if window.until_ms <= to_ms(first_start):
+        raise BeforeFirstStartError(
+            f"the window {iso(window.since)} .. {iso(window.until)} ends before slot {slot}'s"
+            f" first start at {iso(first_start)}: the rows committed before it were not"
+            " published by choice (`slot init --from now`, or an empty outbox then)"
+        )
+    return Window(to_ms(first_start), window.until_ms)

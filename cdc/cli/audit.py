@@ -3,7 +3,12 @@
 Exit codes: 0 nothing missing and nothing removed before the group read it;
 1 something is (like ``diff``; also when ``--repair`` republished it: the run
 found a loss); 2 usage or configuration errors (a bad ``--since``, an empty
-window, a missing setting). The answer goes to stdout (a table, or one JSON
+window, a missing setting, a window that ends before the relay's first start).
+The window starts no earlier than the relay's first start when that chose not to
+publish the rows already in the table (``slot init --from now``, an empty
+outbox): a ``--since`` before it is moved to it, with a note (and
+``requested_since`` in the JSON); ``--before-first-start`` judges (and with
+``--repair`` republishes) those rows too. The answer goes to stdout (a table, or one JSON
 document with ``--json``); stage progress and notes go to stderr.
 """
 
@@ -45,6 +50,13 @@ SHOWN_MISSING = 20
     is_flag=True,
     help="republish the missing rows through the relay's router (header recovered=audit-<run>)",
 )
+@click.option(
+    "--before-first-start",
+    is_flag=True,
+    help="judge (and with --repair republish) the rows committed before the relay's first"
+    " start too, which `slot init --from now` chose not to publish [default: the window"
+    " starts at it]",
+)
 @click.option("--group", help="consumer group of the Kafka -> group stage [default: SINK_GROUP_ID]")
 @click.option(
     "--limit",
@@ -58,6 +70,7 @@ def audit(
     until: str | None,
     as_json: bool,
     repair: bool,
+    before_first_start: bool,
     group: str | None,
     limit: int,
 ) -> None:
@@ -73,7 +86,7 @@ def audit(
     """
     from datetime import UTC, datetime
 
-    from cdc.audit import WindowError, run_audit, window_for
+    from cdc.audit import BeforeFirstStartError, WindowError, run_audit, window_for
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     try:
@@ -87,14 +100,18 @@ def audit(
     except WindowError as exc:
         raise click.UsageError(str(exc)) from None
     console = render.err()
-    report = run_audit(
-        settings,
-        window,
-        group=group,
-        repair=repair,
-        limit=limit,
-        progress=lambda stage: console.print(f"[dim]audit: {stage}...[/dim]"),
-    )
+    try:
+        report = run_audit(
+            settings,
+            window,
+            group=group,
+            repair=repair,
+            before_first_start=before_first_start,
+            limit=limit,
+            progress=lambda stage: console.print(f"[dim]audit: {stage}...[/dim]"),
+        )
+    except BeforeFirstStartError as exc:
+        raise click.UsageError(f"{exc}: --before-first-start audits them anyway") from None
     if as_json:
         render.echo_json(report.as_json())
     else:

@@ -37,7 +37,9 @@ Guarantees:
   one re-publish path, marked ``recovered: verify``. It holds the slot's audit
   lock while it checks and repairs: while an audit holds it, the check waits
   (polling every :data:`START_CHECK_POLL_S`, at most :data:`START_CHECK_BUSY_WAIT_S`),
-  so the two never repair at once and the check sees what the audit republished.
+  so the two never repair at once and the check sees what the audit republished;
+  a wait is logged once when it begins (INFO) and once when it ends (INFO when
+  the check proceeds, WARNING when it gives up), never per poll.
   It runs in a thread, once per process (again at the next session if it failed
   or waited too long), and never stops the stream.
 * every slot the guard creates (first start, recovery) is a failover slot when
@@ -380,7 +382,9 @@ class SlotGuard:
         with recovery.connect(s) as conn:
             topics = gaps.outputs(conn, s.slot, gaps.OUTPUT_TOPIC)
         span = f"{window.as_json()['since']} .. {window.as_json()['until']}"
-        deadline = time.monotonic() + START_CHECK_BUSY_WAIT_S
+        began = time.monotonic()
+        deadline = began + START_CHECK_BUSY_WAIT_S
+        waited = False
         while True:
             try:
                 found = verify_since(
@@ -392,6 +396,12 @@ class SlotGuard:
                     topics=topics,
                     max_rows=s.start_verify_max_rows,
                 )
+                if waited:
+                    log.info(
+                        "start-up check of slot %s proceeds: the audit lock was free after %.0fs",
+                        s.slot,
+                        time.monotonic() - began,
+                    )
                 break
             except AuditBusyError as exc:
                 if time.monotonic() > deadline:
@@ -404,7 +414,14 @@ class SlotGuard:
                         START_CHECK_BUSY_WAIT_S,
                     )
                     return False
-                log.info("start-up check of slot %s waits: %s", s.slot, exc)
+                if not waited:  # (one line per wait, not one per poll)
+                    log.info(
+                        "start-up check of slot %s waits (at most %gs): %s",
+                        s.slot,
+                        START_CHECK_BUSY_WAIT_S,
+                        exc,
+                    )
+                    waited = True
                 if self._stop.wait(START_CHECK_POLL_S):
                     return False
         if found.skipped:

@@ -9,7 +9,7 @@ imported inside each function so ``outbox-cdc --help`` stays fast.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cdc.cli.render import (
@@ -22,6 +22,7 @@ from cdc.cli.render import (
     slot_line,
     warn,
 )
+from cdc.constants import HEADER_DLQ_TOPIC
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 ERROR_EXCERPT_CHARS = 60
 #: Widest the ``lag`` table's topic column insists on (longer names fold onto a second line).
 TOPIC_MIN_WIDTH_MAX = 48
+#: What ``trace`` shows for a dead letter's empty ``dlq.original.topic``.
+NO_ORIGINAL_TOPIC = "(none: no valid topic could be made)"
 
 
 def lag_view(
@@ -309,6 +312,16 @@ def parked_line(parked: ParkedRow) -> str:
     return line
 
 
+def header_text(headers: Mapping[str, str]) -> str:
+    """A record's headers in one line, ``name=value``; an empty ``dlq.original.topic`` (a
+    dead letter of a row no valid topic could be made of: the record contract) is said so,
+    not printed as a bare ``=``."""
+    return ", ".join(
+        f"{k}={NO_ORIGINAL_TOPIC}" if k == HEADER_DLQ_TOPIC and not v else f"{k}={v}"
+        for k, v in headers.items()
+    )
+
+
 def trace_view(item: EventTrace) -> Any:
     from rich.console import Group
     from rich.table import Table
@@ -328,7 +341,7 @@ def trace_view(item: EventTrace) -> Any:
     for label, found in (("kafka record", item.record), ("dead letter", item.dead_letter)):
         if found is None:
             continue
-        headers = ", ".join(f"{k}={v}" for k, v in found.headers.items())
+        headers = header_text(found.headers)
         facts.add_row(label, f"{found.where} ts {found.timestamp_iso} key {found.key}")
         facts.add_row("  headers", headers)
     if item.record is None and item.dead_letter is None:

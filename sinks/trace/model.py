@@ -376,7 +376,7 @@ class EventTrace:
             else {
                 **dlq.as_json(),
                 "reason": dlq.headers.get(c.HEADER_DLQ_REASON),
-                "original_topic": dlq.headers.get(c.HEADER_DLQ_TOPIC),
+                "original_topic": dlq.headers.get(c.HEADER_DLQ_TOPIC) or None,  # (empty: none made)
             },
             "search": self.bounds.as_json(),
         }

@@ -17,7 +17,9 @@ out of the relay's publication for a moment while the relay streams.)
 * records deleted before the group read them: the audit lists them and the
   partitions the group lost, the sink logs one ERROR per partition naming the
   range and counts it, the repair brings the events to the engine;
-* the relay's periodic audit repairs such a silent loss with no command;
+* the relay's periodic audit repairs such a silent loss with no command, and never
+  republishes the rows a `slot init --from now` left out (nor does `audit` report
+  them, unless asked with --before-first-start);
 * no false alarms: writers going, the relay killed and the sink restarted, audits
   during and after the load (and the relay's own) are clean; dead-lettered and
   parked events are accounted, not missing; other relays' records (shards) are
@@ -375,6 +377,64 @@ def test_the_relays_periodic_audit_repairs_a_silent_loss_with_no_command(
     finally:
         relay.close()
         sink.close()
+
+
+def test_rows_slot_init_from_now_left_out_are_never_republished_and_audit_clean(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """Edge: `slot init --from now` over an outbox that holds rows, then the relay with a
+    short CDC_AUDIT_INTERVAL_S and a window reaching back before that first start: the
+    periodic audit never judges nor republishes the rows left out (its window starts at
+    the first start, as the start-up check's does) and runs clean; `outbox-cdc audit`
+    (default window and an explicit --since before the first start) reports clean, says
+    the window was moved, and only --before-first-start lists them (not repaired)."""
+    old = set(_users(cfg.db_dsn, 6))  # in the table before the relay's first start
+    cfg.extra.update(
+        {"CDC_AUDIT_INTERVAL_S": "2", "CDC_AUDIT_SETTLE_S": "1", "CDC_AUDIT_WINDOW_S": "600"}
+    )
+    env = cfg.env(free_port())
+    init = _cli(env, "slot", "init", "--from", "now")
+    assert init.returncode == 0, init.stderr
+    relay, port = start_relay(cfg, tmp_path, name="relay-init-now")
+    try:
+        new = set(_users(cfg.db_dsn, 4))
+        topic = cfg.topic_prefix + "user"
+        read_topics(cfg.kafka, [topic], expect=4)
+        clean = _metrics(port)['outbox_audit_runs_total{result="clean"}']
+        wait_until(  # three whole runs after the new rows were in Kafka
+            lambda: _metrics(port)['outbox_audit_runs_total{result="clean"}'] >= clean + 3,
+            WAIT_S,
+            "three clean periodic audits",
+        )
+        metrics = _metrics(port)
+        assert metrics['outbox_audit_runs_total{result="found"}'] == 0, relay.log_tail()
+        assert metrics['outbox_audit_runs_total{result="failed"}'] == 0, relay.log_tail()
+        assert metrics["outbox_audit_repaired_total"] == 0
+        assert metrics["outbox_audit_missing"] == 0
+        ids = {headers_of(m)["id"].decode() for m in read_topics(cfg.kafka, [topic], expect=4)}
+        assert ids == new  # none of the six old rows, by the audit nor anything else
+        assert "events missing from Kafka" not in relay.log_path.read_text()
+
+        for args in ((), ("--since", "1h")):  # the default window, an explicit one
+            code, doc, stderr = _audit(env, *args)
+            assert code == 0, doc
+            assert doc["missing_count"] == 0 and doc["table_rows"] == 4 and doc["in_kafka"] == 4
+            assert doc["first_start"] is not None and doc["requested_since"] is not None
+            assert doc["window"]["since"] == doc["first_start"]
+            assert any("not judged nor repaired" in n for n in doc["notes"]), doc["notes"]
+            assert "first start" in stderr
+
+        code, asked, _ = _audit(env, "--since", "1h", "--before-first-start")
+        assert code == 1
+        assert {m["id"] for m in asked["missing"]} == old and asked["repaired"] == 0
+        assert asked["requested_since"] is None
+        assert any("counted missing" in n for n in asked["notes"]), asked["notes"]
+
+        ahead = _cli(env, "audit", "--since", "2h", "--until", "1h")  # all before the start
+        assert ahead.returncode == 2, ahead.stderr
+        assert "--before-first-start" in ahead.stderr and "Traceback" not in ahead.stderr
+    finally:
+        relay.close()
 
 
 # -- no false alarms ----------------------------------------------------------------------------

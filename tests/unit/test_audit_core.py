@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from cdc.audit.compare import KafkaSide, TableSide, compare
 from cdc.audit.ids import BUCKETS, IdBuckets, IdList, bucket_of, uuid_text
 from cdc.audit.kafka import KafkaRead, _Reader
-from cdc.audit.window import Window, WindowError, parse_duration_s, parse_when, window_for
+from cdc.audit.window import (
+    BeforeFirstStartError,
+    Window,
+    WindowError,
+    from_first_start,
+    parse_duration_s,
+    parse_when,
+    window_for,
+)
 from cdc.lineage import MAX_ORIGINS, Owner
 from cdc.records import RecordReader, Skip, uuid_bytes
 from cdc.wal.slots import ServerIdentity
@@ -127,6 +135,24 @@ def test_the_default_window_ends_settle_ago_and_is_as_wide_as_configured() -> No
     assert window.until == NOW - timedelta(seconds=60)
     assert window.width_s == 3600
     assert window == Window.between(window.since, window.until)
+
+
+def test_a_window_never_starts_before_the_first_start_that_chose_not_to_publish() -> None:
+    """Edge: `slot init --from now` (or an empty-outbox first start) 10 minutes ago, the
+    audit window an hour wide: it starts at the first start (the rows before it were not
+    the relay's to publish); a window after it, or no boundary at all, is left as it is;
+    a window that ends at or before it is refused (nothing in it to judge)."""
+    first = NOW - timedelta(minutes=10)
+    hour = window_for(now=NOW, settle_s=60, width_s=3600)
+    moved = from_first_start(hour, first, slot="s")
+    assert (moved.since, moved.until) == (first, hour.until)
+    later = Window.between(first + timedelta(seconds=1), NOW)
+    assert from_first_start(later, first, slot="s") is later
+    assert from_first_start(hour, None, slot="s") is hour
+    for end in (first, first - timedelta(minutes=1)):
+        with pytest.raises(BeforeFirstStartError, match="ends before slot s's first start"):
+            from_first_start(Window.between(end - timedelta(hours=1), end), first, slot="s")
+    assert issubclass(BeforeFirstStartError, WindowError)  # (the CLI: a usage error, exit 2)
 
 
 # --- the comparison against a naive model ------------------------------------------------------

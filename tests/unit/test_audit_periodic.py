@@ -17,7 +17,7 @@ from cdc.audit.ids import IdBuckets, IdList, uuid_text
 from cdc.audit.kafka import Expired, GroupCheck, KafkaRead
 from cdc.audit.periodic import ACTIVE_STATES, PeriodicAudit, finding_line
 from cdc.audit.run import AuditBusyError, AuditReport
-from cdc.audit.window import Window
+from cdc.audit.window import BeforeFirstStartError, Window
 from cdc.errors import KafkaUnavailableError
 from cdc.relay.state import RelayState
 from cdc.settings import Settings
@@ -133,6 +133,17 @@ def test_a_busy_lock_skips_and_a_failure_is_counted_never_raised(
     audit, _ = _audit(monkeypatch, KafkaUnavailableError("brokers down"))
     assert audit.run_once() is None
     assert _value(audit, "runs", result="failed") == 1
+
+
+def test_a_window_that_ends_before_the_first_start_is_skipped_not_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Edge: the first CDC_AUDIT_SETTLE_S after `slot init --from now`: the whole window is
+    before the first start, nothing in it is the relay's - a skip, not a failure."""
+    audit, _ = _audit(monkeypatch, BeforeFirstStartError("the window ... ends before"))
+    assert audit.run_once() is None
+    assert _value(audit, "runs", result="skipped") == 1
+    assert _value(audit, "runs", result="failed") == 0
 
 
 def test_only_a_relay_that_streams_its_slot_audits() -> None:

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -81,20 +82,22 @@ def test_the_start_check_waits_while_an_audit_holds_the_lock_then_checks_once(
 ) -> None:
     """Edge: the periodic audit (or `audit --repair`) holds the slot's audit lock when the
     start-up check is ready: the check does not repair beside it - it waits, then checks
-    (and sees what the audit republished)."""
+    (and sees what the audit republished). The wait is logged once when it begins and once
+    when the check proceeds, not at every poll (a 30-minute wait was ~900 lines)."""
     busy = AuditBusyError("another audit of slot outbox_slot is running")
     missing = IdList([uuid.uuid4().bytes])
     done = Verification(WINDOW, table_rows=3, missing=missing, republished=1)
-    _outcomes(monkeypatch, checked, [busy, busy, done])
+    _outcomes(monkeypatch, checked, [busy] * 5 + [done])
     g = _Guard()
     with caplog.at_level(logging.INFO, logger="cdc.relay"):
         assert g._start_check_window(WINDOW, SERVER, "7301/2/outbox_slot") is True
-    assert len(checked) == 3
+    assert len(checked) == 6
     call = checked[-1]
     assert call["server"] == SERVER and call["origin"] == "7301/2/outbox_slot"
     assert call["topics"] == ["t.user"] and call["max_rows"] == SETTINGS.start_verify_max_rows
     assert (call["since"], call["until"]) == (WINDOW.since, WINDOW.until)
-    assert sum("waits: another audit" in r.message for r in caplog.records) == 2
+    assert sum("waits (at most" in r.message for r in caplog.records) == 1
+    assert sum("proceeds: the audit lock was free" in r.message for r in caplog.records) == 1
     assert g.metrics.start_check_republished._value.get() == 1
     assert "re-published (header recovered=verify)" in caplog.text
 
@@ -104,11 +107,21 @@ def test_the_start_check_gives_up_waiting_at_its_bound_and_is_tried_again(
     checked: list[dict[str, Any]],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(guard, "START_CHECK_BUSY_WAIT_S", 0.0)
-    _outcomes(monkeypatch, checked, [AuditBusyError("another audit of slot s is running")] * 2)
+    """Edge: the lock stays taken past the bound: the check gives up (tried again at the
+    next session) after many polls, with one line when the wait began and one when it gave
+    up."""
+    clock = iter(range(1_000))  # one second per look at the clock
+    monkeypatch.setattr(guard, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
+    monkeypatch.setattr(guard, "START_CHECK_BUSY_WAIT_S", 10.0)
+    busy = AuditBusyError("another audit of slot s is running")
+    _outcomes(monkeypatch, checked, [busy] * 100)
     g = _Guard()
-    assert g._start_check_window(WINDOW, SERVER, "o") is False  # (not marked checked)
-    assert "tried again at the next session" in caplog.text
+    with caplog.at_level(logging.INFO, logger="cdc.relay"):
+        assert g._start_check_window(WINDOW, SERVER, "o") is False  # (not marked checked)
+    assert len(checked) == 11  # (polled until the bound)
+    lines = [r.message for r in caplog.records]
+    assert sum("waits (at most" in m for m in lines) == 1
+    assert len(lines) == 2 and "tried again at the next session" in lines[1]
     assert g.metrics.start_check_republished._value.get() == 0
 
 

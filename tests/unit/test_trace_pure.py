@@ -167,3 +167,16 @@ def test_not_found_advice_names_the_bound_to_widen() -> None:
     assert "--since" in lookback.advice() and "--max-records" not in lookback.advice()
     both = SearchBounds(since_source="--since", truncated=("t[1]",), **base)  # type: ignore[arg-type]
     assert "--since" in both.advice() and "--max-records" in both.advice()
+
+
+def test_a_dead_letters_empty_original_topic_is_said_so_not_printed_bare() -> None:
+    """Edge: a dead letter of a row no valid topic could be made of carries an empty
+    ``dlq.original.topic`` (the record contract): `trace` names the absence instead of
+    printing ``dlq.original.topic=``; a present topic and other headers print as they are."""
+    from sinks.cli.render import NO_ORIGINAL_TOPIC, header_text
+
+    empty = header_text({"id": "e-1", "dlq.reason": "bad topic", "dlq.original.topic": ""})
+    assert empty == f"id=e-1, dlq.reason=bad topic, dlq.original.topic={NO_ORIGINAL_TOPIC}"
+    assert "dlq.original.topic=," not in empty + ","
+    given_topic = header_text({"dlq.original.topic": "outbox.event.user", "type": ""})
+    assert given_topic == "dlq.original.topic=outbox.event.user, type="
