@@ -149,10 +149,14 @@ def replay_relay(settings: Any) -> Any:
     :meth:`~cdc.relay.ledger.SlotLedger.bound` and ``cap`` confirm as far as asked
     (their per-turn checks are still counted), and only what it would write - the
     topics and forms before their first record - is kept in memory instead (the
-    replay's DSN names no server). On an older checkout without a ledger the
-    override is never called."""
-    from cdc.relay.ledger import SlotLedger
+    replay's DSN names no server). An older checkout without a ledger module gets
+    its plain relay (its guard touches no database either)."""
     from cdc.relay.loop import Relay
+
+    try:
+        from cdc.relay.ledger import SlotLedger
+    except ImportError:  # (before the ledger: nothing to replace)
+        return Relay(settings, serve_http=False)
 
     class ReplayLedger(SlotLedger):
         def __init__(self, settings: Any) -> None:
