@@ -1,6 +1,7 @@
 """CDC_DELIVERY=exactly-once against real PostgreSQL and Kafka: every event once to read_committed.
 
-* kill -9 of the relay ``OUTBOX_EOS_KILLS`` times (default 8) and of the broker
+* kill -9 of the relay ``OUTBOX_EOS_KILLS`` times (default 20, half of them during its
+  start-up: fencing, the checkpoint read, the first transaction) and of the broker
   ``OUTBOX_EOS_BROKER_RESTARTS`` times (default 2) under a steady writer: a
   read_committed consumer sees every committed event exactly once, in per-key
   order; the same run at-least-once (relay kills only) shows duplicates (the test
@@ -46,8 +47,8 @@ from tests.integration.test_relay_errors import metric, readyz
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
-#: kill -9s of the relay per run (the issue's figure is 20; 8 keeps a run near a minute)
-KILLS = int(os.environ.get("OUTBOX_EOS_KILLS", "8"))
+#: kill -9s of the relay per run (the issue's figure; half of them during the relay's start-up)
+KILLS = int(os.environ.get("OUTBOX_EOS_KILLS", "20"))
 #: broker restarts (kill -9, start) among the relay's kill -9s in the exactly-once run
 BROKER_RESTARTS = int(os.environ.get("OUTBOX_EOS_BROKER_RESTARTS", "2"))
 #: the steady writer's events per second (one event per transaction)
@@ -192,7 +193,10 @@ def _kill_n_times(
                 time.sleep(rng.uniform(0.5, 2.5))
             relay.kill()
             relay.close()
-            relay, _ = start_relay(cfg, tmp, name=f"relay-{i + 1}")
+            # Every other relay is killed wherever its start-up is (fencing, reading the
+            # checkpoint, the first transaction), the others once they stream.
+            starting = i % 2 == 0 and i + 1 < KILLS and i + 1 not in restart_at
+            relay, _ = start_relay(cfg, tmp, name=f"relay-{i + 1}", wait_ready=not starting)
         time.sleep(1.0)
     finally:
         writer.stop.set()
@@ -748,3 +752,35 @@ def test_a_forged_checkpoint_ahead_of_the_truth_loses_nothing_the_start_up_check
     assert max(seen.values()) == 1
     verified = {headers_of(m)["id"].decode() for m in msgs if headers_of(m).get("recovered")}
     assert verified == set(while_down)
+
+
+def test_standby_safe_with_exactly_once_is_refused_at_start_in_one_line(
+    cfg: RelayConfig, tmp_path: Path, db_dsn: str
+) -> None:
+    """CDC_STANDBY_SAFE holds records back until a standby has the WAL, past the end of
+    their WAL transaction: a Kafka commit could then carry a checkpoint past records not
+    in it. The combination is refused before the relay touches the slot or Kafka."""
+    refused = RelayConfig(
+        db_dsn=cfg.db_dsn,
+        kafka=cfg.kafka,
+        unique=cfg.unique,
+        partitions=cfg.partitions,
+        extra={**cfg.extra, "CDC_STANDBY_SAFE": "a_standby_slot"},
+    )
+    relay = Proc(["relay"], refused.env(free_port()), tmp_path / "relay.log").start()
+    try:
+        assert relay.proc is not None
+        code = relay.proc.wait(120)
+    finally:
+        relay.close()
+    log = relay.log_path.read_text(errors="replace")
+    assert code == 2, log
+    errors = [line for line in log.splitlines() if "does not combine" in line]
+    assert len(errors) == 1, log
+    assert "CDC_STANDBY_SAFE" in errors[0] and "CDC_DELIVERY=exactly-once" in errors[0]
+    assert "Traceback" not in log
+    with psycopg.connect(db_dsn) as conn:
+        slots = conn.execute(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (cfg.slot,)
+        ).fetchone()
+    assert slots == (0,), "the refused relay made its slot"
