@@ -27,6 +27,7 @@ from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
 from sinks.parking.admin import LIST_PATH, RETRY_PATH
 from sinks.stub.server import StubServer
 from tests.harness import (
+    Proc,
     RelayConfig,
     SinkConfig,
     create_topics,
@@ -60,6 +61,16 @@ def _table_locked(dsn: str) -> Iterator[None]:
         conn.execute("LOCK TABLE failed_sync_events IN ACCESS EXCLUSIVE MODE")
         yield
         conn.rollback()
+
+
+def _sink_samples(port: int) -> dict[str, float]:
+    """Every ``outbox_sink_*`` sample, labelled ones too (a stuck run's evidence)."""
+    out = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text.splitlines():
+        if line.startswith("outbox_sink_") and "_bucket{" not in line and "_created" not in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
 
 
 def _record(event_type: str) -> tuple[bytes, bytes, dict[str, bytes]]:
@@ -185,7 +196,7 @@ def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everyt
         assert gauges["outbox_sink_parking_lot_available"] == 0
         assert watched_peak - watch_from < RSS_GROWTH_BOUND, "memory grows while paused"
 
-        _wait_all_applied_while_progressing(stub)
+        _wait_all_applied_while_progressing(stub, sink, port)
         wait_until(
             lambda: group_caught_up(kafka_bootstrap, cfg.group, [topic]),
             120,
@@ -214,7 +225,7 @@ def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everyt
 STUCK_AFTER_S = 180.0
 
 
-def _wait_all_applied_while_progressing(stub: StubServer) -> None:
+def _wait_all_applied_while_progressing(stub: StubServer, sink: Proc, port: int) -> None:
     applied = last = stub.stats()["applied"]
     moved_at = time.monotonic()
     while applied < GOOD:
@@ -222,7 +233,11 @@ def _wait_all_applied_while_progressing(stub: StubServer) -> None:
         applied = stub.stats()["applied"]
         if applied > last:
             last, moved_at = applied, time.monotonic()
-        assert time.monotonic() - moved_at < STUCK_AFTER_S, (
-            f"no record applied for {STUCK_AFTER_S:.0f} s after the release: {applied} of {GOOD}"
-        )
+        if time.monotonic() - moved_at >= STUCK_AFTER_S:  # what the sink says, to find why
+            gauges = {k: v for k, v in _sink_samples(port).items() if v}
+            raise AssertionError(
+                f"no record applied for {STUCK_AFTER_S:.0f} s after the release: {applied} of"
+                f" {GOOD}; stub {stub.stats()}; sink samples {gauges};"
+                f" sink log:\n{sink.log_tail(30)}"
+            )
     assert applied == GOOD
