@@ -188,16 +188,24 @@ def topics_with_prefix(kafka: str, prefix: str) -> list[str]:
 
 
 def read_topics(
-    kafka: str, topics: Iterable[str], *, expect: int, timeout_s: float = 120.0, idle_s: float = 3.0
+    kafka: str,
+    topics: Iterable[str],
+    *,
+    expect: int,
+    timeout_s: float = 120.0,
+    idle_s: float = 3.0,
+    committed_only: bool = False,
 ) -> list:  # type: ignore[type-arg]
     """Every record of ``topics`` from the beginning, waiting until at least
-    ``expect`` arrived (then ``idle_s`` more to catch surplus duplicates)."""
+    ``expect`` arrived (then ``idle_s`` more to catch surplus duplicates);
+    ``committed_only``: what a read_committed consumer sees."""
     consumer = Consumer(
         {
             "bootstrap.servers": kafka,
             "group.id": "reader-unused",
             "enable.auto.commit": False,
             "enable.partition.eof": False,
+            "isolation.level": "read_committed" if committed_only else "read_uncommitted",
         }
     )
     topics = list(topics)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from tests.conftest import IN_CI, Services
 from tests.harness import (
@@ -38,6 +38,7 @@ from tests.harness import (
     free_port,
     headers_of,
     http_status,
+    read_topics,
     stack,
     start_relay,
     wait_for_ready,
@@ -120,37 +121,9 @@ def read_committed(
 ) -> list:  # type: ignore[type-arg]
     """Every record of ``topic`` a read_committed consumer sees, waiting for ``expect``
     (then ``idle_s`` more, to catch surplus records)."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": kafka,
-            "group.id": f"eos-reader-{uuid.uuid4().hex}",
-            "enable.auto.commit": False,
-            "enable.partition.eof": False,
-            "isolation.level": "read_committed",
-        }
+    return read_topics(
+        kafka, [topic], expect=expect, timeout_s=timeout_s, idle_s=idle_s, committed_only=True
     )
-    try:
-        wait_until(
-            lambda: topic in consumer.list_topics(timeout=15).topics, 60, topic, interval_s=0.3
-        )
-        meta = consumer.list_topics(topic, timeout=15)
-        consumer.assign([TopicPartition(topic, p, 0) for p in meta.topics[topic].partitions])
-        out = []
-        deadline = time.monotonic() + timeout_s
-        last_new = time.monotonic()
-        while time.monotonic() < deadline:
-            batch = consumer.consume(5000, 0.5)
-            for msg in batch:
-                if msg.error():
-                    raise KafkaException(msg.error())
-                out.append(msg)
-            if batch:
-                last_new = time.monotonic()
-            elif len(out) >= expect and time.monotonic() - last_new >= idle_s:
-                break
-        return out
-    finally:
-        consumer.close()
 
 
 def _tally(msgs: list, expected: set[str]) -> tuple[int, int]:  # type: ignore[type-arg]
