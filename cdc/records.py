@@ -194,15 +194,42 @@ class RecordReader:
     def skip(self, reason: Skip) -> None:
         self.skipped[reason] += 1
 
+    def named(self, message: Any) -> dict[Any, Any] | None:
+        """The headers of a consumed ``message`` (not an error event) by name, the last of
+        duplicates winning, values unchecked (:meth:`Record.header` checks them); None when
+        they cannot be read (counted). The only call of its ``headers()``: what a reader of
+        ids alone (the audit) needs of a record, without a :class:`Record` per record."""
+        try:
+            raw = _HEADERS(message)  # not message.headers(): see _HEADERS
+        except Exception:  # see _call_headers (the reason is only counted here)
+            self.skipped[Skip.UNREADABLE_HEADERS] += 1
+            return None
+        if not raw:
+            return {}
+        try:
+            return dict(raw)
+        except (TypeError, ValueError):  # an item that is not a pair
+            self.skipped[Skip.UNREADABLE_HEADERS] += 1
+            return None
+
+    def id_and_origin(self, message: Any) -> tuple[bytes, Any] | None:
+        """The 16 bytes of a consumed ``message``'s ``id`` and its ``origin`` header's
+        value (unchecked: None when absent); None when the headers cannot be read or
+        the ``id`` is no uuid (counted). What a reader of ids alone needs (the audit)."""
+        named = self.named(message)  # (the only call of headers())
+        if named is None:
+            return None
+        raw = named.get(c.HEADER_ID)
+        id16 = uuid_bytes(raw) if type(raw) is bytes else None
+        if id16 is None:
+            self.skipped[Skip.BAD_ID] += 1
+            return None
+        return id16, named.get(c.HEADER_ORIGIN)
+
     def read(self, message: Any) -> Record | None:
         """The record of a consumed ``message`` (not an error event), or None (counted)."""
-        raw = _call_headers(message)  # first: the only call of headers()
-        try:
-            named = dict(raw) if not isinstance(raw, str) else None
-        except (TypeError, ValueError):  # an item that is not a pair
-            named = None
+        named = self.named(message)  # first: the only call of headers()
         if named is None:
-            self.skip(Skip.UNREADABLE_HEADERS)
             return None
         ts_type, ts_ms = message.timestamp()
         return Record(  # (confluent-kafka's types: str, int, int, int)

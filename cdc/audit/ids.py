@@ -21,9 +21,13 @@ Guarantees:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Iterator
 
 from cdc.records import ID_BYTES
+
+#: One id, as :meth:`IdBuckets.ids` splits a bucket (in C, not a slice per id).
+_ID = struct.Struct(f"{ID_BYTES}s")
 
 #: Number of buckets: a window of 1,000,000 ids is compared ~4,000 ids at a time.
 BUCKETS = 256
@@ -74,8 +78,7 @@ class IdBuckets:
 
     def ids(self, bucket: int) -> list[bytes]:
         """The ids of one bucket, as ``bytes`` objects (duplicates kept)."""
-        blob = bytes(self._parts[bucket])
-        return [blob[i : i + ID_BYTES] for i in range(0, len(blob), ID_BYTES)]
+        return [id16 for (id16,) in _ID.iter_unpack(self._parts[bucket])]  # (2x slicing's pace)
 
     def __iter__(self) -> Iterator[bytes]:
         for bucket in range(BUCKETS):

@@ -9,12 +9,13 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from confluent_kafka import TopicPartition
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cdc.audit.compare import KafkaSide, TableSide, compare
 from cdc.audit.ids import BUCKETS, IdBuckets, IdList, bucket_of, uuid_text
-from cdc.audit.kafka import KafkaRead, _Reader
+from cdc.audit.kafka import KafkaRead, _reached_ends, _Reader
 from cdc.audit.window import (
     BeforeFirstStartError,
     Window,
@@ -360,3 +361,95 @@ def test_an_owners_remembered_verdicts_stay_bounded_and_count_every_record() -> 
     assert big is not None and owner.judge(big, reader) is None
     assert reader.skipped == {Skip.FOREIGN_ORIGIN: MAX_ORIGINS + 11}
     assert len(owner._verdicts) == MAX_ORIGINS
+
+
+#: ``origin`` values a read meets, in any order: this relay's (its timeline and an
+#: ancestor's), another cluster's, another slot's, none, garbage, a null header.
+_ORIGINS = [OURS, b"42/2/slot", b"99/1/slot", b"42/2/shard_b", None, b"garbage", "null"]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["t.user", "t.order", "dlq"]),
+            st.sampled_from(_ORIGINS),
+            st.integers(0, 6_000),  # the timestamp: inside the window [0, 5000) or after it
+            st.sampled_from(["uuid", "hex", "bad", "none"]),
+            st.booleans(),  # a second (foreign) origin header before the real one
+        ),
+        max_size=40,
+    )
+)
+def test_the_hot_loop_judges_each_record_as_the_record_reader_and_owner_do(
+    records: list[tuple[str, bytes | str | None, int, str, bool]],
+) -> None:
+    """Edge: the reader judges an ``origin`` only when it differs from the record
+    before's (runs of one value). Against the naive model - every record read by
+    RecordReader.read and judged by Owner.judge - whatever the order of origins,
+    topics, ids and duplicate headers: the same ids kept where they belong (in or out
+    of the window, dead letters), the same foreign counts and skip reasons."""
+    owner = Owner.of(SERVER, "slot")
+    messages, model_reader = [], RecordReader()
+    model = {"t.user": KafkaSide(), "t.order": KafkaSide()}
+    model_dead, model_without = IdBuckets(), Counter[str]()
+    for i, (topic, origin, ts_ms, id_form, doubled) in enumerate(records):
+        event = uuid.uuid4()
+        raw_id = {"uuid": str(event).encode(), "hex": event.hex.encode(), "bad": b"x" * 36}
+        headers: list[tuple[str, bytes | None]] = []
+        if id_form != "none":
+            headers.append(("id", raw_id[id_form]))
+        if doubled:
+            headers.append(("origin", b"99/1/slot"))  # (the last of duplicates wins)
+        if origin == "null":
+            headers.append(("origin", None))
+        elif isinstance(origin, bytes):
+            headers.append(("origin", origin))
+        messages.append(_Message(topic, headers, ts_ms=ts_ms, offset=i))
+        record = model_reader.read(_Message(topic, headers, ts_ms=ts_ms, offset=i))
+        assert record is not None
+        id16 = record.event_id_bytes()
+        if id16 is None:
+            model_reader.skip(Skip.BAD_ID)
+            model_without[topic] += 1
+        elif topic == "dlq":
+            model_dead.add(id16)
+        elif owner.judge(record, model_reader) is None:
+            model[topic].foreign += 1
+        else:
+            model[topic].add(id16, candidate=ts_ms < 5_000)
+    out = _read(messages)
+    assert out.records_read == len(records)
+    assert out.reader.skipped == model_reader.skipped
+    assert out.without_id == dict(model_without)
+    assert sorted(out.dead_letters) == sorted(model_dead)
+    for topic, want in model.items():
+        got = out.topics.get(topic, KafkaSide())
+        assert got.foreign == want.foreign, topic
+        assert sorted(got.ours_in_window) == sorted(want.ours_in_window), topic
+        assert sorted(got.ours_elsewhere) == sorted(want.ours_elsewhere), topic
+
+
+class _Positions:
+    """A consumer's ``position()`` (the offset after the last record handed over)."""
+
+    def __init__(self, offsets: dict[tuple[str, int], int]) -> None:
+        self.offsets = offsets
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        return [
+            TopicPartition(
+                tp.topic, tp.partition, self.offsets.get((tp.topic, tp.partition), -1001)
+            )
+            for tp in partitions
+        ]
+
+
+def test_a_partition_is_done_once_its_position_reaches_the_planned_end_and_not_before() -> None:
+    """Edge: the ends are checked once a batch from the consumer's positions (not per
+    record); a partition read up to just below its end, or not read at all yet
+    (position invalid), stays to be read; one read past its end (records appended
+    after the plan) is done."""
+    todo = {("t", 0): 10, ("t", 1): 10, ("t", 2): 10, ("t", 3): 10}
+    client = _Positions({("t", 0): 10, ("t", 1): 9, ("t", 3): 12})
+    _reached_ends(client, todo)  # type: ignore[arg-type]
+    assert todo == {("t", 1): 10, ("t", 2): 10}

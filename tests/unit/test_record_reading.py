@@ -17,6 +17,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cdc.lineage import Owner
 from cdc.records import RecordReader, Skip, uuid_bytes
 from sinks.core.delivery import UNREADABLE_HEADERS, Envelope, read_headers
 from sinks.idempotent import BadEvent, event_id_of
@@ -245,3 +246,49 @@ def test_the_relays_reader_skips_what_is_no_pair_and_never_returns_a_value_not_b
     assert odd is not None and odd.timestamp_ms is None
     assert (odd.header("id"), odd.header("origin"), odd.header("x")) == (None, None, b"")
     assert odd.event_id_bytes() is None and odd.headers == {"x": b""}
+
+
+@settings(max_examples=300, deadline=None)
+@given(record=kafka_records())
+def test_the_id_readers_fast_path_reads_what_the_record_reader_reads(record: RawRecord) -> None:
+    """The audit's hot path (:meth:`RecordReader.id_and_origin`, no Record per record)
+    reads the same id and the same verdict on ``origin`` as :meth:`RecordReader.read`
+    + :meth:`Record.event_id_bytes` + :meth:`Owner.judge`, and counts the same skips
+    (unreadable headers, no uuid id) - for any record, headers read once."""
+    owner = Owner("42", frozenset({1}), "slot")
+    fast, slow = RecordReader(), RecordReader()
+    message = FakeMessage(record)
+    found = fast.id_and_origin(message)
+    assert message.header_calls == 1
+    got = slow.read(FakeMessage(record))
+    id16 = got.event_id_bytes() if got is not None else None
+    if id16 is None:
+        if got is not None:
+            slow.skip(Skip.BAD_ID)
+        assert found is None
+    else:
+        assert found is not None and found[0] == id16
+        origin = found[1]
+        assert owner.verdict(origin if type(origin) is bytes else None) == owner.verdict(
+            got.header("origin") if got is not None else None
+        )
+    assert fast.skipped == slow.skipped
+
+
+def test_the_id_reader_takes_the_last_of_duplicate_ids_and_origins() -> None:
+    first, last = uuid.uuid4(), uuid.uuid4()
+    reader = RecordReader()
+    got = reader.id_and_origin(
+        _Typed(
+            [
+                ("id", str(first).encode()),
+                ("origin", b"42/1/slot"),
+                ("id", last.hex.encode()),
+                ("origin", b"99/1/slot"),
+            ]
+        )
+    )
+    assert got == (last.bytes, b"99/1/slot")  # (Kafka's lastHeader)
+    assert reader.id_and_origin(_Typed(None)) is None  # no headers at all: no id
+    assert reader.id_and_origin(_Typed([("id", None)])) is None  # a null id
+    assert reader.skipped == {Skip.BAD_ID: 2}
