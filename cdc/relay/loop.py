@@ -469,6 +469,7 @@ class Relay(
             if nbytes <= 0:  # nothing buffered (wait for it), or the stream ended (raises)
                 data = stream.read(wait_s)
                 if data is None:
+                    sess.caught_up = True
                     return wait_s == 0.0
             wait_s = 0.0
             if data[0] == 0x77 and len(data) > _XLOG_PAYLOAD_AT:  # XLogData: the hot path
@@ -487,6 +488,7 @@ class Relay(
                 handle(sess, data)
             if sess.reply_requested or tracker.in_flight >= limit:
                 return True
+        sess.caught_up = False  # (READ_BATCH messages and more there: a backlog)
         return True
 
     def _send_status(self, sess: Session, *, ask_reply: bool = False) -> None:
