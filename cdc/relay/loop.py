@@ -487,6 +487,8 @@ class Relay(
             else:
                 handle(sess, data)
             if sess.reply_requested or tracker.in_flight >= limit:
+                if tracker.in_flight >= limit:  # (Kafka is behind the reading: a backlog)
+                    sess.caught_up = False
                 return True
         sess.caught_up = False  # (READ_BATCH messages and more there: a backlog)
         return True

@@ -167,7 +167,8 @@ class Session:
     #: stream loop raises it, as poll() raised a delivery callback's error before
     fault: Exception | None = None
     #: the last read turn ended because no more WAL was there to read (False: it read
-    #: its READ_BATCH messages with more already there - a backlog)
+    #: its READ_BATCH messages with more already there, or stopped at the in-flight
+    #: bound - a backlog; exactly-once then makes larger Kafka transactions)
     caught_up: bool = True
 
 
