@@ -16,7 +16,9 @@ poll. Guarantees (DESIGN.md, relay invariant 13):
   last WAL transaction in it, keyed by ``origin``) are committed in one Kafka
   transaction; a transaction is committed once it holds ``CDC_TX_MAX_RECORDS``
   records or is ``CDC_TX_MAX_MS`` old, whichever first, and only between WAL
-  transactions;
+  transactions; while the relay reads a backlog (its last read turn left more WAL
+  waiting: ``Session.caught_up`` false) the age bound is :data:`BACKLOG_TX_MAX_MS`
+  instead - fewer commits, each of which stops the reading;
 * the LSN confirmed to PostgreSQL never passes the last committed checkpoint
   while a Kafka transaction is open (the tracker is capped:
   :meth:`TxBatch.confirm_bound`), so it follows Kafka's commit (invariant 1);
@@ -53,7 +55,7 @@ from cdc.lineage import Origin
 from cdc.producer import producer_config
 from cdc.relay import checkpoint as ckpt
 from cdc.relay.loop import ACK_WAIT_S, READ_WAIT_S, Relay
-from cdc.relay.producing import Reports
+from cdc.relay.producing import Producing, Reports
 from cdc.relay.state import Headers, Session, _PendingDlq
 from cdc.relay.txbatch import Action, TxBatch, TxLimits, TxState
 from cdc.router import DeadLetterCode
@@ -74,6 +76,12 @@ ABORT_TIMEOUT_S = 10.0
 #: init_transactions waits at most this long (it waits for the previous producer
 #: of the id: its open transaction is aborted first).
 INIT_TIMEOUT_S = 30.0
+#: While the relay reads a backlog (more WAL there than a read turn takes), a Kafka
+#: transaction is committed at CDC_TX_MAX_RECORDS or this age, not at CDC_TX_MAX_MS:
+#: its events are older than CDC_TX_MAX_MS already, and each commit stops the reading
+#: for a round trip to the coordinator and the partition leaders. A second bounds the
+#: work an abort throws away and the wait of the first events of a backlog.
+BACKLOG_TX_MAX_MS = 1_000
 #: Error codes that mean another producer took the transactional.id.
 FENCED_CODES = frozenset(
     {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
@@ -98,8 +106,15 @@ def transactional_id(configured: str, origin: Origin, slot: str) -> str:
     return configured or f"outbox-cdc.{origin.system_id}.{slot}"
 
 
+_monotonic = time.monotonic
+_tracker_open, _tracker_close = LsnTracker.open, LsnTracker.close
+_send_record = Producing._send  # (the relay's own _send: cdc.relay.producing)
+_commit_read = Relay._on_commit
+_NONE = Action.NONE
+
+
 def _now_ms() -> int:
-    return int(time.monotonic() * 1000)
+    return int(_monotonic() * 1000)
 
 
 class _ModeLiveness(Liveness):
@@ -123,12 +138,14 @@ class CheckpointTracker(LsnTracker):
     def confirmable(self) -> int:
         return self.batch.confirm_bound(self._confirmed)
 
+    # (LsnTracker's methods called directly, not through super(): once per WAL
+    # transaction, measurable in a 1-event transaction's cost)
     def open(self, tx_id: int) -> None:
-        super().open(tx_id)
+        _tracker_open(self, tx_id)
         self.batch.wal_opened()
 
     def close(self, tx_id: int, end_lsn: int) -> None:
-        super().close(tx_id, end_lsn)
+        _tracker_close(self, tx_id, end_lsn)
         self.batch.wal_closed(end_lsn)
 
 
@@ -153,6 +170,7 @@ class ExactlyOnceRelay(Relay):
         self._limits = TxLimits(
             max_records=s.tx_max_records,
             max_ms=s.tx_max_ms,
+            backlog_max_ms=max(s.tx_max_ms, BACKLOG_TX_MAX_MS),
             abort_after_ms=s.tx_timeout_ms - budget_ms,
             commit_budget_ms=budget_ms,
         )
@@ -276,7 +294,7 @@ class ExactlyOnceRelay(Relay):
             self._exit_fenced()
         sess = self._sess
         if sess is not None:
-            self._act(sess, self._batch.due(_now_ms(), waiting=bool(sess.pending_dlq)))
+            self._act(sess, self._due(sess))
 
     def _shutdown(self, sess: Session) -> None:
         """Commit what can be (an open WAL transaction's records are aborted: the slot
@@ -293,8 +311,12 @@ class ExactlyOnceRelay(Relay):
 
     # -- record-handling steps ---------------------------------------------------------
     def _on_commit(self, sess: Session, data: bytes | memoryview, at: int) -> None:  # type: ignore[override]
-        Relay._on_commit(sess, data, at)
-        self._act(sess, self._batch.due(_now_ms(), waiting=bool(sess.pending_dlq)))
+        _commit_read(sess, data, at)
+        # (once per WAL transaction: the machine asked inline, _act only when it says so)
+        now_ms = int(_monotonic() * 1000)
+        action = self._batch.due(now_ms, bool(sess.pending_dlq), not sess.caught_up)
+        if action is not _NONE:
+            self._act(sess, action)
 
     def _send(
         self,
@@ -307,9 +329,13 @@ class ExactlyOnceRelay(Relay):
         timestamp_ms: int,
         event_id: bytes,
     ) -> None:
-        if self._skipped(sess, tx_id):
+        batch = self._batch
+        if batch.covered(tx_id):  # (_skipped inline: once per record)
+            sess.tracker.ack(tx_id)
             return
-        super()._send(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
+        if batch.record(int(_monotonic() * 1000)) is Action.BEGIN:
+            self._begin()
+        _send_record(self, sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
 
     def _queue_dlq(
         self,
@@ -341,13 +367,17 @@ class ExactlyOnceRelay(Relay):
             sess.tracker.ack(tx_id)
             return True
         if batch.record(_now_ms()) is Action.BEGIN:
-            producer = self._producer
-            assert producer is not None
-            try:
-                producer.begin_transaction()
-            except KafkaException as exc:
-                self._kafka_failed(exc, "begin_transaction")
+            self._begin()
         return False
+
+    def _begin(self) -> None:
+        """Begin the Kafka transaction the machine opened for a record."""
+        producer = self._producer
+        assert producer is not None
+        try:
+            producer.begin_transaction()
+        except KafkaException as exc:
+            self._kafka_failed(exc, "begin_transaction")
 
     def _report_failed(self, reports: Reports, err: KafkaError, msg: Message) -> None:
         """A failed delivery report: the transaction cannot commit (aborted, the session
@@ -375,6 +405,11 @@ class ExactlyOnceRelay(Relay):
         super()._raise_kafka(exc, what)
 
     # -- transactions ------------------------------------------------------------
+    def _due(self, sess: Session) -> Action:
+        """What the transactions' machine says is due now (a backlog - the last read
+        turn found more WAL than it read - lets the transaction grow longer)."""
+        return self._batch.due(_now_ms(), bool(sess.pending_dlq), not sess.caught_up)
+
     def _act(self, sess: Session, action: Action) -> None:
         """Do what the transactions' machine asked (COMMIT, ABORT, RESTART, EXIT)."""
         while action is not Action.NONE:

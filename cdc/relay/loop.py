@@ -469,6 +469,7 @@ class Relay(
             if nbytes <= 0:  # nothing buffered (wait for it), or the stream ended (raises)
                 data = stream.read(wait_s)
                 if data is None:
+                    sess.caught_up = True
                     return wait_s == 0.0
             wait_s = 0.0
             if data[0] == 0x77 and len(data) > _XLOG_PAYLOAD_AT:  # XLogData: the hot path
@@ -486,7 +487,10 @@ class Relay(
             else:
                 handle(sess, data)
             if sess.reply_requested or tracker.in_flight >= limit:
+                if tracker.in_flight >= limit:  # (Kafka is behind the reading: a backlog)
+                    sess.caught_up = False
                 return True
+        sess.caught_up = False  # (READ_BATCH messages and more there: a backlog)
         return True
 
     def _send_status(self, sess: Session, *, ask_reply: bool = False) -> None:

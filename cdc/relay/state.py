@@ -166,6 +166,10 @@ class Session:
     #: an error raised where it could only be printed (a Reports' finalizer): the
     #: stream loop raises it, as poll() raised a delivery callback's error before
     fault: Exception | None = None
+    #: the last read turn ended because no more WAL was there to read (False: it read
+    #: its READ_BATCH messages with more already there, or stopped at the in-flight
+    #: bound - a backlog; exactly-once then makes larger Kafka transactions)
+    caught_up: bool = True
 
 
 #: Headers of a record as the producer takes them.

@@ -28,6 +28,13 @@ was fenced - and does what :meth:`TxBatch.due` and the events answer
   true exactly for WAL transactions whose commit LSN lies below the
   checkpoint read at start (``final_lsn < checkpoint``: a later transaction's
   commit record starts at or after an earlier one's end).
+* **a caught-up relay commits within** ``max_ms``: once a due commit is
+  possible (its last WAL transaction closed, nothing waiting), a transaction
+  ``max_ms`` old is committed at the next :meth:`due` that is not ``behind``;
+  while the relay reads a backlog (``behind``: more WAL was already there to
+  read) it grows until ``max_records`` or ``backlog_max_ms``, whichever first -
+  its events are older than ``max_ms`` already, and fewer commits drain the
+  backlog faster (a commit blocks the reading).
 * **every wait is bounded**: a Kafka transaction open for
   ``abort_after_ms`` (the transaction timeout less the commit budget) is
   aborted - the broker would abort it anyway; a commit that keeps failing
@@ -39,7 +46,8 @@ was fenced - and does what :meth:`TxBatch.due` and the events answer
 States and transitions::
 
     IDLE --record (BEGIN)--> OPEN --due: closed WAL tx, nothing waiting, and
-                                     (records >= max or age >= max_ms)
+                                     (records >= max or age >= max_ms, or
+                                     age >= backlog_max_ms while behind)
                                      (COMMIT)--> COMMITTING --ok--> IDLE
     OPEN --shutdown: flush (COMMIT when due-able, else ABORT)
     COMMITTING --retriable failure, within budget (COMMIT)--> COMMITTING
@@ -85,6 +93,8 @@ class TxLimits:
     max_records: int
     #: a due commit once the transaction is this old (CDC_TX_MAX_MS)
     max_ms: int
+    #: the same while the relay reads a backlog (``behind``): at least ``max_ms``
+    backlog_max_ms: int
     #: an open transaction this old is aborted (transaction.timeout.ms less the commit budget)
     abort_after_ms: int
     #: a commit failing retriably is retried this long, then aborted
@@ -93,6 +103,8 @@ class TxLimits:
     def __post_init__(self) -> None:
         if min(self.max_records, self.max_ms, self.abort_after_ms, self.commit_budget_ms) < 1:
             raise ValueError(f"transaction limits must be positive: {self}")
+        if self.backlog_max_ms < self.max_ms:
+            raise ValueError(f"backlog_max_ms must be at least max_ms: {self}")
 
 
 class TxBatch:
@@ -155,19 +167,23 @@ class TxBatch:
         self.records += 1
         return Action.NONE
 
-    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
+    def due(self, now_ms: int, waiting: bool = False, behind: bool = False) -> Action:
         """What is due now: COMMIT, ABORT (too old), RESTART, EXIT or NONE. ``waiting``:
         records of the transaction are not handed to Kafka yet (dead letters not
-        written): no commit before they are."""
+        written): no commit before they are. ``behind``: more WAL is there to read
+        at once (a backlog): the age bound is ``backlog_max_ms``, not ``max_ms``."""
         if self.state is not TxState.OPEN:
             return _SETTLED.get(self.state, Action.NONE)
         age_ms = now_ms - self.opened_ms
-        if age_ms >= self.limits.abort_after_ms:
+        limits = self.limits
+        if age_ms >= limits.abort_after_ms:
             self.state = TxState.ABORTING
             return Action.ABORT
         if self.wal_open or waiting or self.candidate is None:
             return Action.NONE
-        if self.records >= self.limits.max_records or age_ms >= self.limits.max_ms:
+        if self.records >= limits.max_records or age_ms >= (
+            limits.backlog_max_ms if behind else limits.max_ms
+        ):
             self.state = TxState.COMMITTING
             self.commit_started_ms = now_ms
             return Action.COMMIT

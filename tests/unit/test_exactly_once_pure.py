@@ -24,7 +24,9 @@ from cdc.relay.txbatch import Action, TxBatch, TxLimits
 from cdc.settings import Settings, build, default_checkpoint_topic
 from sinks.kafka.config import consumer_config
 
-LIMITS = TxLimits(max_records=10, max_ms=50, abort_after_ms=1_000, commit_budget_ms=100)
+LIMITS = TxLimits(
+    max_records=10, max_ms=50, backlog_max_ms=500, abort_after_ms=1_000, commit_budget_ms=100
+)
 
 
 def _settings(**values: object) -> Settings:
@@ -289,3 +291,14 @@ def test_delivery_and_transaction_settings_are_validated() -> None:
 
 def test_the_sink_reads_committed_records_only() -> None:
     assert consumer_config(_settings())["isolation.level"] == "read_committed"
+
+
+def test_the_exactly_once_shell_hands_records_to_the_relays_own_send() -> None:
+    """The shell calls the relay's _send directly (not through super(): the hot path);
+    a mixin that overrode it would be passed by - this notices one."""
+    from cdc.relay import exactly_once
+    from cdc.relay.loop import Relay
+
+    assert exactly_once._send_record is Relay._send
+    assert exactly_once._commit_read is Relay._on_commit
+    assert exactly_once._tracker_open is exactly_once.LsnTracker.open

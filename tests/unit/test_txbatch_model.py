@@ -18,12 +18,18 @@ its restart reading the checkpoint. After every step:
   never names a transaction whose records are not in that or an earlier one;
 * an open Kafka transaction is never older than ``abort_after_ms``; a commit is
   retried no longer than ``commit_budget_ms``;
+* a transaction that could commit (its last WAL transaction closed, nothing
+  waiting) is never ``max_ms`` old while the relay has read all the WAL there is
+  (caught up), nor ``backlog_max_ms`` old while more is there to read (a backlog:
+  ``pg_commit`` adds to it, ``read`` takes from it), nor holds ``max_records``;
 * and at the end, once the faults stop, every record of the WAL is in the log
   exactly once (nothing lost, nothing twice).
 
 Mutants at the bottom re-create the bugs the machine exists to prevent (confirming
 what Kafka acknowledged rather than committed; splitting a WAL transaction; a skip
-rule one transaction too wide; committing while dead letters wait), each with the
+rule one transaction too wide; committing while dead letters wait; a caught-up
+relay holding a transaction as long as a backlog's; a backlog's transaction
+never committed by age), each with the
 interleaving that shows it (``SCRIPTS``), run on every run against the mutant (the
 model fails) and against the real machine (it passes).
 """
@@ -39,7 +45,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from cdc.relay.txbatch import Action, TxBatch, TxLimits, TxState
 
-LIMITS = TxLimits(max_records=4, max_ms=50, abort_after_ms=400, commit_budget_ms=100)
+LIMITS = TxLimits(
+    max_records=4, max_ms=50, backlog_max_ms=150, abort_after_ms=400, commit_budget_ms=100
+)
 
 
 @dataclass
@@ -145,6 +153,12 @@ class TxBatchModel(RuleBasedStateMachine):
         batch.commit_ok()
         return Action.NONE
 
+    def _behind(self) -> bool:
+        """More WAL is there to read at once (the shell: the last read turn ended with
+        more than it read; it asks the machine at the turn's end, as here)."""
+        sess = self.sess
+        return sess is not None and (sess.in_tx or sess.read_idx < len(self.wal))
+
     # -- rules -----------------------------------------------------------------
     @rule(n=st.integers(0, 3))
     def pg_commit(self, n: int) -> None:
@@ -184,7 +198,7 @@ class TxBatchModel(RuleBasedStateMachine):
         sess.read_idx += 1
         batch.wal_closed(tx.end_lsn)
         sess.tracker = max(sess.tracker, tx.end_lsn)  # (optimistic: delivered at once)
-        self._do(batch.due(self.now_ms, waiting=bool(sess.pending_dlq)))
+        self._do(batch.due(self.now_ms, waiting=bool(sess.pending_dlq), behind=self._behind()))
 
     @precondition(lambda self: self.sess is not None and self.sess.pending_dlq)
     @rule()
@@ -194,6 +208,8 @@ class TxBatchModel(RuleBasedStateMachine):
         if self.kafka.pending is not None:
             self.kafka.pending.extend(sess.pending_dlq)
             sess.pending_dlq.clear()
+            # (the shell's next loop turn asks the machine first: _poll)
+            self._do(sess.batch.due(self.now_ms, behind=self._behind()))
 
     @precondition(lambda self: self.sess is not None)
     @rule(ms=st.integers(1, 200))
@@ -201,7 +217,7 @@ class TxBatchModel(RuleBasedStateMachine):
         self.now_ms += ms
         sess = self.sess
         assert sess is not None
-        self._do(sess.batch.due(self.now_ms, waiting=bool(sess.pending_dlq)))
+        self._do(sess.batch.due(self.now_ms, waiting=bool(sess.pending_dlq), behind=self._behind()))
 
     @precondition(lambda self: self.sess is not None)
     @rule()
@@ -273,6 +289,21 @@ class TxBatchModel(RuleBasedStateMachine):
         sess = self.sess
         if sess is not None and sess.batch.state is TxState.OPEN:
             assert self.now_ms - sess.batch.opened_ms < LIMITS.abort_after_ms
+
+    @invariant()
+    def commits_in_time(self) -> None:
+        """A transaction that could commit is committed at its bounds: ``max_ms`` when
+        caught up (the latency a read_committed consumer sees), ``backlog_max_ms``
+        while behind, ``max_records`` always."""
+        sess = self.sess
+        if sess is None or sess.batch.state is not TxState.OPEN:
+            return
+        batch = sess.batch
+        if batch.wal_open or sess.pending_dlq or batch.candidate is None:
+            return
+        bound_ms = LIMITS.backlog_max_ms if self._behind() else LIMITS.max_ms
+        assert self.now_ms - batch.opened_ms < bound_ms, (self._behind(), batch.opened_ms)
+        assert batch.records < LIMITS.max_records
 
     def teardown(self) -> None:
         """Faults stop; the relay runs until it has read everything: every record once."""
@@ -357,7 +388,27 @@ def test_covered_is_strictly_below_the_checkpoint() -> None:
 @pytest.mark.parametrize("bad", [0, -1])
 def test_limits_must_be_positive(bad: int) -> None:
     with pytest.raises(ValueError):
-        TxLimits(max_records=bad, max_ms=1, abort_after_ms=1, commit_budget_ms=1)
+        TxLimits(max_records=bad, max_ms=1, backlog_max_ms=1, abort_after_ms=1, commit_budget_ms=1)
+
+
+def test_the_backlog_bound_is_at_least_max_ms() -> None:
+    with pytest.raises(ValueError):
+        TxLimits(max_records=1, max_ms=50, backlog_max_ms=49, abort_after_ms=1, commit_budget_ms=1)
+
+
+def test_behind_a_transaction_grows_to_the_backlog_bound_caught_up_to_max_ms() -> None:
+    batch = TxBatch(LIMITS, 0)
+    batch.wal_opened()
+    batch.record(0)
+    batch.wal_closed(110)
+    assert batch.due(LIMITS.max_ms, behind=True) is Action.NONE
+    assert batch.due(LIMITS.backlog_max_ms - 1, behind=True) is Action.NONE
+    assert batch.due(LIMITS.backlog_max_ms - 1) is Action.COMMIT  # (caught up: max_ms)
+    batch.commit_ok()
+    batch.wal_opened()
+    batch.record(200)
+    batch.wal_closed(310)
+    assert batch.due(200 + LIMITS.backlog_max_ms, behind=True) is Action.COMMIT
 
 
 # -- mutants: the bugs this model exists for, each caught -----------------------------
@@ -378,13 +429,13 @@ class _CommitsInsideAWalTransaction(TxBatch):
 
     __slots__ = ()
 
-    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
+    def due(self, now_ms: int, *, waiting: bool = False, behind: bool = False) -> Action:
         if self.state is TxState.OPEN and self.records >= self.limits.max_records:
             self.candidate = self.candidate or 1
             self.state = TxState.COMMITTING
             self.commit_started_ms = now_ms
             return Action.COMMIT
-        return super().due(now_ms, waiting=waiting)
+        return super().due(now_ms, waiting=waiting, behind=behind)
 
 
 class _SkipsTheCheckpointsOwnSuccessor(TxBatch):
@@ -401,14 +452,39 @@ class _CommitsWhileDeadLettersWait(TxBatch):
 
     __slots__ = ()
 
-    def due(self, now_ms: int, *, waiting: bool = False) -> Action:
-        return super().due(now_ms)
+    def due(self, now_ms: int, *, waiting: bool = False, behind: bool = False) -> Action:
+        return super().due(now_ms, behind=behind)
+
+
+class _HoldsACaughtUpTransactionAsLongAsABacklogs(TxBatch):
+    """Takes every read as a backlog: a caught-up relay's records wait backlog_max_ms."""
+
+    __slots__ = ()
+
+    def due(self, now_ms: int, *, waiting: bool = False, behind: bool = False) -> Action:
+        return super().due(now_ms, waiting=waiting, behind=True)
+
+
+class _NeverCommitsABacklogByAge(TxBatch):
+    """Behind, commits only at max_records: a slow backlog's transaction waits for the
+    abort."""
+
+    __slots__ = ()
+
+    def due(self, now_ms: int, *, waiting: bool = False, behind: bool = False) -> Action:
+        if behind and self.state is TxState.OPEN:
+            if now_ms - self.opened_ms >= self.limits.abort_after_ms:
+                return super().due(now_ms, waiting=waiting, behind=behind)
+            if self.records < self.limits.max_records:
+                return Action.NONE
+        return super().due(now_ms, waiting=waiting, behind=behind)
 
 
 def _check(model: TxBatchModel) -> None:
     model.nothing_twice()
     model.confirmed_and_checkpointed_are_in_kafka()
     model.waits_are_bounded()
+    model.commits_in_time()
 
 
 #: Per mutant, the interleaving that shows its bug (steps: rule name and arguments); the
@@ -438,6 +514,17 @@ SCRIPTS: dict[type[TxBatch], list[tuple[str, dict[str, object]]]] = {
         ("read", {"dead": True}),
         ("read", {}),
         ("tick", {"ms": 60}),
+    ],
+    _HoldsACaughtUpTransactionAsLongAsABacklogs: [
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 3,
+        ("tick", {"ms": 60}),
+    ],
+    _NeverCommitsABacklogByAge: [
+        ("pg_commit", {"n": 1}),
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 3,
+        ("tick", {"ms": 160}),
     ],
 }
 
