@@ -22,6 +22,7 @@ import httpx
 import psycopg
 import pytest
 
+from cdc.migrate import migrate
 from sinks.kafka.consumer import MAX_BUFFERED
 from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
 from sinks.parking.admin import LIST_PATH, RETRY_PATH
@@ -53,6 +54,15 @@ WATCH_S = 8.0
 RSS_GROWTH_BOUND = 8 * 1024 * 1024
 #: An admin request must be answered within this (the lot's waits are seconds).
 ANSWER_BOUND_S = 30.0
+
+
+@pytest.fixture
+def lot_db(empty_db_dsn: str) -> str:
+    """A database of this test's own: its scheduler retries only this test's parked rows
+    (in the session's database it found rows earlier modules parked, and delivered one
+    of them to this test's engine: 100,001 applied of 100,000)."""
+    migrate(empty_db_dsn, demo=True)
+    return empty_db_dsn
 
 
 @contextlib.contextmanager
@@ -118,8 +128,9 @@ def _all_held_delivered(stub: StubServer, port: int) -> bool:
 
 @pytest.mark.timeout(900)  # (100,000 records on a loaded machine; every wait inside is bounded)
 def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everything_after(
-    db_dsn: str, kafka_bootstrap: str, unique: str, stub: StubServer, tmp_path: Path
+    lot_db: str, kafka_bootstrap: str, unique: str, stub: StubServer, tmp_path: Path
 ) -> None:
+    db_dsn = lot_db
     topics = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, partitions=1)
     topic = topics.topic_prefix + "user"
     create_topics(kafka_bootstrap, [topic], partitions=1)
