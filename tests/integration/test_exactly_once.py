@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import psycopg
@@ -230,13 +231,7 @@ def test_a_paused_relay_is_fenced_by_the_standby_that_took_over_and_publishes_no
     let the standby take the slot over and publish, SIGCONT the paused one: it is
     fenced, says so in one line, exits non-zero; every event once, none twice."""
     topic = cfg.topic_prefix + "zombie"
-    active_cfg = RelayConfig(
-        db_dsn=cfg.db_dsn,
-        kafka=cfg.kafka,
-        unique=cfg.unique,
-        partitions=cfg.partitions,
-        extra={**cfg.extra, "CDC_TX_MAX_MS": "2000"},
-    )
+    active_cfg = replace(cfg, extra={**cfg.extra, "CDC_TX_MAX_MS": "2000"})
     active, _ = start_relay(active_cfg, tmp_path, name="active")
     standby_port = free_port()
     standby = Proc(["relay"], cfg.env(standby_port), tmp_path / "standby.log").start()
@@ -733,13 +728,7 @@ def test_standby_safe_with_exactly_once_is_refused_at_start_in_one_line(
     """CDC_STANDBY_SAFE holds records back until a standby has the WAL, past the end of
     their WAL transaction: a Kafka commit could then carry a checkpoint past records not
     in it. The combination is refused before the relay touches the slot or Kafka."""
-    refused = RelayConfig(
-        db_dsn=cfg.db_dsn,
-        kafka=cfg.kafka,
-        unique=cfg.unique,
-        partitions=cfg.partitions,
-        extra={**cfg.extra, "CDC_STANDBY_SAFE": "a_standby_slot"},
-    )
+    refused = replace(cfg, extra={**cfg.extra, "CDC_STANDBY_SAFE": "a_standby_slot"})
     relay = Proc(["relay"], refused.env(free_port()), tmp_path / "relay.log").start()
     try:
         assert relay.proc is not None
