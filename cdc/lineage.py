@@ -25,8 +25,10 @@ Guarantees:
   any tail. When none was found at all but some partition holds more than the
   bound, it raises :class:`TailTooDeepError` (one line naming the partition and
   the setting): it cannot tell "nothing published" from "buried";
-* the ids and commit times of the relay's newest *row* records (not logical
-  messages) ride along, so a gap can check them against the table.
+* the ids, commit times, timelines and commit LSNs of the relay's newest *row*
+  records (not logical messages) ride along (:class:`RowRef`), so a gap can check
+  them against the table, and tell a row deleted after insert from one a failover
+  took back (published from WAL past the point where its timeline ended).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -47,6 +49,7 @@ from cdc.errors import CdcError
 from cdc.kafkalog import KafkaClientEvents
 from cdc.records import Record, RecordReader, Skip
 from cdc.settings import Settings
+from cdc.wal.replproto import str_to_lsn
 from cdc.wal.slots import ServerIdentity
 
 log = logging.getLogger("cdc.lineage")
@@ -150,6 +153,16 @@ class Owner:
         return verdict
 
 
+class RowRef(NamedTuple):
+    """One of the relay's newest row records: the event id, its commit time (µs), the
+    timeline of its ``origin`` and its ``lsn`` header (the commit's LSN; 0 without)."""
+
+    id: str
+    commit_ts_us: int
+    timeline: int = 0
+    commit_lsn: int = 0
+
+
 @dataclass(frozen=True)
 class LastRecord:
     """The newest record of the relay's own found in Kafka."""
@@ -159,9 +172,9 @@ class LastRecord:
     topic: str
     partition: int
     offset: int
-    #: (id, commit time in µs) of the newest *row* records of ours seen (newest
-    #: first): logical messages excluded, the table never held them
-    newest_rows: tuple[tuple[str, int], ...] = ()
+    #: the newest *row* records of ours seen (newest first): logical messages
+    #: excluded, the table never held them
+    newest_rows: tuple[RowRef, ...] = ()
     #: a record of ours made from a logical message was seen in the tails
     saw_messages: bool = False
 
@@ -171,7 +184,18 @@ class LastRecord:
 
     @property
     def newest_ids(self) -> tuple[str, ...]:
-        return tuple(i for i, _ in self.newest_rows)
+        return tuple(r.id for r in self.newest_rows)
+
+
+def commit_lsn(record: Record) -> int:
+    """A record's ``lsn`` header as a 64-bit LSN; 0 without one or when it does not parse."""
+    raw = record.header(c.HEADER_LSN)
+    if not raw or len(raw) > 17:
+        return 0
+    try:
+        return str_to_lsn(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        return 0
 
 
 def commit_ts_us(record: Record) -> int:
@@ -197,6 +221,7 @@ class _Seen:
     event_id: str
     message: bool
     recovered: bool
+    commit_lsn: int = 0
 
 
 def newest_of(seen: Iterable[_Seen]) -> LastRecord | None:
@@ -212,7 +237,10 @@ def newest_of(seen: Iterable[_Seen]) -> LastRecord | None:
         topic=top.topic,
         partition=top.partition,
         offset=top.offset,
-        newest_rows=tuple((s.event_id, s.commit_ts_us) for s in rows[:NEWEST_IDS]),
+        newest_rows=tuple(
+            RowRef(s.event_id, s.commit_ts_us, s.origin.timeline, s.commit_lsn)
+            for s in rows[:NEWEST_IDS]
+        ),
         saw_messages=any(s.message for s in ordered),
     )
 
@@ -410,5 +438,6 @@ class _Tails:
                 event_id=(record.header(c.HEADER_ID) or b"").decode(errors="replace"),
                 message=record.header(c.HEADER_FORM) == c.FORM_MESSAGE,
                 recovered=recovered,
+                commit_lsn=commit_lsn(record),
             )
         )

@@ -104,7 +104,7 @@ def slot_recover_cmd(execute: bool, as_json: bool) -> None:
         return
     if not execute:
         with recovery.connect(settings) as conn:
-            reason = recovery.why_unrecoverable(conn, settings, found.last)
+            reason = recovery.why_unrecoverable(conn, settings, found.last, found.evidence.server)
         plan: dict[str, object] = {
             "gap": True,
             "executed": False,

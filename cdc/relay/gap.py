@@ -40,7 +40,13 @@ Guarantees (DESIGN "Relay invariants" 7 and 11):
   logical messages the relay published (recorded, or ``form: message`` records
   of its own), rows of its own newest records gone from the table inside the
   recovery horizon (deleted after insert). Such a gap waits for
-  ``outbox-cdc slot accept-gap``.
+  ``outbox-cdc slot accept-gap``;
+* a row record published from WAL a failover took back (:func:`taken_back`: its
+  ``origin`` names an ancestor timeline and its commit LSN is at or past the point
+  where that timeline ended) is not in the new primary's table because it never
+  happened there, not because it was deleted: it is left out of that count and
+  named on its own (the hazard ``CDC_STANDBY_SAFE`` removes), never a reason to
+  wait for an operator.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from cdc.gaps import OPEN, HistoryRow
-from cdc.lineage import LastRecord, Origin
+from cdc.lineage import LastRecord, Origin, RowRef
 from cdc.wal.replproto import lsn_to_str, str_to_lsn
 from cdc.wal.slots import WAL_REMOVED, ServerIdentity, SlotRow
 
@@ -289,6 +295,36 @@ def _window(e: Evidence, margin: timedelta) -> datetime | None:
         return e.last.commit_ts - margin
     since = e.maker or e.history
     return since.detected_at - margin if since is not None else None
+
+
+def taken_back(rows: tuple[RowRef, ...], server: ServerIdentity) -> tuple[RowRef, ...]:
+    """The row records published from WAL this server does not have: their timeline is
+    an ancestor of the server's and their commit LSN is at or past the LSN where it
+    ended (a commit record the promoted standby never replayed starts there or later).
+    A record without a commit LSN (0) is never taken for one."""
+    out = []
+    for row in rows:
+        if row.timeline == server.timeline or row.commit_lsn == 0:
+            continue
+        end = server.switch_after(row.timeline)
+        if end is not None and row.commit_lsn >= end:
+            out.append(row)
+    return tuple(out)
+
+
+def taken_back_note(rows: tuple[RowRef, ...], server: ServerIdentity) -> str:
+    """What a gap's detail says about records a failover took back ('' for none)."""
+    if not rows:
+        return ""
+    timelines = sorted({r.timeline for r in rows})
+    ends = ", ".join(
+        f"timeline {t} ended at {lsn_to_str(server.switch_after(t) or 0)}" for t in timelines
+    )
+    return (
+        f"{len(rows)} of the relay's newest records were published from WAL the failover"
+        f" took back ({ends}; e.g. event {rows[0].id}): Kafka holds events this server never"
+        " committed (CDC_STANDBY_SAFE=true publishes only what a standby has)"
+    )
 
 
 def unrecoverable_reason(

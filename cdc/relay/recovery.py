@@ -73,7 +73,16 @@ from cdc.outbox import table_identifier
 from cdc.pgconn import Use
 from cdc.pgconn import connect as pg_connect
 from cdc.producer import TopicManager
-from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide, unrecoverable_reason
+from cdc.relay.gap import (
+    Action,
+    Evidence,
+    GapCause,
+    Verdict,
+    decide,
+    taken_back,
+    taken_back_note,
+    unrecoverable_reason,
+)
 from cdc.relay.recovery_lock import RecoveryLock
 from cdc.relay.republish import (
     FETCH_ROWS,
@@ -226,14 +235,20 @@ def open_gap(settings: Settings, found: Inspection) -> gaps.HistoryRow:
                 # (recovered or accepted by another process since the check read it)
                 raise StreamError(f"gap {verdict.gap_id} was closed meanwhile: checking again")
             return row
-        reason = why_unrecoverable(conn, settings, found.last)
+        reason = why_unrecoverable(conn, settings, found.last, found.evidence.server)
         last = found.last
+        ghosts = taken_back(last.newest_rows if last else (), found.evidence.server)
+        if ghosts:
+            note = taken_back_note(ghosts, found.evidence.server)
+            log.warning("slot %s: %s", settings.slot, note)
         return gaps.record_gap(
             conn,
             gaps.NewGap(
                 slot=settings.slot,
                 cause=verdict.cause.value,
-                detail=verdict.detail + (f"; {reason}" if reason else ""),
+                detail=verdict.detail
+                + (f"; {reason}" if reason else "")
+                + (f"; {taken_back_note(ghosts, found.evidence.server)}" if ghosts else ""),
                 last_published_ts=last.commit_ts if last else None,
                 last_published_origin=str(last.origin) if last and last.origin else None,
                 window_start=verdict.window_start,
@@ -262,14 +277,22 @@ def open_first_start(settings: Settings) -> gaps.HistoryRow:
         )
 
 
-def why_unrecoverable(conn: Conn, settings: Settings, last: LastRecord | None) -> str | None:
+def why_unrecoverable(
+    conn: Conn, settings: Settings, last: LastRecord | None, server: ServerIdentity
+) -> str | None:
     """Which kinds of events a gap after ``last`` may hold that the table cannot give
-    back (None: it can give back every one), from the relay's own evidence."""
+    back (None: it can give back every one), from the relay's own evidence.
+
+    Rows a failover took back (:func:`cdc.relay.gap.taken_back`) are not counted as
+    deleted: the new primary never had them."""
     messages = last is not None and last.saw_messages
     if not messages:
         messages = gaps.FORM_MESSAGE in gaps.outputs(conn, settings.slot, gaps.OUTPUT_FORM)
     horizon_us = (datetime.now(UTC) - timedelta(seconds=settings.recovery_horizon_s)).timestamp()
-    ids = [i for i, ts in (last.newest_rows if last else ()) if ts >= horizon_us * 1_000_000]
+    newest = last.newest_rows if last else ()
+    rows = tuple(r for r in newest if r.commit_ts_us >= horizon_us * 1_000_000)
+    ghosts = {r.id for r in taken_back(rows, server)}
+    ids = sorted({r.id for r in rows} - ghosts)
     gone = 0
     if ids and settings.outbox_keeps_rows:
         row = conn.execute(
@@ -278,11 +301,11 @@ def why_unrecoverable(conn: Conn, settings: Settings, last: LastRecord | None) -
             ),
             (ids,),
         ).fetchone()
-        gone = len(set(ids)) - (int(row[0]) if row else 0)
+        gone = len(ids) - (int(row[0]) if row else 0)
     return unrecoverable_reason(
         keeps_rows=settings.outbox_keeps_rows,
         published_messages=messages,
-        newest_rows=len(set(ids)),
+        newest_rows=len(ids),
         rows_gone=gone,
     )
 

@@ -18,8 +18,10 @@ the shared Kafka and real relay processes on the multi-host DSN
   it never receives, a relay without the mode publishes them, one with the mode
   holds them (``/readyz`` 503 naming the standby once it waited too long); after
   the failover (and a new standby) nothing the safe relay published is missing
-  from the new primary, and everything on it is published (edge: slot lifetime;
-  combined with a half-open replication link).
+  from the new primary, and everything on it is published; the relay without the
+  mode, whose newest records the failover took back, recovers on its own (they are
+  phantoms, not rows deleted after insert) and names them (edge: slot lifetime and
+  evidence from a timeline that ended; combined with a half-open replication link).
 """
 
 from __future__ import annotations
@@ -328,17 +330,23 @@ def test_with_standby_safe_mode_no_event_in_kafka_is_missing_after_a_failover(
     assert body.startswith("held: waiting") and repr(STANDBY_SLOT) in body, body
     assert _relayed(safe_port, aggregate, safe) == PHASE_EVENTS
     pair.fail_over()  # what the standby never received is gone
-    plain_relay.close()
 
     pair.heal()  # a new standby (same physical slot name) for the new primary
     after = write(PHASE_EVENTS)
     wait_for_ready(safe_relay, safe_port, timeout_s=120)
+    # the plain relay's newest records are phantoms: taken back, not "deleted after
+    # insert" - it recovers on its own (no accept-gap) and names them
+    wait_for_ready(plain_relay, plain_port, timeout_s=120)
     on_new_primary = _table_ids(dsn, aggregate)
     assert before | after <= on_new_primary
     lost = unseen - on_new_primary  # what the failover took back
     safe_ids, _ = _kafka(safe, aggregate, on_new_primary)
-    plain_ids, _ = _kafka(plain, aggregate, before | unseen)
+    plain_ids, _ = _kafka(plain, aggregate, on_new_primary | unseen)
     assert lost, "the standby received events committed after its link was paused"
     assert plain_ids >= lost, "the scenario must make phantoms without the mode"
     assert safe_ids - on_new_primary == set(), "phantoms published with standby-safe mode on"
     assert on_new_primary - safe_ids == set(), "events of the new primary missing from Kafka"
+    assert on_new_primary - plain_ids == set(), "the plain relay's recovery missed events"
+    plain_log = plain_relay.log_path.read_text()
+    assert "published from WAL the failover took back" in plain_log, plain_relay.log_tail()
+    assert "rows deleted after insert" not in plain_log, plain_relay.log_tail()

@@ -20,7 +20,7 @@ import pytest
 
 from cdc.errors import DatabaseSetupError
 from cdc.gaps import HistoryRow
-from cdc.lineage import LastRecord, Origin
+from cdc.lineage import LastRecord, Origin, RowRef
 from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide
 from cdc.wal.slots import (
     CONFLICT,
@@ -134,7 +134,7 @@ def _last(timeline: int = 1) -> LastRecord:
         topic="outbox.event.user",
         partition=0,
         offset=41,
-        newest_rows=(("e1", int(NOW.timestamp() * 1_000_000)),),
+        newest_rows=(RowRef("e1", int(NOW.timestamp() * 1_000_000)),),
     )
 
 

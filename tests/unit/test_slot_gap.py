@@ -11,9 +11,17 @@ import pytest
 
 from cdc.backlog import BacklogLimits, BacklogState, SlotMeasures, judge
 from cdc.gaps import HistoryRow
-from cdc.lineage import LastRecord, Origin, Owner, origin_value
+from cdc.lineage import LastRecord, Origin, Owner, RowRef, origin_value
 from cdc.records import Record, RecordReader, Skip
-from cdc.relay.gap import Action, Evidence, GapCause, decide, unrecoverable_reason
+from cdc.relay.gap import (
+    Action,
+    Evidence,
+    GapCause,
+    decide,
+    taken_back,
+    taken_back_note,
+    unrecoverable_reason,
+)
 from cdc.router import TxContext, route_fields, route_message
 from cdc.wal.replproto import str_to_lsn
 from cdc.wal.slots import ServerIdentity, SlotRow, parse_timeline_history
@@ -40,7 +48,7 @@ def _last(origin: str = "7301/1/outbox_slot", at: datetime = NOW) -> LastRecord:
         topic="outbox.event.user",
         partition=0,
         offset=41,
-        newest_rows=(("e1", int(at.timestamp() * 1_000_000)),),
+        newest_rows=(RowRef("e1", int(at.timestamp() * 1_000_000)),),
     )
 
 
@@ -373,6 +381,30 @@ def test_timeline_history_files_give_the_ancestors_and_where_each_ended() -> Non
 
 
 # -- which kinds a gap cannot give back ---------------------------------------------------
+
+
+def test_rows_published_past_the_end_of_their_timeline_are_taken_back_not_deleted() -> None:
+    """Edge: a failover without standby-safe mode - the relay, paused, still had in its
+    socket rows the old primary committed after the standby's last replay; it published
+    them on resuming. The new primary never had them: not "deleted after insert" (which
+    would make the gap wait for an operator), but named as taken back."""
+    history = b"1\t0/3000060\treason\n2\t0/5000000\treason\n"
+    server = ServerIdentity("7301", 3, parse_timeline_history(history))
+    end2 = str_to_lsn("0/5000000")
+    rows = (
+        RowRef("current", 9, 3, end2 + 4096),  # this timeline: never taken back
+        RowRef("at-the-end", 8, 2, end2),  # starts where timeline 2 ended: not replayed
+        RowRef("past", 7, 1, str_to_lsn("0/3000060") + 1),
+        RowRef("before", 6, 2, end2 - 1),  # before the end: the new primary has it
+        RowRef("no-lsn", 5, 2, 0),  # no evidence: never taken back
+        RowRef("foreign-tli", 4, 9, end2 + 1),  # not an ancestor
+    )
+    assert [r.id for r in taken_back(rows, server)] == ["at-the-end", "past"]
+    note = taken_back_note(taken_back(rows, server), server)
+    assert "2 of the relay's newest records" in note and "timeline 1 ended at 0/3000060" in note
+    assert "timeline 2 ended at 0/5000000" in note and "CDC_STANDBY_SAFE" in note
+    assert taken_back_note((), server) == ""
+    assert taken_back(rows, ServerIdentity("7301", 1, ())) == ()
 
 
 def test_unrecoverable_kinds_come_from_the_relays_own_evidence() -> None:
