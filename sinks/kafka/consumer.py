@@ -230,6 +230,7 @@ class Sink:
             events=self.kafka_events,
             lag_gauge=self.metrics.lag,
             offsets_expired=self.metrics.offsets_expired.inc,
+            fetch_restarted=self.metrics.fetch_restarts.inc,
         )
         self._worker = worker.start()
         self._report()

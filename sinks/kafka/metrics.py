@@ -122,6 +122,12 @@ class SinkMetrics:
             " skipped, each logged as an ERROR with its range",
             registry=registry,
         )
+        self.fetch_restarts = Counter(
+            "outbox_sink_fetch_restarts_total",
+            "Partitions that should have been fetching, silent while the broker held records"
+            " past the next offset expected: resumed and sought there (each logged as a WARNING)",
+            registry=registry,
+        )
         self.commit_failures = Counter(
             "outbox_sink_commit_failures_total",
             "Offset commits the broker refused (retried)",

@@ -30,7 +30,12 @@ Guarantees:
   client of its own: its broker round-trips never delay a fetch;
 * an offset out of range is never skipped silently: librdkafka runs with
   ``auto.offset.reset=error`` and :class:`sinks.kafka.offset_expiry.OffsetResets` applies
-  the configured policy, logging and counting what was removed unprocessed.
+  the configured policy, logging and counting what was removed unprocessed;
+* the wait for a partition's records is bounded: a partition that should fetch
+  and was silent for ``stall_after_s`` while the broker holds records past the
+  next offset expected is resumed and sought there
+  (:class:`sinks.kafka.fetch_watch.FetchWatch`); its broker round-trip is bounded
+  (``WATERMARK_TIMEOUT_S``) and made at most once per partition per ``stall_after_s``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -51,7 +57,14 @@ from prometheus_client import Gauge
 from cdc.kafkalog import KafkaClientEvents
 from sinks.core.delivery import Envelope
 from sinks.core.errors import SinkError
-from sinks.kafka.offset_expiry import LIBRDKAFKA_DEFAULT, OffsetResets, Policy, incremental
+from sinks.kafka.fetch_watch import STALL_AFTER_S, FetchWatch, Restart
+from sinks.kafka.offset_expiry import (
+    LIBRDKAFKA_DEFAULT,
+    WATERMARK_TIMEOUT_S,
+    OffsetResets,
+    Policy,
+    incremental,
+)
 
 log = logging.getLogger("sinks.kafka_worker")  # the name operators filter on: kept across moves
 
@@ -122,6 +135,8 @@ class KafkaWorker:
         events: KafkaClientEvents,
         lag_gauge: Gauge | None = None,
         offsets_expired: Callable[[int], None] | None = None,
+        fetch_restarted: Callable[[], None] | None = None,
+        stall_after_s: float = STALL_AFTER_S,
     ) -> None:
         self._config = {**config, **events.config(), "on_commit": self._on_commit}
         #: librdkafka stops a partition out of range; OffsetResets applies the policy
@@ -134,6 +149,10 @@ class KafkaWorker:
         )
         #: partitions the loop paused (kept paused when a reset re-assigns them)
         self._paused: set[TP] = set()
+        #: which partitions should fetch and when each last did (the bounded wait)
+        self._watch = FetchWatch(stall_after_s)
+        self._fetch_restarted = fetch_restarted
+        self._next_watch_at = 0.0
         self._topics = topics
         self._loop = loop
         self._side = side
@@ -210,10 +229,15 @@ class KafkaWorker:
             if self._events.fatal is not None:
                 raise KafkaFatalError(f"fatal consumer error: {self._events.fatal}")
             if not self._handoff_room.wait(POLL_S):
+                self._watch.held_back(time.monotonic())  # (silence counts while fetching)
                 continue  # the loop is behind: serve commands, fetch nothing more
             records = self._consume(consumer)
             if records:
                 self._hand_over(records)
+            now = time.monotonic()
+            if now >= self._next_watch_at:  # (fetching: the hand-off has room)
+                self._next_watch_at = now + self._watch.stall_after_s / 4
+                self._check_stalls(consumer, now)
 
     def _consume(self, consumer: Consumer) -> list[Envelope]:
         """What is there now, without waiting for a whole batch.
@@ -225,11 +249,17 @@ class KafkaWorker:
         if messages:
             messages += consumer.consume(CONSUME_BATCH - 1, 0)
         records = []
+        now = time.monotonic()
         for msg in messages:
             err = msg.error()
             if err is None:
                 records.append(Envelope.from_kafka(msg))
+                self._watch.fetched(
+                    (msg.topic() or "", msg.partition() or 0), msg.offset() or 0, now
+                )
             elif err.code() == KafkaError._AUTO_OFFSET_RESET:
+                if self._resets.policy is Policy.ERROR:  # stays stopped: not a stall
+                    self._watch.stopped((msg.topic() or "", msg.partition() or 0))
                 self._resets.handle(consumer, msg, paused=self._paused)
             elif err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err, extra={"kafka_error": err.name()})
@@ -249,9 +279,11 @@ class KafkaWorker:
         try:
             if isinstance(command, _Pause):
                 self._paused.update(command.partitions)
+                self._watch.paused(command.partitions)
                 consumer.pause(self._assigned(consumer, command.partitions))
             elif isinstance(command, _Resume):
                 self._paused.difference_update(command.partitions)
+                self._watch.resumed(command.partitions, time.monotonic())
                 consumer.resume(self._assigned(consumer, command.partitions))
             elif isinstance(command, _Commit):
                 self._commit_async(consumer, command.offsets)
@@ -284,6 +316,53 @@ class KafkaWorker:
         except KafkaException as exc:  # the group moved on; the next owner redelivers
             log.warning("%s failed: %s", what, exc)
 
+    def _check_stalls(self, consumer: Consumer, now: float) -> None:
+        """Restart the partitions that should fetch, are silent, and have records waiting."""
+        for tp, silent_s in self._watch.suspects(now):
+            try:
+                expected = self._watch.next_offset(tp)
+                if expected is None:
+                    expected = self._start_of(consumer, tp)
+                _low, end = consumer.get_watermark_offsets(
+                    TopicPartition(*tp), timeout=WATERMARK_TIMEOUT_S, cached=False
+                )
+            except KafkaException as exc:  # the next check asks again
+                log.debug("%s[%d]: stall check failed: %s", tp[0], tp[1], exc)
+                continue
+            restart = self._watch.judge(tp, expected, end, silent_s)
+            if restart is not None:
+                self._restart(consumer, restart)
+
+    @staticmethod
+    def _start_of(consumer: Consumer, tp: TP) -> int | None:
+        """Where a partition fetched nothing yet starts: its position, else the commit."""
+        position = consumer.position([TopicPartition(*tp)])[0].offset
+        if position >= 0:
+            return int(position)
+        committed = consumer.committed([TopicPartition(*tp)], timeout=WATERMARK_TIMEOUT_S)
+        return int(committed[0].offset) if committed and committed[0].offset >= 0 else None
+
+    def _restart(self, consumer: Consumer, restart: Restart) -> None:
+        topic, partition = restart.tp
+        log.warning(
+            "%s[%d]: fetched nothing for %.0fs while the broker holds offsets up to %d past"
+            " the next expected, %d: fetching restarted there",
+            topic,
+            partition,
+            restart.silent_s,
+            restart.end - 1,
+            restart.offset,
+            extra={"topic": topic, "partition": partition, "offset": restart.offset},
+        )
+        try:
+            consumer.resume([TopicPartition(topic, partition)])
+            consumer.seek(TopicPartition(topic, partition, restart.offset))
+        except KafkaException as exc:  # not assigned any more, or not started: checked again
+            log.warning("%s[%d]: fetch restart failed: %s", topic, partition, exc)
+            return
+        if self._fetch_restarted is not None:
+            self._fetch_restarted()
+
     @staticmethod
     def _assigned(consumer: Consumer, partitions: tuple[TP, ...]) -> list[TopicPartition]:
         """The partitions still assigned (a revocation may have overtaken the command)."""
@@ -294,6 +373,7 @@ class KafkaWorker:
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._assignment = self._assignment | set(tps)
+        self._watch.assigned(tps, time.monotonic())
         self._post(self._side.on_assign, tps)
         log.info("assigned %s", _names(tps))
 
@@ -301,6 +381,7 @@ class KafkaWorker:
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._assignment = self._assignment - set(tps)
         self._paused.difference_update(tps)
+        self._watch.revoked(tps)
         final = self._ask(lambda: self._side.on_revoke(tps, lost=False))
         self._commit_sync(consumer, final or [], what="commit on revoke")
         log.info("revoked %s", _names(tps))
@@ -309,6 +390,7 @@ class KafkaWorker:
         tps = [(tp.topic, tp.partition) for tp in partitions]
         self._assignment = self._assignment - set(tps)
         self._paused.difference_update(tps)
+        self._watch.revoked(tps)
         self._ask(lambda: self._side.on_revoke(tps, lost=True))
         log.warning("assignment lost (no commit possible): %s", _names(tps))
 
