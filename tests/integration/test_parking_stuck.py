@@ -227,6 +227,9 @@ def test_a_locked_parking_lot_pauses_at_the_bound_answers_503_and_commits_everyt
     stats = stub.stats()
     assert (stats["applied"], stats["duplicates"]) == (GOOD, 0)
     log = sink.log_path.read_text()
+    # (a partition left stopped after the release - seen once in CI, cause unknown - is
+    # restarted by the sink's fetch watch: the count is the evidence when it happens)
+    print(f"fetch restarts: {log.count('fetching restarted')}")
     assert "scheduler run failed: parking lot unavailable" in log
     assert "parking lot available again" in log
 
