@@ -221,11 +221,10 @@ class Sink:
         self._wake.set()
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         worker = KafkaWorker(
             consumer_config(self.settings),
             subscription(self.settings),
-            loop=loop,
+            loop=asyncio.get_running_loop(),
             side=self,
             events=self.kafka_events,
             lag_gauge=self.metrics.lag,
