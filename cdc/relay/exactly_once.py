@@ -483,11 +483,14 @@ class ExactlyOnceRelay(CommitOverlap, Relay):  # type: ignore[override]
         assert producer is not None
         job = self._job
         running = not self._join_commit()
-        if job is not None and not running and job.error is None:
-            # (it committed meanwhile: no transaction is open, the buffer was in none)
-            self._transactions.labels("committed").inc()
-            self._commit_unfinished = False
-            return self._batch.aborted()
+        if job is not None and not running:
+            if job.error is None:  # (it committed: no transaction is open, the buffer in none)
+                self._transactions.labels("committed").inc()
+                self._commit_unfinished = False
+                return self._batch.aborted()
+            err = job.error.args[0] if job.error.args else None
+            if isinstance(err, KafkaError) and err.retriable():  # (only a commit may follow)
+                self._commit_unfinished = True
         if self._commit_unfinished or running:  # (abort_transaction would conflict with it)
             self._transactions.labels("aborted").inc()
             self._batch.aborted()
