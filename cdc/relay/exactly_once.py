@@ -179,7 +179,8 @@ class ExactlyOnceRelay(CommitOverlap, Relay):  # type: ignore[override]
             backlog_max_ms=max(s.tx_max_ms, BACKLOG_TX_MAX_MS),
             abort_after_ms=s.tx_timeout_ms - budget_ms,
             commit_budget_ms=budget_ms,
-            buffer_max_records=BUFFER_MAX_RECORDS,
+            # (a buffer no larger than a transaction: the next one stays within its bound)
+            buffer_max_records=min(BUFFER_MAX_RECORDS, s.tx_max_records),
             buffer_max_bytes=BUFFER_MAX_BYTES,
         )
         self._checkpoint_topic = ckpt.checkpoint_topic(s)
