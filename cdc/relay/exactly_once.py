@@ -18,7 +18,7 @@ poll. Guarantees (DESIGN.md, relay invariant 13):
   records or is ``CDC_TX_MAX_MS`` old, whichever first, and only between WAL
   transactions; while the relay reads a backlog (its last read turn left more WAL
   waiting: ``Session.caught_up`` false) the age bound is :data:`BACKLOG_TX_MAX_MS`
-  instead - fewer commits, each of which stops the reading;
+  instead - fewer commits, each a round trip and markers in every partition;
 * the LSN confirmed to PostgreSQL never passes the last committed checkpoint
   while a Kafka transaction is open (the tracker is capped:
   :meth:`TxBatch.confirm_bound`), so it follows Kafka's commit (invariant 1);
@@ -34,7 +34,7 @@ poll. Guarantees (DESIGN.md, relay invariant 13):
   a transaction open for ``CDC_TX_TIMEOUT_MS`` less the commit budget is
   aborted and the session ends; the next one starts from the slot and the
   checkpoint. Every Kafka call of the transaction is bounded
-  (:data:`COMMIT_TIMEOUT_S`, :data:`ABORT_TIMEOUT_S`, :data:`INIT_TIMEOUT_S`);
+  (:data:`cdc.relay.overlap.COMMIT_TIMEOUT_S`, :data:`ABORT_TIMEOUT_S`, :data:`INIT_TIMEOUT_S`);
 * **fenced**: a relay whose producer a newer one fenced (a takeover while it was
   paused) publishes nothing more: it logs one line and the process exits 1.
 * **the commit overlaps the reading** (:mod:`cdc.relay.overlap`): records routed
@@ -81,8 +81,8 @@ ABORT_TIMEOUT_S = 10.0
 INIT_TIMEOUT_S = 30.0
 #: While the relay reads a backlog (more WAL there than a read turn takes), a Kafka
 #: transaction is committed at CDC_TX_MAX_RECORDS or this age, not at CDC_TX_MAX_MS:
-#: its events are older than CDC_TX_MAX_MS already, and each commit stops the reading
-#: for a round trip to the coordinator and the partition leaders. A second bounds the
+#: its events are older than CDC_TX_MAX_MS already, and each commit costs a round trip
+#: to the coordinator and markers in every partition leader. A second bounds the
 #: work an abort throws away and the wait of the first events of a backlog.
 BACKLOG_TX_MAX_MS = 1_000
 #: Error codes that mean another producer took the transactional.id.

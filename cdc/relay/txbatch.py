@@ -34,7 +34,7 @@ was fenced - and does what :meth:`TxBatch.due` and the events answer
   while the relay reads a backlog (``behind``: more WAL was already there to
   read) it grows until ``max_records`` or ``backlog_max_ms``, whichever first -
   its events are older than ``max_ms`` already, and fewer commits drain the
-  backlog faster (a commit blocks the reading).
+  backlog faster (each costs round trips and markers in every partition).
 * **every wait is bounded**: a Kafka transaction open for
   ``abort_after_ms`` (the transaction timeout less the commit budget) is
   aborted - the broker would abort it anyway; a commit that keeps failing
