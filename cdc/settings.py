@@ -205,8 +205,9 @@ class Settings(BaseSettings):
     #: Exactly-once: a caught-up relay commits a Kafka transaction once it is this old
     #: (and its last WAL transaction has ended): the most a read_committed consumer waits
     #: for a record on top of the commit's round trips and the usual latency. Lower is
-    #: sooner but more commits, each stopping the reading for a round trip to the
-    #: transaction coordinator (20: at most a fifth of the 100 ms latency goal, and about
+    #: sooner but more commits, each a round trip to the transaction coordinator and
+    #: markers in every partition it wrote to (the reading goes on meanwhile, into a
+    #: bounded buffer) (20: at most a fifth of the 100 ms latency goal, and about
     #: 50 commits/s at a steady rate). While the relay reads a backlog the transaction
     #: grows to `CDC_TX_MAX_RECORDS` or 1 s instead: its events are older than this anyway.
     tx_max_ms: int = env("CDC_TX_MAX_MS", 20)

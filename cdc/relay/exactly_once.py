@@ -18,7 +18,7 @@ poll. Guarantees (DESIGN.md, relay invariant 13):
   records or is ``CDC_TX_MAX_MS`` old, whichever first, and only between WAL
   transactions; while the relay reads a backlog (its last read turn left more WAL
   waiting: ``Session.caught_up`` false) the age bound is :data:`BACKLOG_TX_MAX_MS`
-  instead - fewer commits, each of which stops the reading;
+  instead - fewer commits, each a round trip and markers in every partition;
 * the LSN confirmed to PostgreSQL never passes the last committed checkpoint
   while a Kafka transaction is open (the tracker is capped:
   :meth:`TxBatch.confirm_bound`), so it follows Kafka's commit (invariant 1);
@@ -34,9 +34,11 @@ poll. Guarantees (DESIGN.md, relay invariant 13):
   a transaction open for ``CDC_TX_TIMEOUT_MS`` less the commit budget is
   aborted and the session ends; the next one starts from the slot and the
   checkpoint. Every Kafka call of the transaction is bounded
-  (:data:`COMMIT_TIMEOUT_S`, :data:`ABORT_TIMEOUT_S`, :data:`INIT_TIMEOUT_S`);
+  (:data:`cdc.relay.overlap.COMMIT_TIMEOUT_S`, :data:`ABORT_TIMEOUT_S`, :data:`INIT_TIMEOUT_S`);
 * **fenced**: a relay whose producer a newer one fenced (a takeover while it was
   paused) publishes nothing more: it logs one line and the process exits 1.
+* **the commit overlaps the reading** (:mod:`cdc.relay.overlap`): records routed
+  while a commit is under way are buffered, within bounds, for the next transaction.
 """
 
 from __future__ import annotations
@@ -54,7 +56,12 @@ from cdc.health import Liveness
 from cdc.lineage import Origin
 from cdc.producer import producer_config
 from cdc.relay import checkpoint as ckpt
-from cdc.relay.loop import ACK_WAIT_S, READ_WAIT_S, Relay
+from cdc.relay.loop import Relay
+from cdc.relay.overlap import (
+    BUFFER_MAX_BYTES,
+    BUFFER_MAX_RECORDS,
+    CommitOverlap,
+)
 from cdc.relay.producing import Producing, Reports
 from cdc.relay.state import Headers, Session, _PendingDlq
 from cdc.relay.txbatch import Action, TxBatch, TxLimits, TxState
@@ -64,10 +71,6 @@ from cdc.wal.replproto import lsn_to_str
 
 log = logging.getLogger("cdc.relay")
 
-#: One commit_transaction call waits at most this long (it flushes the records first);
-#: a retriable failure is retried within :data:`COMMIT_BUDGET_S`. Below the server's
-#: default wal_sender_timeout (60 s): the loop answers no keepalive meanwhile.
-COMMIT_TIMEOUT_S = 5.0
 #: All attempts at one commit together; then the transaction is aborted.
 COMMIT_BUDGET_S = 10.0
 #: One abort_transaction call waits at most this long; a failed abort rebuilds the
@@ -78,8 +81,8 @@ ABORT_TIMEOUT_S = 10.0
 INIT_TIMEOUT_S = 30.0
 #: While the relay reads a backlog (more WAL there than a read turn takes), a Kafka
 #: transaction is committed at CDC_TX_MAX_RECORDS or this age, not at CDC_TX_MAX_MS:
-#: its events are older than CDC_TX_MAX_MS already, and each commit stops the reading
-#: for a round trip to the coordinator and the partition leaders. A second bounds the
+#: its events are older than CDC_TX_MAX_MS already, and each commit costs a round trip
+#: to the coordinator and markers in every partition leader. A second bounds the
 #: work an abort throws away and the wait of the first events of a backlog.
 BACKLOG_TX_MAX_MS = 1_000
 #: Error codes that mean another producer took the transactional.id.
@@ -111,6 +114,8 @@ _tracker_open, _tracker_close = LsnTracker.open, LsnTracker.close
 _send_record = Producing._send  # (the relay's own _send: cdc.relay.producing)
 _commit_read = Relay._on_commit
 _NONE = Action.NONE
+_BEGIN = Action.BEGIN
+_COMMITTING = TxState.COMMITTING
 
 
 def _now_ms() -> int:
@@ -149,7 +154,8 @@ class CheckpointTracker(LsnTracker):
         self.batch.wal_closed(end_lsn)
 
 
-class ExactlyOnceRelay(Relay):
+# (ignore: CommitOverlap._read_wait_s is a property over Relay's class attribute)
+class ExactlyOnceRelay(CommitOverlap, Relay):  # type: ignore[override]
     """The relay of ``CDC_DELIVERY=exactly-once``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -173,6 +179,9 @@ class ExactlyOnceRelay(Relay):
             backlog_max_ms=max(s.tx_max_ms, BACKLOG_TX_MAX_MS),
             abort_after_ms=s.tx_timeout_ms - budget_ms,
             commit_budget_ms=budget_ms,
+            # (a buffer no larger than a transaction: the next one stays within its bound)
+            buffer_max_records=min(BUFFER_MAX_RECORDS, s.tx_max_records),
+            buffer_max_bytes=BUFFER_MAX_BYTES,
         )
         self._checkpoint_topic = ckpt.checkpoint_topic(s)
         self.liveness = _ModeLiveness()
@@ -198,14 +207,9 @@ class ExactlyOnceRelay(Relay):
         self._commit_unfinished = False
         #: why a checkpoint was not trusted (each warned about once)
         self._distrusted: set[str] = set()
+        self._init_overlap(self.registry)
 
     # -- the session -------------------------------------------------------------
-    @property
-    def _read_wait_s(self) -> float:  # type: ignore[override]
-        """While a Kafka transaction is open, a read turn waits no longer than an ack
-        would: its commit is due within CDC_TX_MAX_MS."""
-        return ACK_WAIT_S if self._batch.state is TxState.OPEN else READ_WAIT_S
-
     def _new_producer(self, origin: tuple[str, bytes]) -> Producer:
         s = self.settings
         parsed = Origin.parse(origin[1])
@@ -275,6 +279,7 @@ class ExactlyOnceRelay(Relay):
             )
         checkpoint = found if found is not None else 0
         self._batch = TxBatch(self._limits, checkpoint)
+        self._buffer, self._flushing, self._releasing = [], False, False
         self._checkpoint_lsn.set(checkpoint)
         assert isinstance(sess.tracker, CheckpointTracker)
         sess.tracker.batch = self._batch
@@ -289,20 +294,28 @@ class ExactlyOnceRelay(Relay):
         )
 
     def _poll(self, timeout_s: float) -> None:
-        super()._poll(timeout_s)
+        job = self._job
+        if job is None:
+            super()._poll(timeout_s)
+        elif timeout_s > 0:  # (commit_transaction has the producer: wait for it instead)
+            job.done.wait(timeout_s)
         if self._fenced is not None:
             self._exit_fenced()
         sess = self._sess
         if sess is not None:
+            if self._batch.state is _COMMITTING:
+                self._act(sess, self._advance(sess))
             self._act(sess, self._due(sess))
 
     def _shutdown(self, sess: Session) -> None:
-        """Commit what can be (an open WAL transaction's records are aborted: the slot
-        sends it again), then the relay's own shutdown: the last confirmation goes no
-        further than the committed checkpoint."""
-        self._drain_dlq(sess)
+        """Finish the commit under way, commit what can be (an open WAL transaction's
+        records are aborted: the slot sends it again), then the relay's own shutdown:
+        the last confirmation goes no further than the committed checkpoint."""
         try:
+            self._await_commit(sess)
+            self._drain_dlq(sess)
             self._act(sess, self._batch.flush(_now_ms(), waiting=bool(sess.pending_dlq)))
+            self._await_commit(sess)
         except KafkaUnavailableError as exc:  # (an abort, or a producer let go; fenced raises)
             log.warning("at shutdown: %s", exc)
         self._sess = None  # (the loop's polls act on transactions no more)
@@ -312,9 +325,15 @@ class ExactlyOnceRelay(Relay):
     # -- record-handling steps ---------------------------------------------------------
     def _on_commit(self, sess: Session, data: bytes | memoryview, at: int) -> None:  # type: ignore[override]
         _commit_read(sess, data, at)
+        batch = self._batch
+        if batch.state is _COMMITTING:  # (the commit under way: its progress, between
+            self._poll(0)  # WAL transactions - its reports served, its outcome taken)
+            if sess.fatal is not None:  # (a record of it failed: its abort is due)
+                raise KafkaUnavailableError(f"producer error: {sess.fatal}")
+            return
         # (once per WAL transaction: the machine asked inline, _act only when it says so)
         now_ms = int(_monotonic() * 1000)
-        action = self._batch.due(now_ms, bool(sess.pending_dlq), not sess.caught_up)
+        action = batch.due(now_ms, bool(sess.pending_dlq), not sess.caught_up)
         if action is not _NONE:
             self._act(sess, action)
 
@@ -333,8 +352,13 @@ class ExactlyOnceRelay(Relay):
         if batch.covered(tx_id):  # (_skipped inline: once per record)
             sess.tracker.ack(tx_id)
             return
-        if batch.record(int(_monotonic() * 1000)) is Action.BEGIN:
-            self._begin()
+        action = batch.record(int(_monotonic() * 1000), len(value) + len(key))
+        if action is not _NONE:
+            if action is _BEGIN:
+                self._begin()
+            elif self._held(sess, action, len(value) + len(key)):
+                self._buffer.append((tx_id, topic, value, key, headers, timestamp_ms, event_id))
+                return
         _send_record(self, sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
 
     def _queue_dlq(
@@ -349,9 +373,9 @@ class ExactlyOnceRelay(Relay):
         headers: Headers,
         timestamp_ms: int,
     ) -> None:
-        if self._batch.state not in (TxState.IDLE, TxState.OPEN):
-            # (a failed report during a commit or an abort: the transaction is lost
-            # anyway, and the record read again - a refused one is remembered)
+        if self._batch.state not in (TxState.IDLE, TxState.OPEN, _COMMITTING):
+            # (a failed report during an abort: the transaction is lost anyway, and the
+            # record read again - a refused one is remembered)
             sess.tracker.ack(tx_id)
             return
         if self._skipped(sess, tx_id):
@@ -366,8 +390,11 @@ class ExactlyOnceRelay(Relay):
         if batch.covered(tx_id):
             sess.tracker.ack(tx_id)
             return True
-        if batch.record(_now_ms()) is Action.BEGIN:
-            self._begin()
+        action = batch.record(_now_ms())
+        if action is not _NONE:
+            # (buffered during a commit: the dead letter waits in pending_dlq meanwhile,
+            # counted in the next transaction)
+            self._held(sess, action, 0)
         return False
 
     def _begin(self) -> None:
@@ -407,8 +434,11 @@ class ExactlyOnceRelay(Relay):
     # -- transactions ------------------------------------------------------------
     def _due(self, sess: Session) -> Action:
         """What the transactions' machine says is due now (a backlog - the last read
-        turn found more WAL than it read - lets the transaction grow longer)."""
-        return self._batch.due(_now_ms(), bool(sess.pending_dlq), not sess.caught_up)
+        turn found more WAL than it read - lets the transaction grow longer; records of
+        the buffer not yet produced wait like dead letters)."""
+        return self._batch.due(
+            _now_ms(), bool(sess.pending_dlq) or self._releasing, not sess.caught_up
+        )
 
     def _act(self, sess: Session, action: Action) -> None:
         """Do what the transactions' machine asked (COMMIT, ABORT, RESTART, EXIT)."""
@@ -423,49 +453,46 @@ class ExactlyOnceRelay(Relay):
                 )
             elif action is Action.EXIT:
                 self._exit_fenced()
-            else:  # BEGIN comes only from record()
+            elif action is _BEGIN:  # (commit_ok: records were buffered during the commit)
+                self._begin()
+                self._release(sess)
+                action = self._due(sess)
+            else:  # BUFFER and WAIT come only from record(), WAIT from flush() too
                 raise AssertionError(action)
 
-    def _commit(self, sess: Session) -> Action:
-        """Produce the checkpoint and commit; the next action (NONE once committed)."""
+    def _commit_failed(self, sess: Session, exc: KafkaException) -> Action:
+        """The checkpoint's produce or commit_transaction failed: fenced or fatal ends
+        it; otherwise COMMIT again (retriable, within the budget) or ABORT."""
         producer = self._producer
-        batch = self._batch
-        assert producer is not None and batch.candidate is not None
-        value = lsn_to_str(batch.candidate).encode()
-        try:
-            if not self._commit_unfinished:  # (a retry only calls commit_transaction again)
-                producer.produce(
-                    self._checkpoint_topic,
-                    value,
-                    self._origin.encode(),
-                    0,
-                    headers=ckpt.checkpoint_headers(self._origin),  # type: ignore[arg-type]
-                )
-            producer.commit_transaction(COMMIT_TIMEOUT_S)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            if is_fenced(exc) or _fatal_code(exc) is not None:
-                self._kafka_failed(exc, "commit_transaction")
-            # A record that failed during the commit has its report queued: served now,
-            # it is remembered (a refused one is dead-lettered when read again) and the
-            # transaction marked failed - never a retry of a commit that cannot succeed.
-            self._serve_reports(producer)
-            retriable = isinstance(err, KafkaError) and err.retriable()
-            # (after a retriable failure librdkafka takes only commit_transaction again)
-            self._commit_unfinished = self._commit_unfinished or retriable
-            log.warning("Kafka transaction commit failed: %s", exc)
-            sess.stream.send_status(self._ledger.bound(sess.tracker.confirmable))
-            return batch.commit_failed(retriable=retriable, now_ms=_now_ms())
-        self._commit_unfinished = False
-        batch.commit_ok()
-        self._transactions.labels("committed").inc()
-        self._checkpoint_lsn.set(batch.committed)
-        return Action.NONE
+        assert producer is not None
+        err = exc.args[0] if exc.args else None
+        if is_fenced(exc) or _fatal_code(exc) is not None:
+            self._kafka_failed(exc, "commit_transaction")
+        # A record that failed during the commit has its report queued: served now,
+        # it is remembered (a refused one is dead-lettered when read again) and the
+        # transaction marked failed - never a retry of a commit that cannot succeed.
+        self._serve_reports(producer)
+        retriable = isinstance(err, KafkaError) and err.retriable()
+        # (after a retriable failure librdkafka takes only commit_transaction again)
+        self._commit_unfinished = self._commit_unfinished or retriable
+        log.warning("Kafka transaction commit failed: %s", exc)
+        sess.stream.send_status(self._ledger.bound(sess.tracker.confirmable))
+        return self._batch.commit_failed(retriable=retriable, now_ms=_now_ms())
 
     def _abort(self, sess: Session, why: str) -> Action:
         producer = self._producer
         assert producer is not None
-        if self._commit_unfinished:  # (abort_transaction would conflict with it)
+        job = self._job
+        running = not self._join_commit()
+        if job is not None and not running:
+            if job.error is None:  # (it committed: no transaction is open, the buffer in none)
+                self._transactions.labels("committed").inc()
+                self._commit_unfinished = False
+                return self._batch.aborted()
+            err = job.error.args[0] if job.error.args else None
+            if isinstance(err, KafkaError) and err.retriable():  # (only a commit may follow)
+                self._commit_unfinished = True
+        if self._commit_unfinished or running:  # (abort_transaction would conflict with it)
             self._transactions.labels("aborted").inc()
             self._batch.aborted()
             self._drop_producer()
@@ -529,10 +556,11 @@ class ExactlyOnceRelay(Relay):
         """Serve the reports already there (a refused record is remembered), purge and
         let go of the producer without close() (which would try to end the transaction
         once more); the next session makes a new one."""
+        self._join_commit()
         producer, self._producer = self._producer, None
         self._initialised = None
         self._commit_unfinished = False
-        if producer is not None:
+        if producer is not None and producer is not self._busy:  # (see _join_commit)
             self._serve_reports(producer)
             with contextlib.suppress(KafkaException):
                 producer.purge(in_queue=True, in_flight=True)
@@ -541,8 +569,9 @@ class ExactlyOnceRelay(Relay):
         """Publish nothing more: purge the producer's records and raise. It is not
         closed: close() would try to abort the transaction the broker already ended."""
         self._batch.fenced()
+        self._join_commit()
         producer, self._producer = self._producer, None
-        if producer is not None:
+        if producer is not None and producer is not self._busy:
             with contextlib.suppress(KafkaException):
                 producer.purge(in_queue=True, in_flight=True)
             self._fenced_producer = producer  # (destroyed with the process)

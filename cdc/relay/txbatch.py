@@ -34,7 +34,7 @@ was fenced - and does what :meth:`TxBatch.due` and the events answer
   while the relay reads a backlog (``behind``: more WAL was already there to
   read) it grows until ``max_records`` or ``backlog_max_ms``, whichever first -
   its events are older than ``max_ms`` already, and fewer commits drain the
-  backlog faster (a commit blocks the reading).
+  backlog faster (each costs round trips and markers in every partition).
 * **every wait is bounded**: a Kafka transaction open for
   ``abort_after_ms`` (the transaction timeout less the commit budget) is
   aborted - the broker would abort it anyway; a commit that keeps failing
@@ -42,6 +42,23 @@ was fenced - and does what :meth:`TxBatch.due` and the events answer
   aborted; after an abort (done or failed) the session ends (FAILED) and the
   next one starts from the slot and the checkpoint.
 * **fenced is final**: once fenced, nothing else is done; the relay exits.
+* **the commit overlaps the reading, within a bound**: while a commit is under
+  way (COMMITTING: the transaction's records are being acknowledged, then
+  ``commit_transaction`` runs), the relay keeps reading; the records it routes
+  meanwhile are *buffered* for the next transaction (:data:`Action.BUFFER`:
+  librdkafka takes no record into a new transaction before the commit
+  returns), at most ``buffer_max_records`` records and ``buffer_max_bytes``
+  bytes - a record that would pass either bound is answered
+  :data:`Action.WAIT` (the shell waits for the commit's outcome, bounded by
+  the commit budget, and asks again). The buffer exists only while COMMITTING;
+  a commit that succeeds opens the next transaction with it
+  (:meth:`commit_ok` answers BEGIN: its age counts from its first buffered
+  record, its checkpoint candidate is the last WAL transaction closed in it);
+  an abort, a fencing or a kill throws it away - its records were never handed
+  to Kafka, and the session that reads them again starts from the slot and the
+  checkpoint. The commit's whole wait (acknowledgements and
+  ``commit_transaction``, retries included) is bounded: :meth:`due` aborts a
+  commit ``commit_budget_ms`` old.
 
 States and transitions::
 
@@ -50,10 +67,14 @@ States and transitions::
                                      age >= backlog_max_ms while behind)
                                      (COMMIT)--> COMMITTING --ok--> IDLE
     OPEN --shutdown: flush (COMMIT when due-able, else ABORT)
+    COMMITTING --record (BUFFER: held for the next transaction; WAIT at the bound)
+    COMMITTING --ok, nothing buffered--> IDLE;  --ok, records buffered (BEGIN)--> OPEN
     COMMITTING --retriable failure, within budget (COMMIT)--> COMMITTING
+    COMMITTING --commit_budget_ms since it started (ABORT)--> ABORTING
     COMMITTING --other failure, or budget spent (ABORT)--> ABORTING
     OPEN --age >= abort_after_ms, or a failed record (ABORT)--> ABORTING
-    ABORTING --aborted / abort failed--> FAILED   (the session ends: RESTART)
+    ABORTING --aborted / abort failed--> FAILED   (the session ends: RESTART; the
+                                                   buffer is thrown away)
     any --fenced--> FENCED   (the relay says so and exits non-zero)
 """
 
@@ -79,6 +100,8 @@ class Action(enum.Enum):
     ABORT = "abort"  # abort the Kafka transaction
     RESTART = "restart"  # end the session (its reads since the checkpoint are read again)
     EXIT = "exit"  # fenced: publish nothing more, exit non-zero
+    BUFFER = "buffer"  # a commit is under way: hold the record for the next transaction
+    WAIT = "wait"  # the buffer is full (or a shutdown flush): wait for the commit's outcome
 
 
 #: What is due in a state that takes no more records.
@@ -97,11 +120,26 @@ class TxLimits:
     backlog_max_ms: int
     #: an open transaction this old is aborted (transaction.timeout.ms less the commit budget)
     abort_after_ms: int
-    #: a commit failing retriably is retried this long, then aborted
+    #: a commit - its records' acknowledgements and commit_transaction, retries
+    #: included - is aborted this long after it started
     commit_budget_ms: int
+    #: records routed while a commit is under way, held for the next transaction
+    buffer_max_records: int = 5_000
+    #: their bytes (key and value)
+    buffer_max_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
-        if min(self.max_records, self.max_ms, self.abort_after_ms, self.commit_budget_ms) < 1:
+        if (
+            min(
+                self.max_records,
+                self.max_ms,
+                self.abort_after_ms,
+                self.commit_budget_ms,
+                self.buffer_max_records,
+                self.buffer_max_bytes,
+            )
+            < 1
+        ):
             raise ValueError(f"transaction limits must be positive: {self}")
         if self.backlog_max_ms < self.max_ms:
             raise ValueError(f"backlog_max_ms must be at least max_ms: {self}")
@@ -112,10 +150,14 @@ class TxBatch:
     at the session's start (read_committed), or the slot's confirmed LSN when none."""
 
     __slots__ = (
+        "buffered",
+        "buffered_bytes",
         "candidate",
         "commit_started_ms",
         "committed",
         "limits",
+        "next_candidate",
+        "next_opened_ms",
         "opened_ms",
         "records",
         "skip_below",
@@ -138,6 +180,12 @@ class TxBatch:
         self.commit_started_ms = 0
         #: a WAL transaction is open (a commit must wait for its end)
         self.wal_open = False
+        #: records (and their bytes) buffered for the next transaction while COMMITTING
+        self.buffered = 0
+        self.buffered_bytes = 0
+        #: the buffered transaction's checkpoint candidate and first record's time
+        self.next_candidate: int | None = None
+        self.next_opened_ms = 0
 
     def covered(self, final_lsn: int) -> bool:
         """Whether the WAL transaction committed at ``final_lsn`` is in Kafka already."""
@@ -151,21 +199,41 @@ class TxBatch:
         """A WAL transaction ended at ``end_lsn``; all of its records were handed over
         (a covered one's were skipped)."""
         self.wal_open = False
-        if self.state is TxState.OPEN:
+        state = self.state
+        if state is TxState.OPEN:
             self.candidate = end_lsn
+        elif state is TxState.COMMITTING and self.buffered:
+            self.next_candidate = end_lsn
 
-    def record(self, now_ms: int) -> Action:
-        """A record is about to be produced: BEGIN when no transaction is open."""
-        if self.state is TxState.IDLE:
+    def record(self, now_ms: int, nbytes: int = 0) -> Action:
+        """A record (of ``nbytes``) is about to be produced: BEGIN when no transaction is
+        open; while a commit is under way BUFFER (hold it for the next transaction), or
+        WAIT when it would pass the buffer's bounds (nothing counted: ask again once
+        the commit's outcome is in)."""
+        state = self.state
+        if state is TxState.OPEN:
+            self.records += 1
+            return Action.NONE
+        if state is TxState.IDLE:
             self.state = TxState.OPEN
             self.opened_ms = now_ms
             self.records = 1
             self.candidate = None
             return Action.BEGIN
-        if self.state is not TxState.OPEN:
-            raise ValueError(f"record while the Kafka transaction is {self.state.value}")
-        self.records += 1
-        return Action.NONE
+        if state is not TxState.COMMITTING:
+            raise ValueError(f"record while the Kafka transaction is {state.value}")
+        limits = self.limits
+        if (
+            self.buffered >= limits.buffer_max_records
+            or self.buffered_bytes + nbytes > limits.buffer_max_bytes
+        ):
+            return Action.WAIT
+        if not self.buffered:
+            self.next_opened_ms = now_ms
+            self.next_candidate = None
+        self.buffered += 1
+        self.buffered_bytes += nbytes
+        return Action.BUFFER
 
     def due(self, now_ms: int, waiting: bool = False, behind: bool = False) -> Action:
         """What is due now: COMMIT, ABORT (too old), RESTART, EXIT or NONE. ``waiting``:
@@ -173,6 +241,13 @@ class TxBatch:
         written): no commit before they are. ``behind``: more WAL is there to read
         at once (a backlog): the age bound is ``backlog_max_ms``, not ``max_ms``."""
         if self.state is not TxState.OPEN:
+            if (
+                self.state is TxState.COMMITTING
+                and now_ms - self.commit_started_ms >= self.limits.commit_budget_ms
+            ):
+                self.state = TxState.ABORTING
+                self._drop_buffer()
+                return Action.ABORT
             return _SETTLED.get(self.state, Action.NONE)
         age_ms = now_ms - self.opened_ms
         limits = self.limits
@@ -191,7 +266,10 @@ class TxBatch:
 
     def flush(self, now_ms: int, *, waiting: bool = False) -> Action:
         """Commit now if a transaction can be (shutdown): COMMIT, ABORT (a WAL
-        transaction is open, or records wait: it would be read again anyway) or NONE."""
+        transaction is open, or records wait: it would be read again anyway), WAIT (a
+        commit is under way: its outcome first, then flush again) or NONE."""
+        if self.state is TxState.COMMITTING:
+            return Action.WAIT
         if self.state is not TxState.OPEN:
             return Action.NONE
         if self.wal_open or waiting or self.candidate is None:
@@ -201,14 +279,28 @@ class TxBatch:
         self.commit_started_ms = now_ms
         return Action.COMMIT
 
-    def commit_ok(self) -> None:
-        """The Kafka commit succeeded: the checkpoint it carried is committed."""
+    def commit_ok(self) -> Action:
+        """The Kafka commit succeeded: the checkpoint it carried is committed. BEGIN
+        when records were buffered meanwhile (begin the next transaction and produce
+        them: it is OPEN with them), else NONE (IDLE)."""
         if self.state is not TxState.COMMITTING or self.candidate is None:
             raise ValueError(f"commit_ok while {self.state.value}")
         self.committed = self.candidate
-        self.state = TxState.IDLE
-        self.candidate = None
-        self.records = 0
+        if not self.buffered:
+            self.state = TxState.IDLE
+            self.candidate = None
+            self.records = 0
+            return Action.NONE
+        self.state = TxState.OPEN
+        self.candidate = self.next_candidate
+        self.records = self.buffered
+        self.opened_ms = self.next_opened_ms
+        self._drop_buffer()
+        return Action.BEGIN
+
+    def _drop_buffer(self) -> None:
+        self.buffered = self.buffered_bytes = 0
+        self.next_candidate = None
 
     def commit_failed(self, *, retriable: bool, now_ms: int) -> Action:
         """The commit failed: COMMIT again (retriable, within budget) or ABORT."""
@@ -219,6 +311,7 @@ class TxBatch:
         if retriable and now_ms - self.commit_started_ms < self.limits.commit_budget_ms:
             return Action.COMMIT
         self.state = TxState.ABORTING
+        self._drop_buffer()
         return Action.ABORT
 
     def failed(self) -> Action:
@@ -226,12 +319,14 @@ class TxBatch:
         error): the transaction cannot commit. ABORT (or NONE when none is open)."""
         if self.state in (TxState.OPEN, TxState.COMMITTING):
             self.state = TxState.ABORTING
+            self._drop_buffer()
             return Action.ABORT
         return Action.NONE
 
     def aborted(self) -> Action:
         """The abort finished, or failed (the broker aborts at the transaction timeout,
         the next producer's init_transactions at once): the session ends."""
+        self._drop_buffer()
         if self.state is TxState.FENCED:
             return Action.EXIT
         self.state = TxState.FAILED
@@ -240,6 +335,7 @@ class TxBatch:
     def fenced(self) -> Action:
         """A newer producer took the transactional.id: nothing more is published."""
         self.state = TxState.FENCED
+        self._drop_buffer()
         return Action.EXIT
 
     def confirm_bound(self, confirmable: int) -> int:

@@ -6,9 +6,10 @@ written while nothing streams, then - ``REPEATS`` times, interleaved - an
 at-least-once relay drains one slot and an exactly-once relay the other, each timed
 from its ``/readyz`` until Kafka acknowledged every transaction of the backlog
 (:func:`tests.bench.conftest.wait_drained`) and, exactly-once, the last Kafka
-transaction committed (the exactly-once relay's commits, which block its reading,
-fall inside that time). Each run's relay CPU and the machine's are printed beside
-it, with the load average. Goal (issue 40): exactly-once / at-least-once >= 0.8.
+transaction committed (the exactly-once relay's commits fall inside that time; its
+reading goes on during them, buffering the next transaction: cdc.relay.overlap).
+Each run's relay CPU and the machine's are printed beside it, with the load average.
+Goal (issue 40): exactly-once / at-least-once >= 0.8.
 
 Latency: a paced writer commits 1-event transactions at 2,000/s for
 ``BENCH_EOS_LATENCY_S`` seconds while an exactly-once relay runs; a consumer with

@@ -9,21 +9,33 @@ until drained into the transaction), commits, time, status updates and the fault
 failed record, a commit timeout (retriable) and a commit failure, a failing
 abort, a broker restart between produce and commit (the open transaction is
 lost: its commit fails), a fencing by a newer relay, kill -9 of the relay and
-its restart reading the checkpoint. After every step:
+its restart reading the checkpoint. A commit is asynchronous, as in the shell:
+it starts (COMMIT) and Kafka answers later (``commit_done``) while the relay
+reads on, buffering the next transaction's records - so every fault above also
+strikes while the next batch is buffering, and a commit given up on (its
+budget spent, a fencing, a kill) may still complete in Kafka
+(``late_commit_fault``). After every step:
 
 * the read_committed log holds no record twice;
 * every WAL transaction at or below the slot's confirmed LSN, and at or below
   the committed checkpoint, has all its records in the read_committed log;
 * a commit never happens inside a WAL transaction, and the checkpoint it writes
   never names a transaction whose records are not in that or an earlier one;
-* an open Kafka transaction is never older than ``abort_after_ms``; a commit is
-  retried no longer than ``commit_budget_ms``;
+* an open Kafka transaction is never older than ``abort_after_ms``; a commit
+  (its wait and its retries) lasts less than ``commit_budget_ms``;
+* the records buffered during a commit stay within ``buffer_max_records`` and
+  ``buffer_max_bytes``, and exist only while a commit is under way;
 * a transaction that could commit (its last WAL transaction closed, nothing
   waiting) is never ``max_ms`` old while the relay has read all the WAL there is
   (caught up), nor ``backlog_max_ms`` old while more is there to read (a backlog:
   ``pg_commit`` adds to it, ``read`` takes from it), nor holds ``max_records``;
 * and at the end, once the faults stop, every record of the WAL is in the log
   exactly once (nothing lost, nothing twice).
+
+A second run (``OverlapModel``) starts every example with a commit under way and WAL
+behind it, so the faults strike while the next batch is buffering far more often
+(in 300 examples: ~150 records buffered, ~30 at the bound, ~10 commit failures and
+~5 fencings while buffering, ~30 commits aborted at their budget).
 
 Mutants at the bottom re-create the bugs the machine exists to prevent (confirming
 what Kafka acknowledged rather than committed; splitting a WAL transaction; a skip
@@ -41,12 +53,24 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from cdc.relay.txbatch import Action, TxBatch, TxLimits, TxState
 
 LIMITS = TxLimits(
-    max_records=4, max_ms=50, backlog_max_ms=150, abort_after_ms=400, commit_budget_ms=100
+    max_records=4,
+    max_ms=50,
+    backlog_max_ms=150,
+    abort_after_ms=400,
+    commit_budget_ms=100,
+    buffer_max_records=3,
+    buffer_max_bytes=60,
 )
 
 
@@ -68,6 +92,8 @@ class Session:
     covered: bool = False
     #: dead letters queued, not yet handed to Kafka (the shell's pending_dlq)
     pending_dlq: list[str] = field(default_factory=list)
+    #: records routed while a commit is under way, held for the next transaction
+    buffer: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +101,9 @@ class Kafka:
     log: list[str] = field(default_factory=list)
     checkpoint: int | None = None
     pending: list[str] | None = None
+    #: the transaction being committed (its records, its checkpoint), while the
+    #: relay reads on: the shell's flush and commit_transaction on its own thread
+    committing: tuple[list[str], int] | None = None
     #: the broker lost the open transaction (restart between produce and commit)
     doomed: bool = False
 
@@ -92,6 +121,8 @@ class TxBatchModel(RuleBasedStateMachine):
         self.sess: Session | None = None
         self.commit_faults: list[bool] = []  # retriable? per coming commit
         self.abort_fails = False
+        #: a commit given up on (budget, fenced, kill) completes in Kafka all the same
+        self.late_commit = False
         self.next_id = 0
         self.wal_end = 0
         self._start()
@@ -101,6 +132,7 @@ class TxBatchModel(RuleBasedStateMachine):
         """A relay session: the checkpoint read (read_committed), the slot read from its
         confirmed LSN (what an init_transactions aborted is gone)."""
         self.kafka.pending = None
+        self.kafka.committing = None
         self.kafka.doomed = False
         batch = self.batch_cls(LIMITS, self.kafka.checkpoint or 0)
         idx = next(
@@ -115,25 +147,53 @@ class TxBatchModel(RuleBasedStateMachine):
         batch = sess.batch
         while action is not Action.NONE:
             if action is Action.BEGIN:
-                assert self.kafka.pending is None
-                self.kafka.pending = []
-                return
-            if action is Action.COMMIT:
+                assert self.kafka.pending is None and self.kafka.committing is None
+                # (the records buffered during the commit go first)
+                self.kafka.pending, sess.buffer = sess.buffer, []
+                # (the shell asks the machine again at once: the buffered transaction
+                # may be due already)
+                action = batch.due(
+                    self.now_ms, waiting=bool(sess.pending_dlq), behind=self._behind()
+                )
+            elif action is Action.COMMIT:
                 action = self._commit(batch)
             elif action is Action.ABORT:
+                self._give_up_commit()
                 self.kafka.pending = None
                 self.kafka.doomed = False
+                sess.buffer.clear()
                 action = batch.aborted()
             elif action in (Action.RESTART, Action.EXIT):
-                self.sess = None  # the session ends (EXIT: the process too)
-                self.kafka.pending = None
+                self._end_session()
                 return
+            else:
+                raise AssertionError(action)
+
+    def _end_session(self) -> None:
+        """The session ends (EXIT: the process too): its open transaction is lost."""
+        self._give_up_commit()
+        self.sess = None
+        self.kafka.pending = None
+
+    def _give_up_commit(self) -> None:
+        """A commit under way is given up on: Kafka may still complete it (late_commit),
+        else the next init_transactions aborts it."""
+        committing, self.kafka.committing = self.kafka.committing, None
+        if committing is not None and self.late_commit and not self.kafka.doomed:
+            self.kafka.log.extend(committing[0])
+            self.kafka.checkpoint = committing[1]
 
     def _commit(self, batch: TxBatch) -> Action:
+        """COMMIT: the checkpoint produced, the commit starts (it completes in
+        ``commit_done`` while the relay reads on); a retry calls commit_transaction
+        again on the same transaction."""
         sess = self.sess
         assert sess is not None and batch.candidate is not None
-        assert not sess.in_tx, "a commit inside a WAL transaction"
         assert batch.state is TxState.COMMITTING
+        if self.kafka.committing is not None:  # (a retry: the reading went on meanwhile)
+            assert self.kafka.committing[1] == batch.candidate
+            return Action.NONE
+        assert not sess.in_tx, "a commit inside a WAL transaction"
         pending = self.kafka.pending
         assert pending is not None
         # the checkpoint never names a transaction whose records are not all in Kafka
@@ -141,17 +201,30 @@ class TxBatchModel(RuleBasedStateMachine):
             if tx.end_lsn <= batch.candidate:
                 for rid in tx.records:
                     assert rid in self.kafka.log or rid in pending, (rid, batch.candidate)
-        if self.kafka.doomed:
-            return batch.commit_failed(retriable=False, now_ms=self.now_ms)
+        self.kafka.committing = (pending, batch.candidate)
+        self.kafka.pending = None
+        return Action.NONE
+
+    def _settle(self) -> None:
+        """The commit under way ends: Kafka's answer to commit_transaction."""
+        sess = self.sess
+        assert sess is not None and self.kafka.committing is not None
+        batch = sess.batch
+        records, checkpoint = self.kafka.committing
+        if self.kafka.doomed:  # (the broker lost the transaction: it never commits)
+            self.kafka.doomed = False
+            self.kafka.committing = None
+            self._do(batch.commit_failed(retriable=False, now_ms=self.now_ms))
+            return
         if self.commit_faults:
             retriable = self.commit_faults.pop(0)
             self.now_ms += 30  # (a commit timeout takes time)
-            return batch.commit_failed(retriable=retriable, now_ms=self.now_ms)
-        self.kafka.log.extend(pending)
-        self.kafka.checkpoint = batch.candidate
-        self.kafka.pending = None
-        batch.commit_ok()
-        return Action.NONE
+            self._do(batch.commit_failed(retriable=retriable, now_ms=self.now_ms))
+            return
+        self.kafka.log.extend(records)
+        self.kafka.checkpoint = checkpoint
+        self.kafka.committing = None
+        self._do(batch.commit_ok())
 
     def _behind(self) -> bool:
         """More WAL is there to read at once (the shell: the last read turn ended with
@@ -160,6 +233,12 @@ class TxBatchModel(RuleBasedStateMachine):
         return sess is not None and (sess.in_tx or sess.read_idx < len(self.wal))
 
     # -- rules -----------------------------------------------------------------
+    @initialize(sizes=st.lists(st.integers(0, 3), min_size=1, max_size=8))
+    def backlog(self, sizes: list[int]) -> None:
+        """A WAL to read from the first step (most runs would read little otherwise)."""
+        for n in sizes:
+            self.pg_commit(n)
+
     @rule(n=st.integers(0, 3))
     def pg_commit(self, n: int) -> None:
         base = 100 * (len(self.wal) + 1)
@@ -169,8 +248,22 @@ class TxBatchModel(RuleBasedStateMachine):
         self.wal_end = base + 10
 
     @precondition(lambda self: self.sess is not None)
-    @rule(dead=st.booleans())
-    def read(self, dead: bool = False) -> None:
+    @rule(dead=st.booleans(), nbytes=st.integers(0, 40), steps=st.integers(1, 6))
+    def read_some(self, dead: bool, nbytes: int, steps: int) -> None:
+        """A read turn: up to ``steps`` messages (the first record may be a dead letter)."""
+        for i in range(steps):
+            if self.sess is None:
+                return
+            self.read(dead=dead and i == 0, nbytes=nbytes)
+
+    @precondition(lambda self: self.sess is not None and self.kafka.committing is not None)
+    @rule(dead=st.booleans(), nbytes=st.integers(0, 40), steps=st.integers(1, 8))
+    def read_while_committing(self, dead: bool, nbytes: int, steps: int) -> None:
+        """The same while a commit is under way (the overlap: more such turns)."""
+        self.read_some(dead, nbytes, steps)
+
+    def read(self, dead: bool = False, nbytes: int = 10) -> None:
+        """One message of the WAL: a Begin, a record or a Commit."""
         sess = self.sess
         assert sess is not None
         if sess.read_idx >= len(self.wal):
@@ -185,20 +278,35 @@ class TxBatchModel(RuleBasedStateMachine):
         if sess.read_records < len(tx.records):
             rid = tx.records[sess.read_records]
             sess.read_records += 1
-            if sess.covered:
-                return
-            self._do(batch.record(self.now_ms))
-            assert self.kafka.pending is not None
-            if dead:  # a dead letter: queued now, handed to Kafka later
-                sess.pending_dlq.append(rid)
-            else:
-                self.kafka.pending.append(rid)
+            if not sess.covered:
+                self._read_record(sess, rid, dead=dead, nbytes=nbytes)
             return
         sess.in_tx = False
         sess.read_idx += 1
         batch.wal_closed(tx.end_lsn)
         sess.tracker = max(sess.tracker, tx.end_lsn)  # (optimistic: delivered at once)
         self._do(batch.due(self.now_ms, waiting=bool(sess.pending_dlq), behind=self._behind()))
+
+    def _read_record(self, sess: Session, rid: str, *, dead: bool, nbytes: int) -> None:
+        """A record routed: into the open transaction, the buffer, or (dead) pending_dlq."""
+        batch = sess.batch
+        action = batch.record(self.now_ms, nbytes)
+        while action is Action.WAIT:  # the buffer is full: the commit's outcome first
+            self._settle()
+            if self.sess is None:
+                return  # (aborted: the session ends, the record is read again)
+            action = batch.record(self.now_ms, nbytes)
+        if dead:  # a dead letter: queued now, handed to Kafka later (never while a
+            # commit is under way: the shell drains them into an open transaction)
+            sess.pending_dlq.append(rid)
+        elif action is Action.BUFFER:
+            sess.buffer.append(rid)
+            return
+        if action is not Action.BUFFER:
+            self._do(action)
+        if not dead:
+            assert self.kafka.pending is not None
+            self.kafka.pending.append(rid)
 
     @precondition(lambda self: self.sess is not None and self.sess.pending_dlq)
     @rule()
@@ -211,8 +319,18 @@ class TxBatchModel(RuleBasedStateMachine):
             # (the shell's next loop turn asks the machine first: _poll)
             self._do(sess.batch.due(self.now_ms, behind=self._behind()))
 
+    @precondition(lambda self: self.sess is not None and self.kafka.committing is not None)
+    @rule()
+    def commit_done(self) -> None:
+        """Kafka answers the commit under way (the shell's next loop turn sees it)."""
+        self._settle()
+
+    @rule()
+    def late_commit_fault(self) -> None:
+        self.late_commit = True
+
     @precondition(lambda self: self.sess is not None)
-    @rule(ms=st.integers(1, 200))
+    @rule(ms=st.one_of(st.integers(1, 200), st.sampled_from([LIMITS.max_ms, 60, 120])))
     def tick(self, ms: int) -> None:
         self.now_ms += ms
         sess = self.sess
@@ -235,7 +353,11 @@ class TxBatchModel(RuleBasedStateMachine):
         assert sess is not None
         self.slot_confirmed = max(self.slot_confirmed, sess.batch.confirm_bound(sess.tracker))
 
-    @precondition(lambda self: self.sess is not None and self.sess.batch.state is TxState.OPEN)
+    @precondition(
+        lambda self: (
+            self.sess is not None and self.sess.batch.state in (TxState.OPEN, TxState.COMMITTING)
+        )
+    )
     @rule()
     def produce_error(self) -> None:
         assert self.sess is not None
@@ -251,7 +373,7 @@ class TxBatchModel(RuleBasedStateMachine):
 
     @rule()
     def broker_restart(self) -> None:
-        if self.kafka.pending is not None:
+        if self.kafka.pending is not None or self.kafka.committing is not None:
             self.kafka.doomed = True
 
     @precondition(lambda self: self.sess is not None)
@@ -263,8 +385,7 @@ class TxBatchModel(RuleBasedStateMachine):
     @precondition(lambda self: self.sess is not None)
     @rule()
     def kill9(self) -> None:
-        self.sess = None
-        self.kafka.pending = None  # (the next init_transactions aborts it)
+        self._end_session()  # (the next init_transactions aborts it, or it committed)
 
     @precondition(lambda self: self.sess is None)
     @rule()
@@ -291,6 +412,26 @@ class TxBatchModel(RuleBasedStateMachine):
             assert self.now_ms - sess.batch.opened_ms < LIMITS.abort_after_ms
 
     @invariant()
+    def the_buffer_is_bounded(self) -> None:
+        """Records held during a commit: within both bounds, and only while committing."""
+        sess = self.sess
+        if sess is None:
+            return
+        batch = sess.batch
+        assert batch.buffered <= LIMITS.buffer_max_records
+        assert batch.buffered_bytes <= LIMITS.buffer_max_bytes
+        assert len(sess.buffer) <= batch.buffered  # (a buffered dead letter waits in pending_dlq)
+        if batch.state is not TxState.COMMITTING:
+            assert batch.buffered == 0 and batch.buffered_bytes == 0
+
+    @invariant()
+    def a_commit_is_bounded(self) -> None:
+        """A commit (acknowledgements and commit_transaction, retries) ends within its budget."""
+        sess = self.sess
+        if sess is not None and sess.batch.state is TxState.COMMITTING:
+            assert self.now_ms - sess.batch.commit_started_ms < LIMITS.commit_budget_ms
+
+    @invariant()
     def commits_in_time(self) -> None:
         """A transaction that could commit is committed at its bounds: ``max_ms`` when
         caught up (the latency a read_committed consumer sees), ``backlog_max_ms``
@@ -314,7 +455,9 @@ class TxBatchModel(RuleBasedStateMachine):
                 self._start()
             sess = self.sess
             assert sess is not None
-            if sess.read_idx == len(self.wal) and not sess.in_tx:
+            if self.kafka.committing is not None:
+                self._settle()
+            elif sess.read_idx == len(self.wal) and not sess.in_tx:
                 if sess.batch.state is TxState.IDLE:
                     break
                 self.drain_dlq() if sess.pending_dlq else None
@@ -328,8 +471,31 @@ class TxBatchModel(RuleBasedStateMachine):
 
 TestTxBatchModel = TxBatchModel.TestCase
 TestTxBatchModel.settings = settings(
-    max_examples=200,
+    max_examples=500,
     stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class OverlapModel(TxBatchModel):
+    """The same world, every run starting with a commit under way and WAL to read
+    behind it: the faults strike while the next batch is buffering far more often."""
+
+    @initialize(sizes=st.lists(st.integers(0, 3), min_size=2, max_size=8))
+    def backlog(self, sizes: list[int]) -> None:
+        for n in [1, *sizes]:
+            self.pg_commit(n)
+        for _ in range(3):  # Begin, the record, Commit of the first
+            self.read()
+        self.tick(LIMITS.backlog_max_ms)  # (behind: WAL waits to be read)
+        assert self.kafka.committing is not None
+
+
+TestOverlapModel = OverlapModel.TestCase
+TestOverlapModel.settings = settings(
+    max_examples=300,
+    stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -480,11 +646,52 @@ class _NeverCommitsABacklogByAge(TxBatch):
         return super().due(now_ms, waiting=waiting, behind=behind)
 
 
+class _BuffersPastItsBound(TxBatch):
+    """Buffers every record read during a commit: memory grows with the commit's wait."""
+
+    __slots__ = ()
+
+    def record(self, now_ms: int, nbytes: int = 0) -> Action:
+        if self.state is TxState.COMMITTING:
+            self.buffered += 1
+            self.buffered_bytes += nbytes
+            return Action.BUFFER
+        return super().record(now_ms, nbytes)
+
+
+class _MovesTheCommittingCheckpoint(TxBatch):
+    """A WAL transaction closed while buffering moves the candidate of the transaction
+    being committed (whose checkpoint record is already written): ``committed`` then
+    names a position Kafka does not hold, and the slot is confirmed past it."""
+
+    __slots__ = ()
+
+    def wal_closed(self, end_lsn: int) -> None:
+        self.wal_open = False
+        if self.state in (TxState.OPEN, TxState.COMMITTING):
+            self.candidate = end_lsn
+        if self.state is TxState.COMMITTING and self.buffered:
+            self.next_candidate = end_lsn
+
+
+class _WaitsForACommitWithoutBound(TxBatch):
+    """Waits for a commit as long as it takes (no budget while committing)."""
+
+    __slots__ = ()
+
+    def due(self, now_ms: int, *, waiting: bool = False, behind: bool = False) -> Action:
+        if self.state is TxState.COMMITTING:
+            return Action.NONE
+        return super().due(now_ms, waiting=waiting, behind=behind)
+
+
 def _check(model: TxBatchModel) -> None:
     model.nothing_twice()
     model.confirmed_and_checkpointed_are_in_kafka()
     model.waits_are_bounded()
     model.commits_in_time()
+    model.the_buffer_is_bounded()
+    model.a_commit_is_bounded()
 
 
 #: Per mutant, the interleaving that shows its bug (steps: rule name and arguments); the
@@ -520,6 +727,31 @@ SCRIPTS: dict[type[TxBatch], list[tuple[str, dict[str, object]]]] = {
         *[("read", {})] * 3,
         ("tick", {"ms": 60}),
     ],
+    _BuffersPastItsBound: [
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 3,
+        ("tick", {"ms": 60}),
+        ("pg_commit", {"n": 3}),
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 7,
+    ],
+    _MovesTheCommittingCheckpoint: [
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 3,
+        ("tick", {"ms": 60}),
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 3,
+        ("commit_done", {}),
+        ("status", {}),
+        ("kill9", {}),
+        ("relay_restart", {}),
+    ],
+    _WaitsForACommitWithoutBound: [
+        ("pg_commit", {"n": 1}),
+        *[("read", {})] * 3,
+        ("tick", {"ms": 60}),
+        ("tick", {"ms": 200}),
+    ],
     _NeverCommitsABacklogByAge: [
         ("pg_commit", {"n": 1}),
         ("pg_commit", {"n": 1}),
@@ -551,3 +783,117 @@ def test_the_real_machine_passes_every_mutants_script(
         getattr(model, name)(**kwargs)
         _check(model)
     model.teardown()
+
+
+#: The overlap's faults, each while the next transaction's records are buffered
+#: (the stateful run reaches them too, less often: a script per edge, checked after
+#: every step and at teardown - every record once).
+_BUFFERING = [
+    ("pg_commit", {"n": 1}),
+    *[("read", {})] * 3,
+    ("tick", {"ms": 60}),  # COMMIT of the first: under way
+    ("pg_commit", {"n": 2}),
+    *[("read", {})] * 3,  # Begin and two records: buffered
+]
+OVERLAP_SCRIPTS: dict[str, list[tuple[str, dict[str, object]]]] = {
+    "commit_ok_opens_the_buffered_transaction": [*_BUFFERING, ("commit_done", {})],
+    "a_commit_failing_while_buffering_aborts_and_reads_again": [
+        ("commit_fault", {"retriable": False}),
+        *_BUFFERING,
+        ("commit_done", {}),
+        ("relay_restart", {}),
+    ],
+    "a_retriable_failure_retries_while_the_reading_goes_on": [
+        ("commit_fault", {"retriable": True}),
+        *_BUFFERING,
+        ("commit_done", {}),
+        ("read", {}),  # the buffered WAL transaction's Commit, during the retry
+        ("commit_done", {}),
+    ],
+    "the_broker_losing_the_committing_transaction": [
+        *_BUFFERING,
+        ("broker_restart", {}),
+        ("commit_done", {}),
+        ("relay_restart", {}),
+    ],
+    "fenced_while_buffering": [*_BUFFERING, ("fenced", {}), ("relay_restart", {})],
+    "fenced_while_buffering_after_kafka_committed": [
+        ("late_commit_fault", {}),
+        *_BUFFERING,
+        ("fenced", {}),
+        ("relay_restart", {}),
+    ],
+    "kill_9_while_buffering": [*_BUFFERING, ("kill9", {}), ("relay_restart", {})],
+    "kill_9_while_buffering_after_kafka_committed": [
+        ("late_commit_fault", {}),
+        *_BUFFERING,
+        ("status", {}),
+        ("kill9", {}),
+        ("relay_restart", {}),
+    ],
+    "a_commit_past_its_budget_is_given_up_with_its_buffer": [
+        ("late_commit_fault", {}),
+        *_BUFFERING,
+        ("tick", {"ms": LIMITS.commit_budget_ms}),
+        ("relay_restart", {}),
+    ],
+    "the_buffer_full_by_records_waits_for_the_commit": [
+        *_BUFFERING,
+        ("pg_commit", {"n": 3}),
+        *[("read", {})] * 5,
+    ],
+    "the_buffer_full_by_bytes_waits_for_the_commit": [
+        *_BUFFERING,
+        ("pg_commit", {"n": 1}),
+        ("read", {}),
+        ("read", {"nbytes": 45}),
+    ],
+    "a_dead_letter_read_while_buffering_waits_for_the_next_transaction": [
+        *_BUFFERING,
+        ("pg_commit", {"n": 1}),
+        ("read", {}),  # the Commit of the buffered WAL transaction
+        ("read", {}),  # Begin
+        ("read", {"dead": True}),  # the record: a dead letter, counted in the buffer
+        ("read", {}),  # Commit
+        ("drain_dlq", {}),  # (nothing open: it stays queued)
+        ("commit_done", {}),
+        ("drain_dlq", {}),
+        ("tick", {"ms": 60}),
+        ("commit_done", {}),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", list(OVERLAP_SCRIPTS))
+def test_the_overlap_keeps_every_record_once(name: str) -> None:
+    model = TxBatchModel()
+    seen_buffer = False
+    for step, kwargs in OVERLAP_SCRIPTS[name]:
+        getattr(model, step)(**kwargs)
+        _check(model)
+        seen_buffer = seen_buffer or bool(model.sess and model.sess.batch.buffered)
+    assert seen_buffer, "the script never buffered"
+    model.teardown()
+
+
+def test_a_record_past_the_buffers_bounds_waits_and_counts_nothing() -> None:
+    batch = TxBatch(LIMITS, 0)
+    batch.wal_opened()
+    batch.record(0)
+    batch.wal_closed(110)
+    assert batch.due(LIMITS.max_ms) is Action.COMMIT
+    batch.wal_opened()
+    assert batch.record(60, 50) is Action.BUFFER
+    assert batch.record(61, 11) is Action.WAIT  # (bytes: 50 + 11 > 60)
+    assert batch.record(61, 10) is Action.BUFFER
+    assert batch.record(62, 0) is Action.BUFFER
+    assert batch.record(63, 0) is Action.WAIT  # (records: 3)
+    assert (batch.buffered, batch.buffered_bytes) == (3, 60)
+    assert batch.flush(63) is Action.WAIT  # (shutdown: the commit's outcome first)
+    assert batch.confirm_bound(500) == 0
+    assert batch.commit_ok() is Action.BEGIN
+    assert batch.state is TxState.OPEN and batch.records == 3 and batch.opened_ms == 60
+    assert batch.candidate is None  # (its WAL transaction is still open)
+    assert batch.committed == 110 and batch.confirm_bound(500) == 110
+    batch.wal_closed(210)
+    assert batch.flush(64) is Action.COMMIT
