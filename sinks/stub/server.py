@@ -60,6 +60,9 @@ KEEP_ALIVE_S = 75
 LISTEN_BACKLOG = 1024
 #: How long StubServer.start waits for the listener before giving up.
 STARTUP_TIMEOUT_S = 10.0
+#: A stop gives requests in progress this long, then cancels them (an outage window
+#: lets them finish: only the final stop is bounded).
+STOP_GRACE_S = 2
 #: While an outage window ends but the port cannot be bound again, retry this often.
 REBIND_RETRY_S = 0.2
 #: How often an outage's control request looks whether the listener is closed yet
@@ -151,9 +154,19 @@ class Listener:
     def stop(self) -> None:
         """Stop serving and end any outage window (callable from any thread)."""
         self._stopping = True
+        self._exit_current()
+        if self._loop is not None:  # again on the loop: a listener reopened meanwhile exits too
+            with contextlib.suppress(RuntimeError):  # (the loop has ended)
+                self._loop.call_soon_threadsafe(self._stop_here)
+
+    def _stop_here(self) -> None:
+        self._exit_current()
+        if self._reopen is not None:
+            self._reopen.cancel()
+
+    def _exit_current(self) -> None:
+        self._server.config.timeout_graceful_shutdown = STOP_GRACE_S
         self._server.should_exit = True
-        if self._loop is not None and self._reopen is not None:
-            self._loop.call_soon_threadsafe(self._reopen.cancel)
 
     def release(self) -> None:
         """Close the listening socket (after :meth:`stop`; uvicorn has closed it when it served)."""
@@ -413,7 +426,11 @@ class StubServer:
         self.port: int = self._listener.port
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self._control_verify: ssl.SSLContext | bool = control_ssl or True
-        self._thread = threading.Thread(target=self._run, name=f"engine-stub-{self.port}")
+        # (a daemon: a stub a test forgot, or one whose stop timed out, never holds the
+        # interpreter's exit - CI once waited on one after every test had passed)
+        self._thread = threading.Thread(
+            target=self._run, name=f"engine-stub-{self.port}", daemon=True
+        )
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -433,6 +450,10 @@ class StubServer:
         self._listener.stop()
         if self._thread.is_alive():
             self._thread.join(timeout=STARTUP_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning(
+                "engine stub on port %d did not stop in %.0fs", self.port, STARTUP_TIMEOUT_S
+            )
         self._listener.release()
 
     def end_outage(self) -> None:
