@@ -328,6 +328,11 @@ def test_a_recovery_whose_lock_connection_is_killed_finishes_once(
 ) -> None:
     cfg.extra = {"CDC_GAP_MARGIN_S": "2"}
     window = _a_gap_after(cfg, tmp_path, "killgap")
+    # The recovery is held inside its slot's snapshot (which waits for this transaction
+    # with an xid) until the lock's connection is killed: it cannot have finished first.
+    # (CI once killed the holder after the recovery's last check on a fast machine.)
+    blocker = psycopg.connect(cfg.db_dsn)
+    blocker.execute("SELECT txid_current()")
     relay, port = start_relay(cfg, tmp_path, name="second", wait_ready=False)
     try:
         holder = wait_until(
@@ -338,10 +343,12 @@ def test_a_recovery_whose_lock_connection_is_killed_finishes_once(
         )
         with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_terminate_backend(%s)", (holder,))
+        blocker.commit()
         _recovered_once(cfg, relay, port, "killgap", window)
         log = relay.log_path.read_text()
         assert "lost with its connection" in log and "taken again" in log, "lock re-taken"
     finally:
+        blocker.close()
         relay.close()
 
 
