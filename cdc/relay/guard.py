@@ -453,7 +453,7 @@ class SlotGuard:
 def _check_history_unmoved(lock: RecoveryLock, found: recovery.Inspection) -> None:
     """Under the recovery lock: the slot history is as the gap check saw it (else another
     process recorded or closed a gap meanwhile, and the check is done again)."""
-    now = gaps.latest(lock.conn, lock.slot)
+    now = gaps.latest(lock.checked(), lock.slot)
     seen = found.history
     if (now is None) != (seen is None) or (
         now is not None and seen is not None and (now.id, now.state) != (seen.id, seen.state)

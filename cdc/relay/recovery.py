@@ -374,8 +374,7 @@ def recover(
     held = lock or RecoveryLock(settings).take()
     try:
         done = _recover(settings, gap, topics, started, held)
-        held.ensure()
-        _check_still_ours(held.conn, settings, gap, done)
+        _check_still_ours(held.checked(), settings, gap, done)
         gaps.mark_recovered(held.conn, gap.id, done)
     finally:
         if lock is None:
@@ -426,9 +425,8 @@ class _Progress:
         ):
             return
         self.publisher.wait_acked()
-        self.lock.ensure()  # (its connection may have been taken again)
         gaps.record_progress(
-            self.lock.conn,
+            self.lock.checked(),  # (its connection may have been taken again)
             self.gap_id,
             resume_from=min(ts, self.floor),
             rows=self.base_rows + self.publisher.sent,
@@ -457,7 +455,7 @@ def _recover(
     since = gap.resume_from or gap.window_start  # (the recorded progress of earlier attempts)
     if since is not None and gap.resume_from is not None:
         log.info("gap %d: resuming its recovery from %s", gap.id, since.isoformat())
-    floor = _db_now(lock.conn) - timedelta(seconds=settings.gap_margin_s)
+    floor = _db_now(lock.checked()) - timedelta(seconds=settings.gap_margin_s)
     acks = Acks()
     producer, txs = publishing_producer(settings, system_id=server.system_id, purpose="recovery")
     if txs is not None:  # exactly-once: what read_committed consumers hold already is skipped

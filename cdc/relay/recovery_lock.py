@@ -13,7 +13,8 @@ Guarantees:
   idle timeouts unless the DSN says otherwise); another holder raises
   :class:`SlotInUseError` (the relay waits as a standby and records nothing);
 * :meth:`RecoveryLock.ensure`, called before every step that depends on the
-  lock (dropping the slot, creating it, marking the gap recovered), makes a
+  lock (dropping the slot, creating it, marking the gap recovered) and before
+  every use of the lock's connection (:meth:`RecoveryLock.checked`), makes a
   round trip on the lock's connection; when that connection is gone it takes
   the lock again on a new one - waiting at most :data:`RETAKE_WAIT_S`, the time
   the server needs to notice a dead client and release its lock - and sets
@@ -121,6 +122,13 @@ class RecoveryLock:
                 if time.monotonic() >= deadline:
                     raise
             time.sleep(RETAKE_EVERY_S)
+
+    def checked(self) -> Conn:
+        """The lock's connection, after :meth:`ensure`: every use of it goes through here
+        (a connection killed between two steps is found lost, and the lock taken again,
+        rather than failing the step that used it first)."""
+        self.ensure()
+        return self.conn
 
     def _try(self, conn: Conn) -> bool:
         row = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (lock_name(self.slot),))
