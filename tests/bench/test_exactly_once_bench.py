@@ -81,7 +81,10 @@ def _drain(
 ) -> _Drain:
     """The relay's drain of the backlog of ``slot``, timed from its /readyz until every
     transaction was acknowledged by Kafka and, exactly-once, committed."""
-    run_cfg = replace(cfg, extra={**cfg.extra, **extra, "CDC_SLOT": slot})
+    # (each repeat's slot shares the topic: its start finds its own newest record
+    # (none yet) only under every earlier drain's records)
+    tail = {"CDC_GAP_TAIL_MAX_RECORDS": str(max(100_000, EVENTS_PER_CASE * (REPEATS + 1)))}
+    run_cfg = replace(cfg, extra={**cfg.extra, **extra, **tail, "CDC_SLOT": slot})
     relay, port = start_relay(run_cfg, tmp, name=f"relay-{slot}", wait_ready=False)
     try:
         t_ready = _wait_ready_precisely(relay, port)
