@@ -41,6 +41,7 @@ from cdc.health import Liveness
 from cdc.relay import checkpoint as ckpt
 from cdc.relay.dead_letters import DeadLetters
 from cdc.relay.loop import ACK_WAIT_S, READ_WAIT_S, WAIT_TICK_S
+from cdc.relay.metrics import OneWriterHistogram
 from cdc.relay.producing import Producing
 from cdc.relay.state import Headers, Session
 from cdc.relay.txbatch import Action, TxBatch, TxState
@@ -58,6 +59,9 @@ COMMIT_TIMEOUT_S = 5.0
 BUFFER_MAX_RECORDS = 5_000
 #: Their keys' and values' bytes: the memory a slow commit may hold.
 BUFFER_MAX_BYTES = 16 << 20
+#: Bounds of the commit-duration histogram, seconds: a commit on a quiet single broker
+#: takes a few ms, one behind a backlog's 5,000 acknowledgements tens, the budget 10 s.
+COMMIT_SECONDS_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 #: A wait for the commit's outcome (a full buffer, shutdown) looks again this often.
 COMMIT_WAIT_TICK_S = 0.05
 #: One record buffered during a commit: _send's arguments after the session.
@@ -147,6 +151,15 @@ class CommitOverlap:
             " produced into the next transaction)",
             registry=registry,
         )
+        #: when the commit under way was due (its first attempt)
+        self._commit_due_at = 0.0
+        self._commit_seconds = OneWriterHistogram(
+            "outbox_relay_kafka_commit_seconds",
+            "Exactly-once: a Kafka commit, from due (its checkpoint produced) to Kafka's"
+            " answer - the transaction's last acknowledgements and EndTxn",
+            COMMIT_SECONDS_BUCKETS,
+            registry,
+        )
 
     @property
     def _read_wait_s(self) -> float:
@@ -169,6 +182,7 @@ class CommitOverlap:
         batch = self._batch
         assert producer is not None and batch.candidate is not None
         if not self._commit_unfinished:
+            self._commit_due_at = time.monotonic()
             try:
                 producer.produce(
                     self._checkpoint_topic,
@@ -203,6 +217,7 @@ class CommitOverlap:
                 raise KafkaUnavailableError(f"commit_transaction failed: {job.error}")
             return self._commit_failed(sess, job.error)
         self._commit_unfinished = False
+        self._commit_seconds.observe(time.monotonic() - self._commit_due_at)
         batch = self._batch
         action = batch.commit_ok()
         self._transactions.labels("committed").inc()
