@@ -80,8 +80,9 @@ test-unit: venv
 #   priority (nice 19), taking only CPU the other lanes leave idle;
 # - the integration tests that mostly wait (a two-minute engine outage, a minute
 #   without Kafka, a minute at the engine's rate limit) run against a second local
-#   stack of their own (LANE_B_DEV, other ports): they stop and start its Kafka and
-#   PostgreSQL, never the ones the other integration tests use;
+#   stack of their own (LANE_B_DEV, other ports), with exactly-once's phases (a backlog,
+#   a trickle, a burst; the broker killed amid the commits' overlap): they stop and start
+#   its Kafka and PostgreSQL, never the ones the other integration tests use;
 # - the evidence suites (gap evidence, the audit, TLS) and a route down for minutes, on a
 #   stack of their own (LANE_C_DEV);
 # - the relay's connection and fault suites and exactly-once publishing on another
@@ -97,7 +98,7 @@ test-unit: venv
 # (also kept under .dev/).
 LANE_B_TESTS := tests/integration/test_observability.py tests/integration/test_first_hour.py \
 	tests/integration/test_sink_hostile_engine.py tests/integration/test_parking_stuck.py \
-	tests/integration/test_distinct_types.py
+	tests/integration/test_distinct_types.py tests/integration/test_exactly_once_phases.py
 LANE_B_DEV   := $(CURDIR)/.dev/lane-b
 LANE_B_ENV   := OUTBOX_DEV_DIR=$(LANE_B_DEV) OUTBOX_PG_PORT=25542 OUTBOX_KAFKA_PORT=29192 \
 	OUTBOX_KAFKA_CONTROLLER_PORT=29193
