@@ -195,6 +195,13 @@ class TxBatch:
         """A WAL transaction began (Begin, or a pseudo-transaction around a message)."""
         self.wal_open = True
 
+    def opened(self, final_lsn: int) -> bool:
+        """:meth:`wal_opened` and :meth:`covered` in one step (the shell's Begin: one
+        call a WAL transaction): a WAL transaction committed at ``final_lsn`` began;
+        whether it is in Kafka already (its records are skipped)."""
+        self.wal_open = True
+        return final_lsn < self.skip_below
+
     def wal_closed(self, end_lsn: int) -> None:
         """A WAL transaction ended at ``end_lsn``; all of its records were handed over
         (a covered one's were skipped)."""
@@ -204,6 +211,31 @@ class TxBatch:
             self.candidate = end_lsn
         elif state is TxState.COMMITTING and self.buffered:
             self.next_candidate = end_lsn
+
+    def closed(self, end_lsn: int, now_ms: int, waiting: bool, behind: bool) -> Action:
+        """:meth:`wal_closed` then :meth:`due`, in one call (the shell's Commit, once a
+        WAL transaction; the model test drives this one, and checks it against the two).
+        The open transaction's case is :meth:`due`'s, written out: no second call."""
+        self.wal_open = False
+        if self.state is not TxState.OPEN:
+            if self.state is TxState.COMMITTING and self.buffered:
+                self.next_candidate = end_lsn
+            return self.due(now_ms, waiting, behind)
+        self.candidate = end_lsn
+        age_ms = now_ms - self.opened_ms
+        limits = self.limits
+        if age_ms >= limits.abort_after_ms:
+            self.state = TxState.ABORTING
+            return Action.ABORT
+        if waiting:
+            return Action.NONE
+        if self.records >= limits.max_records or age_ms >= (
+            limits.backlog_max_ms if behind else limits.max_ms
+        ):
+            self.state = TxState.COMMITTING
+            self.commit_started_ms = now_ms
+            return Action.COMMIT
+        return Action.NONE
 
     def record(self, now_ms: int, nbytes: int = 0) -> Action:
         """A record (of ``nbytes``) is about to be produced: BEGIN when no transaction is
