@@ -2,8 +2,8 @@
 
 A thin shell around :class:`cdc.relay.txbatch.TxBatch` (the decisions) on top of the
 at-least-once relay, whose hot path it leaves as it is: it only adds to the
-record-handling steps (:meth:`_send`, :meth:`_queue_dlq`, Commit) and to the loop's
-poll. Guarantees (DESIGN.md, relay invariant 13):
+record-handling steps (Begin, Commit and :meth:`_send`: :mod:`cdc.relay.eos_steps`;
+:meth:`_queue_dlq`) and to the loop's poll. Guarantees (DESIGN.md, relay invariant 13):
 
 * the producer is transactional; its ``transactional.id`` is
   ``CDC_TRANSACTIONAL_ID`` or ``outbox-cdc.<system identifier>.<slot>``: the
@@ -56,6 +56,7 @@ from cdc.health import Liveness
 from cdc.lineage import Origin
 from cdc.producer import producer_config
 from cdc.relay import checkpoint as ckpt
+from cdc.relay.eos_steps import EosSteps
 from cdc.relay.loop import Relay
 from cdc.relay.overlap import (
     BUFFER_MAX_BYTES,
@@ -112,7 +113,6 @@ def transactional_id(configured: str, origin: Origin, slot: str) -> str:
 _monotonic = time.monotonic
 _tracker_open, _tracker_close = LsnTracker.open, LsnTracker.close
 _send_record = Producing._send  # (the relay's own _send: cdc.relay.producing)
-_commit_read = Relay._on_commit
 _NONE = Action.NONE
 _BEGIN = Action.BEGIN
 _COMMITTING = TxState.COMMITTING
@@ -155,7 +155,7 @@ class CheckpointTracker(LsnTracker):
 
 
 # (ignore: CommitOverlap._read_wait_s is a property over Relay's class attribute)
-class ExactlyOnceRelay(CommitOverlap, Relay):  # type: ignore[override]
+class ExactlyOnceRelay(EosSteps, CommitOverlap, Relay):  # type: ignore[override]
     """The relay of ``CDC_DELIVERY=exactly-once``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -199,6 +199,8 @@ class ExactlyOnceRelay(CommitOverlap, Relay):  # type: ignore[override]
         #: the producer whose init_transactions succeeded (None: call it first)
         self._initialised: Producer | None = None
         self._batch = TxBatch(self._limits, 0)
+        #: the WAL transaction being read, when the checkpoint covers it (else -1)
+        self._skip_tx = -1
         self._sess: Session | None = None
         self._origin = ""
         self._fenced: str | None = None
@@ -279,6 +281,7 @@ class ExactlyOnceRelay(CommitOverlap, Relay):  # type: ignore[override]
             )
         checkpoint = found if found is not None else 0
         self._batch = TxBatch(self._limits, checkpoint)
+        self._skip_tx = -1
         self._buffer, self._flushing, self._releasing = [], False, False
         self._checkpoint_lsn.set(checkpoint)
         assert isinstance(sess.tracker, CheckpointTracker)
@@ -322,45 +325,7 @@ class ExactlyOnceRelay(CommitOverlap, Relay):  # type: ignore[override]
         if self._producer is not None:
             super()._shutdown(sess)
 
-    # -- record-handling steps ---------------------------------------------------------
-    def _on_commit(self, sess: Session, data: bytes | memoryview, at: int) -> None:  # type: ignore[override]
-        _commit_read(sess, data, at)
-        batch = self._batch
-        if batch.state is _COMMITTING:  # (the commit under way: its progress, between
-            self._poll(0)  # WAL transactions - its reports served, its outcome taken)
-            if sess.fatal is not None:  # (a record of it failed: its abort is due)
-                raise KafkaUnavailableError(f"producer error: {sess.fatal}")
-            return
-        # (once per WAL transaction: the machine asked inline, _act only when it says so)
-        now_ms = int(_monotonic() * 1000)
-        action = batch.due(now_ms, bool(sess.pending_dlq), not sess.caught_up)
-        if action is not _NONE:
-            self._act(sess, action)
-
-    def _send(
-        self,
-        sess: Session,
-        tx_id: int,
-        topic: str,
-        value: bytes,
-        key: bytes,
-        headers: Headers,
-        timestamp_ms: int,
-        event_id: bytes,
-    ) -> None:
-        batch = self._batch
-        if batch.covered(tx_id):  # (_skipped inline: once per record)
-            sess.tracker.ack(tx_id)
-            return
-        action = batch.record(int(_monotonic() * 1000), len(value) + len(key))
-        if action is not _NONE:
-            if action is _BEGIN:
-                self._begin()
-            elif self._held(sess, action, len(value) + len(key)):
-                self._buffer.append((tx_id, topic, value, key, headers, timestamp_ms, event_id))
-                return
-        _send_record(self, sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
-
+    # -- record-handling steps (the hot ones: cdc.relay.eos_steps) ------------------
     def _queue_dlq(
         self,
         sess: Session,

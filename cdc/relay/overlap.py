@@ -67,7 +67,7 @@ COMMIT_WAIT_TICK_S = 0.05
 #: One record buffered during a commit: _send's arguments after the session.
 _Held = tuple[int, str, bytes, bytes, Headers, int, bytes]
 _send_record = Producing._send  # (the relay's own _send: cdc.relay.producing)
-_BEGIN = Action.BEGIN
+_BEGIN, _BUFFER, _WAIT = Action.BEGIN, Action.BUFFER, Action.WAIT  # (see cdc.relay.txbatch)
 _COMMITTING = TxState.COMMITTING
 
 
@@ -229,12 +229,12 @@ class CommitOverlap:
         buffered (a commit is under way); WAIT (the buffer at its bound): wait for the
         commit's outcome and ask again - False once the record goes into a transaction
         (begun for it when none was open)."""
-        while action is Action.WAIT:
+        while action is _WAIT:
             self._await_commit(sess)
             action = self._batch.record(_now_ms(), nbytes)
         if action is _BEGIN:
             self._begin()
-        return action is Action.BUFFER
+        return action is _BUFFER
 
     def _await_commit(self, sess: Session) -> None:
         """Wait for the commit under way to end (a full buffer, a shutdown), acting on

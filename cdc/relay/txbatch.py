@@ -145,6 +145,15 @@ class TxLimits:
             raise ValueError(f"backlog_max_ms must be at least max_ms: {self}")
 
 
+#: The members as module constants: an enum member read through its class
+#: (``Action.NONE``) goes through EnumType.__getattr__'s hook - about 20 times a
+#: global's cost, and the machine's hot steps (record, closed) read one or two per record.
+_IDLE, _OPEN, _COMMITTING = TxState.IDLE, TxState.OPEN, TxState.COMMITTING
+_ABORTING, _FAILED, _FENCED = TxState.ABORTING, TxState.FAILED, TxState.FENCED
+_NONE, _BEGIN, _COMMIT, _ABORT = Action.NONE, Action.BEGIN, Action.COMMIT, Action.ABORT
+_RESTART, _EXIT, _BUFFER, _WAIT = Action.RESTART, Action.EXIT, Action.BUFFER, Action.WAIT
+
+
 class TxBatch:
     """One session's Kafka transactions; ``checkpoint`` is what the checkpoint topic held
     at the session's start (read_committed), or the slot's confirmed LSN when none."""
@@ -167,7 +176,7 @@ class TxBatch:
 
     def __init__(self, limits: TxLimits, checkpoint: int) -> None:
         self.limits = limits
-        self.state = TxState.IDLE
+        self.state = _IDLE
         #: the last committed checkpoint (commit end-LSN)
         self.committed = checkpoint
         #: WAL transactions whose commit LSN is below this were committed before: skipped
@@ -195,15 +204,47 @@ class TxBatch:
         """A WAL transaction began (Begin, or a pseudo-transaction around a message)."""
         self.wal_open = True
 
+    def opened(self, final_lsn: int) -> bool:
+        """:meth:`wal_opened` and :meth:`covered` in one step (the shell's Begin: one
+        call a WAL transaction): a WAL transaction committed at ``final_lsn`` began;
+        whether it is in Kafka already (its records are skipped)."""
+        self.wal_open = True
+        return final_lsn < self.skip_below
+
     def wal_closed(self, end_lsn: int) -> None:
         """A WAL transaction ended at ``end_lsn``; all of its records were handed over
         (a covered one's were skipped)."""
         self.wal_open = False
         state = self.state
-        if state is TxState.OPEN:
+        if state is _OPEN:
             self.candidate = end_lsn
-        elif state is TxState.COMMITTING and self.buffered:
+        elif state is _COMMITTING and self.buffered:
             self.next_candidate = end_lsn
+
+    def closed(self, end_lsn: int, now_ms: int, waiting: bool, behind: bool) -> Action:
+        """:meth:`wal_closed` then :meth:`due`, in one call (the shell's Commit, once a
+        WAL transaction; the model test drives this one, and checks it against the two).
+        The open transaction's case is :meth:`due`'s, written out: no second call."""
+        self.wal_open = False
+        if self.state is not _OPEN:
+            if self.state is _COMMITTING and self.buffered:
+                self.next_candidate = end_lsn
+            return self.due(now_ms, waiting, behind)
+        self.candidate = end_lsn
+        age_ms = now_ms - self.opened_ms
+        limits = self.limits
+        if age_ms >= limits.abort_after_ms:
+            self.state = _ABORTING
+            return _ABORT
+        if waiting:
+            return _NONE
+        if self.records >= limits.max_records or age_ms >= (
+            limits.backlog_max_ms if behind else limits.max_ms
+        ):
+            self.state = _COMMITTING
+            self.commit_started_ms = now_ms
+            return _COMMIT
+        return _NONE
 
     def record(self, now_ms: int, nbytes: int = 0) -> Action:
         """A record (of ``nbytes``) is about to be produced: BEGIN when no transaction is
@@ -211,92 +252,92 @@ class TxBatch:
         WAIT when it would pass the buffer's bounds (nothing counted: ask again once
         the commit's outcome is in)."""
         state = self.state
-        if state is TxState.OPEN:
+        if state is _OPEN:
             self.records += 1
-            return Action.NONE
-        if state is TxState.IDLE:
-            self.state = TxState.OPEN
+            return _NONE
+        if state is _IDLE:
+            self.state = _OPEN
             self.opened_ms = now_ms
             self.records = 1
             self.candidate = None
-            return Action.BEGIN
-        if state is not TxState.COMMITTING:
+            return _BEGIN
+        if state is not _COMMITTING:
             raise ValueError(f"record while the Kafka transaction is {state.value}")
         limits = self.limits
         if (
             self.buffered >= limits.buffer_max_records
             or self.buffered_bytes + nbytes > limits.buffer_max_bytes
         ):
-            return Action.WAIT
+            return _WAIT
         if not self.buffered:
             self.next_opened_ms = now_ms
             self.next_candidate = None
         self.buffered += 1
         self.buffered_bytes += nbytes
-        return Action.BUFFER
+        return _BUFFER
 
     def due(self, now_ms: int, waiting: bool = False, behind: bool = False) -> Action:
         """What is due now: COMMIT, ABORT (too old), RESTART, EXIT or NONE. ``waiting``:
         records of the transaction are not handed to Kafka yet (dead letters not
         written): no commit before they are. ``behind``: more WAL is there to read
         at once (a backlog): the age bound is ``backlog_max_ms``, not ``max_ms``."""
-        if self.state is not TxState.OPEN:
+        if self.state is not _OPEN:
             if (
-                self.state is TxState.COMMITTING
+                self.state is _COMMITTING
                 and now_ms - self.commit_started_ms >= self.limits.commit_budget_ms
             ):
-                self.state = TxState.ABORTING
+                self.state = _ABORTING
                 self._drop_buffer()
-                return Action.ABORT
-            return _SETTLED.get(self.state, Action.NONE)
+                return _ABORT
+            return _SETTLED.get(self.state, _NONE)
         age_ms = now_ms - self.opened_ms
         limits = self.limits
         if age_ms >= limits.abort_after_ms:
-            self.state = TxState.ABORTING
-            return Action.ABORT
+            self.state = _ABORTING
+            return _ABORT
         if self.wal_open or waiting or self.candidate is None:
-            return Action.NONE
+            return _NONE
         if self.records >= limits.max_records or age_ms >= (
             limits.backlog_max_ms if behind else limits.max_ms
         ):
-            self.state = TxState.COMMITTING
+            self.state = _COMMITTING
             self.commit_started_ms = now_ms
-            return Action.COMMIT
-        return Action.NONE
+            return _COMMIT
+        return _NONE
 
     def flush(self, now_ms: int, *, waiting: bool = False) -> Action:
         """Commit now if a transaction can be (shutdown): COMMIT, ABORT (a WAL
         transaction is open, or records wait: it would be read again anyway), WAIT (a
         commit is under way: its outcome first, then flush again) or NONE."""
-        if self.state is TxState.COMMITTING:
-            return Action.WAIT
-        if self.state is not TxState.OPEN:
-            return Action.NONE
+        if self.state is _COMMITTING:
+            return _WAIT
+        if self.state is not _OPEN:
+            return _NONE
         if self.wal_open or waiting or self.candidate is None:
-            self.state = TxState.ABORTING
-            return Action.ABORT
-        self.state = TxState.COMMITTING
+            self.state = _ABORTING
+            return _ABORT
+        self.state = _COMMITTING
         self.commit_started_ms = now_ms
-        return Action.COMMIT
+        return _COMMIT
 
     def commit_ok(self) -> Action:
         """The Kafka commit succeeded: the checkpoint it carried is committed. BEGIN
         when records were buffered meanwhile (begin the next transaction and produce
         them: it is OPEN with them), else NONE (IDLE)."""
-        if self.state is not TxState.COMMITTING or self.candidate is None:
+        if self.state is not _COMMITTING or self.candidate is None:
             raise ValueError(f"commit_ok while {self.state.value}")
         self.committed = self.candidate
         if not self.buffered:
-            self.state = TxState.IDLE
+            self.state = _IDLE
             self.candidate = None
             self.records = 0
-            return Action.NONE
-        self.state = TxState.OPEN
+            return _NONE
+        self.state = _OPEN
         self.candidate = self.next_candidate
         self.records = self.buffered
         self.opened_ms = self.next_opened_ms
         self._drop_buffer()
-        return Action.BEGIN
+        return _BEGIN
 
     def _drop_buffer(self) -> None:
         self.buffered = self.buffered_bytes = 0
@@ -304,42 +345,42 @@ class TxBatch:
 
     def commit_failed(self, *, retriable: bool, now_ms: int) -> Action:
         """The commit failed: COMMIT again (retriable, within budget) or ABORT."""
-        if self.state is TxState.ABORTING:  # (a record failed meanwhile)
-            return Action.ABORT
-        if self.state is not TxState.COMMITTING:
+        if self.state is _ABORTING:  # (a record failed meanwhile)
+            return _ABORT
+        if self.state is not _COMMITTING:
             raise ValueError(f"commit_failed while {self.state.value}")
         if retriable and now_ms - self.commit_started_ms < self.limits.commit_budget_ms:
-            return Action.COMMIT
-        self.state = TxState.ABORTING
+            return _COMMIT
+        self.state = _ABORTING
         self._drop_buffer()
-        return Action.ABORT
+        return _ABORT
 
     def failed(self) -> Action:
         """A record of the open transaction failed (a failed delivery report, a produce
         error): the transaction cannot commit. ABORT (or NONE when none is open)."""
-        if self.state in (TxState.OPEN, TxState.COMMITTING):
-            self.state = TxState.ABORTING
+        if self.state in (_OPEN, _COMMITTING):
+            self.state = _ABORTING
             self._drop_buffer()
-            return Action.ABORT
-        return Action.NONE
+            return _ABORT
+        return _NONE
 
     def aborted(self) -> Action:
         """The abort finished, or failed (the broker aborts at the transaction timeout,
         the next producer's init_transactions at once): the session ends."""
         self._drop_buffer()
-        if self.state is TxState.FENCED:
-            return Action.EXIT
-        self.state = TxState.FAILED
-        return Action.RESTART
+        if self.state is _FENCED:
+            return _EXIT
+        self.state = _FAILED
+        return _RESTART
 
     def fenced(self) -> Action:
         """A newer producer took the transactional.id: nothing more is published."""
-        self.state = TxState.FENCED
+        self.state = _FENCED
         self._drop_buffer()
-        return Action.EXIT
+        return _EXIT
 
     def confirm_bound(self, confirmable: int) -> int:
         """The LSN that may be confirmed to PostgreSQL, given the tracker's answer."""
-        if self.state is TxState.IDLE:
+        if self.state is _IDLE:
             return confirmable
         return confirmable if confirmable < self.committed else self.committed

@@ -21,9 +21,18 @@ main thread's instructions per event::
 
 The difference cancels start-up; the wide span keeps the broker's timing (which
 moves a run's start-up by a few thousand instructions per event at 4,000) small.
-Needs the local stack (``KAFKA_BOOTSTRAP_SERVERS``, from ``.dev/env``)::
+Every module is compiled before the first run (a run that compiles what another
+loads from its .pyc counts the compiler too).
 
-    . ./.dev/env && .venv/bin/python -m tests.bench.relay_instructions --callgrind --per-tx 100
+``--delivery exactly-once`` replays the same stream through the exactly-once relay
+(:mod:`tests.bench.relay_instructions_eos`: a transactional producer, the machine,
+the commit on its own thread, the buffer); ``--delivery both`` (the default) counts
+both and prints them side by side with exactly-once / at-least-once, for each
+``--per-tx`` given (default 1 and 100; ``--jobs 2`` runs two valgrinds at a time:
+instruction counts do not depend on the load). Needs the local stack
+(``KAFKA_BOOTSTRAP_SERVERS``, from ``.dev/env``)::
+
+    . ./.dev/env && .venv/bin/python -m tests.bench.relay_instructions --callgrind --jobs 2
 
 It runs the ``cdc`` on ``sys.path`` (``PYTHONPATH=<another checkout>`` measures that one).
 """
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import random
 import re
@@ -41,6 +51,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,6 +72,7 @@ PARTITIONS = 6
 #: Events replayed (and acknowledged) before the counted ones, in both runs.
 WARMUP_EVENTS = 1_000
 SPAN = (2_000, 22_000)
+ALO, EOS = "at-least-once", "exactly-once"
 
 
 def _cstr(text: str) -> bytes:
@@ -167,6 +179,11 @@ def replay_relay(settings: Any) -> Any:
         def _note(self, kind: str, names: list[str]) -> None:
             self.noted.setdefault(kind, []).extend(names)
 
+    if settings.delivery == "exactly-once":
+        from tests.bench.relay_instructions_eos import replay_relay_eos
+
+        return replay_relay_eos(settings, ReplayLedger)
+
     class ReplayRelay(Relay):
         def _init_guard(self) -> None:
             self._ledger = ReplayLedger(self.settings)
@@ -174,7 +191,9 @@ def replay_relay(settings: Any) -> Any:
     return ReplayRelay(settings, serve_http=False)
 
 
-def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> None:
+def replay(
+    events: int, per_tx: int, bootstrap: str, *, build_only: bool, delivery: str = ALO
+) -> None:
     """Feed :data:`WARMUP_EVENTS` rows, then ``events`` more, through the relay's
     stream loop, each part until all its records are acknowledged.
 
@@ -188,17 +207,24 @@ def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> Non
         from cdc.relay.state import Session
         from cdc.settings import Settings
         from cdc.wal.lsn import LsnTracker
+        from tests.bench.relay_instructions_eos import (
+            end_part_eos,
+            origin_eos,
+            settings_eos,
+            start_eos,
+        )
     aggregate = f"ir{uuid.uuid4().hex[:12]}"  # (a new topic: the same length every run)
     gc.disable()
     warmup, lsn = build_stream(WARMUP_EVENTS, per_tx, aggregate)
-    messages, _ = build_stream(events, per_tx, aggregate, lsn=lsn)
+    messages, end = build_stream(events, per_tx, aggregate, lsn=lsn)
     parts = [[(len(data), data) for data in part] for part in (warmup, messages)]
     gc.freeze()
     gc.enable()
     if build_only:
         return
 
-    settings = Settings(
+    eos = delivery == EOS
+    config: dict[str, Any] = dict(
         pg_dsn="postgresql://replay",
         kafka_bootstrap_servers=bootstrap,
         topic_partitions=PARTITIONS,
@@ -206,28 +232,39 @@ def replay(events: int, per_tx: int, bootstrap: str, *, build_only: bool) -> Non
         # would depend on the broker's timing (valgrind runs every thread slowly)
         relay_max_in_flight=10 * (WARMUP_EVENTS + events),
     )
+    settings = settings_eos(**config) if eos else Settings(**config)
     relay = replay_relay(settings)
     relay._utf8 = True
     relay._table = ("public", "outbox")
     topic = settings.topic_prefix + aggregate
     relay._topics.ensure([topic, settings.dlq_topic])
-    relay._producer = make_producer(
-        bootstrap, settings.kafka_config, events=relay._events, failed_reports_only=True
+    origin = origin_eos() if eos else ("origin", b"7412345678901234567/1/outbox_slot")
+    relay._producer = (
+        start_eos(relay, bootstrap, origin)
+        if eos
+        else make_producer(
+            bootstrap, settings.kafka_config, events=relay._events, failed_reports_only=True
+        )
     )
     sess = Session(
         stream=ReplayStream(parts[0], relay.stop),  # type: ignore[arg-type]
-        tracker=LsnTracker(0),
-        origin=("origin", b"7412345678901234567/1/outbox_slot"),
+        tracker=relay._new_tracker(0) if eos else LsnTracker(0),
+        origin=origin,
     )
+    # (each part's last Commit: its end-LSN, the checkpoint its last Kafka transaction carries)
+    ends = (lsn - 0x100 + 0x28, end - 0x100 + 0x28)
     gc.freeze()  # as Relay.run does
     gc.set_threshold(*GC_THRESHOLDS)
     # The warm-up takes what happens once (the producer's first contact, the first
     # reports, lazy imports) whatever the broker's timing: both runs have it.
-    for part, expected in zip(parts, (WARMUP_EVENTS, WARMUP_EVENTS + events), strict=True):
+    totals = (WARMUP_EVENTS, WARMUP_EVENTS + events)
+    for part, expected, end_lsn in zip(parts, totals, ends, strict=True):
         sess.stream = ReplayStream(part, relay.stop)  # type: ignore[assignment]
         relay._stop.clear()
         relay._stream_loop(sess)
         sess.reports = None
+        if eos:  # (the part's last Kafka transaction committed, as a shutdown does)
+            end_part_eos(relay, sess, end_lsn)
         deadline = time.monotonic() + 600  # (under callgrind, on a loaded machine)
         while sess.tracker.in_flight and time.monotonic() < deadline:
             relay._poll(0.1)
@@ -274,38 +311,73 @@ def _main_thread_ir(args: list[str], env: dict[str, str]) -> int:
         return int(found.group(1))
 
 
-def callgrind(per_tx: int) -> None:
-    env = dict(os.environ)
-    ir = {}
-    for build_only in (False, True):
-        for events in SPAN:
-            args = ["--events", str(events), "--per-tx", str(per_tx)]
-            ir[build_only, events] = _main_thread_ir(
-                args + (["--build-only"] if build_only else []), env
-            )
+def _relay_ir(ir: dict[tuple[str, int], int]) -> float:
+    """The relay's main-thread instructions per event, from the runs' totals."""
     span = SPAN[1] - SPAN[0]
-    total = (ir[False, SPAN[1]] - ir[False, SPAN[0]]) / span
-    build = (ir[True, SPAN[1]] - ir[True, SPAN[0]]) / span
-    print(
-        f"{per_tx}-event tx: replay {total:,.0f} Ir/event, building the stream {build:,.0f},"
-        f" the relay {total - build:,.0f}  (raw: {ir})"
-    )
+    return (
+        (ir["replay", SPAN[1]] - ir["replay", SPAN[0]])
+        - (ir["build", SPAN[1]] - ir["build", SPAN[0]])
+    ) / span
+
+
+def callgrind(per_txs: list[int], deliveries: list[str], jobs: int = 1) -> None:
+    """Count every (transaction size, delivery) and the stream's building, ``jobs``
+    valgrind runs at a time (instruction counts do not depend on the load), and print
+    the relay's Ir/event side by side (exactly-once / at-least-once too)."""
+    env = dict(os.environ)
+    # Every module compiled first: a run that compiles what another loads from its
+    # .pyc (the first run of a fresh checkout, or two at a time) moved a run's count
+    # by half a billion instructions.
+    found = importlib.util.find_spec("cdc")
+    assert found is not None and found.origin is not None, "cdc is not importable"
+    for where in (Path(found.origin).parent, Path(__file__).parent):
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(where)], check=True)
+    runs: dict[tuple[int, str, str, int], list[str]] = {}
+    for per_tx in per_txs:
+        for kind in ("build", *deliveries):
+            for events in SPAN:
+                args = ["--events", str(events), "--per-tx", str(per_tx)]
+                args += ["--build-only"] if kind == "build" else ["--delivery", kind]
+                runs[per_tx, kind, "", events] = args
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {k: pool.submit(_main_thread_ir, args, env) for k, args in runs.items()}
+        counted = {k: f.result() for k, f in futures.items()}
+    print("Ir/event, main thread (the relay's: the stream's building subtracted)")
+    print(f"{'per tx':>6}  " + "  ".join(f"{d:>14}" for d in deliveries) + "  ratio EOS/ALO")
+    for per_tx in per_txs:
+        build = {("build", n): counted[per_tx, "build", "", n] for n in SPAN}
+        relay = {}
+        for kind in deliveries:
+            ir = {**build, **{("replay", n): counted[per_tx, kind, "", n] for n in SPAN}}
+            relay[kind] = _relay_ir(ir)
+        ratio = relay[EOS] / relay[ALO] if len(relay) == 2 else float("nan")
+        cells = "  ".join(f"{relay[d]:>14,.0f}" for d in deliveries)
+        print(f"{per_tx:>6}  {cells}  {ratio:>13.3f}")
+    print(f"(raw: {counted})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=SPAN[0])
-    parser.add_argument("--per-tx", type=int, default=100)
+    parser.add_argument(
+        "--per-tx", type=int, nargs="+", default=[1, 100], help="(a replay: the first)"
+    )
+    parser.add_argument(
+        "--delivery", choices=[ALO, EOS, "both"], default="both", help="(a replay: both is ALO)"
+    )
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--callgrind", action="store_true", help="count, as the docstring says")
+    parser.add_argument("--jobs", type=int, default=1, help="valgrind runs at a time")
     args = parser.parse_args()
     if args.callgrind:
-        callgrind(args.per_tx)
+        deliveries = [ALO, EOS] if args.delivery == "both" else [args.delivery]
+        callgrind(args.per_tx, deliveries, args.jobs)
         return
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "")
     if not bootstrap:
         sys.exit("KAFKA_BOOTSTRAP_SERVERS is not set (. ./.dev/env)")
-    replay(args.events, args.per_tx, bootstrap, build_only=args.build_only)
+    delivery = EOS if args.delivery == EOS else ALO
+    replay(args.events, args.per_tx[0], bootstrap, build_only=args.build_only, delivery=delivery)
 
 
 if __name__ == "__main__":

@@ -296,9 +296,86 @@ def test_the_sink_reads_committed_records_only() -> None:
 def test_the_exactly_once_shell_hands_records_to_the_relays_own_send() -> None:
     """The shell calls the relay's _send directly (not through super(): the hot path);
     a mixin that overrode it would be passed by - this notices one."""
-    from cdc.relay import exactly_once
+    from cdc.relay import eos_steps, exactly_once
+    from cdc.relay.fast_path import FastPath
     from cdc.relay.loop import Relay
 
     assert exactly_once._send_record is Relay._send
-    assert exactly_once._commit_read is Relay._on_commit
+    assert eos_steps._send_record is Relay._send
     assert exactly_once._tracker_open is exactly_once.LsnTracker.open
+    assert eos_steps._tracker_open is exactly_once.LsnTracker.open
+    assert eos_steps._tracker_close is exactly_once.LsnTracker.close
+    # (eos_steps reads Begin and Commit as FastPath does: no other mixin reads them)
+    assert Relay._on_begin is FastPath._on_begin
+    assert Relay._on_commit is FastPath._on_commit
+
+
+def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_machine() -> None:
+    """eos_steps' Begin and Commit leave the session and the tracker as FastPath's do
+    (malformed messages refused the same way); the machine learns the WAL transaction
+    began (covered or not) and ended, and what is due at its end."""
+    import struct
+
+    from cdc.errors import DecodeError
+    from cdc.relay.eos_steps import EosSteps
+    from cdc.relay.fast_path import FastPath
+    from cdc.relay.state import Session
+    from cdc.wal.lsn import LsnTracker
+
+    acted: list[Action] = []
+
+    class Steps(EosSteps):
+        def __init__(self, checkpoint: int) -> None:
+            # (never aborted by age: the record below is "opened" at 0 ms, the commit
+            # asks with the monotonic clock)
+            limits = TxLimits(
+                max_records=10,
+                max_ms=50,
+                backlog_max_ms=500,
+                abort_after_ms=1 << 60,
+                commit_budget_ms=100,
+            )
+            self._batch = TxBatch(limits, checkpoint)
+            self._skip_tx = -1
+            self._job = None
+
+        def _act(self, sess: Session, action: Action) -> None:
+            acted.append(action)
+
+    def begin(final_lsn: int) -> bytes:
+        return b"B" + struct.pack(">QqI", final_lsn, 800_000_000_000_000, 7)
+
+    def commit(final_lsn: int, end_lsn: int) -> bytes:
+        return b"C" + struct.pack(">BQQq", 0, final_lsn, end_lsn, 800_000_000_000_000)
+
+    for final_lsn, covered in ((0x100, True), (0x300, False)):
+        steps = Steps(checkpoint=0x200)
+        ours = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
+        theirs = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
+        steps._on_begin(ours, b"x" + begin(final_lsn), 1)
+        FastPath._on_begin(theirs, b"x" + begin(final_lsn), 1)
+        assert (ours.tx_id, ours.begin) == (theirs.tx_id, theirs.begin) == (final_lsn, ours.begin)
+        assert steps._batch.wal_open
+        assert steps._skip_tx == (final_lsn if covered else -1)
+        if not covered:  # (a record in a Kafka transaction, old enough to commit at its end)
+            assert steps._batch.record(0) is Action.BEGIN
+            ours.tracker.add(final_lsn)
+            theirs.tracker.add(final_lsn)
+        ours.caught_up = True
+        steps._on_commit(ours, commit(final_lsn, final_lsn + 0x28), 0)
+        FastPath._on_commit(theirs, commit(final_lsn, final_lsn + 0x28), 0)
+        assert (ours.tx_id, ours.begin, ours.tx) == (theirs.tx_id, theirs.begin, theirs.tx)
+        assert ours.tx_id is None
+        assert ours.tracker.end_lsn(final_lsn) == theirs.tracker.end_lsn(final_lsn)
+        assert not steps._batch.wal_open
+        if not covered:
+            assert steps._batch.candidate == final_lsn + 0x28
+    assert acted == [Action.COMMIT]  # (the uncovered one's: its Kafka transaction is due)
+    steps = Steps(checkpoint=0)
+    sess = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
+    with pytest.raises(DecodeError, match="outside a transaction"):
+        steps._on_commit(sess, commit(0x100, 0x128), 0)
+    with pytest.raises(DecodeError):
+        steps._on_commit(sess, commit(0x100, 0x128)[:-1], 0)
+    with pytest.raises(DecodeError):
+        steps._on_begin(sess, begin(0x100)[:-1], 0)

@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -272,8 +272,8 @@ class TxBatchModel(RuleBasedStateMachine):
         batch = sess.batch
         if not sess.in_tx:
             sess.in_tx, sess.read_records = True, 0
-            sess.covered = batch.covered(tx.final_lsn)
-            batch.wal_opened()
+            # (the shell's Begin: wal_opened and covered in one call)
+            sess.covered = batch.opened(tx.final_lsn)
             return
         if sess.read_records < len(tx.records):
             rid = tx.records[sess.read_records]
@@ -283,9 +283,9 @@ class TxBatchModel(RuleBasedStateMachine):
             return
         sess.in_tx = False
         sess.read_idx += 1
-        batch.wal_closed(tx.end_lsn)
         sess.tracker = max(sess.tracker, tx.end_lsn)  # (optimistic: delivered at once)
-        self._do(batch.due(self.now_ms, waiting=bool(sess.pending_dlq), behind=self._behind()))
+        # (the shell's Commit: wal_closed and due in one call)
+        self._do(batch.closed(tx.end_lsn, self.now_ms, bool(sess.pending_dlq), self._behind()))
 
     def _read_record(self, sess: Session, rid: str, *, dead: bool, nbytes: int) -> None:
         """A record routed: into the open transaction, the buffer, or (dead) pending_dlq."""
@@ -577,10 +577,92 @@ def test_behind_a_transaction_grows_to_the_backlog_bound_caught_up_to_max_ms() -
     assert batch.due(200 + LIMITS.backlog_max_ms, behind=True) is Action.COMMIT
 
 
+@st.composite
+def _steps(draw: st.DrawFn) -> list[tuple[str, int, bool, bool]]:
+    """Events of a machine's life: (event, a time or an LSN, waiting, behind)."""
+    names = ["open", "record", "close", "due", "ok", "failed", "commit_failed", "aborted"]
+    return draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(names),
+                st.integers(0, 1_000),
+                st.booleans(),
+                st.booleans(),
+            ),
+            max_size=60,
+        )
+    )
+
+
+def _play(batch: TxBatch, steps: list[tuple[str, int, bool, bool]], fused: bool) -> list[object]:
+    """Drive ``batch`` (Begin and Commit through the fused calls, or their two steps);
+    what each step answered, and the machine's state after each."""
+    out: list[object] = []
+    lsn = 1_000
+    for name, n, waiting, behind in steps:
+        try:
+            if name == "open":
+                lsn += 100
+                if not fused:
+                    batch.wal_opened()
+                answer: object = batch.opened(n * 10) if fused else batch.covered(n * 10)
+            elif name == "record":
+                answer = batch.record(n, n % 50)
+            elif name == "close":
+                if not fused:
+                    batch.wal_closed(lsn)
+                answer = (
+                    batch.closed(lsn, n, waiting, behind)
+                    if fused
+                    else batch.due(n, waiting, behind)
+                )
+            elif name == "due":
+                answer = batch.due(n, waiting, behind)
+            elif name == "ok":
+                answer = batch.commit_ok()
+            elif name == "failed":
+                answer = batch.failed()
+            elif name == "commit_failed":
+                answer = batch.commit_failed(retriable=waiting, now_ms=n)
+            else:
+                answer = batch.aborted()
+        except ValueError as exc:
+            answer = str(exc)
+        out.append((answer, *(getattr(batch, slot) for slot in TxBatch.__slots__)))
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(steps=_steps(), checkpoint=st.integers(0, 5_000))
+def test_the_fused_begin_and_commit_calls_are_their_two_steps(
+    steps: list[tuple[str, int, bool, bool]], checkpoint: int
+) -> None:
+    """opened() is wal_opened() then covered(), closed() is wal_closed() then due(): the
+    same answers and the same machine after any sequence of events."""
+    fused = _play(TxBatch(LIMITS, checkpoint), steps, fused=True)
+    assert fused == _play(TxBatch(LIMITS, checkpoint), steps, fused=False)
+
+
 # -- mutants: the bugs this model exists for, each caught -----------------------------
 
 
-class _ConfirmsPastTheCheckpoint(TxBatch):
+class _Mutant(TxBatch):
+    """A mutant's Begin and Commit are its two steps (the fused calls of the real
+    machine are checked against them above): a mutant of ``due``, ``covered`` or
+    ``wal_closed`` is met on every path."""
+
+    __slots__ = ()
+
+    def opened(self, final_lsn: int) -> bool:
+        self.wal_opened()
+        return self.covered(final_lsn)
+
+    def closed(self, end_lsn: int, now_ms: int, waiting: bool, behind: bool) -> Action:
+        self.wal_closed(end_lsn)
+        return self.due(now_ms, waiting=waiting, behind=behind)
+
+
+class _ConfirmsPastTheCheckpoint(_Mutant):
     """Confirms what Kafka acknowledged, not what it committed."""
 
     __slots__ = ()
@@ -589,7 +671,7 @@ class _ConfirmsPastTheCheckpoint(TxBatch):
         return confirmable
 
 
-class _CommitsInsideAWalTransaction(TxBatch):
+class _CommitsInsideAWalTransaction(_Mutant):
     """Commits at the record bound even inside a WAL transaction (a split without a
     position inside it in the checkpoint)."""
 
@@ -604,7 +686,7 @@ class _CommitsInsideAWalTransaction(TxBatch):
         return super().due(now_ms, waiting=waiting, behind=behind)
 
 
-class _SkipsTheCheckpointsOwnSuccessor(TxBatch):
+class _SkipsTheCheckpointsOwnSuccessor(_Mutant):
     """Skips a transaction committed right at the checkpoint (<= instead of <)."""
 
     __slots__ = ()
@@ -613,7 +695,7 @@ class _SkipsTheCheckpointsOwnSuccessor(TxBatch):
         return final_lsn <= self.skip_below + 100
 
 
-class _CommitsWhileDeadLettersWait(TxBatch):
+class _CommitsWhileDeadLettersWait(_Mutant):
     """Commits while dead letters of the transaction are not handed to Kafka yet."""
 
     __slots__ = ()
@@ -622,7 +704,7 @@ class _CommitsWhileDeadLettersWait(TxBatch):
         return super().due(now_ms, behind=behind)
 
 
-class _HoldsACaughtUpTransactionAsLongAsABacklogs(TxBatch):
+class _HoldsACaughtUpTransactionAsLongAsABacklogs(_Mutant):
     """Takes every read as a backlog: a caught-up relay's records wait backlog_max_ms."""
 
     __slots__ = ()
@@ -631,7 +713,7 @@ class _HoldsACaughtUpTransactionAsLongAsABacklogs(TxBatch):
         return super().due(now_ms, waiting=waiting, behind=True)
 
 
-class _NeverCommitsABacklogByAge(TxBatch):
+class _NeverCommitsABacklogByAge(_Mutant):
     """Behind, commits only at max_records: a slow backlog's transaction waits for the
     abort."""
 
@@ -646,7 +728,7 @@ class _NeverCommitsABacklogByAge(TxBatch):
         return super().due(now_ms, waiting=waiting, behind=behind)
 
 
-class _BuffersPastItsBound(TxBatch):
+class _BuffersPastItsBound(_Mutant):
     """Buffers every record read during a commit: memory grows with the commit's wait."""
 
     __slots__ = ()
@@ -659,7 +741,7 @@ class _BuffersPastItsBound(TxBatch):
         return super().record(now_ms, nbytes)
 
 
-class _MovesTheCommittingCheckpoint(TxBatch):
+class _MovesTheCommittingCheckpoint(_Mutant):
     """A WAL transaction closed while buffering moves the candidate of the transaction
     being committed (whose checkpoint record is already written): ``committed`` then
     names a position Kafka does not hold, and the slot is confirmed past it."""
@@ -674,7 +756,7 @@ class _MovesTheCommittingCheckpoint(TxBatch):
             self.next_candidate = end_lsn
 
 
-class _WaitsForACommitWithoutBound(TxBatch):
+class _WaitsForACommitWithoutBound(_Mutant):
     """Waits for a commit as long as it takes (no budget while committing)."""
 
     __slots__ = ()
