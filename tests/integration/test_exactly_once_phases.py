@@ -20,7 +20,6 @@ import math
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -28,13 +27,14 @@ import pytest
 
 from cdc.relay.exactly_once import BACKLOG_TX_MAX_MS
 from cdc.settings import Settings
-from tests.conftest import IN_CI, Services
-from tests.harness import RelayConfig, drop_slot, stack, start_relay, wait_until
+from tests.harness import RelayConfig, stack, start_relay, wait_until
 from tests.integration.test_exactly_once import (
     KEYS,
     Writer,
     _expected_ids,
     _tally,
+    cfg,
+    local_stack,
     read_committed,
 )
 from tests.integration.test_relay_errors import metric
@@ -47,6 +47,9 @@ ABORTED = 'outcome="aborted"'
 OVERLAP = "outbox_relay_kafka_commit_overlap_records_total"
 #: the relay's defaults the first test's bounds derive from
 TX_MAX_RECORDS: int = Settings.model_fields["tx_max_records"].default
+#: the exactly-once file's fixtures (its local-stack guard is autouse here too)
+__all__ = ["cfg", "local_stack"]
+
 #: a backlog's events (each burst)
 BACKLOG = 20_000
 #: the trickle: single-event transactions this far apart (well above CDC_TX_MAX_MS and a
@@ -55,28 +58,6 @@ TRICKLE = 15
 TRICKLE_GAP_S = 0.3
 #: broker kill -9s while records buffer behind a commit
 BROKER_KILLS = 2
-
-
-@pytest.fixture(autouse=True)
-def local_stack(services: Services) -> None:
-    if services.origin != "local-stack":
-        msg = "exactly-once fault tests stop and start services: they need the local stack"
-        if IN_CI:
-            pytest.fail(msg)
-        pytest.skip(msg)
-
-
-@pytest.fixture
-def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
-    config = RelayConfig(
-        db_dsn=db_dsn,
-        kafka=kafka_bootstrap,
-        unique=unique,
-        partitions=4,
-        extra={"CDC_DELIVERY": "exactly-once"},
-    )
-    yield config
-    drop_slot(db_dsn, config.slot)
 
 
 def _fill(dsn: str, aggregate: str, total: int, *, per_tx: int, start: int = 1) -> int:
