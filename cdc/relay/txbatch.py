@@ -250,7 +250,11 @@ class TxBatch:
         """A record (of ``nbytes``) is about to be produced: BEGIN when no transaction is
         open; while a commit is under way BUFFER (hold it for the next transaction), or
         WAIT when it would pass the buffer's bounds (nothing counted: ask again once
-        the commit's outcome is in)."""
+        the commit's outcome is in).
+
+        In OPEN it only counts the record (``records += 1``, NONE) - the exactly-once
+        relay's ``_send`` writes that case out (no call per record: most records
+        meet it); the model test checks after every step that it is all it does."""
         state = self.state
         if state is _OPEN:
             self.records += 1

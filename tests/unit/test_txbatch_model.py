@@ -446,6 +446,22 @@ class TxBatchModel(RuleBasedStateMachine):
         assert self.now_ms - batch.opened_ms < bound_ms, (self._behind(), batch.opened_ms)
         assert batch.records < LIMITS.max_records
 
+    @invariant()
+    def a_record_in_open_only_counts(self) -> None:
+        """In OPEN, record() adds one to ``records`` and answers NONE - nothing else (the
+        relay's ``_send`` writes that case out, without the call: cdc.relay.eos_steps)."""
+        sess = self.sess
+        if sess is None or sess.batch.state is not TxState.OPEN:
+            return
+        batch = sess.batch
+        twin = TxBatch(batch.limits, 0)
+        for slot in TxBatch.__slots__:
+            setattr(twin, slot, getattr(batch, slot))
+        assert twin.record(self.now_ms + 1, 100) is Action.NONE
+        after = {slot: getattr(twin, slot) for slot in TxBatch.__slots__}
+        before = {slot: getattr(batch, slot) for slot in TxBatch.__slots__}
+        assert after == {**before, "records": batch.records + 1}
+
     def teardown(self) -> None:
         """Faults stop; the relay runs until it has read everything: every record once."""
         self.commit_faults.clear()
@@ -774,6 +790,7 @@ def _check(model: TxBatchModel) -> None:
     model.commits_in_time()
     model.the_buffer_is_bounded()
     model.a_commit_is_bounded()
+    model.a_record_in_open_only_counts()
 
 
 #: Per mutant, the interleaving that shows its bug (steps: rule name and arguments); the
