@@ -8,7 +8,11 @@ are :class:`cdc.relay.txbatch.TxBatch`'s). Guarantees:
   reports all served on the relay's thread - ``commit_transaction`` runs on a
   thread of its own (:class:`_CommitJob`): its flush has nothing left to do, so
   no callback runs there, and meanwhile the relay's thread does not touch the
-  producer (its polls wait on the commit instead);
+  producer (its polls wait on the commit instead). A caught-up relay (its last
+  read turn found no more WAL) waits for those acknowledgements in a flush
+  first, bounded by :data:`FLUSH_AT_DUE_MAX_S`: what it would read meanwhile can
+  only join the next transaction, and librdkafka sends at once while a flush
+  runs (``linger.ms`` ignored) - a commit's latency, not its work;
 * the records routed meanwhile are *buffered* in the order read (librdkafka takes
   none into a new transaction before ``commit_transaction`` returns), within
   :data:`BUFFER_MAX_RECORDS` and :data:`BUFFER_MAX_BYTES`: at the bound the
@@ -62,6 +66,10 @@ BUFFER_MAX_BYTES = 16 << 20
 #: Bounds of the commit-duration histogram, seconds: a commit on a quiet single broker
 #: takes a few ms, one behind a backlog's 5,000 acknowledgements tens, the budget 10 s.
 COMMIT_SECONDS_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: A caught-up relay's wait, at a due commit, for the transaction's acknowledgements
+#: (a flush: sent at once, linger.ms ignored); the rest is awaited reading on. A few
+#: round trips on a healthy broker; a wait that reads nothing answers no keepalive.
+FLUSH_AT_DUE_MAX_S = 0.1
 #: A wait for the commit's outcome (a full buffer, shutdown) looks again this often.
 COMMIT_WAIT_TICK_S = 0.05
 #: One record buffered during a commit: _send's arguments after the session.
@@ -194,7 +202,19 @@ class CommitOverlap:
             except KafkaException as exc:
                 return self._commit_failed(sess, exc)
         self._flushing = True
-        return Action.NONE
+        if not sess.caught_up:
+            return Action.NONE
+        # Caught up: the records read on meanwhile could only wait for this commit
+        # (the next transaction begins after it), so the reading waits here instead,
+        # in a flush - librdkafka sends at once while one runs (linger.ms ignored:
+        # the transaction's last records and its checkpoint) - then the commit starts.
+        try:
+            producer.flush(FLUSH_AT_DUE_MAX_S)  # (reports served here, on the relay's thread)
+        except KafkaException as exc:
+            return self._commit_failed(sess, exc)
+        if self._batch.state is not _COMMITTING or sess.fatal is not None:
+            return Action.NONE  # (a record failed: the loop ends the session, aborted)
+        return self._advance(sess)
 
     def _advance(self, sess: Session) -> Action:
         """The commit under way: commit_transaction started once the producer holds

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,6 +56,7 @@ from tests.bench.test_relay_bench import (
     cfg,
 )
 from tests.harness import RelayConfig, start_relay, wait_until
+from tests.integration.test_relay_errors import metrics_text
 
 pytestmark = [pytest.mark.bench, pytest.mark.integration]
 
@@ -202,6 +204,20 @@ def test_exactly_once_drains_a_backlog_at_most_a_fifth_slower_than_at_least_once
     assert all(math.isfinite(d.per_s) and d.per_s > 0 for d in alo + eos)
 
 
+def _commit_seconds(text: str) -> tuple[int, float, float]:
+    """The relay's commits from its /metrics: how many, their mean (ms) and the bucket
+    bound (ms) at or below which 99% of them ended."""
+    name = "outbox_relay_kafka_commit_seconds"
+    buckets = [
+        (float(le), float(v))
+        for le, v in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)
+    ]
+    count = float(re.search(rf"^{name}_count (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    total = float(re.search(rf"^{name}_sum (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    p99_le = next((le for le, v in buckets if v >= 0.99 * count), math.inf)
+    return int(count), 1000.0 * total / count if count else math.nan, 1000.0 * p99_le
+
+
 @pytest.mark.timeout(600)
 def test_exactly_once_commit_to_read_committed_consumer_latency_at_2000_per_s(
     cfg: RelayConfig, tmp_path: Path, slots_to_drop: list[str]
@@ -224,7 +240,7 @@ def test_exactly_once_commit_to_read_committed_consumer_latency_at_2000_per_s(
     receiver = _Receiver(consumer)
     receiver.start()
     eos_cfg = replace(cfg, extra={**cfg.extra, **EOS})
-    relay, _ = start_relay(eos_cfg, tmp_path)
+    relay, port = start_relay(eos_cfg, tmp_path)
     payload = '{"user_id": "00000000-0000-0000-0000-000000000000", "source": "bench"}'
     pace = Pace(0, 0.0, 0.0)
     try:
@@ -235,6 +251,7 @@ def test_exactly_once_commit_to_read_committed_consumer_latency_at_2000_per_s(
             for i in paced(LATENCY_RATE_PER_S, LATENCY_DURATION_S, pace):
                 conn.execute(_insert_sql("BenchLatency"), (f"k{i % 1000}", payload))
         wait_until(lambda: len(receiver.ids) >= expect or receiver.error, 120, "latency records")
+        commits = _commit_seconds(metrics_text(port))
         assert relay.terminate() == 0, relay.log_tail()
     finally:
         receiver.stop.set()
@@ -280,6 +297,11 @@ def test_exactly_once_commit_to_read_committed_consumer_latency_at_2000_per_s(
             ],
             ["max ms", fmt(max(lat_ms), 1), fmt(max(floor.latencies_ms), 1), "", ""],
         ],
+    )
+    count, mean_ms, p99_le_ms = commits
+    print(
+        f"  relay's commits (outbox_relay_kafka_commit_seconds, due -> Kafka's answer): {count:,},"
+        f" mean {mean_ms:.1f} ms, p99 <= {p99_le_ms:g} ms (bucket)"
     )
     print(
         "  (relay: PostgreSQL commit_ts -> receipt; floor: a bare transactional producer on"
