@@ -42,7 +42,7 @@ _tracker_open, _tracker_close = LsnTracker.open, LsnTracker.close
 _send_record = Producing._send  # (the relay's own _send: cdc.relay.producing)
 _begin_context, _COMMIT_LEN, _commit_fields = pgo.begin_context, pgo.COMMIT_LEN, pgo.commit_fields
 _NONE = Action.NONE
-_BEGIN = Action.BEGIN
+_BEGIN, _BUFFER = Action.BEGIN, Action.BUFFER
 _OPEN, _COMMITTING = TxState.OPEN, TxState.COMMITTING
 
 
@@ -118,6 +118,9 @@ class EosSteps:
             return
         action = batch.record(_monotonic_ns() // 1_000_000, len(value) + len(key))
         if action is not _NONE:
+            if action is _BUFFER:  # (a commit under way: held for the next transaction)
+                self._buffer.append((tx_id, topic, value, key, headers, timestamp_ms, event_id))
+                return
             if action is _BEGIN:
                 self._begin()
             elif self._held(sess, action, len(value) + len(key)):
