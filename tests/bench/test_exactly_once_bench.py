@@ -9,7 +9,11 @@ from its ``/readyz`` until Kafka acknowledged every transaction of the backlog
 transaction committed (the exactly-once relay's commits fall inside that time; its
 reading goes on during them, buffering the next transaction: cdc.relay.overlap).
 Each run's relay CPU and the machine's are printed beside it, with the load average.
-Goal (issue 40): exactly-once / at-least-once >= 0.8. Why 300,000: a drain is timed
+Goal (issue 40): exactly-once / at-least-once >= 0.8, judged on the median of the
+pairs' ratios - each pair runs back to back on the same machine state, and on this
+2-core machine one mode's rate moves by up to 30% between pairs, which the pair's
+ratio cancels and a ratio of the two modes' medians does not (printed beside it).
+Why 300,000: a drain is timed
 from /readyz, and each session has fixed costs that are not a rate - the first
 transaction's partition registrations, the last commit, the poll of the relay's metrics
 every 20 ms; 100,000 events in 100-event transactions drain in about a second, and in
@@ -63,7 +67,7 @@ pytestmark = [pytest.mark.bench, pytest.mark.integration]
 __all__ = ["cfg", "slots_to_drop"]  # (fixtures, shared with the relay bench)
 
 #: Timed drains per mode and case (median reported).
-REPEATS = int(os.environ.get("BENCH_EOS_REPEATS", "3"))
+REPEATS = int(os.environ.get("BENCH_EOS_REPEATS", "5"))
 GOAL_RATIO = 0.8
 #: The drain's backlog per case (see the module docstring for why this many).
 EOS_EVENTS = int(os.environ.get("BENCH_EOS_EVENTS", "300000"))
@@ -157,10 +161,8 @@ def test_exactly_once_drains_a_backlog_at_most_a_fifth_slower_than_at_least_once
             drains.append(_drain(cfg, tmp_path, slot=slot, topic=topic, per_tx=per_tx, extra=extra))
     median_alo = statistics.median(d.per_s for d in alo)
     median_eos = statistics.median(d.per_s for d in eos)
-    ratio = median_eos / median_alo
-    cpu_ratio = statistics.median(d.per_cpu_s for d in eos) / statistics.median(
-        d.per_cpu_s for d in alo
-    )
+    ratio = statistics.median(e.per_s / a.per_s for a, e in zip(alo, eos, strict=True))
+    cpu_ratio = statistics.median(e.per_cpu_s / a.per_cpu_s for a, e in zip(alo, eos, strict=True))
     print_table(
         f"exactly-once vs at-least-once drain, {EOS_EVENTS:,} events in {per_tx}-event"
         f" transactions ({REPEATS} runs each, interleaved; load average {load_before} before,"
@@ -199,7 +201,8 @@ def test_exactly_once_drains_a_backlog_at_most_a_fifth_slower_than_at_least_once
                 fmt(median_eos),
                 "",
                 "",
-                f"{ratio:.2f} (goal >= {GOAL_RATIO})",
+                f"{ratio:.2f} (goal >= {GOAL_RATIO}; median / median"
+                f" {median_eos / median_alo:.2f})",
                 fmt(cpu_ratio, 2),
             ]
         ],
@@ -213,7 +216,8 @@ def test_exactly_once_drains_a_backlog_at_most_a_fifth_slower_than_at_least_once
             )
     print(
         "  (each drain: /readyz -> all acknowledged; CPU % of one core, machine = all"
-        " processes; per relay CPU-s = ev/s / the relay's CPU share, less moved by other load)"
+        " processes; per relay CPU-s = ev/s / the relay's CPU share, less moved by other load;"
+        " the median row's ratio: the median of the pairs')"
     )
     record_goal(
         f"exactly-once / at-least-once drain, {per_tx}-event tx", ratio, at_least=GOAL_RATIO
