@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,7 +48,17 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from cdc.settings import Settings
 from tests.bench.conftest import Pace, create_topics, paced, slots_to_drop, wait_drained
 from tests.bench.kafka_txn_floor import floor_latencies
-from tests.bench.report import CpuMeter, fmt, load_average, percentile, print_table, record_goal
+from tests.bench.report import (
+    CpuMeter,
+    fmt,
+    histogram_buckets,
+    load_average,
+    metric_sum,
+    percentile,
+    print_table,
+    record_goal,
+    scrape,
+)
 from tests.bench.test_relay_bench import (
     PARTITIONS,
     WARMUP_EVENTS,
@@ -60,7 +69,6 @@ from tests.bench.test_relay_bench import (
     cfg,
 )
 from tests.harness import RelayConfig, start_relay, wait_until
-from tests.integration.test_relay_errors import metrics_text
 
 pytestmark = [pytest.mark.bench, pytest.mark.integration]
 
@@ -121,15 +129,14 @@ def _drain(
         )
         elapsed_s = drained - t_ready
         cpu_pct = cpu.stop()
-        text = metrics_text(port) if extra == EOS else ""
+        text = scrape(port) if extra == EOS else ""
         assert relay.terminate() == 0, relay.log_tail()
     finally:
         relay.close()
     drain = _Drain(EOS_EVENTS / elapsed_s, cpu_pct["relay"], cpu_pct["machine"])
     if not text:
         return drain
-    found = re.search(r"^outbox_relay_kafka_commit_overlap_records_total (\S+)$", text, re.M)
-    overlapped = int(float(found.group(1))) if found else 0
+    overlapped = int(metric_sum(text, "outbox_relay_kafka_commit_overlap_records_total"))
     return replace(drain, commits=_commit_seconds(text), overlapped=overlapped)
 
 
@@ -229,12 +236,9 @@ def _commit_seconds(text: str) -> tuple[int, float, float]:
     """The relay's commits from its /metrics: how many, their mean (ms) and the bucket
     bound (ms) at or below which 99% of them ended."""
     name = "outbox_relay_kafka_commit_seconds"
-    buckets = [
-        (float(le), float(v))
-        for le, v in re.findall(rf'^{name}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M)
-    ]
-    count = float(re.search(rf"^{name}_count (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
-    total = float(re.search(rf"^{name}_sum (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+    count = metric_sum(text, f"{name}_count")
+    total = metric_sum(text, f"{name}_sum")
+    buckets = sorted(histogram_buckets(text, name).items())
     p99_le = next((le for le, v in buckets if v >= 0.99 * count), math.inf)
     return int(count), 1000.0 * total / count if count else math.nan, 1000.0 * p99_le
 
@@ -272,7 +276,7 @@ def test_exactly_once_commit_to_read_committed_consumer_latency_at_2000_per_s(
             for i in paced(LATENCY_RATE_PER_S, LATENCY_DURATION_S, pace):
                 conn.execute(_insert_sql("BenchLatency"), (f"k{i % 1000}", payload))
         wait_until(lambda: len(receiver.ids) >= expect or receiver.error, 120, "latency records")
-        commits = _commit_seconds(metrics_text(port))
+        commits = _commit_seconds(scrape(port))
         assert relay.terminate() == 0, relay.log_tail()
     finally:
         receiver.stop.set()
