@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help venv up down status lint rules docs test test-unit test-unit-lane test-integration-lane \
 	test-integration-lane-b test-integration-lane-c test-integration-lane-d test-pg18-lane test-pg-smoke-lane stack-and-rules bench bench-pg18 \
-	demo run stop clean lock wheel
+	demo run stop clean lock wheel compose-up compose-down test-compose-lane test-console test-console-lane
 
 help:
 	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
@@ -20,6 +20,10 @@ help:
 	@echo "make bench   benchmarks under tests/bench (print figures); the relay's again on PostgreSQL 18"
 	@echo "make rules   promtool: check the Prometheus config and alert rules, run their unit tests"
 	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/); make up PG=15|16|17|18"
+	@echo "make compose-up | compose-down   the whole pipeline in Docker (compose/docker-compose.yml;"
+	@echo "             installs dockerd, the compose plugin and stand-in images where missing)"
+	@echo "make test-console   the operator console in a real browser (Debian's chromium, Playwright,"
+	@echo "             axe-core) against a pipeline on a stack of its own (not part of make test)"
 	@echo "make docs    build the documentation site into site/ (mkdocs --strict: no broken link, no orphan page)"
 	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
 	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
@@ -75,14 +79,16 @@ docs: venv
 test-unit: venv
 	$(BIN)/pytest tests/unit $(PYTEST_ARGS)
 
-# Seven lanes (and the docs build), all of them must pass:
+# Eight lanes (and the docs build), all of them must pass:
 # - the unit tests need no service: they run beside everything else at the lowest CPU
 #   priority (nice 19), taking only CPU the other lanes leave idle;
 # - the integration tests that mostly wait (a two-minute engine outage, a minute
 #   without Kafka, a minute at the engine's rate limit) run against a second local
 #   stack of their own (LANE_B_DEV, other ports), with exactly-once's phases (a backlog,
-#   a trickle, a burst; the broker killed amid the commits' overlap): they stop and start
-#   its Kafka and PostgreSQL, never the ones the other integration tests use;
+#   a trickle, a burst; the broker killed amid the commits' overlap) and its production
+#   shape (sharded relays, a failure inside a commit, a pause past the transaction
+#   timeout, a large repair; about 4 minutes): they stop and start its Kafka and
+#   PostgreSQL, never the ones the other integration tests use;
 # - the evidence suites (gap evidence, the audit, TLS) and a route down for minutes, on a
 #   stack of their own (LANE_C_DEV);
 # - the relay's connection and fault suites and exactly-once publishing on another
@@ -92,21 +98,26 @@ test-unit: venv
 # - the relay's own suites (slot gap, failover, fidelity, relay faults) again on
 #   PostgreSQL 18, with the failover-slot tests, on a third stack (LANE_PG18_DEV);
 # - a smoke of PostgreSQL 16, then 17 (migrate, stream, a gap, its recovery) on a fourth
-#   stack whose Kafka both share (LANE_SMOKE_DEV).
+#   stack whose Kafka both share (LANE_SMOKE_DEV);
+# - the compose lane: the stack of compose/docker-compose.yml in Docker, then the relay's
+#   and the sink's smoke tests on testcontainers (test-compose-lane, below).
 # The version lanes fetch their servers through compose/postgres into .dev/pg-bin (once,
 # under a lock, shared by every stack). The side lanes print their reports when they end
 # (also kept under .dev/).
 LANE_B_TESTS := tests/integration/test_observability.py tests/integration/test_first_hour.py \
 	tests/integration/test_sink_hostile_engine.py tests/integration/test_parking_stuck.py \
-	tests/integration/test_distinct_types.py tests/integration/test_exactly_once_phases.py
+	tests/integration/test_distinct_types.py tests/integration/test_exactly_once_phases.py \
+	tests/integration/test_relay_blind_path.py tests/integration/test_exactly_once_production.py
 LANE_B_DEV   := $(CURDIR)/.dev/lane-b
 LANE_B_ENV   := OUTBOX_DEV_DIR=$(LANE_B_DEV) OUTBOX_PG_PORT=25542 OUTBOX_KAFKA_PORT=29192 \
 	OUTBOX_KAFKA_CONTROLLER_PORT=29193
 
-#: the relay's evidence suites (gap evidence, the audit, TLS to both services) and a route
-#: down for minutes (it waits): lane C
+#: the relay's evidence suites (gap evidence, the audit, TLS to both services), a route
+#: down for minutes (it waits), the sink's byte bounds and a SIGSTOPped broker, every row
+#: filter PostgreSQL accepts: lane C
 LANE_C_TESTS := tests/integration/test_gap_evidence.py tests/integration/test_audit.py \
-	tests/integration/test_tls_services.py tests/integration/test_sink_route_outage.py
+	tests/integration/test_tls_services.py tests/integration/test_sink_route_outage.py \
+	tests/integration/test_sink_bounds.py tests/integration/test_row_filters.py
 LANE_C_DEV   := $(CURDIR)/.dev/lane-c
 LANE_C_ENV   := OUTBOX_DEV_DIR=$(LANE_C_DEV) OUTBOX_PG_PORT=25572 OUTBOX_KAFKA_PORT=29492 \
 	OUTBOX_KAFKA_CONTROLLER_PORT=29493
@@ -136,8 +147,9 @@ LANE_SMOKE_ENV := OUTBOX_DEV_DIR=$(LANE_SMOKE_DEV) OUTBOX_PG_PORT=25562 OUTBOX_K
 	OUTBOX_KAFKA_CONTROLLER_PORT=29393
 
 test: venv
-	@$(MAKE) --no-print-directory -j8 docs test-unit-lane test-integration-lane test-integration-lane-b \
-		test-integration-lane-c test-integration-lane-d test-pg18-lane test-pg-smoke-lane
+	@$(MAKE) --no-print-directory -j9 docs test-unit-lane test-integration-lane test-integration-lane-b \
+		test-integration-lane-c test-integration-lane-d test-pg18-lane test-pg-smoke-lane test-compose-lane \
+		test-console-lane
 
 test-unit-lane: venv
 	@mkdir -p .dev
@@ -191,6 +203,70 @@ test-pg-smoke-lane: venv lint stack-and-rules
 		rc=$$?; (export $(LANE_SMOKE_ENV) && bash compose/stack.sh down) >>.dev/lane-smoke-tests.log 2>&1; \
 		printf "\n[test] smoke lane ended (exit %s, %ss):\n" $$rc $$(( $$(date +%s) - start )); \
 		cat .dev/lane-smoke-tests.log; exit $$rc
+
+# The compose lane (docs/getting-started/run-it-yourself.md#the-compose-lane says what it runs):
+# `make compose-up` on whatever the machine lacks (dockerd, the compose plugin, stand-in
+# images: compose/docker.sh), the pipeline in containers written to and faulted through
+# compose (tests/compose, collected by no other lane), `docker compose down -v`; then the
+# relay's and the sink's smoke tests on PostgreSQL and Kafka of their own, started with
+# testcontainers (OUTBOX_TEST_SERVICES=testcontainers, random host ports). It needs no
+# local stack: it starts at once, beside the others. Each phase's time and the image sizes
+# are in its report.
+COMPOSE_LANE_ENV := ADMIN_API_TOKEN=compose-lane-admin-token INTERNAL_API_KEY=compose-lane-engine-key \
+	POSTGRES_PASSWORD=compose-lane-pg-password
+TESTCONTAINERS_SMOKE := \
+	tests/integration/test_relay.py::test_committed_events_arrive_once_with_the_record_contract \
+	tests/integration/test_relay.py::test_sigterm_exits_zero_within_seconds_and_loses_nothing \
+	tests/integration/test_sink.py::test_kill_9_of_the_sink_mid_stream_then_restart_applies_everything_once \
+	tests/integration/test_kafka_roundtrip.py
+
+compose-up:
+	@bash compose/docker.sh up
+
+compose-down:
+	@bash compose/docker.sh down
+
+test-compose-lane: venv
+	@mkdir -p .dev
+	@echo "[test] compose lane (compose up, faults, down; testcontainers smoke) started; report in .dev/lane-compose-tests.log"
+	@start=$$(date +%s); (set -e; export $(COMPOSE_LANE_ENV); \
+		t=$$(date +%s); bash compose/docker.sh up; echo "[compose-lane] make compose-up: $$(( $$(date +%s) - t ))s"; \
+		bash compose/docker.sh sizes; \
+		t=$$(date +%s); $(BIN)/pytest tests/compose -p no:randomly -s --durations=10 $(PYTEST_ARGS); \
+		echo "[compose-lane] tests/compose: $$(( $$(date +%s) - t ))s"; \
+		t=$$(date +%s); OUTBOX_TEST_SERVICES=testcontainers $(BIN)/pytest $(TESTCONTAINERS_SMOKE) \
+			-p no:randomly --durations=10 $(PYTEST_ARGS); \
+		echo "[compose-lane] testcontainers smoke: $$(( $$(date +%s) - t ))s") >.dev/lane-compose-tests.log 2>&1; \
+		rc=$$?; (export $(COMPOSE_LANE_ENV) && bash compose/docker.sh down) >>.dev/lane-compose-tests.log 2>&1; \
+		printf "\n[test] compose lane ended (exit %s, %ss):\n" $$rc $$(( $$(date +%s) - start )); \
+		cat .dev/lane-compose-tests.log; exit $$rc
+
+# The operator console in a real browser (tests/console): Debian's chromium and axe-core
+# (npm, pinned) installed by compose/console-browser.sh when missing, Playwright for Python
+# driving the browser (no browser download), a relay, a sink and the engine stub on a
+# stack of its own (CONSOLE_DEV, its own ports). Screenshots land in .dev/console-shots
+# (docs/operations/console.md shows a set of them). Not part of `make test`.
+CONSOLE_DEV := $(CURDIR)/.dev/console
+CONSOLE_ENV := OUTBOX_DEV_DIR=$(CONSOLE_DEV) OUTBOX_PG_PORT=$(or $(OUTBOX_CONSOLE_PG_PORT),25612) \
+	OUTBOX_KAFKA_PORT=$(or $(OUTBOX_CONSOLE_KAFKA_PORT),29712) \
+	OUTBOX_KAFKA_CONTROLLER_PORT=$(or $(OUTBOX_CONSOLE_KAFKA_CONTROLLER_PORT),29713)
+
+test-console: venv
+	@start=$$(date +%s); browser=$$(bash compose/console-browser.sh) || exit 1; \
+		(export $(CONSOLE_ENV) $$browser OUTBOX_CONSOLE_SHOTS=$(CURDIR)/.dev/console-shots && \
+		bash compose/stack.sh up && . "$(CONSOLE_DEV)/env" && \
+		$(BIN)/pytest tests/console -p no:randomly --durations=10 $(PYTEST_ARGS)); \
+		rc=$$?; (export $(CONSOLE_ENV) && bash compose/stack.sh down); \
+		printf "[test] console browser tests ended (exit %s, %ss)\n" $$rc $$(( $$(date +%s) - start )); \
+		exit $$rc
+
+#: make test's console lane: make test-console, its report kept in .dev/console-tests.log and
+#: printed when it ends (the lanes run in parallel)
+test-console-lane: venv
+	@mkdir -p .dev
+	@echo "[test] console lane (Debian's chromium + Playwright on a stack of its own) started; report in .dev/console-tests.log"
+	@$(MAKE) --no-print-directory test-console >.dev/console-tests.log 2>&1; rc=$$?; \
+		printf "\n[test] console lane ended (exit %s):\n" $$rc; cat .dev/console-tests.log; exit $$rc
 
 # promtool's package is fetched with apt-get, as the stack's server may be: one after
 # the other, never both at once.

@@ -57,8 +57,8 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin import OffsetSpec as _OffsetSpec  # type: ignore[attr-defined]
 
 from cdc.health import Reply
-from cdc.kafkaclient import CommittedReader, served_cause, unreachable
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafka.client import CommittedReader, served_cause, unreachable
+from cdc.kafka.log import KafkaClientEvents
 from cdc.ops import SlotStatus, read_slot_status
 from cdc.settings import Settings
 from cdc.wal.stream import with_connection_defaults
@@ -294,7 +294,7 @@ class _SlotSide:
 
 class _GroupSide:
     """Group measures with one AdminClient, one assign-only consumer and a committed-offsets
-    reader (:class:`cdc.kafkaclient.CommittedReader`: never the AdminClient's
+    reader (:class:`cdc.kafka.client.CommittedReader`: never the AdminClient's
     ``list_consumer_group_offsets``, which crashes librdkafka on a broker that has
     just started), made on first use."""
 
@@ -347,7 +347,7 @@ class _GroupSide:
         return GroupMeasures(group=group, age_s=age_s, problems=problems)
 
     def _why(self, exc: BaseException) -> str:
-        """What failed, in words (:func:`cdc.kafkaclient.unreachable`: refused, silent,
+        """What failed, in words (:func:`cdc.kafka.client.unreachable`: refused, silent,
         TLS refused...), not librdkafka's bare ``Broker transport failure``."""
         if isinstance(exc, TimeoutError) and not str(exc):
             exc = TimeoutError(f"no answer within {KAFKA_TIMEOUT_S:g}s")

@@ -23,10 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cdc.settings import Settings
-from cdc.settings_values import redact_dsn
+from cdc.settings.values import redact_dsn
+
+if TYPE_CHECKING:
+    from cdc.wal.standby_copy import StandbyCopy
 
 #: How long one probe waits for PostgreSQL or Kafka before it reports them unreachable.
 PROBE_TIMEOUT_S = 5.0
@@ -302,22 +305,38 @@ def failover_slots(conn: Any, settings: Settings) -> Iterator[Finding]:
     yield from _standbys_carry_slot(conn, settings)
 
 
-def _standbys_carry_slot(conn: Any, settings: Settings) -> Iterator[Finding]:
-    """Each standby of this primary: will it carry the slot through a failover?"""
+def _synchronized_standby_slots(conn: Any, settings: Settings) -> Iterator[Finding]:
+    """The primary's synchronized_standby_slots: a name that holds the failover slot's
+    decoding back fails (the relay would stream nothing); one no standby streams from
+    (not behind yet) warns."""
+    from cdc.wal.slots import decoding_held_back, standby_slot_names  # noqa: PLC0415
+
     listed = str(_one(conn, "SHOW synchronized_standby_slots") or "")
-    names = {part.strip().strip('"') for part in listed.split(",") if part.strip()}
     active = {
         str(name)
         for (name,) in conn.execute(
             "SELECT slot_name FROM pg_replication_slots WHERE slot_type = 'physical' AND active"
         )
     }
-    for name in sorted(names - active):
-        yield warn(
-            "synchronized_standby_slots",
-            f"names {name}, which no standby streams from now: the relay's failover slot gets"
-            " nothing until it is back; bring that standby up or remove it from the list",
-        )
+    held = decoding_held_back(conn, settings.slot, failover=True)
+    for line in held:
+        yield fail("synchronized_standby_slots", line)
+    for name in sorted(set(standby_slot_names(listed)) - active):
+        if not any(f" names {name}, " in line for line in held):
+            yield warn(
+                "synchronized_standby_slots",
+                f"names {name}, which no standby streams from now: the relay's failover slot"
+                " gets nothing until it is back; bring that standby up or remove it from the"
+                " list",
+            )
+
+
+def _standbys_carry_slot(conn: Any, settings: Settings) -> Iterator[Finding]:
+    """Each standby of this primary: will it carry the slot through a failover?"""
+    from cdc.wal.slots import standby_slot_names  # noqa: PLC0415
+
+    names = set(standby_slot_names(str(_one(conn, "SHOW synchronized_standby_slots") or "")))
+    yield from _synchronized_standby_slots(conn, settings)
     standbys = conn.execute(STANDBYS_SQL).fetchall()
     if not standbys:
         yield ok(
@@ -356,58 +375,37 @@ def _standbys_carry_slot(conn: Any, settings: Settings) -> Iterator[Finding]:
 
 
 def _standby_hosts(settings: Settings) -> Iterator[Finding]:
-    """A multi-host CDC_PG_DSN: read each standby's own settings and its copy of the slot."""
-    import psycopg  # noqa: PLC0415 - see postgres()
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo  # noqa: PLC0415
+    """A multi-host CDC_PG_DSN: each standby's own settings and its copy of the slot
+    (:func:`cdc.wal.standby_copy.look_at_standbys`, the look the relay's /readyz reads)."""
+    from cdc.pgconn import Use  # noqa: PLC0415 - see postgres()
+    from cdc.wal.standby_copy import look_at_standbys  # noqa: PLC0415 - (the same)
 
     dsn = settings.pg_dsn.get_secret_value()
-    params = conninfo_to_dict(dsn)
-    hosts = str(params.get("host") or "").split(",")
-    if len(hosts) < 2:
-        return
-    ports = str(params.get("port") or "").split(",")
-    for i, host in enumerate(hosts):
-        port = ports[i] if len(ports) == len(hosts) else ports[0]
-        where = f"{host}:{port}" if port else host
-        one = make_conninfo(
-            dsn,
-            host=host,
-            port=port or None,
-            hostaddr=None,
-            target_session_attrs="standby",
-            connect_timeout=max(1, int(PROBE_TIMEOUT_S)),
+    for copy in look_at_standbys(dsn, settings.slot, timeout_s=PROBE_TIMEOUT_S, use=Use.CLI):
+        yield standby_copy_finding(copy, settings.slot)
+
+
+def standby_copy_finding(copy: StandbyCopy, slot: str) -> Finding:
+    """One standby host's answer as the preflight says it."""
+    from cdc.wal.standby_copy import Carry  # noqa: PLC0415 - see postgres()
+
+    item = f"standby {copy.where}"
+    if copy.carry is Carry.UNKNOWN:
+        return warn(item, f"cannot tell whether it carries slot {slot}: {copy.why}")
+    if copy.fixes:
+        return warn(
+            item, "will not carry the slot (a gap recovery would): set " + "; ".join(copy.fixes)
         )
-        try:
-            with psycopg.connect(one, autocommit=True) as standby:
-                yield from _standby_settings(standby, settings, where)
-        except psycopg.Error:
-            continue  # the primary, or a host that does not answer: nothing to read here
-
-
-def _standby_settings(conn: Any, settings: Settings, where: str) -> Iterator[Finding]:
-    from psycopg import errors  # noqa: PLC0415 - see postgres()
-
-    item = f"standby {where}"
-    wrong = []
-    for name, want in (("sync_replication_slots", "on"), ("hot_standby_feedback", "on")):
-        if _one(conn, f"SHOW {name}") != want:
-            wrong.append(f"{name} = {want}")
-    try:
-        conninfo = str(_one(conn, "SHOW primary_conninfo") or "")
-        if "dbname" not in conninfo:
-            wrong.append("a dbname in primary_conninfo")
-    except errors.InsufficientPrivilege:  # shown to superusers and pg_read_all_settings
-        pass
-    row = conn.execute(
-        "SELECT synced, failover, NOT temporary FROM pg_replication_slots WHERE slot_name = %s",
-        (settings.slot,),
-    ).fetchone()
-    if wrong:
-        yield warn(item, "will not carry the slot (a gap recovery would): set " + "; ".join(wrong))
-    elif row is None or not (row[0] and row[2]):
-        yield warn(item, f"set up to carry slots, but holds no synchronized {settings.slot} yet")
-    else:
-        yield ok(item, f"holds slot {settings.slot}, synchronized: a failover keeps it")
+    if copy.carry is Carry.MISSING:
+        return warn(item, f"set up to carry slots, but holds no synchronized {slot} yet")
+    if copy.carry is Carry.NOT_YET:
+        return warn(
+            item,
+            f"holds only a temporary copy of slot {slot} (kept until the slot's catalog xmin"
+            " passes the standby's own): not yet for good - a failover now is recovered as a"
+            " gap (nothing lost); check again in a minute",
+        )
+    return ok(item, f"holds slot {slot} for good (synced, not temporary)")
 
 
 # --- Kafka ---------------------------------------------------------------------------------
@@ -418,8 +416,8 @@ def kafka(settings: Settings) -> Iterator[Finding]:
     from confluent_kafka import KafkaException  # noqa: PLC0415 - see postgres()
     from confluent_kafka.admin import AdminClient  # noqa: PLC0415
 
-    from cdc.kafkaclient import served_cause, unreachable  # noqa: PLC0415
-    from cdc.kafkalog import KafkaClientEvents  # noqa: PLC0415
+    from cdc.kafka.client import served_cause, unreachable  # noqa: PLC0415
+    from cdc.kafka.log import KafkaClientEvents  # noqa: PLC0415
 
     if not settings.kafka_bootstrap_servers:
         yield fail("kafka", "KAFKA_BOOTSTRAP_SERVERS is not set")
@@ -455,7 +453,7 @@ def _topics(settings: Settings, partitions: dict[str, int]) -> Iterator[Finding]
     ours = {
         t: n
         for t, n in partitions.items()
-        if t.startswith(settings.topic_prefix) and t != settings.checkpoint_topic_name
+        if t.startswith(settings.topic_prefix) and not settings.is_checkpoint_topic(t)
     }
     want = settings.topic_partitions
     if not ours:

@@ -30,7 +30,7 @@ HEADER_ORIGIN = "origin"
 HEADER_RECOVERED = "recovered"
 #: On records made from a logical message (``pg_logical_emit_message``): ``message``.
 #: Rows of the outbox table carry no ``form``. The relay's evidence of which events
-#: the table can give back after a slot gap (cdc.relay.gap).
+#: the table can give back after a slot gap (cdc.relay.gaps.gap).
 HEADER_FORM = "form"
 FORM_MESSAGE = b"message"
 #: Dead-letter headers: why Kafka refused the record and where it came from.

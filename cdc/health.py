@@ -3,7 +3,9 @@
 Runs in a daemon thread next to a synchronous loop (the relay). ``/healthz``
 answers 200 while the loop has ticked recently (liveness); ``/readyz`` answers
 200 only while the process does its job (e.g. streaming, not standby), else 503
-with the state as the body. An extra route (the relay's ``/backlog``) gets the
+with the state as the body's first line; :attr:`Liveness.notes` follow it, one a
+line (information that never changes the status: the relay's standbys' copies of
+its failover slot). An extra route (the relay's ``/backlog``) gets the
 query parameters (the last value of each) and answers a :class:`Reply`; a route
 that raises answers 500 without the exception's text. Binds the given host
 (loopback by default).
@@ -47,6 +49,8 @@ class Liveness:
         self._last = time.monotonic()
         self.state = "starting"
         self.ready = False
+        #: lines shown after the state by /readyz; never change its status
+        self.notes: tuple[str, ...] = ()
 
     def tick(self) -> None:
         self._last = time.monotonic()
@@ -104,7 +108,9 @@ def _handler(
             b"ok" if liveness.alive else b"stalled",
         ),
         "/readyz": lambda _: Reply(
-            200 if liveness.ready else 503, "text/plain", liveness.state.encode()
+            200 if liveness.ready else 503,
+            "text/plain",
+            "\n".join((liveness.state, *liveness.notes)).encode(),
         ),
         **extra,
     }

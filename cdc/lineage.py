@@ -6,14 +6,9 @@ Guarantees:
   ``<system_identifier>/<timeline>/<slot>`` (:func:`origin_value`), constant per
   session; records made from a logical message also carry ``form: message``
   (:data:`cdc.constants.HEADER_FORM`), rows of the table carry no ``form``;
-* a record is the relay's own (:meth:`Owner.owns`) only when its ``origin``
-  names this server's system identifier, a timeline of its lineage (the current
-  one or an ancestor: a promoted standby's records before the promotion are on
-  the parent timeline) and this slot. A record without ``origin`` (another
-  producer, a relay from before the header), with one that does not parse, or
-  of another system, timeline branch or slot never counts. :meth:`Owner.judge`
-  is the one judgement of the project: the tail read here, the audit and the
-  relay's start-up check (:mod:`cdc.audit`) all ask it;
+* a record is the relay's own only by the gap-detection rule of
+  :mod:`cdc.evidence` (:func:`cdc.evidence.gap_rule`: this server's system, a
+  timeline of its lineage, this slot); the other decisions' rules are there too;
 * every record is read by :class:`cdc.records.RecordReader`: a record whose
   headers cannot be read is skipped and counted, never fatal;
 * :func:`read_tails` is bounded: it reads only the topics given (those the
@@ -28,11 +23,21 @@ Guarantees:
 * the ids, commit times, timelines and commit LSNs of the relay's newest *row*
   records (not logical messages) ride along (:class:`RowRef`), so a gap can check
   them against the table, and tell a row deleted after insert from one a failover
-  took back (published from WAL past the point where its timeline ended).
+  took back (published from WAL past the point where its timeline ended);
+* its memory is bounded whatever the partition count and the depth read: of the
+  records of the relay's own it meets, it keeps only the newest one and the
+  :data:`NEWEST_IDS` newest row records (:class:`Newest`, heaps of at most that
+  size: ~``NEWEST_IDS`` x 400 bytes), plus one small entry per partition and the
+  names of the topics that held one - never a list of every record read (before:
+  ~380 bytes per record of its own, up to ``CDC_GAP_TAIL_MAX_RECORDS`` per
+  partition: ~0.9 GB at 24 partitions after a large recovery); its consumer's
+  fetch queue is bounded too (:data:`READ_BOUNDS`: 4 MB, not librdkafka's 64 MB).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 import uuid
@@ -46,11 +51,11 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from cdc import constants as c
 from cdc import gaps
 from cdc.errors import CdcError
-from cdc.kafkalog import KafkaClientEvents
-from cdc.records import Record, RecordReader, Skip
+from cdc.evidence import Origin, Owner
+from cdc.kafka.log import KafkaClientEvents
+from cdc.records import Record, RecordReader
 from cdc.settings import Settings
 from cdc.wal.replproto import str_to_lsn
-from cdc.wal.slots import ServerIdentity
 
 log = logging.getLogger("cdc.lineage")
 
@@ -62,95 +67,37 @@ NEWEST_IDS = 20
 TAIL_GROWTH = 8
 #: Longest wait for one round of tail reads, per 10,000 records asked for (at least this).
 ROUND_TIMEOUT_S = 30.0
-#: Distinct ``origin`` values whose verdict an :class:`Owner` remembers (there are few:
-#: one per relay session's system, timeline and slot), and the longest remembered.
-MAX_ORIGINS = 1_024
-MAX_ORIGIN_BYTES = 256
+#: A reading consumer's fetch queue, in KB (librdkafka's default is 64 MB: the tail
+#: read after a large recovery and the audit each held it full).
+QUEUE_KBYTES = 4_096
+#: Messages librdkafka prefetches per partition (its default, 100,000, holds whole
+#: partitions of a window in memory).
+QUEUE_MESSAGES = 2_000
+#: Bytes of one fetch response (librdkafka's default is 52 MB).
+FETCH_MAX_BYTES = 8 * 1024 * 1024
+#: The broker answers a fetch at a partition's end after this (librdkafka's 500 ms
+#: default held the read's last round trip).
+FETCH_WAIT_MS = 50
+#: How long librdkafka waits before fetching again once the bounded queue is full
+#: (``fetch.queue.backoff.ms``; its default, 1,000 ms, stalled every partition a
+#: second each time the reader caught up: a 200,000-record read spent 2 of its 3.5 s
+#: waiting). The queue drains in tens of milliseconds at the reader's pace.
+FETCH_QUEUE_BACKOFF_MS = 10
+#: The fetch bounds of every reading consumer of the relay's topics (the tail read, the
+#: audit): what librdkafka holds for it stays a few MB whatever the partitions read.
+READ_BOUNDS: dict[str, int] = {
+    "queued.max.messages.kbytes": QUEUE_KBYTES,
+    "queued.min.messages": QUEUE_MESSAGES,
+    "fetch.max.bytes": FETCH_MAX_BYTES,
+    "fetch.wait.max.ms": FETCH_WAIT_MS,
+    "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+}
 
 
 class TailTooDeepError(CdcError):
     """The relay's newest record may lie deeper than ``CDC_GAP_TAIL_MAX_RECORDS``."""
 
     retriable = True
-
-
-@dataclass(frozen=True)
-class Origin:
-    """The parsed ``origin`` header."""
-
-    system_id: str
-    timeline: int
-    slot: str
-
-    @classmethod
-    def parse(cls, value: bytes | str) -> Origin | None:
-        text = value.decode(errors="replace") if isinstance(value, bytes) else value
-        parts = text.split("/", 2)
-        if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or not parts[2]:
-            return None
-        return cls(system_id=parts[0], timeline=int(parts[1]), slot=parts[2])
-
-    def __str__(self) -> str:
-        return f"{self.system_id}/{self.timeline}/{self.slot}"
-
-
-def origin_value(identity: ServerIdentity, slot: str) -> str:
-    """The ``origin`` header of the records a session on ``slot`` publishes."""
-    return str(Origin(identity.system_id, identity.timeline, slot))
-
-
-@dataclass(frozen=True)
-class Owner:
-    """Whose records count as the relay's own: its system, timeline lineage and slot.
-
-    The one judgement of "is this record ours" (the tail read, the audit, the
-    start-up check). Verdicts are remembered per ``origin`` value (a read meets few
-    distinct ones): at most :data:`MAX_ORIGINS` values of at most
-    :data:`MAX_ORIGIN_BYTES` bytes each."""
-
-    system_id: str
-    timelines: frozenset[int]
-    slot: str
-    _verdicts: dict[bytes, Origin | Skip] = field(
-        default_factory=dict, init=False, repr=False, compare=False, hash=False
-    )
-
-    @classmethod
-    def of(cls, server: ServerIdentity, slot: str) -> Owner:
-        return cls(server.system_id, server.lineage, slot)
-
-    def owns(self, origin: Origin) -> bool:
-        return (
-            origin.slot == self.slot
-            and origin.system_id == self.system_id
-            and origin.timeline in self.timelines
-        )
-
-    def verdict(self, raw: bytes | None) -> Origin | Skip:
-        """The origin of a record whose ``origin`` header is ``raw`` when it is ours,
-        else why not (:attr:`Skip.NO_ORIGIN`, :attr:`Skip.BAD_ORIGIN`,
-        :attr:`Skip.FOREIGN_ORIGIN`)."""
-        if not raw:
-            return Skip.NO_ORIGIN
-        known = self._verdicts.get(raw)
-        if known is None:
-            origin = Origin.parse(raw)
-            if origin is None:
-                known = Skip.BAD_ORIGIN
-            else:
-                known = origin if self.owns(origin) else Skip.FOREIGN_ORIGIN
-            if len(self._verdicts) < MAX_ORIGINS and len(raw) <= MAX_ORIGIN_BYTES:
-                self._verdicts[raw] = known
-        return known
-
-    def judge(self, record: Record, reader: RecordReader) -> Origin | None:
-        """The record's origin when it is ours; else None, the reason counted in ``reader``."""
-        raw = record.header(c.HEADER_ORIGIN)
-        verdict = (raw and self._verdicts.get(raw)) or self.verdict(raw)  # (the memo first)
-        if isinstance(verdict, Skip):
-            reader.skip(verdict)
-            return None
-        return verdict
 
 
 class RowRef(NamedTuple):
@@ -177,6 +124,10 @@ class LastRecord:
     newest_rows: tuple[RowRef, ...] = ()
     #: a record of ours made from a logical message was seen in the tails
     saw_messages: bool = False
+    #: the highest ``lsn`` header among our records seen that the stream itself wrote
+    #: (rows and messages; not ``recovered`` ones, whose ``lsn`` is a recovery's
+    #: position): how far the relay's own publishing reached (exactly-once's evidence)
+    streamed_lsn: int = 0
 
     @property
     def commit_ts(self) -> datetime:
@@ -224,7 +175,64 @@ class _Seen:
     commit_lsn: int = 0
 
 
-def newest_of(seen: Iterable[_Seen]) -> LastRecord | None:
+#: A kept record: (commit time, offset, -arrival, the record) - unique before the record.
+_Entry = tuple[int, int, int, "_Seen"]
+
+
+class Newest:
+    """The newest record seen and the :data:`NEWEST_IDS` newest row records (by commit time,
+    then offset; among equals the first seen), kept in heaps of bounded size: memory does
+    not grow with the records offered (see the module docstring)."""
+
+    def __init__(self, rows: int = NEWEST_IDS) -> None:
+        self._rows = rows
+        self._order = itertools.count()
+        #: min-heaps of (commit time, offset, -arrival, record): the root is the oldest kept
+        self._top: list[_Entry] = []
+        self._newest_rows: list[_Entry] = []
+        self.saw_messages = False
+        #: the highest commit LSN of a record the stream wrote (not ``recovered``), of all
+        #: offered: :attr:`LastRecord.streamed_lsn` (the kept records are only the newest)
+        self.streamed_lsn = 0
+        self.topics: set[str] = set()
+        #: records offered
+        self.offered = 0
+
+    def add(self, seen: _Seen) -> None:
+        self.offered += 1
+        self.topics.add(seen.topic)
+        self.saw_messages = self.saw_messages or seen.message
+        if not seen.recovered:
+            self.streamed_lsn = max(self.streamed_lsn, seen.commit_lsn)
+        entry = (seen.commit_ts_us, seen.offset, -next(self._order), seen)
+        _keep(self._top, entry, 1)
+        if not seen.message and seen.event_id:
+            _keep(self._newest_rows, entry, self._rows)
+
+    def __len__(self) -> int:
+        """Records held now (never more than ``NEWEST_IDS`` + 1)."""
+        return len(self._top) + len(self._newest_rows)
+
+    def last(self) -> LastRecord | None:
+        kept = {e[2]: e for e in self._top + self._newest_rows}  # (one record in both)
+        return newest_of(
+            [e[3] for e in sorted(kept.values(), reverse=True)],
+            saw_messages=self.saw_messages,
+            streamed_lsn=self.streamed_lsn,
+        )
+
+
+def _keep(heap: list[_Entry], entry: _Entry, size: int) -> None:
+    """Keep the ``size`` largest entries in the min-heap ``heap``."""
+    if len(heap) < size:
+        heapq.heappush(heap, entry)
+    elif entry[:3] > heap[0][:3]:
+        heapq.heapreplace(heap, entry)
+
+
+def newest_of(
+    seen: Iterable[_Seen], *, saw_messages: bool = False, streamed_lsn: int = 0
+) -> LastRecord | None:
     """The newest of the records seen (commit time, then offset), with the newest row ids."""
     ordered = sorted(seen, key=lambda s: (s.commit_ts_us, s.offset), reverse=True)
     if not ordered:
@@ -241,7 +249,10 @@ def newest_of(seen: Iterable[_Seen]) -> LastRecord | None:
             RowRef(s.event_id, s.commit_ts_us, s.origin.timeline, s.commit_lsn)
             for s in rows[:NEWEST_IDS]
         ),
-        saw_messages=any(s.message for s in ordered),
+        saw_messages=saw_messages or any(s.message for s in ordered),
+        streamed_lsn=max(
+            streamed_lsn, max((s.commit_lsn for s in ordered if not s.recovered), default=0)
+        ),
     )
 
 
@@ -267,8 +278,8 @@ def relay_topics(conn: Any, settings: Settings, listed: Iterable[str]) -> tuple[
     existing = set(listed)
     recorded = gaps.outputs(conn, settings.slot, gaps.OUTPUT_TOPIC)
     if recorded:
-        checkpoints = settings.checkpoint_topic_name  # (holds no event, whatever its name)
-        return [t for t in recorded if t in existing and t != checkpoints], True
+        # (a checkpoint topic holds no event, whatever its name)
+        return [t for t in recorded if t in existing and not settings.is_checkpoint_topic(t)], True
     return sorted(t for t in existing if settings.is_outbox_topic(t)), False
 
 
@@ -281,6 +292,7 @@ def consumer(settings: Settings, purpose: str) -> Consumer:
             "group.id": f"outbox-cdc-{purpose}-{uuid.uuid4().hex}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
+            **READ_BOUNDS,
             **KafkaClientEvents(purpose).config(),
             **settings.kafka_config,
         }
@@ -329,7 +341,7 @@ class _Tails:
         self.first = first
         self.bound = bound
         self.result = TailRead(last=None)
-        self.seen: list[_Seen] = []
+        self.newest = Newest()
 
     def read(self, topics: Sequence[str]) -> TailRead:
         parts = self._partitions(topics)
@@ -348,8 +360,8 @@ class _Tails:
                 begin = max(p.low, p.high - depth)
                 round_.append((p, begin, p.start))
                 p.start = begin
-        self.result.last = newest_of(self.seen)
-        self.result.topics_with_ours = tuple(sorted({s.topic for s in self.seen}))
+        self.result.last = self.newest.last()
+        self.result.topics_with_ours = tuple(sorted(self.newest.topics))
         buried = [p for p in parts if not p.settled and p.start > p.low]
         if buried and self.result.last is None:
             p = buried[0]
@@ -428,7 +440,7 @@ class _Tails:
         recovered = record.header(c.HEADER_RECOVERED) is not None
         if not recovered:
             part.settled = True
-        self.seen.append(
+        self.newest.add(
             _Seen(
                 commit_ts_us=commit_ts_us(record),
                 origin=origin,

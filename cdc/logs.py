@@ -11,7 +11,7 @@ shows the message only, which already names the object).
 
 Every line of the process goes through the one root handler, in the one
 format: uvicorn's (the HTTP servers are built with ``log_config=None``, so
-its loggers propagate here) and librdkafka's (:mod:`cdc.kafkalog` routes them
+its loggers propagate here) and librdkafka's (:mod:`cdc.kafka.log` routes them
 to the ``kafka.<client>`` loggers) included. Every JSON line is one object.
 uvicorn's general logger is named ``uvicorn.error`` for historical reasons
 although it logs "Started server process" at INFO: its lines are shown under

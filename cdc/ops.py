@@ -44,6 +44,7 @@ from cdc.outbox import user_registered_event, write_event
 from cdc.pgconn import Use, connect, failure_text
 from cdc.settings import Settings
 from cdc.wal import pgoutput
+from cdc.wal.slots import FAILOVER_SLOTS_MIN_VERSION, read_slot
 from cdc.wal.stream import slot_holder
 
 Conn = psycopg.Connection[Any]
@@ -103,6 +104,10 @@ class SlotStatus(TypedDict):
     #: The slot's latest history row (cdc.gaps: a gap open, recovered or accepted;
     #: the slot created at a first start), None when there is none.
     gap: dict[str, object] | None
+    #: PostgreSQL 17+: a failover slot (synchronized to standbys set up for it); None before.
+    failover: bool | None
+    #: PostgreSQL 17+: synchronized from a primary (the slot a failover carried over).
+    synced: bool | None
     #: Age of the oldest unconfirmed transaction with an event; 0 when none.
     lag_time_s: float | None
     oldest_unconfirmed_commit_ts: str | None
@@ -157,6 +162,10 @@ def read_slot_status(conn: Conn, settings: Settings) -> SlotStatus:
     assert row is not None
     status = _status_from_row(settings.slot, row)
     status["gap"] = _latest_history(conn, settings.slot)
+    if status["exists"] and conn.info.server_version >= FAILOVER_SLOTS_MIN_VERSION:
+        row = read_slot(conn, settings.slot)
+        if row is not None:
+            status["failover"], status["synced"] = row.failover, row.synced
     if status["active"]:
         walsender = slot_holder(conn, settings.slot).walsender
         status["holder"] = str(walsender) if walsender is not None else None
@@ -192,6 +201,8 @@ def _status_from_row(slot: str, row: tuple[Any, ...]) -> SlotStatus:
         wal_status=row[10],
         safe_wal_size_bytes=row[11],
         gap=None,
+        failover=None,
+        synced=None,
         lag_time_s=None,
         oldest_unconfirmed_commit_ts=None,
         lag_time_note="slot does not exist" if not exists else "",

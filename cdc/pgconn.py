@@ -20,6 +20,9 @@ Guarantees:
   that holds something while idle by design (the recovery's advisory lock, an
   exported snapshot) is exempt from ``idle_session_timeout`` and
   ``idle_in_transaction_session_timeout``;
+* :func:`rows_within` answers one query within a deadline of its own, connecting
+  included, whatever the path does (a peer that ACKs and never answers, a
+  connect that hangs): the silence detector's look at a walsender;
 * what the DSN says wins over every default: a libpq parameter it sets (or
   libpq's ``PGCONNECT_TIMEOUT`` / ``PGOPTIONS`` when it does not), and a
   ``-c name=value`` in its ``options`` over the same session setting of ours.
@@ -33,10 +36,14 @@ from __future__ import annotations
 import enum
 import os
 import re
+import select
 import socket
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 Conn = psycopg.Connection[Any]
@@ -176,6 +183,63 @@ def connect(dsn: str, use: Use = Use.QUERY, **kwargs: Any) -> Conn:
     """
     kwargs.setdefault("autocommit", True)
     return psycopg.connect(conninfo(dsn, use), **kwargs)
+
+
+def rows_within(
+    dsn: str, query: str, params: Sequence[str], timeout_s: float, *, use: Use = Use.QUERY
+) -> list[tuple[str | None, ...]]:
+    """The rows (text values) of ``query`` (``$1``-style parameters, as text) on a new
+    connection to ``dsn``, or :class:`psycopg.OperationalError` when connecting and
+    answering take longer than ``timeout_s`` together (a connect that hangs, a peer
+    that ACKs and never answers: no TCP timeout ends those); any other failure
+    raises as psycopg does. The connection's own ``connect_timeout`` is the rest of
+    the deadline (the DSN's when shorter); ``use`` its session settings."""
+    deadline = time.monotonic() + timeout_s
+    params_dict = conninfo_to_dict(dsn)
+    theirs = params_dict.get("connect_timeout")
+    limit = max(1, int(timeout_s))
+    if theirs is None or not str(theirs).isdigit() or int(theirs) <= 0 or int(theirs) > limit:
+        dsn = make_conninfo(dsn, connect_timeout=str(limit))
+    with connect(dsn, use) as conn:
+        pg = conn.pgconn
+        pg.nonblocking = 1
+        pg.send_query_params(query.encode(), [p.encode() for p in params])
+        while pg.flush() != 0:
+            _ready(pg.socket, deadline, write=True)
+        pg.consume_input()
+        while pg.is_busy():
+            _ready(pg.socket, deadline, write=False)
+            pg.consume_input()
+        results = []
+        while (result := pg.get_result()) is not None:
+            results.append(result)
+        rows: list[tuple[str | None, ...]] = []
+        for result in results:
+            if result.status != pq.ExecStatus.TUPLES_OK:
+                message = (result.error_message or b"").decode(errors="replace").strip()
+                raise psycopg.OperationalError(message or f"query failed: status {result.status}")
+            for i in range(result.ntuples):
+                rows.append(
+                    tuple(
+                        None if (v := result.get_value(i, j)) is None else bytes(v).decode()
+                        for j in range(result.nfields)
+                    )
+                )
+        return rows
+
+
+def _ready(fd: int, deadline: float, *, write: bool) -> None:
+    """Wait until ``fd`` is readable (writable), or raise at ``deadline``."""
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        ready = (
+            select.select([], [fd], [], remaining)
+            if write
+            else select.select([fd], [], [], remaining)
+        )
+        if ready[0] or ready[1]:
+            return
+    raise psycopg.OperationalError("no answer from the server within the look's deadline")
 
 
 def failure_text(exc: BaseException) -> str:

@@ -14,8 +14,9 @@ all). Guarantees:
   label and a log word, never the record's bytes. Nothing it reads is fatal;
 * the ``id`` header is parsed as a uuid into its 16 bytes (:func:`uuid_bytes`,
   :meth:`Record.event_id_bytes`): PostgreSQL's uuid text, any case, with or
-  without its dashes; anything else is no id. Callers that hold many ids keep 16
-  bytes each, not a Python string per record.
+  without its dashes; anything else (braces, ``urn:uuid:``, ``evt-1``) is no id.
+  Callers that hold many ids keep 16 bytes each, not a Python string per record;
+  the sink keeps the canonical text (:func:`canonical_id`), its idempotency key.
 
 The sink (:mod:`sinks.core.delivery`) re-exports :func:`read_headers` and
 :class:`HeaderRead`; they live here because ``cdc`` is the ground floor.
@@ -178,6 +179,17 @@ def uuid_bytes(raw: bytes | None) -> bytes | None:
         return binascii.unhexlify(raw)
     except (binascii.Error, ValueError):
         return None
+
+
+def canonical_id(raw: bytes | None) -> str:
+    """The canonical text of the uuid an ``id`` header holds (lower-case ``8-4-4-4-12``),
+    whatever form :func:`uuid_bytes` accepts; ``""`` when it holds none. An event's
+    idempotency key is this text everywhere: read once, at reading."""
+    id16 = uuid_bytes(raw)
+    if id16 is None:
+        return ""
+    h = id16.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 class RecordReader:

@@ -28,7 +28,8 @@ from confluent_kafka import KafkaException
 
 from cdc import gaps
 from cdc.errors import CdcError
-from cdc.lineage import Owner, list_topics, read_tails, relay_topics
+from cdc.evidence import gap_rule
+from cdc.lineage import list_topics, read_tails, relay_topics
 from cdc.outbox import Retention
 from cdc.settings import Settings
 from cdc.wal.slots import identify_system, read_slot
@@ -64,7 +65,7 @@ def retention_for(conn: Conn, settings: Settings) -> Retention:
     try:
         server = identify_system(settings.pg_dsn.get_secret_value())
         topics, _ = relay_topics(conn, settings, list_topics(settings))
-        last = read_tails(settings, Owner.of(server, settings.slot), topics).last
+        last = read_tails(settings, gap_rule(server, settings.slot), topics).last
     except (KafkaException, CdcError) as exc:
         raise PruneRefusedError(f"slot {settings.slot} is {state} and: {exc}") from exc
     if last is None:

@@ -447,7 +447,8 @@ def dead_letter(
 
     Its headers: the record's own (when it had any), the event ``id``, the
     transaction's lineage (commit LSN, commit time, ``origin``) when the record
-    did not carry it already, ``dlq.reason`` and ``dlq.original.topic`` (empty
+    did not carry it already - its ``origin`` alone when the transaction has no
+    commit LSN (a row republished from the table) - ``dlq.reason`` and ``dlq.original.topic`` (empty
     when no valid topic could be made).
 
     The value is the original bytes when they fit under ``max_value_bytes``,
@@ -475,6 +476,8 @@ def dead_letter(
         kept.append((c.HEADER_ID, event_id.encode()))
     if c.HEADER_LSN not in names and tx.commit_lsn:  # lineage: the transaction it came from
         kept += tx.headers
+    elif c.HEADER_ORIGIN not in names and len(tx.headers) > 2:  # (a republished row's: no LSN)
+        kept.append(tx.headers[2])  # its origin all the same (cdc.evidence)
     kept += [(c.HEADER_DLQ_REASON, reason.encode()), (c.HEADER_DLQ_TOPIC, original_topic.encode())]
     if max_field_bytes is not None:
         key = key[:max_field_bytes]

@@ -14,7 +14,8 @@
 # loopback-only and non-default; override with OUTBOX_PG_PORT, OUTBOX_KAFKA_PORT,
 # OUTBOX_KAFKA_CONTROLLER_PORT (and OUTBOX_ENGINE_STUB_PORT, OUTBOX_RELAY_HTTP_PORT,
 # OUTBOX_SINK_HTTP_PORT for `make run`). `up` records them in .dev/ports - later verbs
-# use them, and refuse other ports while the stack runs - and writes .dev/env with
+# use them, and refuse other PostgreSQL and Kafka ports while the stack runs (other HTTP
+# ports are recorded by the next `up`) - and writes .dev/env with
 # CDC_PG_DSN, KAFKA_BOOTSTRAP_SERVERS, the HTTP ports, ENGINE_BASE_URL (the stub's), the
 # admin token and the engine API key. OUTBOX_DEV_DIR puts a second stack's data, logs and env
 # elsewhere (with other ports: `make test` runs a lane of tests against one); the
@@ -33,6 +34,8 @@ PORTS_FILE="$DEV/ports"
 #: variable default: the stack's ports, then the HTTP ports of `make run` (written to .dev/env)
 PORT_DEFAULTS="OUTBOX_PG_PORT=25432 OUTBOX_KAFKA_PORT=29092 OUTBOX_KAFKA_CONTROLLER_PORT=29093
 OUTBOX_ENGINE_STUB_PORT=8081 OUTBOX_RELAY_HTTP_PORT=9101 OUTBOX_SINK_HTTP_PORT=9102"
+#: the ports of the stack itself: a running stack refuses others (check_ports)
+STACK_PORT_VARS="OUTBOX_PG_PORT OUTBOX_KAFKA_PORT OUTBOX_KAFKA_CONTROLLER_PORT"
 recorded_port() { [ -f "$PORTS_FILE" ] && sed -n "s/^$1=//p" "$PORTS_FILE"; }
 running_port() {
     # A stack started before ports were recorded: the ports its running services use
@@ -74,10 +77,12 @@ apt_install() {
     [ "$(id -u)" = 0 ] || die "missing $*: install it (apt-get install $*) or run as root"
     log "installing $* (apt-get)"
     export DEBIAN_FRONTEND=noninteractive
+    # Another apt-get may hold the lock (make test's compose lane installs docker.io at
+    # the same time on a fresh machine): wait for it rather than fail.
     if [ ! -f "$DEV/.apt-updated" ]; then
-        apt-get update -qq >&2 && mkdir -p "$DEV" && touch "$DEV/.apt-updated"
+        apt-get update -qq -o DPkg::Lock::Timeout=600 >&2 && mkdir -p "$DEV" && touch "$DEV/.apt-updated"
     fi
-    apt-get install -y -qq --no-install-recommends "$@" >&2
+    apt-get install -y -qq --no-install-recommends -o DPkg::Lock::Timeout=600 "$@" >&2
 }
 
 mvn_quiet() {
@@ -594,12 +599,14 @@ secret_file() {  # $1 file under $DEV: a random token made once, kept (0600)
 stack_running() { { pg_known && pg_running; } || kafka_pid >/dev/null; }
 
 check_ports() {
-    # A verb given ports (OUTBOX_* variables) that disagree with the running stack's
-    # record refuses, in one line: it would talk to another stack, or to nothing.
-    local pair var rec given wrong=""
+    # A verb given ports of the stack itself (PostgreSQL's, Kafka's) that disagree with the
+    # running stack's record refuses, in one line: it would talk to another stack, or to
+    # nothing. The HTTP ports of `make run` are not the stack's: `up` records new ones
+    # (and writes them to $DEV/env) while PostgreSQL and Kafka run on.
+    local var rec given wrong=""
     [ -f "$PORTS_FILE" ] || return 0
-    for pair in $PORT_DEFAULTS; do
-        var=${pair%%=*}; given=${!var:-}; rec=$(recorded_port "$var" || true)
+    for var in $STACK_PORT_VARS; do
+        given=${!var:-}; rec=$(recorded_port "$var" || true)
         if [ -n "$given" ] && [ -n "$rec" ] && [ "$given" != "$rec" ]; then
             wrong="$wrong $var=$given (it runs on $rec)"
         fi
@@ -628,13 +635,15 @@ write_env() {
     relay=$(port_of OUTBOX_RELAY_HTTP_PORT 9101)
     sink=$(port_of OUTBOX_SINK_HTTP_PORT 9102)
     record_ports
+    # The HTTP ports keep a value the shell already holds (`CDC_RELAY_HTTP_PORT=33195 make
+    # demo`: the process setting wins); the engine URL follows the stub's port.
     (umask 077; cat > "$DEV/env" <<ENV
 export CDC_PG_DSN='postgresql://$PG_SUPERUSER:$pw@127.0.0.1:$PG_PORT/$PG_DB'
 export KAFKA_BOOTSTRAP_SERVERS='127.0.0.1:$KAFKA_PORT'
-export ENGINE_STUB_PORT=$stub
-export ENGINE_BASE_URL='http://127.0.0.1:$stub'
-export CDC_RELAY_HTTP_PORT=$relay
-export SINK_HTTP_PORT=$sink
+export ENGINE_STUB_PORT=\${ENGINE_STUB_PORT:-$stub}
+export ENGINE_BASE_URL="http://127.0.0.1:\$ENGINE_STUB_PORT"
+export CDC_RELAY_HTTP_PORT=\${CDC_RELAY_HTTP_PORT:-$relay}
+export SINK_HTTP_PORT=\${SINK_HTTP_PORT:-$sink}
 export ADMIN_API_TOKEN='$(secret_file admin.token)'
 export INTERNAL_API_KEY='$(secret_file engine.key)'
 ENV

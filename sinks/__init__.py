@@ -23,9 +23,11 @@ the bottom; ``tests/unit/test_layout.py`` holds it):
   request of aiohttp's client and a tenth of httpx's, over plain HTTP and TLS;
 - :mod:`sinks.stub`     - a real HTTP engine stub with idempotency and fault injection;
 - :mod:`sinks.idempotent` - the toolkit for your own consumers;
-- :mod:`sinks.parking`  - the parking lot, its retries, claims, admin API and guard;
-- :mod:`sinks.kafka`    - Kafka: the consumer shell, its Kafka thread, offset
-  expiry, the process;
+- :mod:`sinks.parking`  - the parking lot, its retries and claims;
+- :mod:`sinks.http`     - the process's endpoints: probes, metrics, the admin API, its guard;
+- :mod:`sinks.kafka`    - Kafka: the consumer's thread, offset expiry, the fetch watch;
+- :mod:`sinks.runtime`  - the process's shell: the loop around the core, parks,
+  readiness, metrics, the ``outbox-cdc sink`` process;
 - :mod:`sinks.ops`, :mod:`sinks.trace` - group operations (lag, replay,
   redelivery) and "where is event X";
 - :mod:`sinks.cli`      - the sink's commands of ``outbox-cdc`` (an entry point),

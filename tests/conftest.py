@@ -2,9 +2,11 @@
 
 Endpoints, in order of preference:
 
-1. ``CDC_PG_DSN`` / ``KAFKA_BOOTSTRAP_SERVERS`` from the environment;
-2. the local stack (``compose/stack.sh up``, which also writes ``.dev/env``);
-3. testcontainers, when a Docker engine answers.
+1. ``OUTBOX_TEST_SERVICES=testcontainers``: PostgreSQL and Kafka of the session's own,
+   started with testcontainers (:mod:`tests.containers`; removed at the end, by label);
+2. ``CDC_PG_DSN`` / ``KAFKA_BOOTSTRAP_SERVERS`` from the environment;
+3. the local stack (``compose/stack.sh up``, which also writes ``.dev/env``);
+4. testcontainers, when the local stack failed and a Docker engine answers.
 
 When none works the test fails in CI (``CI=true``) and is skipped, with the
 reason, elsewhere. Each session works in its own freshly migrated database and
@@ -82,26 +84,34 @@ def _local_stack() -> Services | None:
     return Services(env["CDC_PG_DSN"], env["KAFKA_BOOTSTRAP_SERVERS"], "local-stack")
 
 
-def _testcontainers() -> Services | None:  # pragma: no cover - needs a Docker engine
+#: Where the integration tests find PostgreSQL and Kafka (OUTBOX_TEST_SERVICES): ``local``
+#: (the default: the environment's, else the local stack's) or ``testcontainers``.
+SERVICES_MODES = ("local", "testcontainers")
+SERVICES_MODE = os.environ.get("OUTBOX_TEST_SERVICES") or "local"
+
+
+def _testcontainers() -> Iterator[Services]:  # pragma: no cover - needs a Docker engine
+    from tests.containers import docker_answers, start_session_services
+
+    if not docker_answers():
+        _unavailable("OUTBOX_TEST_SERVICES=testcontainers, but no Docker engine answers")
+    started = start_session_services()
     try:
-        import docker  # type: ignore[import-untyped]
-
-        docker.from_env().ping()
-    except Exception:
-        return None
-    from testcontainers.kafka import KafkaContainer
-    from testcontainers.postgres import PostgresContainer
-
-    pg = PostgresContainer("postgres:16").with_command("postgres -c wal_level=logical")
-    kafka = KafkaContainer("apache/kafka:4.1.1").with_kraft()
-    pg.start()
-    kafka.start()
-    dsn = pg.get_connection_url(driver=None)
-    return Services(dsn, kafka.get_bootstrap_server(), "testcontainers")
+        yield Services(started.pg_dsn, started.kafka_bootstrap, "testcontainers")
+    finally:
+        started.close()
 
 
 @pytest.fixture(scope="session")
-def services() -> Services:
+def services() -> Iterator[Services]:
+    if SERVICES_MODE not in SERVICES_MODES:
+        pytest.exit(
+            f"OUTBOX_TEST_SERVICES={SERVICES_MODE!r}: choose one of {', '.join(SERVICES_MODES)}",
+            returncode=2,
+        )
+    if SERVICES_MODE == "testcontainers":
+        yield from _testcontainers()
+        return
     dsn = os.environ.get("CDC_PG_DSN")
     kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if dsn and kafka:
@@ -109,13 +119,19 @@ def services() -> Services:
         if local.exists():
             env = _read_env_file(local)
             if (env.get("CDC_PG_DSN"), env.get("KAFKA_BOOTSTRAP_SERVERS")) == (dsn, kafka):
-                return Services(dsn, kafka, "local-stack")
-        return Services(dsn, kafka, "env")
-    found = _local_stack() or _testcontainers()
-    if found is None:
+                yield Services(dsn, kafka, "local-stack")
+                return
+        yield Services(dsn, kafka, "env")
+        return
+    found = _local_stack()
+    if found is not None:
+        yield found
+        return
+    from tests.containers import docker_answers
+
+    if not docker_answers():
         _unavailable("no CDC_PG_DSN/KAFKA_BOOTSTRAP_SERVERS, local stack failed, no Docker engine")
-        raise AssertionError("unreachable")
-    return found
+    yield from _testcontainers()
 
 
 def dsn_for_db(dsn: str, dbname: str) -> str:

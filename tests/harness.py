@@ -144,7 +144,7 @@ class RelayConfig:
                 "CDC_RELAY_HTTP_PORT": str(http_port),
                 "LOG_LEVEL": "INFO",
                 # The session's database is shared: a test's first start finds other
-                # tests' rows in the outbox and must not publish them (cdc.relay.gap).
+                # tests' rows in the outbox and must not publish them (cdc.relay.gaps.gap).
                 "CDC_SLOT_INIT": "now",
                 # The session's database is shared by every test's slot: a periodic
                 # audit would judge (and republish) the other tests' rows. Off unless

@@ -23,9 +23,9 @@ Stages of one run (:func:`run_audit`):
 Layout: a pure core (:mod:`cdc.audit.ids` compact id sets, :mod:`cdc.audit.compare`,
 :mod:`cdc.audit.window`) and thin shells for PostgreSQL (:mod:`cdc.audit.table`),
 Kafka (:mod:`cdc.audit.kafka`: records read by :class:`cdc.records.RecordReader`,
-judged by :class:`cdc.lineage.Owner`), one run (:mod:`cdc.audit.run`) and the
-relay's periodic audit (:mod:`cdc.audit.periodic`). The repair is the project's one
-re-publish path, :func:`cdc.relay.republish.republish` (``recovered: audit-<run>``).
+judged by :class:`cdc.evidence.Owner`), one run (:mod:`cdc.audit.run`) and the
+relay's periodic audit (:mod:`cdc.relay.gaps.periodic_audit`). The repair is the project's one
+re-publish path, :func:`cdc.repair.republish.republish` (``recovered: audit-<run>``).
 
 The relay's start-up check (DESIGN, relay invariant 11) is a call of
 :func:`verify_since` over the window since the last published record: the same
@@ -34,8 +34,9 @@ Neither judges rows committed before the relay's first start when that chose not
 publish them (``slot init --from now``, an empty outbox): the slot history's first row.
 """
 
-from cdc.audit.run import AuditBusyError, AuditReport, Verification, run_audit, verify_since
+from cdc.audit.run import AuditReport, Verification, run_audit, verify_since
 from cdc.audit.window import BeforeFirstStartError, Window, WindowError, window_for
+from cdc.repair.lock import AuditBusyError
 
 __all__ = [
     "AuditBusyError",

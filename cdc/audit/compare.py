@@ -7,7 +7,7 @@ bucket at a time, so memory holds the compact arrays plus one bucket's objects):
   (their time inside it) and of its *context* rows (in the margin before it:
   a record of the window may belong to one; they are never judged missing);
 * :class:`KafkaSide` per topic: the ids of this relay's records (judged by
-  :class:`cdc.lineage.Owner`: its system, timeline lineage and slot), split into
+  :class:`cdc.evidence.Owner`: its system, timeline lineage and slot), split into
   those inside the window (phantom candidates) and the others; records of anyone
   else are only counted - another producer's record never vouches for a row;
 * the ids in the dead-letter topic; the ids still *pending* in the slot (decoded,

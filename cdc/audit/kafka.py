@@ -18,7 +18,7 @@ Guarantees:
   :data:`FETCH_QUEUE_BACKOFF_MS` of draining; a partition is done at its end event
   or once the consumer's position reaches its planned end (checked per batch).
   Every record's headers are read by :class:`cdc.records.RecordReader` and its
-  ``origin`` judged by :class:`cdc.lineage.Owner` (this relay's system, timeline
+  ``origin`` judged by :class:`cdc.evidence.Owner` (this relay's system, timeline
   lineage and slot; no ``origin`` is never ours) - only its ``id`` and ``origin``
   headers and its timestamp are looked at, and no object is kept of it but its id:
   of a record of this relay it keeps only the 16 bytes of its ``id`` header, in
@@ -48,8 +48,9 @@ from cdc.audit.compare import KafkaSide
 from cdc.audit.ids import IdBuckets
 from cdc.audit.window import Window
 from cdc.errors import KafkaUnavailableError
-from cdc.kafkalog import KafkaClientEvents
-from cdc.lineage import Owner
+from cdc.evidence import Owner, dead_letter_rule
+from cdc.kafka.log import KafkaClientEvents
+from cdc.lineage import READ_BOUNDS
 from cdc.records import RecordReader, Skip
 from cdc.settings import Settings
 
@@ -63,22 +64,6 @@ READ_STALL_S = 60.0
 CONSUME_BATCH = 100
 #: Longest one consume() call waits.
 CONSUME_WAIT_S = 0.5
-#: The consumer's fetch queue, in KB (librdkafka's default is 64 MB; the audit's
-#: memory bound is 200 MB for a 1,000,000-record window).
-QUEUE_KBYTES = 4_096
-#: Messages librdkafka prefetches per partition (its default, 100,000, holds whole
-#: partitions of a window in memory).
-QUEUE_MESSAGES = 2_000
-#: Bytes of one fetch response (librdkafka's default is 52 MB).
-FETCH_MAX_BYTES = 8 * 1024 * 1024
-#: The broker answers a fetch at a partition's end after this (librdkafka's 500 ms
-#: default held the read's last round trip).
-FETCH_WAIT_MS = 50
-#: How long librdkafka waits before fetching again once the bounded queue is full
-#: (``fetch.queue.backoff.ms``; its default, 1,000 ms, stalled every partition a
-#: second each time the reader caught up: a 200,000-record read spent 2 of its 3.5 s
-#: waiting). The queue drains in tens of milliseconds at the reader's pace.
-FETCH_QUEUE_BACKOFF_MS = 10
 
 
 @dataclass(frozen=True)
@@ -124,11 +109,7 @@ def consumer(settings: Settings, *, group: str | None = None, client: str = "aud
             "enable.auto.commit": False,
             "enable.partition.eof": True,
             "auto.offset.reset": "earliest",
-            "queued.max.messages.kbytes": QUEUE_KBYTES,
-            "queued.min.messages": QUEUE_MESSAGES,
-            "fetch.max.bytes": FETCH_MAX_BYTES,
-            "fetch.wait.max.ms": FETCH_WAIT_MS,
-            "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+            **READ_BOUNDS,
             **KafkaClientEvents(client).config(),
             **settings.kafka_config,
         }
@@ -244,7 +225,7 @@ class _Reader:
     :meth:`cdc.records.RecordReader.id_and_origin` (one ``headers()`` call) and judges
     the ``origin`` only when it differs from the record before's (a read meets few
     distinct values, in runs: compared, never hashed); the verdict is
-    :meth:`cdc.lineage.Owner.verdict`'s, counted per record."""
+    :meth:`cdc.evidence.Owner.verdict`'s, counted per record."""
 
     def __init__(
         self, out: KafkaRead, dlq_topic: str, owner: Owner | None, from_ms: int, window: Window
@@ -285,7 +266,8 @@ class _Reader:
                 continue
             id16, origin = found
             if side is None:
-                dead_letters.add(id16)
+                if dead_letter_rule(id16):  # (cdc.evidence: a dead letter by its id)
+                    dead_letters.add(id16)
                 continue
             if origin != last_origin:
                 last_origin, verdict = origin, self._verdict(origin)

@@ -6,20 +6,35 @@ Guarantees of :func:`run_audit` (the stages of :mod:`cdc.audit`):
   what must be in Kafka: the slot's pending events below it are read next, then
   Kafka's ends - so every row the snapshot saw is in Kafka, still in the slot
   (in flight), dead-lettered, or missing; nothing committed later is judged;
-* which records are this relay's is judged by :class:`cdc.lineage.Owner` (the
+* which records are this relay's is judged by :class:`cdc.evidence.Owner` (the
   server's system identifier, its timeline lineage - ancestors included - and the
   slot): a record of another cluster's relay with the same slot name, of another
   slot or timeline branch, or without ``origin`` never accounts for a row. When
-  the server cannot be identified, records of any origin are counted and
-  phantoms are not judged (a note says so);
-* nothing of the table is locked; memory is the compact id arrays (16 bytes per
-  row and per record) plus one bucket's objects and the listed missing rows;
+  the server cannot be identified (no ``REPLICATION`` attribute, no timeline
+  history: no system identity, no lineage) the run *cannot judge*: a foreign
+  record carrying a row's id would hide the missing row, so the report never says
+  complete - :attr:`AuditReport.cannot_judge` names why, the exit code is
+  :data:`EXIT_CANNOT_JUDGE`, and ``repair`` republishes nothing (it refuses: what
+  it would republish, and under which origin, is unknown);
+* rows the slot still holds (committed, not confirmed: a relay behind or stuck)
+  are *in flight*: never missing, never clean either - the exit code is
+  :data:`EXIT_IN_FLIGHT` when nothing else was found;
+* nothing of the table is locked; memory is bounded whatever the window: each id
+  set keeps at most :data:`cdc.audit.ids.SPILL_BYTES` in memory (the rest in a
+  temporary file), the table's groups arrive 1/4096 of a topic at a time, the
+  comparison holds one bucket's objects (1/256 of the window: ~2 MB per million
+  rows), and the missing ids (16 bytes each) and listed rows are kept. Measured
+  (``make bench``): peak RSS 118.4 MB at 1,000,000 rows, 138.2 MB at 10,000,000;
 * ``repair=True`` republishes every missing row through the one re-publish path,
-  :func:`cdc.relay.republish.republish` (``recovered: audit-<run id>``), and
+  :func:`cdc.repair.republish.republish` (``recovered: audit-<run id>``), and
   returns after Kafka acknowledged them all;
 * every run that may repair - an audit with ``repair``, the start-up check -
-  holds the slot's audit lock (:func:`audit_lock`, a session advisory lock), so
-  two never republish at once: a second one gets :class:`AuditBusyError`;
+  holds the slot's audit lock (:class:`cdc.repair.lock.AuditLock`: the recovery lock's type,
+  :class:`cdc.repair.lock.SlotLock` - its own connection, exempt from the
+  server's idle timeouts, checked before the repair and taken again when its
+  connection was lost), so two never republish at once: a second one gets
+  :class:`AuditBusyError`. A lock lost and taken again during a run makes the run
+  compare again under the new lock before it republishes anything;
 * :func:`verify_since` is the relay's start-up check (DESIGN, relay invariant
   11): the same comparison over the window since the relay's last record, of
   the topics its routes published to and at most ``max_rows`` rows (a larger
@@ -37,7 +52,6 @@ Guarantees of :func:`run_audit` (the stages of :mod:`cdc.audit`):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -48,22 +62,33 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-import psycopg
-
 from cdc import gaps
 from cdc.audit import kafka as kf
 from cdc.audit import table as pg
 from cdc.audit.compare import Comparison, compare
 from cdc.audit.ids import IdList, uuid_text
+from cdc.audit.notes import first_start_notes, report_notes
 from cdc.audit.window import Window, from_first_start, iso, to_ms
 from cdc.errors import CdcError
-from cdc.lineage import Owner, origin_value
-from cdc.relay.republish import republish
+from cdc.evidence import Owner, audit_rule, origin_value
+from cdc.repair.lock import AuditBusyError, SlotLock, audit_lock
+from cdc.repair.republish import republish
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
 from cdc.wal.slots import ServerIdentity, identify_system
 
 log = logging.getLogger("cdc.audit")
+
+#: Exit codes of a run (2 is the CLI's usage and configuration errors): nothing missing,
+#: nothing in flight, every record's owner known;
+EXIT_CLEAN = 0
+#: something missing, or removed before the group processed it (like ``diff``);
+EXIT_FOUND = 1
+#: which records are this relay's cannot be told (no system identity or lineage): a
+#: missing row may hide behind a foreign record carrying its id;
+EXIT_CANNOT_JUDGE = 3
+#: nothing missing, but rows still in the slot (committed, not yet in Kafka).
+EXIT_IN_FLIGHT = 4
 
 #: Missing rows listed in a report by default (all of them are counted and repaired).
 LIST_LIMIT = 1_000
@@ -77,30 +102,8 @@ Progress = Callable[[str], None]
 T = TypeVar("T")
 
 
-class AuditBusyError(CdcError):
-    """Another audit that may repair (or the start-up check) runs on the same slot."""
-
-    retriable = True
-
-
 class WindowTooLargeError(CdcError):
     """The start-up check's window holds more rows than it may read."""
-
-
-@contextmanager
-def audit_lock(settings: Settings) -> Iterator[None]:
-    """Hold the slot's audit lock (a session advisory lock) or raise :class:`AuditBusyError`."""
-    with pg.connect(settings) as conn:
-        key = f"outbox_cdc_audit:{settings.slot}"
-        row = conn.execute("SELECT pg_try_advisory_lock(hashtext(%s))", (key,)).fetchone()
-        if not row or not row[0]:
-            raise AuditBusyError(f"another audit of slot {settings.slot} is running")
-        try:
-            yield
-        finally:  # released at once (a closed connection's lock outlives it a moment)
-            with contextlib.suppress(psycopg.Error):
-                if not conn.broken:
-                    conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (key,))
 
 
 def first_start(settings: Settings) -> datetime | None:
@@ -135,6 +138,9 @@ class AuditReport:
     first_start: datetime | None = None
     #: the start asked for, when the window was moved to :attr:`first_start`
     requested_since: datetime | None = None
+    #: why the run cannot say whether the window is complete (``cannot judge: ...``):
+    #: the owner of Kafka's records could not be told; None when it could
+    cannot_judge: str | None = None
 
     @property
     def missing_count(self) -> int:
@@ -145,14 +151,41 @@ class AuditReport:
         return sum(e.count for e in self.group.expired)
 
     @property
+    def in_flight(self) -> int:
+        """Rows of the window the slot still holds (committed, not yet in Kafka)."""
+        return self.comparison.total("in_flight")
+
+    @property
     def clean(self) -> bool:
-        """Nothing missing, nothing removed before the group processed it."""
-        return not self.missing_count and not self.group.expired
+        """Proven complete: nothing missing, nothing in flight, nothing removed before the
+        group processed it, and every record's owner known."""
+        return (
+            not self.missing_count
+            and not self.group.expired
+            and not self.in_flight
+            and self.cannot_judge is None
+        )
+
+    @property
+    def verdict(self) -> str:
+        """``found``, ``cannot judge``, ``in flight`` or ``clean`` (the first that holds)."""
+        if self.missing_count or self.group.expired:
+            return "found"
+        if self.cannot_judge is not None:
+            return "cannot judge"
+        if self.in_flight:
+            return "in flight"
+        return "clean"
 
     @property
     def exit_code(self) -> int:
-        """0 clean, 1 something missing or expired (like ``diff``)."""
-        return 0 if self.clean else 1
+        """:data:`EXIT_FOUND`, :data:`EXIT_CANNOT_JUDGE`, :data:`EXIT_IN_FLIGHT` or
+        :data:`EXIT_CLEAN`, as :attr:`verdict`."""
+        return {
+            "found": EXIT_FOUND,
+            "cannot judge": EXIT_CANNOT_JUDGE,
+            "in flight": EXIT_IN_FLIGHT,
+        }.get(self.verdict, EXIT_CLEAN)
 
     def first_missing_ids(self, count: int) -> list[str]:
         return [uuid_text(i) for i in self.comparison.missing.first(count)]
@@ -201,6 +234,8 @@ class AuditReport:
                 "in_flight_known": self.pending.ids is not None,
             },
             "clean": self.clean,
+            "verdict": self.verdict,
+            "cannot_judge": self.cannot_judge,
             "notes": self.notes,
             "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
         }
@@ -309,17 +344,20 @@ def _compare(
 
 
 def _identity(settings: Settings) -> tuple[ServerIdentity | None, str]:
+    """The server's identity and lineage, or None and the ``cannot judge: ...`` text."""
     try:
         return identify_system(settings.pg_dsn.get_secret_value()), ""
     except CdcError as exc:
         return None, (
-            f"cannot identify the server ({exc}): records of any origin counted as this"
-            " relay's, phantoms not judged"
+            f"cannot judge: the server cannot be identified ({exc}), so which records are"
+            " this relay's cannot be told - a record of another relay or cluster carrying a"
+            " row's id would hide the missing row (the auditing role needs the REPLICATION"
+            " attribute for IDENTIFY_SYSTEM); nothing repaired"
         )
 
 
 def _republish(settings: Settings, missing: IdList, origin: str, found: Compared, mark: str) -> int:
-    """The one re-publish path (:func:`cdc.relay.republish.republish`), ``lsn`` the
+    """The one re-publish path (:func:`cdc.repair.republish.republish`), ``lsn`` the
     snapshot's position (each row committed at or before it)."""
     return republish(
         settings,
@@ -350,7 +388,7 @@ def run_audit(
     The window starts no earlier than the relay's first start (:func:`first_start`)
     unless ``before_first_start``."""
     settings.require("pg_dsn", "kafka_bootstrap_servers")
-    with audit_lock(settings) if repair else nullcontext():  # (before anything is read)
+    with audit_lock(settings) if repair else nullcontext() as lock:  # (before anything is read)
         boundary = first_start(settings)
         judged = (
             window if before_first_start else from_first_start(window, boundary, slot=settings.slot)
@@ -364,34 +402,13 @@ def run_audit(
             limit=limit,
             progress=progress,
             now=now,
+            lock=lock,
         )
     report.first_start = boundary
     if judged != window:
         report.requested_since = window.since
-    report.notes[:0] = _first_start_notes(settings, window, judged, boundary)
+    report.notes[:0] = first_start_notes(settings, window, judged, boundary)
     return report
-
-
-def _first_start_notes(
-    settings: Settings, requested: Window, judged: Window, boundary: datetime | None
-) -> list[str]:
-    """What the reader must know when the window asked for reaches before the first start."""
-    if boundary is None or requested.since_ms >= to_ms(boundary):
-        return []
-    why = (
-        "the rows committed before it were not published by choice (`slot init --from now`,"
-        " or an empty outbox then)"
-    )
-    if judged != requested:
-        return [
-            f"the window starts at slot {settings.slot}'s first start ({iso(boundary)}), not"
-            f" at {iso(requested.since)}: {why} and are not judged nor repaired"
-            " (--before-first-start judges them)"
-        ]
-    return [
-        f"the window reaches before slot {settings.slot}'s first start ({iso(boundary)}): {why}"
-        " and are counted missing (--before-first-start)"
-    ]
 
 
 def _run(
@@ -404,15 +421,18 @@ def _run(
     limit: int,
     progress: Progress | None,
     now: datetime | None,
+    lock: SlotLock | None = None,
 ) -> AuditReport:
     clock = _Clock(progress=progress)
     now = now or datetime.now(UTC)
     run_id = uuid.uuid4().hex[:12]
-    identity, identity_note = _identity(settings)
-    owner = Owner.of(identity, settings.slot) if identity is not None else None
+    identity, cannot_judge = _identity(settings)
+    owner = audit_rule(identity, settings.slot)
     margin_s = settings.gap_margin_s
     horizon_ms = to_ms(now - timedelta(seconds=settings.recovery_horizon_s))
     found = _compare(settings, window, owner=owner, clock=clock, horizon_ms=horizon_ms)
+    if lock is not None and _lock_was_lost(lock):  # (compared under a lock since lost)
+        found = _compare(settings, window, owner=owner, clock=clock, horizon_ms=horizon_ms)
     comparison = found.comparison
     with clock.stage("group"):
         checked = kf.expired_unprocessed(settings, group or settings.sink_group_id, found.plans)
@@ -433,60 +453,31 @@ def _run(
         missing_rows=listed,
         judge_phantoms=found.judge_phantoms,
         timings_s=clock.timings,
+        cannot_judge=cannot_judge or None,
     )
-    report.notes = _notes(settings, report, identity_note, horizon_ms)
+    report.notes = report_notes(settings, report, cannot_judge, horizon_ms)
     proven = found.pending.ids is not None  # in flight told apart from missing
-    if repair and report.missing_count and (proven or repair_unproven):
+    if repair and report.missing_count and (proven or repair_unproven) and identity is not None:
+        if lock is not None and _lock_was_lost(lock):  # (another run may have repaired)
+            raise AuditBusyError(
+                f"the audit lock of slot {settings.slot} was lost before the repair and taken"
+                " again: nothing republished; run the audit again"
+            )
         with clock.stage("repair"):
-            server = identity or identify_system(settings.pg_dsn.get_secret_value())
             report.repair_mark = f"audit-{run_id}"
-            origin = origin_value(server, settings.slot)
+            origin = origin_value(identity, settings.slot)
             report.repaired = _republish(
                 settings, comparison.missing, origin, found, report.repair_mark
             )
     return report
 
 
-def _notes(
-    settings: Settings, report: AuditReport, identity_note: str, horizon_ms: int
-) -> list[str]:
-    """What the reader must know to trust (or not) each number."""
-    notes = [identity_note] if identity_note else []
-    if report.pending.ids is None:
-        notes.append(
-            f"in-flight events cannot be told from missing ones ({report.pending.note}):"
-            " rows the relay has not published yet are counted missing"
-        )
-    if report.time_basis == pg.CREATED_AT:
-        notes.append(
-            "track_commit_timestamp is off: rows are placed in the window by created_at"
-            " (their transaction's start); rows of transactions open longer than"
-            f" CDC_GAP_MARGIN_S ({settings.gap_margin_s:g}s) may be judged at the window's edge"
-        )
-    if report.window.since_ms < horizon_ms:
-        notes.append(
-            f"the window starts before the recovery horizon (CDC_RECOVERY_HORIZON_S): rows"
-            f" older than {iso(datetime.fromtimestamp(horizon_ms / 1000, UTC))} may have been"
-            " pruned; phantoms are judged only after it"
-        )
-    if not settings.outbox_keeps_rows:
-        notes.append(
-            f"CDC_OUTBOX_KEEPS_ROWS=false: {report.comparison.unchecked} records of this relay"
-            " in the window have no row to be checked against (events not kept in the table)"
-        )
-    elif len(report.comparison.phantoms):
-        notes.append(
-            "phantoms are records of this relay with no row in the table: logical-message"
-            " events (emit_event) and delete-after-insert writes are never in the table, so"
-            " they are counted here and cannot be checked"
-        )
-    without_id = sum(report.kafka.without_id.values())
-    if without_id:
-        notes.append(f"{without_id} records had no readable id header (not checked)")
-    for note in (report.group.note, report.parked.note):
-        if note:
-            notes.append(note)
-    return notes
+def _lock_was_lost(lock: SlotLock) -> bool:
+    """Check the lock (taken again if its connection was lost); whether it was lost since
+    the last check (what was read under the old lock may be stale)."""
+    lock.ensure()
+    lost, lock.retaken = lock.retaken, False
+    return lost
 
 
 @dataclass
@@ -533,14 +524,14 @@ def verify_since(
     ``repair`` it holds the slot's audit lock (:class:`AuditBusyError`)."""
     settings.require("pg_dsn", "kafka_bootstrap_servers")
     window = Window.between(since, until or datetime.now(UTC))
-    with audit_lock(settings) if repair else nullcontext():
+    with audit_lock(settings) if repair else nullcontext() as lock:
         server = server or identify_system(settings.pg_dsn.get_secret_value())
         horizon_ms = to_ms(datetime.now(UTC) - timedelta(seconds=settings.recovery_horizon_s))
         try:
             found = _compare(
                 settings,
                 window,
-                owner=Owner.of(server, settings.slot),
+                owner=audit_rule(server, settings.slot),
                 clock=_Clock(),
                 horizon_ms=horizon_ms,
                 topics_only=topics,
@@ -561,6 +552,11 @@ def verify_since(
                 f"in-flight events cannot be told from missing ones ({found.pending.note})"
             )
         if repair and len(cmp.missing):
+            if lock is not None and _lock_was_lost(lock):  # (the audit may have repaired)
+                raise AuditBusyError(
+                    f"the audit lock of slot {settings.slot} was lost before the start-up"
+                    " check's repair: checking again"
+                )
             origin = origin or origin_value(server, settings.slot)
             result.republished = _republish(settings, cmp.missing, origin, found, VERIFY_MARK)
     return result

@@ -8,15 +8,17 @@ Guarantees:
   snapshot and reads the WAL insert position :attr:`TableRead.snapshot_lsn`:
   every transaction the snapshot sees has its commit record below it;
 * it reads ids, not payloads: PostgreSQL groups the window's ids by routed
-  topic, judged or context, and :func:`~cdc.audit.ids.bucket_of` bucket, and
-  sends each group as one ``bytea`` of 16-byte ids; the groups are fetched
-  through a server-side cursor a few at a time, so neither side holds more than
-  the compact arrays (16 bytes a row);
+  topic, judged or context, and :func:`~cdc.audit.ids.bucket_of` bucket (in
+  :data:`SUB_GROUPS` parts), and sends each group as one ``bytea`` of 16-byte ids;
+  the groups are fetched through a server-side cursor :data:`GROUPS_PER_FETCH` at a
+  time into :class:`~cdc.audit.ids.IdBuckets`, which spill to disk past their
+  memory budget: the read's memory does not grow with the window;
 * a row's time is its commit time where ``track_commit_timestamp`` is on, else
   its ``created_at`` (the transaction's start); rows from ``margin_s`` before the
   window are read as context (a record of the window may belong to one of them),
   never judged; only rows of the publication's row filter are read (another
-  relay's share of a sharded outbox is not this relay's to audit);
+  relay's share of a sharded outbox is not this relay's to audit), whatever the
+  filter's text holds (``%``, quotes: :func:`cdc.wal.stream.row_filter_sql`);
 * :func:`pending_in_slot` reads which events the slot still holds up to a WAL
   position (decoded from a temporary copy of the slot: the relay is not
   disturbed): committed, not yet confirmed, so in flight - not lost. It reports
@@ -46,12 +48,21 @@ from cdc.settings import Settings
 from cdc.wal import pgoutput
 from cdc.wal.replproto import str_to_lsn
 from cdc.wal.slots import read_slot
-from cdc.wal.stream import publication_row_filter, resolve_table, with_connection_defaults
+from cdc.wal.stream import (
+    publication_row_filter,
+    resolve_table,
+    row_filter_sql,
+    with_connection_defaults,
+)
 
 Conn = psycopg.Connection[Any]
 
 #: Groups (topic, judged, bucket) fetched per round trip of the window's cursor.
 GROUPS_PER_FETCH = 64
+#: Each bucket's ids come in this many groups (by a byte of the id the bucket does not
+#: use), so one fetch holds GROUPS_PER_FETCH / (2 x BUCKETS x SUB_GROUPS) of a topic's
+#: window - ~2.5 MB of a 10,000,000-row window - not 1/8 of it.
+SUB_GROUPS = 16
 #: Longest the window's read may take in the server (a window of tens of millions of
 #: rows reads in minutes; past this the audit fails rather than wait without bound).
 TABLE_READ_TIMEOUT_MS = 30 * 60 * 1000
@@ -112,13 +123,13 @@ class _Source:
     basis: str
     row_filter: str | None
 
-    def where(self) -> sql.Composable:
+    def where(self, values: dict[str, sql.Literal]) -> sql.Composable:
         """Rows of the read: created from ``read_from``, before ``until``, of the row filter."""
         parts: list[sql.Composable] = [
-            sql.SQL("created_at >= %(read_from)s AND created_at < %(until)s")
+            sql.SQL("created_at >= {read_from} AND created_at < {until}").format(**values)
         ]
         if self.row_filter is not None:  # the server's own text of the filter
-            parts.append(sql.SQL("(" + self.row_filter + ")"))
+            parts.append(row_filter_sql(self.row_filter))
         return sql.SQL(" AND ").join(parts)
 
 
@@ -129,22 +140,24 @@ def _source(conn: Conn, settings: Settings) -> _Source:
     return _Source(sql.Identifier(schema, name), when, basis, row_filter)
 
 
-def _params(window: Window, margin_s: float) -> dict[str, Any]:
+def _values(window: Window, margin_s: float) -> dict[str, sql.Literal]:
+    """The window's bounds as literals: a query carrying the row filter takes no
+    client-side parameters (:func:`cdc.wal.stream.row_filter_sql`)."""
     return {
-        "since": window.since,
-        "until": window.until,
-        "read_from": window.since - timedelta(seconds=margin_s),
+        "since": sql.Literal(window.since),
+        "until": sql.Literal(window.until),
+        "read_from": sql.Literal(window.since - timedelta(seconds=margin_s)),
     }
 
 
 _WINDOW_SQL = """
-SELECT aggregatetype, ts >= %(since)s AS judged,
+SELECT aggregatetype, ts >= {since} AS judged,
        {bucket} AS bucket,
        string_agg(idb, ''::bytea), count(*)
 FROM (SELECT uuid_send(id::uuid) AS idb, aggregatetype, {when} AS ts
       FROM {table} WHERE {where}) AS w
-WHERE ts >= %(read_from)s AND ts < %(until)s
-GROUP BY 1, 2, 3
+WHERE ts >= {read_from} AND ts < {until}
+GROUP BY 1, 2, 3, get_byte(idb, 14) & {sub}
 """
 
 
@@ -179,13 +192,19 @@ def read_ids(
     reads Kafka (the snapshot's position is known already)."""
     conn, source = snapshot.conn, snapshot.source
     read = TableRead(snapshot.lsn, source.basis, row_filter=source.row_filter)
+    values = _values(window, margin_s)
     query = sql.SQL(_WINDOW_SQL).format(
-        when=source.when, table=source.table, where=source.where(), bucket=sql.SQL(SQL_BUCKET)
+        when=source.when,
+        table=source.table,
+        where=source.where(values),
+        bucket=sql.SQL(SQL_BUCKET),
+        sub=sql.Literal(SUB_GROUPS - 1),
+        **values,
     )
     try:
         with conn.cursor(name=f"outbox_audit_{uuid.uuid4().hex[:8]}") as cur:
             cur.itersize = GROUPS_PER_FETCH
-            cur.execute(query, _params(window, margin_s))
+            cur.execute(query)  # (no parameters: the row filter's text goes verbatim)
             for aggtype, judged, bucket, blob, count in cur:
                 topic = settings.topic_prefix + (aggtype or "")
                 side = read.topics.setdefault(topic, TableSide())
@@ -202,11 +221,12 @@ def read_ids(
 def count_judged(snapshot: Snapshot, window: Window, *, margin_s: float) -> int:
     """Rows of the window (judged, not context) in ``snapshot``; leaves its transaction open."""
     source = snapshot.source
+    values = _values(window, margin_s)
     query = sql.SQL(
         "SELECT count(*) FROM (SELECT {when} AS ts FROM {table} WHERE {where}) AS w"
-        " WHERE ts >= %(since)s AND ts < %(until)s"
-    ).format(when=source.when, table=source.table, where=source.where())
-    row = snapshot.conn.execute(query, _params(window, margin_s)).fetchone()
+        " WHERE ts >= {since} AND ts < {until}"
+    ).format(when=source.when, table=source.table, where=source.where(values), **values)
+    row = snapshot.conn.execute(query).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -290,13 +310,14 @@ def parked_by_status(settings: Settings, window: Window, *, margin_s: float) -> 
     """Parked events of the window's judged rows, by status (FAILED, PENDING, DONE)."""
     with connect(settings) as conn:
         source = _source(conn, settings)
+        values = _values(window, margin_s)
         query = sql.SQL(
             "SELECT f.status, count(*) FROM failed_sync_events f WHERE f.outbox_event_id IN"
             " (SELECT id::uuid FROM (SELECT id, {when} AS ts FROM {table} WHERE {where}) AS w"
-            "  WHERE ts >= %(since)s AND ts < %(until)s) GROUP BY 1"
-        ).format(when=source.when, table=source.table, where=source.where())
+            "  WHERE ts >= {since} AND ts < {until}) GROUP BY 1"
+        ).format(when=source.when, table=source.table, where=source.where(values), **values)
         try:
-            rows = conn.execute(query, _params(window, margin_s)).fetchall()
+            rows = conn.execute(query).fetchall()
         except (pgerrors.UndefinedTable, pgerrors.InsufficientPrivilege) as exc:
             return Parked(None, f"parking lot not read: {str(exc).strip().splitlines()[0]}")
     return Parked({str(status): int(count) for status, count in rows})

@@ -117,20 +117,23 @@ def require_free_port(settings: Settings, attr: str, *, host: str | None = None)
             ) from None
 
 
-def settings_line(settings: Settings) -> str:
+def settings_line(settings: Settings, *, reads: Callable[[str], bool] | None = None) -> str:
     """The settings that differ from their defaults, as one readable line for a
     start-up log: ``VARIABLE=value`` pairs in the settings class's order, secrets
     redacted as :meth:`Settings.safe_summary` redacts them (a DSN without its
     password, a secret as ``***``), librdkafka's ``KAFKA_CONFIG_*`` by name only
     (their values may hold SASL passwords). A value with a space, a quote or
-    nothing in it is quoted."""
+    nothing in it is quoted. ``reads``: only the variables the process reads (a
+    predicate over the variable's name, ``KAFKA_CONFIG_*`` for librdkafka's)."""
     from cdc.settings import ENV
-    from cdc.settings_values import KAFKA_CONFIG_PREFIX
+    from cdc.settings.values import KAFKA_CONFIG_PREFIX
 
     shown = settings.safe_summary()
     parts = []
     for name, field in type(settings).model_fields.items():
         if getattr(settings, name) == field.get_default(call_default_factory=True):
+            continue
+        if reads is not None and not reads(ENV.get(name, f"{KAFKA_CONFIG_PREFIX}*")):
             continue
         if name == "kafka_config":
             parts.append(f"{KAFKA_CONFIG_PREFIX}*={','.join(sorted(settings.kafka_config))}")

@@ -1,9 +1,14 @@
 """``outbox-cdc audit``: the outbox table against Kafka against the group (:mod:`cdc.audit`).
 
-Exit codes: 0 nothing missing and nothing removed before the group read it;
-1 something is (like ``diff``; also when ``--repair`` republished it: the run
-found a loss); 2 usage or configuration errors (a bad ``--since``, an empty
-window, a missing setting, a window that ends before the relay's first start).
+Exit codes: 0 proven complete - nothing missing, nothing in flight, nothing removed
+before the group read it; 1 something missing or removed (like ``diff``; also when
+``--repair`` republished it: the run found a loss); 2 usage or configuration errors
+(a bad ``--since``, an empty window, a missing setting, a window that ends before
+the relay's first start); 3 cannot judge (the server cannot be identified - the
+auditing role lacks REPLICATION - so records of other relays cannot be told from
+this relay's: ``cannot_judge`` in the JSON says why, ``--repair`` republishes
+nothing); 4 nothing missing but rows still in the slot (in flight: audit again once
+the relay caught up).
 The window starts no earlier than the relay's first start when that chose not to
 publish the rows already in the table (``slot init --from now``, an empty
 outbox): a ``--since`` before it is moved to it, with a note (and
@@ -82,7 +87,9 @@ def audit(
     Kafka -> table: this relay's records with no row (phantoms) and ids seen more
     than once (duplicates). Kafka -> group: records removed before the group
     processed them, and the window's parked events by status. Exit 0 when
-    nothing is missing or removed unprocessed, 1 when something is.
+    proven complete, 1 when something is missing or removed unprocessed, 3 when
+    it cannot judge (no system identity: the role needs REPLICATION), 4 when
+    nothing is missing but rows are still in flight.
     """
     from datetime import UTC, datetime
 
@@ -191,6 +198,13 @@ def _stage_lines(report: AuditReport) -> list[str]:
 def _verdict(report: AuditReport, *, repair: bool) -> str:
     if report.clean:
         return "[green]complete[/green]: nothing missing, nothing removed unprocessed"
+    if report.verdict == "cannot judge":
+        return f"[red]{report.cannot_judge}[/red]"
+    if report.verdict == "in flight":
+        return (
+            f"[yellow]in flight[/yellow]: nothing missing, {report.in_flight} rows still in"
+            " the slot (not yet in Kafka) - audit again once the relay caught up"
+        )
     found = f"{report.missing_count} missing"
     if report.group.expired:
         found += f", {report.expired_count} removed before the group processed them"

@@ -155,8 +155,11 @@ def slot_table(status: SlotStatus) -> Any:
         "WAL lag": fmt_bytes(status["wal_lag_bytes"]),
         "retained WAL": fmt_bytes(status["retained_wal_bytes"]),
         "WAL status": status["wal_status"],
-        "safe WAL size": _safe_size(status),
-        "gap": _gap_line(status["gap"]),
+        "safe WAL size": safe_size(status),
+        "failover / synced": None
+        if status["failover"] is None
+        else f"{'yes' if status['failover'] else 'no'} / {'yes' if status['synced'] else 'no'}",
+        "gap": gap_line(status["gap"]),
         "lag time": fmt_age(status["lag_time_s"]),
         "oldest unconfirmed commit": status["oldest_unconfirmed_commit_ts"],
         "note": status["lag_time_note"],
@@ -166,7 +169,7 @@ def slot_table(status: SlotStatus) -> Any:
     return table
 
 
-def _safe_size(status: SlotStatus) -> str | None:
+def safe_size(status: SlotStatus) -> str | None:
     """WAL left before max_slot_wal_keep_size invalidates the slot (``no limit`` at -1)."""
     if not status["exists"]:
         return None
@@ -174,7 +177,7 @@ def _safe_size(status: SlotStatus) -> str | None:
     return "no limit (max_slot_wal_keep_size = -1)" if size is None else fmt_bytes(size)
 
 
-def _gap_line(row: dict[str, object] | None) -> str | None:
+def gap_line(row: dict[str, object] | None) -> str | None:
     """The slot's latest history row in one line (``slot status``)."""
     if row is None:
         return None

@@ -1,6 +1,6 @@
 """``outbox-cdc slot``: the replication slot's status, dropping it, closing a gap, a first start.
 
-Calls :mod:`cdc.ops` and :mod:`cdc.relay.recovery`; the views are in
+Calls :mod:`cdc.ops` and :mod:`cdc.relay.gaps.recovery`; the views are in
 :mod:`cdc.cli.render`. ``drop`` is refused while a relay streams the slot, and
 asks before losing events. ``init`` is the explicit first start the relay asks
 for when the outbox table already holds rows.
@@ -92,8 +92,8 @@ def slot_recover_cmd(execute: bool, as_json: bool) -> None:
     re-publishes the window's rows (header `recovered`), waits for every Kafka
     ack and records the recovery; the relay then streams from the new slot.
     """
-    from cdc.relay import recovery
-    from cdc.relay.gap import Action
+    from cdc.relay.gaps import recovery
+    from cdc.relay.gaps.gap import Action
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     found = recovery.inspect(settings)
@@ -138,8 +138,8 @@ def slot_accept_gap_cmd(by: str, yes: bool, as_json: bool) -> None:
     insert, logical messages). Events committed in the window and not in Kafka
     are lost for good.
     """
-    from cdc.relay import recovery
-    from cdc.relay.gap import Action
+    from cdc.relay.gaps import recovery
+    from cdc.relay.gaps.gap import Action
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     if not by.strip():
@@ -185,8 +185,8 @@ def slot_init_cmd(source: str, as_json: bool) -> None:
     resumed by the next run or by the relay. Refused once the slot has a history
     or the relay has records in Kafka: that is not a first start.
     """
-    from cdc.relay import recovery
-    from cdc.relay.gap import Action, GapCause
+    from cdc.relay.gaps import recovery
+    from cdc.relay.gaps.gap import Action, GapCause
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     found = recovery.inspect(settings)

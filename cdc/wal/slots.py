@@ -263,3 +263,61 @@ def in_snapshot(conn: Conn, snapshot: str) -> None:
     """Begin a REPEATABLE READ transaction on ``conn`` that sees ``snapshot``."""
     conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+
+
+#: Each slot ``synchronized_standby_slots`` names, as the server shows it now: its type,
+#: whether a walsender streams from it, whether it is invalidated, and whether its
+#: position is behind the server's WAL (NULL: it never reserved WAL).
+_STANDBY_SLOTS_SQL = """
+SELECT n.name, s.slot_type, s.active, s.invalidation_reason IS NOT NULL,
+       s.restart_lsn IS NULL OR s.restart_lsn < pg_current_wal_lsn()
+FROM unnest(%s::text[]) AS n(name)
+LEFT JOIN pg_replication_slots s ON s.slot_name = n.name
+ORDER BY 1
+"""
+
+
+def standby_slot_names(setting: str) -> list[str]:
+    """The slot names of a ``synchronized_standby_slots`` value (``*`` kept as is)."""
+    return [part.strip().strip('"') for part in setting.split(",") if part.strip()]
+
+
+def decoding_held_back(conn: Conn, slot: str, *, failover: bool | None = None) -> list[str]:
+    """Why PostgreSQL holds the logical decoding of ``slot`` back, one line per cause
+    (empty: nothing does). On 17+ a failover slot's walsender sends nothing until every
+    physical slot of ``synchronized_standby_slots`` has confirmed the WAL: a name of a
+    slot that does not exist (a promoted standby keeps its primary's setting), is not
+    physical, is invalidated, or that no standby streams from while it is behind holds
+    the decoding back (the server logs a WARNING a second, the relay receives nothing).
+    ``failover``: whether the slot is (or will be) a failover slot; None: read it."""
+    if conn.info.server_version < FAILOVER_SLOTS_MIN_VERSION:
+        return []
+    if failover is None:
+        row = conn.execute(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+        ).fetchone()
+        failover = bool(row and row[0])
+    if not failover:
+        return []
+    setting = conn.execute("SHOW synchronized_standby_slots").fetchone()
+    names = standby_slot_names(str(setting[0] if setting else ""))
+    if not names or names == ["*"]:
+        return []
+    held = []
+    for name, kind, active, invalid, behind in conn.execute(_STANDBY_SLOTS_SQL, (names,)):
+        if kind is None:
+            why = "does not exist (a promoted standby keeps its primary's setting)"
+        elif kind != "physical":
+            why = f"is a {kind} slot, not a standby's physical slot"
+        elif invalid:
+            why = "is invalidated"
+        elif not active and behind:
+            why = "has no standby streaming from it and is behind the server's WAL"
+        else:
+            continue
+        held.append(
+            f"synchronized_standby_slots names {name}, which {why}: PostgreSQL sends the"
+            f" failover slot {slot} nothing until that slot confirms the WAL - remove it from"
+            " synchronized_standby_slots (and reload) or bring that standby back"
+        )
+    return held

@@ -8,9 +8,16 @@ Guarantees:
   this role may not create, an outbox table that does not exist or lacks a
   routed column, an existing publication that does not publish every insert of
   the schema-qualified outbox table with every routed column);
-* :class:`ReplicationStream` starts ``pgoutput`` (proto 1, ``messages 'true'``)
+* :class:`ReplicationStream` starts ``pgoutput`` (proto 1; ``messages 'true'`` only
+  with ``messages=True``, ``CDC_MESSAGES=on``: else logical messages are not decoded)
   at the slot's confirmed position, hands out raw CopyData payloads without
   blocking longer than asked, and sends standby status updates;
+* **the confirm limit is the stream's own**: a stream is constructed with its
+  :class:`ConfirmLimit` (the relay's: the slot's confirm limit,
+  :class:`cdc.relay.gaps.ledger.SlotLedger`; a tool's stream that no relay vouches
+  for says so with :data:`UNLIMITED`), and :meth:`ReplicationStream.send_status`
+  passes every position through it: no status past the limit is ever sent,
+  whichever caller sends it;
 * a slot held by another walsender raises :class:`SlotInUseError` (the caller
   waits as a hot standby); a lost connection raises :class:`StreamError`;
 * every connection is opened by :func:`cdc.pgconn.connect` (connect timeout,
@@ -20,9 +27,9 @@ Guarantees:
   ``wal_sender_timeout`` for its walsender (:attr:`ReplicationStream.wal_sender_timeout_ms`)
   and the walsender as the server sees it (:attr:`ReplicationStream.walsender`:
   its pid, and the client address and port of the stream's own socket), so
-  the relay can look at that walsender (:func:`look_at_walsender`), end it
-  (:func:`end_walsender`) when the path to it is dead, and later recognise it
-  as its own orphan (:func:`slot_holder`, :meth:`Walsender.holds`).
+  the relay can look at that walsender (:func:`cdc.wal.looks.look_at_walsender`),
+  end it (:func:`cdc.wal.looks.end_walsender`) when the path to it is dead, and
+  later recognise it as its own orphan (:func:`slot_holder`, :meth:`Walsender.holds`).
 
 No protocol parsing happens here (see :mod:`cdc.wal.replproto`, :mod:`cdc.wal.pgoutput`).
 """
@@ -38,7 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import errors as pgerrors
@@ -55,6 +62,36 @@ from cdc.wal.slots import failover_wanted
 log = logging.getLogger("cdc.stream")
 
 Conn = psycopg.Connection[Any]
+
+
+class ConfirmLimit(Protocol):
+    """How far a slot may confirm now: a stream sends no status past it."""
+
+    def cap(self, lsn: int, now: float) -> int:
+        """``lsn`` as far as the slot may confirm it now, asking the limit to be raised
+        when due (may raise :class:`StreamError`: the limit cannot be raised)."""
+        ...
+
+    def bound(self, lsn: int) -> int:
+        """``lsn`` as far as the slot may confirm it now (asks for nothing, never raises)."""
+        ...
+
+
+class _Unlimited:
+    """The limit of a stream no relay vouches for (an operator's tool, a test)."""
+
+    def cap(self, lsn: int, now: float) -> int:
+        return lsn
+
+    def bound(self, lsn: int) -> int:
+        return lsn
+
+
+#: No limit: for a stream whose slot no relay's ledger guards (never the relay's own).
+UNLIMITED: ConfirmLimit = _Unlimited()
+
+#: pgoutput's option that decodes logical messages (only with ``CDC_MESSAGES=on``).
+MESSAGES_OPTION = ", messages 'true'"
 
 
 def with_connection_defaults(dsn: str) -> str:
@@ -238,6 +275,20 @@ def publication_row_filter(conn: Conn, publication: str, schema: str, name: str)
     return str(row[0]) if row and row[0] is not None else None
 
 
+def row_filter_sql(row_filter: str) -> sql.Composable:
+    """A publication's row filter (as :func:`publication_row_filter` read it) as a
+    condition of a query: the server's own text, in parentheses.
+
+    The text is data: whatever it holds (``%`` of a modulo or a ``LIKE``, quotes,
+    ``%%``) reaches the server as the server printed it - as long as the query that
+    carries it is executed *without client-side parameters* (psycopg reads ``%`` as
+    a placeholder only when parameters are passed): the recovery's window, the
+    audit's reads and the outbox's emptiness check put their values in as
+    :class:`psycopg.sql.Literal` and pass none.
+    """
+    return sql.SQL("({})").format(sql.SQL(row_filter))
+
+
 def _has_columns(conn: Conn, schema: str, name: str, columns: list[str]) -> bool:
     row = conn.execute(
         "SELECT count(*) FROM pg_attribute WHERE attrelid = %s::regclass"
@@ -257,7 +308,7 @@ def server_is_utf8(conn: Conn) -> bool:
 def ensure_slot(conn: Conn, slot: str, *, create: bool = True, failover: str = "off") -> SlotInfo:
     """Create the logical slot (``pgoutput``) when missing; refuse another plugin.
 
-    ``create=False`` (the relay after its gap check, :mod:`cdc.relay.gap`): a
+    ``create=False`` (the relay after its gap check, :mod:`cdc.relay.gaps.gap`): a
     missing slot raises :class:`StreamError` instead - it disappeared since the
     check, and the next session's check decides what that means. ``failover``
     (``CDC_FAILOVER_SLOT``): a slot created here is a failover slot when
@@ -367,28 +418,6 @@ def slot_holder(conn: Conn, slot: str) -> SlotHolder:
     return SlotHolder(exists=True, walsender=walsender)
 
 
-def end_walsender(dsn: str, slot: str, pid: int) -> bool:
-    """End the walsender ``pid`` if it still holds ``slot``; whether one was ended.
-
-    ``dsn`` reaches the server the walsender runs on. For a replication connection
-    the relay gave up (its path is dead): behind a half-open path (and with
-    ``wal_sender_timeout`` off) the server keeps that walsender, and so the slot,
-    until it hears of the end; a new session would find the slot busy. Only our own
-    abandoned walsender is ended (slot and pid must match).
-    """
-    try:
-        with connect(dsn) as conn:
-            row = conn.execute(
-                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots"
-                " WHERE slot_name = %s AND active_pid = %s",
-                (slot, pid),
-            ).fetchone()
-    except psycopg.Error as exc:
-        log.warning("could not end the walsender %d of slot %s: %s", pid, slot, exc)
-        return False
-    return bool(row and row[0])
-
-
 def take_back(conn: Conn, slot: str, orphan: Walsender) -> bool:
     """End ``orphan`` (the relay's own previous walsender, still holding ``slot``) and
     wait until the slot is free; whether it is (False: someone else holds it now, or
@@ -412,58 +441,6 @@ def take_back(conn: Conn, slot: str, orphan: Walsender) -> bool:
             return False
         time.sleep(0.1)
     return False
-
-
-@dataclass(frozen=True)
-class WalsenderSample:
-    """What the server shows of a walsender at one moment (for the silence decision)."""
-
-    #: when it was taken (monotonic seconds)
-    at_s: float
-    #: the walsender still exists
-    found: bool
-    #: pg_stat_activity.state (``active`` while it streams)
-    state: str | None = None
-    wait_event_type: str | None = None
-    wait_event: str | None = None
-    #: pg_stat_replication.sent_lsn: how far it has read WAL
-    sent_lsn: int | None = None
-    #: pg_stat_replication_slots total_bytes + spill_bytes of its slot (decoded so far)
-    decoded_bytes: int | None = None
-    #: pg_stat_replication.reply_time: the send time (the relay's clock, Unix
-    #: microseconds) of the last status update the walsender read from the relay
-    reply_time_us: int | None = None
-
-
-_LOOK_SQL = (
-    "SELECT a.state, a.wait_event_type, a.wait_event, r.sent_lsn::text,"
-    " (SELECT st.total_bytes + st.spill_bytes FROM pg_stat_replication_slots st"
-    "  WHERE st.slot_name = %(slot)s),"
-    " (extract(epoch FROM r.reply_time) * 1000000)::bigint"
-    " FROM pg_stat_activity a LEFT JOIN pg_stat_replication r ON r.pid = a.pid"
-    " WHERE a.pid = %(pid)s"
-)
-
-
-def look_at_walsender(dsn: str, slot: str, pid: int) -> WalsenderSample:
-    """The walsender ``pid`` of ``slot`` as the server (``dsn``) shows it now, read over
-    an ordinary connection; raises :class:`psycopg.Error` when it cannot be read."""
-    with connect(dsn) as conn:
-        row = conn.execute(_LOOK_SQL, {"slot": slot, "pid": pid}).fetchone()
-    now = time.monotonic()
-    if row is None:
-        return WalsenderSample(at_s=now, found=False)
-    state, wait_type, wait_event, sent, decoded, reply_us = row
-    return WalsenderSample(
-        at_s=now,
-        found=True,
-        state=state,
-        wait_event_type=wait_type,
-        wait_event=wait_event,
-        sent_lsn=str_to_lsn(sent) if sent else None,
-        decoded_bytes=None if decoded is None else int(decoded),
-        reply_time_us=None if reply_us is None else int(reply_us),
-    )
 
 
 def _client_address(fd: int) -> tuple[str | None, int]:
@@ -491,9 +468,21 @@ def _wal_sender_timeout_ms(pgconn: pq.abc.PGconn) -> int | None:
 class ReplicationStream:
     """One streaming session of a slot. Not thread-safe; close() when done."""
 
-    def __init__(self, dsn: str, *, slot: str, publication: str) -> None:
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        slot: str,
+        publication: str,
+        limit: ConfirmLimit,
+        messages: bool = False,
+    ) -> None:
         self.slot = slot
         self.publication = publication
+        #: every status sent passes through it (see the module docstring)
+        self.limit = limit
+        #: logical messages decoded (``CDC_MESSAGES=on``)
+        self.messages = messages
         try:
             self._conn: Conn = connect(dsn, Use.REPLICATION, replication="database")
         except psycopg.OperationalError as exc:
@@ -517,8 +506,8 @@ class ReplicationStream:
         command = (
             f"START_REPLICATION SLOT {sql.Identifier(self.slot).as_string(self._conn)} "
             f"LOGICAL {lsn_to_str(start_lsn)} (proto_version '1', "
-            f"publication_names {sql.Literal(self.publication).as_string(self._conn)}, "
-            "messages 'true')"
+            f"publication_names {sql.Literal(self.publication).as_string(self._conn)}"
+            f"{MESSAGES_OPTION if self.messages else ''})"
         )
         self._pg.send_query(command.encode())
         result = self._pg.get_result()
@@ -567,17 +556,23 @@ class ReplicationStream:
         message = (result.error_message if result else b"").decode(errors="replace").strip()
         raise StreamError(f"replication stream ended: {message or 'server closed the stream'}")
 
-    def send_status(self, flushed_lsn: int, *, reply_requested: bool = False) -> None:
-        """Report ``flushed_lsn`` as written, flushed and applied."""
-        msg = standby_status_update(
-            flushed_lsn, flushed_lsn, flushed_lsn, pg_now_us(), reply_requested
-        )
+    def send_status(
+        self, confirmable: int, *, reply_requested: bool = False, ask_raise: bool = True
+    ) -> int:
+        """Report ``confirmable`` as written, flushed and applied - as far as the stream's
+        limit lets it (:meth:`ConfirmLimit.cap`; :meth:`ConfirmLimit.bound` without
+        ``ask_raise``: a status sent from an error path asks for nothing): the position
+        sent, which is never past the limit."""
+        limit = self.limit
+        lsn = limit.cap(confirmable, time.monotonic()) if ask_raise else limit.bound(confirmable)
+        msg = standby_status_update(lsn, lsn, lsn, pg_now_us(), reply_requested)
         try:
             self._pg.put_copy_data(msg)
             while self._pg.flush() == 1:
                 select.select([], [self._pg.socket], [], 1.0)
         except psycopg.OperationalError as exc:
             raise StreamError(f"replication connection lost: {exc}") from exc
+        return lsn
 
     @property
     def backend_pid(self) -> int:

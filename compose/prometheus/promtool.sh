@@ -32,7 +32,7 @@ promtool_path() {
         if ! (cd "$DIR" && apt-get download prometheus >/dev/null 2>"$DIR/apt.log"); then
             [ "$(id -u)" = 0 ] || { cat "$DIR/apt.log" >&2; die "apt-get download prometheus failed"; }
             log "apt-get update"
-            DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2
+            DEBIAN_FRONTEND=noninteractive apt-get update -qq -o DPkg::Lock::Timeout=600 >&2
             (cd "$DIR" && apt-get download prometheus >/dev/null 2>"$DIR/apt.log") ||
                 { cat "$DIR/apt.log" >&2; die "apt-get download prometheus failed"; }
         fi

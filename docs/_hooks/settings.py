@@ -1,8 +1,8 @@
 """MkDocs hook: the configuration reference, generated from the settings class at build time.
 
 ``docs/configuration/index.md`` holds the prose and the marker below; the tables
-come from :func:`cdc.settings_doc.render` (the ``#:`` comments of
-``cdc/settings.py``), so the page can never drift from the code. A settings field
+come from :func:`cdc.settings.doc.render` (the ``#:`` comments of
+``cdc/settings/model.py``), so the page can never drift from the code. A settings field
 without a description fails the build (strict or not).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cdc.settings_doc import render
+from cdc.settings.doc import render
 
 MARKER = "<!-- settings-reference -->"
 

@@ -1,4 +1,4 @@
-"""The sink's items of ``outbox-cdc check``: the engine and the parking lot.
+"""The sink's items of ``outbox-cdc check``: the engine, the parking lot, the sink's group.
 
 Guarantees:
 
@@ -10,7 +10,9 @@ Guarantees:
   or TLS failure is reported with the client's own reason (which names the
   setting to fix, e.g. ``ENGINE_CA_FILE``);
 * the key is never shown;
-* the parking lot probe reads whether ``failed_sync_events`` exists.
+* the parking lot probe reads whether ``failed_sync_events`` exists;
+* the group probe says where the sink's group would start, and fails where the sink would
+  refuse to (:mod:`sinks.ops.new_group`); it changes nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 from cdc.check import Finding, Probe, fail, ok, warn
 from cdc.errors import ConfigError
 from cdc.settings import Settings
-from cdc.settings_values import redact_url
+from cdc.settings.values import redact_url
 from sinks.core.errors import EngineMisconfigured, EngineRejected, EngineUnavailable, Unroutable
 
 # The engine client and psycopg are imported inside the probes: this module is
@@ -86,5 +88,32 @@ def parking_lot(settings: Settings) -> Iterator[Finding]:
         yield warn("ADMIN_API_TOKEN", "not set: the sink's admin API answers 503")
 
 
+def sink_group(settings: Settings) -> Iterator[Finding]:
+    """Where the sink's group would start (:mod:`sinks.ops.new_group`): a start the sink
+    would refuse - a group without offsets beside one that consumed its topics, nothing
+    chosen - fails here first when ``SINK_GROUP_ID`` names the group (a warning for the
+    default group: the shell may run no sink). Read-only; Kafka unreachable is the
+    kernel's kafka item."""
+    from sinks.ops.errors import KafkaOpsError
+    from sinks.ops.new_group import Start, preview
+
+    if not settings.kafka_bootstrap_servers:
+        return  # the kernel's kafka item says KAFKA_BOOTSTRAP_SERVERS is missing
+    try:
+        start, said = preview(settings)
+    except KafkaOpsError:
+        return
+    if start is not Start.REFUSE:
+        yield ok("sink group", said)
+    elif "sink_group_id" in settings.model_fields_set:
+        yield fail("sink group", said)
+    else:  # the default group: this shell may run no sink at all (a relay's, an operator's)
+        yield warn("sink group", f"{said} (SINK_GROUP_ID is not set: a sink here would use it)")
+
+
 #: What the sink adds to ``outbox-cdc check`` (through :data:`sinks.cli.PLUGIN`).
-PROBES: tuple[tuple[str, Probe], ...] = (("engine", engine), ("parking lot", parking_lot))
+PROBES: tuple[tuple[str, Probe], ...] = (
+    ("engine", engine),
+    ("parking lot", parking_lot),
+    ("sink group", sink_group),
+)

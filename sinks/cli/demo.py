@@ -12,9 +12,11 @@ Day two (:func:`start_background`, :func:`sinks.cli.runfiles.stop_background`,
 :func:`write_burst`):
 ``make run`` starts the same three processes detached on the stack, their PIDs (with
 each process's start time, so a reused PID is never signalled), ports and logs under
-``.dev/run``; ``make stop`` ends them (SIGTERM, then SIGKILL after
-:data:`STOP_GRACE_S`); ``outbox-cdc demo write`` commits a burst into the running
-pipeline; ``outbox-cdc demo --keep-running`` leaves its children running the same way.
+``.dev/run`` (one of them dead, ``make run`` starts that one again and leaves the others
+running); ``make stop`` ends them (SIGTERM, then SIGKILL after
+:data:`STOP_GRACE_S`) and names one that had exited; ``outbox-cdc demo write`` commits a
+burst into the running pipeline; ``outbox-cdc demo --keep-running`` leaves its children
+running the same way.
 
 Registration goes through the backlog guard (:mod:`cdc.backlog`), as an
 application's registration endpoint would: while the pipeline is over a limit
@@ -63,8 +65,9 @@ from rich.table import Table
 from cdc.backlog import BacklogGuard
 from cdc.cli.app import require_free_port
 from cdc.errors import CdcError
-from cdc.kafkaclient import first_contact
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafka.client import first_contact
+from cdc.kafka.log import KafkaClientEvents
+from cdc.kafka.producer import TopicManager
 from cdc.migrate import migrate
 from cdc.outbox import (
     QUIZ_AGGREGATE,
@@ -73,13 +76,14 @@ from cdc.outbox import (
     register_user,
     submit_quiz_attempt,
 )
-from cdc.producer import TopicManager
 from cdc.settings import Settings
 from sinks.cli.runfiles import (
     CHILDREN,
     STOP_GRACE_S,
     background,
+    dead,
     forget,
+    log_of,
     run_dir,
     urls,
     write_pid,
@@ -88,17 +92,22 @@ from sinks.cli.runfiles import (
 from sinks.ops.lag import group_lag
 from sinks.ops.offsets import lag_totals
 
+#: The demo's last line: what it leaves running, and how to stop it.
+STACK_LEFT_UP = (
+    "PostgreSQL and Kafka (the stack of `make up`) keep running for the next run:"
+    " `make down` stops them, `make status` shows them."
+)
 #: How long the demo waits for the last event before it gives up.
 DEMO_TIMEOUT_S = 300.0
 #: How long the summary waits for the group's committed offsets to catch up.
 LAG_SETTLE_S = 15.0
 #: Progress refresh period.
 POLL_S = 0.25
-#: The ports the children listen on: (settings field, host the child binds).
+#: The ports the children listen on: (child, settings field, host the child binds).
 _CHILD_PORTS = (
-    ("engine_stub_port", "127.0.0.1"),  # the stub's --host default
-    ("relay_http_port", None),  # None: CDC_HTTP_HOST
-    ("sink_http_port", None),
+    ("engine-stub", "engine_stub_port", "127.0.0.1"),  # the stub's --host default
+    ("relay", "relay_http_port", None),  # None: CDC_HTTP_HOST
+    ("sink", "sink_http_port", None),
 )
 #: Run in each child before its program: die with the demo (Linux's parent-death signal;
 #: kept across exec), or right away if the demo is already gone; then exec the program.
@@ -172,10 +181,12 @@ def _wait_http(url: str, child: Child, timeout_s: float = 60.0, *, unless: str =
     raise DemoError(f"{child.name} not ready at {url} after {timeout_s:.0f}s:\n{child.tail()}")
 
 
-def require_free_ports(settings: Settings) -> None:
-    """:class:`ConfigError` naming the port and its setting when a child's port is taken."""
-    for field_name, host in _CHILD_PORTS:
-        require_free_port(settings, field_name, host=host)
+def require_free_ports(settings: Settings, *, only: frozenset[str] | None = None) -> None:
+    """:class:`ConfigError` naming the port and its setting when a child's port is taken
+    (``only``: of the children named)."""
+    for name, field_name, host in _CHILD_PORTS:
+        if only is None or name in only:
+            require_free_port(settings, field_name, host=host)
 
 
 def _start_child(
@@ -226,29 +237,44 @@ def stop_children(children: list[Child]) -> None:
             child.proc.wait()
 
 
+def _wait_ready(settings: Settings, child: Child) -> None:
+    """Wait for ``child`` to answer ready (the sink: holding its partitions too)."""
+    if child.name == "engine-stub":
+        _wait_http(f"http://127.0.0.1:{settings.engine_stub_port}/_stub/stats", child)
+    elif child.name == "relay":
+        _wait_http(f"http://127.0.0.1:{settings.relay_http_port}/readyz", child)
+    else:  # ready, and holding its partitions (the group's first rebalance is done)
+        _wait_http(
+            f"http://127.0.0.1:{settings.sink_http_port}/readyz", child, unless="(0 partitions"
+        )
+
+
 @contextmanager
 def running_children(
-    settings: Settings, log_dir: Path, env: dict[str, str], *, keep: Path | None = None
+    settings: Settings,
+    log_dir: Path,
+    env: dict[str, str],
+    *,
+    keep: Path | None = None,
+    only: frozenset[str] | None = None,
 ) -> Iterator[list[Child]]:
-    """Engine stub, relay and sink started and ready; stopped (as groups) on the way out -
-    unless ``keep`` (a run directory): then they are detached, their PIDs written there
-    (:func:`stop_background` ends them) and stopped only when something failed."""
+    """Engine stub, relay and sink (``only`` those named) started and ready; stopped (as
+    groups) on the way out - unless ``keep`` (a run directory): then they are detached,
+    their PIDs written there (:func:`stop_background` ends them) and stopped only when
+    something failed."""
     log_dir.mkdir(parents=True, exist_ok=True)
     children: list[Child] = []
     kept = False
     try:
         for name, args in CHILDREN:
+            if only is not None and name not in only:
+                continue
             child = _start_child(name, args, keep or log_dir, env, detached=keep is not None)
             children.append(child)
             if keep is not None:
                 write_pid(keep, child.name, child.proc.pid)
-        stub, relay, sink = children
-        _wait_http(f"http://127.0.0.1:{settings.engine_stub_port}/_stub/stats", stub)
-        _wait_http(f"http://127.0.0.1:{settings.relay_http_port}/readyz", relay)
-        # Ready, and holding its partitions (the group's first rebalance is done).
-        _wait_http(
-            f"http://127.0.0.1:{settings.sink_http_port}/readyz", sink, unless="(0 partitions"
-        )
+        for child in children:
+            _wait_ready(settings, child)
         if keep is not None:
             write_ports(keep, settings)
         yield children
@@ -263,22 +289,37 @@ def running_children(
 def start_background(*, where: Path) -> list[str]:
     """``make run``: stub, relay and sink started on the stack, detached, ready; their
     PIDs, ports and logs under ``where``. Lines for the user."""
-    running = background(where)
-    if running:
+    running, gone = background(where), dead(where)
+    if len(running) == len(CHILDREN):
         pids = ", ".join(f"{n} {p}" for n, p in running.items())
         raise DemoError(f"already running ({pids}): make stop first")
     settings = Settings.from_env().require("pg_dsn", "kafka_bootstrap_servers")
-    require_free_ports(settings)
+    missing = frozenset(name for name, _ in CHILDREN if name not in running)
+    require_free_ports(settings, only=missing)
     require_kafka(settings)
     migrate(settings.pg_dsn.get_secret_value(), demo=True)
     ensure_demo_topics(settings)
     where.mkdir(parents=True, exist_ok=True)
-    with running_children(settings, where, demo_env(settings), keep=where) as children:
+    with running_children(
+        settings, where, demo_env(settings), keep=where, only=missing
+    ) as children:
         pass
+    again = {c.name: c for c in children}
+    lines = [
+        f"{name} (pid {pid}) had exited (see {log_of(where, name)}): started again"
+        for name, pid in gone.items()
+        if name in again
+    ]
+    for name, _ in CHILDREN:
+        if name in again:
+            lines.append(f"{name} running, pid {again[name].proc.pid}, log {again[name].log}")
+        else:
+            lines.append(f"{name} still running, pid {running[name]}, log {log_of(where, name)}")
     return [
-        *(f"{c.name} running, pid {c.proc.pid}, log {c.log}" for c in children),
+        *lines,
         *urls(settings),
-        "stop them with: make stop (outbox-cdc demo stop)",
+        "stop them with: make stop (outbox-cdc demo stop); the stack (PostgreSQL, Kafka):"
+        " make down",
     ]
 
 
@@ -443,6 +484,7 @@ def _summary(
         " keeps a pipeline running, `outbox-cdc demo write --users N` writes into it,"
         " `make stop` ends it."
     )
+    console.print(STACK_LEFT_UP)
 
 
 def require_kafka(settings: Settings) -> None:
@@ -544,6 +586,6 @@ def run_demo(
         for line in urls(settings):
             console.print(f"  {line}")
         console.print("  write more: outbox-cdc demo write --users 100")
-        console.print("  stop them:  make stop (outbox-cdc demo stop)")
+        console.print("  stop them:  make stop (outbox-cdc demo stop), then make down")
     if lag:
         raise DemoError(f"consumer group {settings.sink_group_id} still lags by {lag} records")

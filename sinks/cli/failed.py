@@ -42,26 +42,43 @@ def failed_list(
     limit: int, event_type: str | None, statuses: tuple[str, ...], as_json: bool
 ) -> None:
     """The oldest parked events (by default what the admin API lists: FAILED/PENDING)."""
-    from sinks.ops.parking import parked_events
+    from sinks.ops.parking import parked_events, parked_json, retry_scheduled
+    from sinks.shared.routes import Routing
 
+    settings = load_settings("pg_dsn")
     rows = parked_events(
-        load_settings("pg_dsn"),
+        settings,
         limit=limit,
         statuses=statuses or ("FAILED", "PENDING"),
         event_type=event_type,
     )
+    fingerprint = Routing.from_settings(settings).fingerprint
+    scheduled = {
+        r.event_id: retry_scheduled(
+            r, fingerprint=fingerprint, max_attempts=settings.retry_max_attempts
+        )
+        for r in rows
+    }
     if as_json:
-        echo_json({"count": len(rows), "events": [r.as_json() for r in rows]})
+        events = [parked_json(r, scheduled=scheduled[r.event_id]) for r in rows]
+        echo_json({"count": len(rows), "events": events})
         return
-    out().print(render.parked_table(rows, statuses=statuses or ("FAILED", "PENDING")))
+    out().print(
+        render.parked_table(
+            rows, statuses=statuses or ("FAILED", "PENDING"), scheduled=scheduled.__getitem__
+        )
+    )
 
 
 @failed.command("accept")
 @click.option("--id", "ids", type=int, multiple=True, help="parked event id; repeatable")
 @click.option("--type", "event_type", help="every open row of this sync type or record type")
+@click.option("--reason", default=None, help="why, written into the rows' last_error")
 @click.option("--yes", is_flag=True, help="do not ask for confirmation")
 @click.option("--json", "as_json", is_flag=True, help="the ids marked DONE as JSON on stdout")
-def failed_accept(ids: tuple[int, ...], event_type: str | None, yes: bool, as_json: bool) -> None:
+def failed_accept(
+    ids: tuple[int, ...], event_type: str | None, reason: str | None, yes: bool, as_json: bool
+) -> None:
     """Mark open parked events DONE without sending them ("accept as skipped").
 
     For events nobody needs delivered, e.g. a type the engine has no use for;
@@ -78,7 +95,7 @@ def failed_accept(ids: tuple[int, ...], event_type: str | None, yes: bool, as_js
         fail("no open parked event matches")
     what = f"{count} open parked event(s)" + (f" of type {event_type}" if event_type else "")
     confirm(f"mark {what} DONE without sending them?", yes=yes)
-    accepted = accept_parked(settings, ids=list(ids) or None, event_type=event_type)
+    accepted = accept_parked(settings, ids=list(ids) or None, event_type=event_type, reason=reason)
     if as_json:
         echo_json({"accepted_count": len(accepted), "event_ids": accepted})
     else:

@@ -9,7 +9,7 @@ imported inside each function so ``outbox-cdc --help`` stays fast.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cdc.cli.render import (
@@ -223,25 +223,38 @@ def show_redelivery(report: RedeliveryReport, *, as_json: bool) -> None:
     out().print(table)
 
 
-def parked_table(rows: Sequence[ParkedEvent], *, statuses: Sequence[str]) -> Any:
+def parked_table(
+    rows: Sequence[ParkedEvent],
+    *,
+    statuses: Sequence[str],
+    scheduled: Callable[[int], bool] | None = None,
+) -> Any:
+    """The parking lot's rows, readable in 80 columns: the row id, status, retries and the
+    reason never squeezed out (the event id and the reason fold instead); ``scheduled``
+    (row id -> the scheduler will retry it) blanks the next retry of a row it leaves alone
+    (an UNROUTABLE row waiting for a route, a row out of attempts)."""
     from rich.table import Table
 
     kinds = " or ".join(s.lower() for s in statuses)
     table = Table(title=f"{len(rows)} {kinds} sync event(s)", title_justify="left")
-    table.add_column("id", justify="right")
-    table.add_column("type", no_wrap=True)
-    table.add_column("status")
-    table.add_column("retries", justify="right")
-    table.add_column("next retry (UTC)", no_wrap=True)
-    table.add_column("event id", no_wrap=True)
-    table.add_column("last error", overflow="fold")
+    table.add_column("id", justify="right", no_wrap=True, min_width=2)
+    table.add_column("type", overflow="fold", min_width=8)
+    table.add_column("status", no_wrap=True)
+    table.add_column("retries", justify="right", no_wrap=True)
+    table.add_column("next retry (UTC)", overflow="fold", min_width=10)
+    table.add_column("event id", overflow="fold", min_width=8)
+    table.add_column("reason", overflow="fold", min_width=10)
     for r in rows:
+        due = scheduled is None or scheduled(r.event_id)
+        kind = r.event_type
+        if r.event_type == "UNROUTABLE" and r.type_header:
+            kind = f"{r.event_type} ({r.type_header})"
         table.add_row(
             str(r.event_id),
-            r.event_type,
+            kind,
             r.status,
             str(r.retry_count),
-            fmt_time(r.next_retry_at),
+            fmt_time(r.next_retry_at) if due else "-",
             r.outbox_event_id or "-",
             (r.last_error or "")[:ERROR_EXCERPT_CHARS],
         )

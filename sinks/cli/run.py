@@ -1,7 +1,7 @@
 """Commands that run the sink side: ``sink``, ``engine-stub``, ``demo``.
 
 Each parses its options, builds settings and calls one library function
-(:func:`sinks.kafka.service.run_sink`, :func:`sinks.stub.run_stub`,
+(:func:`sinks.runtime.service.run_sink`, :func:`sinks.stub.run_stub`,
 :func:`sinks.cli.demo.run_demo`).
 """
 
@@ -13,7 +13,37 @@ import sys
 import click
 
 from cdc.cli import interrupt
-from cdc.cli.app import load_settings, require_free_port
+from cdc.cli.app import load_settings, require_free_port, settings_line
+
+#: The variables the sink process reads (its start line shows those set to other than
+#: their defaults): the connections, the topics it subscribes to, its own, the engine
+#: client's, the parking lot's, the admin API's and the console's, logging. Not the
+#: relay's own, nor the engine stub's.
+SINK_SETTINGS = (
+    "CDC_PG_DSN",
+    "KAFKA_BOOTSTRAP_SERVERS",
+    "KAFKA_CONFIG_",
+    "CDC_HTTP_HOST",
+    "CDC_TOPIC_PREFIX",
+    "CDC_DLQ_TOPIC",
+    "CDC_CHECKPOINT_TOPIC",
+    "SINK_",
+    "ENGINE_",
+    "INTERNAL_API_KEY",
+    "HTTPS_PROXY",
+    "HTTP_PROXY",
+    "NO_PROXY",
+    "ADMIN_API_",
+    "CONSOLE_",
+    "OUTBOX_SCHEDULER_",
+    "OUTBOX_RETRY_",
+    "LOG_",
+)
+
+
+def sink_reads(variable: str) -> bool:
+    """The sink reads ``variable`` (the engine stub's ``ENGINE_STUB_*`` it does not)."""
+    return variable.startswith(SINK_SETTINGS) and not variable.startswith("ENGINE_STUB_")
 
 
 @click.command()
@@ -21,15 +51,19 @@ def sink() -> None:
     """Deliver outbox events from Kafka to the engine (consumer group; runs until SIGTERM)."""
     import asyncio
 
-    from sinks.kafka.service import run_sink
+    from sinks.console.app import mount_console
+    from sinks.ops.new_group import guard_new_group
+    from sinks.runtime.service import run_sink
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
     require_free_port(settings, "sink_http_port")
     interrupt.release()  # the sink's shutdown is its own: finish in-flight, commit
     logging.getLogger("sinks").info(
-        "sink starting with %s", settings.safe_summary(), extra={"state": "starting"}
+        "sink starting with %s",
+        settings_line(settings, reads=sink_reads),
+        extra={"state": "starting"},
     )
-    sys.exit(asyncio.run(run_sink(settings)))
+    sys.exit(asyncio.run(run_sink(settings, admit=guard_new_group, mount=mount_console)))
 
 
 @click.command("engine-stub")

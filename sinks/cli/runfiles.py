@@ -4,8 +4,9 @@ ports, and the stop.
 Guarantees: each process is recorded with its PID *and* its start time
 (``/proc/<pid>/stat``), so a PID the kernel reused for another process is never
 signalled; :func:`stop_background` sends SIGTERM to each recorded process group (sink
-first), waits up to :data:`STOP_GRACE_S`, then SIGKILLs what is left, and forgets the
-files.
+first), waits up to :data:`STOP_GRACE_S`, then SIGKILLs what is left, names each recorded
+process that had already exited (with its log), and forgets the files. :func:`dead` tells
+``make run`` which recorded process to start again.
 """
 
 from __future__ import annotations
@@ -59,19 +60,35 @@ def forget(where: Path) -> None:
     (where / "ports").unlink(missing_ok=True)
 
 
-def background(where: Path) -> dict[str, int]:
-    """The processes of ``make run`` still running: name -> PID (a PID file whose process
-    is gone, or whose PID now names another process, does not count)."""
-    found: dict[str, int] = {}
+def recorded(where: Path) -> dict[str, tuple[int, str]]:
+    """The processes ``make run`` recorded, alive or not: name -> (PID, start time)."""
+    found: dict[str, tuple[int, str]] = {}
     for name, _ in CHILDREN:
         try:
             pid_text, started = (where / f"{name}.pid").read_text().split()
+            found[name] = (int(pid_text), started)
         except (OSError, ValueError):
             continue
-        pid = int(pid_text)
-        if start_time(pid) == started:
-            found[name] = pid
     return found
+
+
+def background(where: Path) -> dict[str, int]:
+    """The processes of ``make run`` still running: name -> PID (a PID file whose process
+    is gone, or whose PID now names another process, does not count)."""
+    return {
+        name: pid for name, (pid, started) in recorded(where).items() if start_time(pid) == started
+    }
+
+
+def dead(where: Path) -> dict[str, int]:
+    """The processes ``make run`` recorded that are no longer running: name -> PID."""
+    alive = background(where)
+    return {name: pid for name, (pid, _) in recorded(where).items() if name not in alive}
+
+
+def log_of(where: Path, name: str) -> Path:
+    """Where a process of ``make run`` writes its log."""
+    return where / f"{name}.log"
 
 
 def urls(settings: Settings) -> list[str]:
@@ -86,10 +103,14 @@ def urls(settings: Settings) -> list[str]:
 def stop_background(*, where: Path) -> list[str]:
     """``make stop``: SIGTERM each process of ``make run`` (sink first), wait up to
     :data:`STOP_GRACE_S`, SIGKILL what is left. Lines for the user."""
-    running = background(where)
+    running, gone = background(where), dead(where)
+    lines = [
+        f"{name} (pid {pid}) was not running: it had exited (see {log_of(where, name)})"
+        for name, pid in gone.items()
+    ]
     if not running:
         forget(where)
-        return ["nothing running (no live process in " + str(where) + ")"]
+        return [*lines, "nothing running (no live process in " + str(where) + ")"]
     for name, _ in reversed(CHILDREN):
         if name in running:
             with contextlib.suppress(ProcessLookupError):
@@ -97,7 +118,6 @@ def stop_background(*, where: Path) -> list[str]:
     deadline = time.monotonic() + STOP_GRACE_S
     while background(where) and time.monotonic() < deadline:
         time.sleep(0.1)
-    lines = []
     for name, pid in running.items():
         if name in background(where):
             with contextlib.suppress(ProcessLookupError):

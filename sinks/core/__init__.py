@@ -1,11 +1,14 @@
 """The sink's pure core: its decisions, offset bookkeeping and retry policy - no I/O.
 
 What it is for: everything the sink decides. :mod:`.machine` is the one state
-machine (events in, actions out: deliver, pause, park, commit), :mod:`.delivery`
-the offset watermarks and per-key ordering, :mod:`.retry` what an engine
-response means and how long to wait, :mod:`.errors` the one error root of
+machine (events in, actions out: deliver, pause, park, commit), :mod:`.endpoints`
+each engine endpoint's circuit and the judgment of its trouble, :mod:`.window` an
+endpoint's adaptive in-flight limit, :mod:`.delivery`
+the offset watermarks and per-key ordering, :mod:`.statuses` what an engine
+response means, :mod:`.backoff` how long to wait before probing a down engine,
+:mod:`.schedule` when a parked record is tried again, :mod:`.errors` the one error root of
 ``sinks`` (whose classes say what a loop does with each outcome). The shells
-(:mod:`sinks.kafka.consumer`, :mod:`sinks.kafka.worker`) only drive them. What
+(:mod:`sinks.runtime.sink`, :mod:`sinks.kafka.worker`) only drive them. What
 it may import: the ``cdc`` kernel's constants and records; nothing else of
 ``sinks`` and nothing that does I/O. Invariants: an
 offset is committed only after every record at or below it is delivered or

@@ -42,6 +42,7 @@ from cdc.constants import (
 from cdc.records import UNREADABLE_HEADERS as UNREADABLE_HEADERS  # noqa: PLC0414
 from cdc.records import HeaderList as HeaderList  # noqa: PLC0414
 from cdc.records import HeaderRead as HeaderRead  # noqa: PLC0414
+from cdc.records import canonical_id
 from cdc.records import read_headers as read_headers  # noqa: PLC0414
 
 #: (topic, partition, offset): where a record sits in Kafka; unique per record.
@@ -69,6 +70,20 @@ class Envelope:
     header_list: HeaderList = field(default=(), hash=False, compare=False)
     #: Why the record cannot be interpreted (``unreadable_headers: ...``); ``""`` when fine.
     unreadable: str = ""
+    #: The ``id`` header's uuid in canonical text (:func:`cdc.records.canonical_id`), read
+    #: once when the envelope is made: the event's idempotency key everywhere (delivery,
+    #: parking lot, retries); ``""`` when the header is missing or holds no uuid.
+    event_id: str = field(init=False, default="", compare=False)
+    #: Bytes the record carries (key, value, header names and values): what holding it
+    #: costs, counted toward the sink's byte bounds.
+    size: int = field(init=False, default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "event_id", canonical_id(self.headers.get(HEADER_ID)))
+        size = len(self.key or b"") + len(self.value or b"")
+        for name, value in self.header_list or self.headers.items():
+            size += len(name) + len(value or b"")
+        object.__setattr__(self, "size", size)
 
     @classmethod
     def from_kafka(cls, message: Any) -> Envelope:
@@ -102,8 +117,8 @@ class Envelope:
         return (self.topic, self.partition)
 
     @property
-    def event_id(self) -> str:
-        """The ``id`` header: the event uuid and idempotency key; ``""`` when missing."""
+    def raw_id(self) -> str:
+        """The ``id`` header as written (reasons, logs); ``""`` when missing."""
         return self.header(HEADER_ID)
 
     @property
@@ -164,14 +179,20 @@ class OffsetWatermark:
         self._last_tracked: int | None = None
         self._committable: int | None = None
         self._last_taken: int | None = None
+        self._sizes: dict[int, int] = {}  # bytes of held offsets (those with a size)
+        self._held_bytes = 0
 
-    def track(self, offset: int) -> None:
-        """A record at ``offset`` was taken in; it holds the commit until done."""
+    def track(self, offset: int, size: int = 0) -> None:
+        """A record at ``offset`` (of ``size`` bytes) was taken in; it holds the commit
+        (and its bytes count in :attr:`held_bytes`) until it and every offset below are done."""
         if self._last_tracked is not None and offset <= self._last_tracked:
             raise ValueError(f"offset {offset} tracked after {self._last_tracked}")
         self._last_tracked = offset
         self._queue.append(offset)
         self._pending.add(offset)
+        if size:
+            self._sizes[offset] = size
+            self._held_bytes += size
 
     def done(self, offset: int) -> None:
         """The record at ``offset`` is delivered or parked."""
@@ -184,6 +205,7 @@ class OffsetWatermark:
         while queue and queue[0] in self._done:
             settled = queue.popleft()
             self._done.remove(settled)
+            self._held_bytes -= self._sizes.pop(settled, 0)
             self._committable = settled + 1
 
     @property
@@ -212,6 +234,11 @@ class OffsetWatermark:
     def held(self) -> int:
         """Offsets tracked and not yet committable (pending + done above a pending one)."""
         return len(self._queue)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the :attr:`held` offsets (the sizes given to :meth:`track`)."""
+        return self._held_bytes
 
     def state(self, offset: int) -> OffsetState:
         """Where ``offset`` stands."""

@@ -1,9 +1,9 @@
-"""Errors of the ``sinks`` package: every engine outcome that is not a 2xx, and the ops root.
+"""Errors of the ``sinks`` package: its root, and every engine outcome that is not a 2xx.
 
 Every error raised on purpose derives from :class:`SinksError`, the package's
 root. Its two branches: :class:`SinkError` for delivery (engine outcomes and the
-sink's own failures), and :class:`OpsError` for the group operations of
-:mod:`sinks.ops` (lag, replay, redelivery, parking-lot commands, trace). Delivery
+sink's own failures, here), and ``OpsError`` for the group operations (lag, replay,
+redelivery, parking-lot commands, trace), in :mod:`sinks.ops.errors`. Delivery
 loops test the class attributes instead of listing types:
 
 - ``retriable``: sending the same record again may succeed;
@@ -13,11 +13,7 @@ loops test the class attributes instead of listing types:
 partitions and probe with backoff; Kafka holds the backlog, nothing is parked::
 
     SinksError                                          retriable  spends_attempt
-    ├── OpsError            an ops command failed           no          -
-    │   ├── OpsUsageError       a request that makes no sense    no
-    │   ├── GroupActiveError    the group has members            no
-    │   ├── UncommittedShiftError  nothing committed to shift    no
-    │   └── KafkaOpsError       Kafka did not answer             yes
+    ├── OpsError            an ops command failed (sinks.ops.errors)
     └── SinkError           delivery
         ├── EngineUnavailable   refused, timeout, 408,      yes         no
         │   │                   429, 5xx
@@ -54,67 +50,32 @@ class SinkError(SinksError):
     endpoint: str = ""
 
 
-class OpsError(SinksError):
-    """Root of the ops errors (:mod:`sinks.ops`, :mod:`sinks.trace`): the operator's
-    command failed or was refused; no record's delivery is involved."""
-
-    spends_attempt = False
-
-
-class OpsUsageError(OpsError):
-    """The operator asked for something that does not make sense (bad topic, bad duration)."""
-
-
-class GroupActiveError(OpsError):
-    """The group has active members: its offsets cannot be changed under it."""
-
-    def __init__(self, group: str, *, state: str, members: int) -> None:
-        super().__init__(
-            f"consumer group {group} is active ({state}, {members} member(s)): "
-            "stop every sink of the group, then run the replay again"
-        )
-        self.group = group
-        self.state = state
-        self.members = members
-
-
-class GroupNotFoundError(OpsError):
-    """The group has no members and no committed offsets: a typo, or a sink that never ran."""
-
-    def __init__(self, group: str, *, similar: list[str]) -> None:
-        hint = f": did you mean {' or '.join(similar)}?" if similar else ""
-        super().__init__(
-            f"consumer group {group} does not exist (no members, no committed offsets){hint}"
-        )
-        self.group = group
-
-
-class UncommittedShiftError(OpsError):
-    """A shift of partitions the group never committed: there is nothing to shift from."""
-
-
-class KafkaOpsError(OpsError):
-    """Kafka did not answer as needed (unreachable, timed out, refused)."""
-
-    retriable = True
-
-
 class EngineUnavailable(SinkError):  # noqa: N818 - the name is the contract
     """Engine-wide trouble; the record is fine. Pause, probe with backoff, spend no attempt.
 
     ``retry_after_s`` is the engine's ``Retry-After`` (a floor for the next
     probe) when it sent one; ``status`` is ``None`` when no response arrived.
+    ``shared``: the trouble is the route's for everyone, not this request's - an
+    expired request deadline, or an answer with ``Retry-After`` - set where the
+    exception is made (the engine client, the response's classification): the
+    route's window is cut (:func:`sinks.runtime.verdicts.route_result`).
     """
 
     retriable = True
     spends_attempt = False
 
     def __init__(
-        self, reason: str, *, status: int | None = None, retry_after_s: float | None = None
+        self,
+        reason: str,
+        *,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+        shared: bool = False,
     ) -> None:
         super().__init__(reason)
         self.status = status
         self.retry_after_s = retry_after_s
+        self.shared = shared
 
 
 class EngineMisconfigured(EngineUnavailable):

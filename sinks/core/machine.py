@@ -1,60 +1,27 @@
 """The sink's decisions, as one pure state machine: events in, actions out. No I/O.
 
-The consumer shell (:mod:`sinks.kafka.consumer`) feeds :class:`SinkCore` what
+The consumer shell (:mod:`sinks.runtime.sink`) feeds :class:`SinkCore` what
 happened - a record consumed, an engine outcome, a park or commit result, an
 assignment, a revocation, the passing of time - and carries out the actions
 it answers with: :class:`Send`, :class:`Park`, :class:`Pause`,
 :class:`Resume`, :class:`Commit`. Everything that decides is here, in one
 place, so the whole machine is model-checked (``tests/unit/test_core_model.py``).
 
-**Trouble is judged where it happened** (DESIGN.md, "Sink invariants" 2 and 3).
-Every record goes to one engine *route* - the endpoint its :class:`Verdict`
-names (``/api/internal/users/sync``, ``/api/internal/quiz-attempts/sync``) -
-and each route has its own circuit, adaptive window, probe backoff and
-Retry-After hold. An answer is judged at the route of the request that
-produced it (:attr:`Result.endpoint`): a quiz attempt whose user the engine
-does not know makes a ``users/sync`` call too, and when *that* call fails it
-is trouble of the users route, which the attempt then waits for.
-
-===========================================  ===============================================
-answer (:class:`ResultKind`)                 judgment
-===========================================  ===============================================
-2xx (DELIVERED)                              settled; evidence that its route works
-a 4xx about the record: 400, 409, 422, a     the record's own: spends one attempt, parked
-404 but ``user_not_found`` (REJECTED)        after ``inline_attempts``
-refused, reset, timeouts, 408, 401/403,      trouble of the route: **never** spends an
-3xx, the sink's own error (UNAVAILABLE)      attempt
-429, 503 + Retry-After (THROTTLED), an       the route sheds load: its window is cut, its
-expired request deadline (``shared``)        sends are held; spends nothing
-a 5xx (SERVER_ERROR)                         trouble of the route, unless per-route
-                                             evidence blames the record: the same route
-                                             delivered :data:`EVIDENCE_DELIVERIES` other
-                                             records after this failure and was not judged
-                                             down in between (a payload that crashes the
-                                             engine): then one attempt
-===========================================  ===============================================
-
-Route trouble on route R for record X (anything but the first two rows):
-
-- X was R's probe, or R is CLOSED and delivered nothing since X was sent
-  (nothing says R works): R's circuit OPENs; X goes back to the head of its
-  key's lane and waits for R, with the key's later records behind it.
-- R is not CLOSED (an answer to a request sent before it opened): X goes back
-  to its lane; nothing else changes.
-- R is CLOSED and delivered other records since X was sent (R works for the
-  others), or X failed before while R worked (a *suspect*: its own failure
-  must not hold R): X waits (RETRY_WAIT) a growing backoff, unspent; a 5xx
-  leaves a *mark*, and when X comes due the mark becomes one spent attempt if
-  the evidence above came meanwhile - else it is forgotten. A record keeps
-  its attempts and failures while it waits in its lane.
-
-So an engine outage, or one route's outage, spends no attempt of any record,
-and other routes keep delivering while one route is down.
+**Trouble is judged where it happened**: each engine endpoint has its own
+circuit, adaptive window, probe backoff and Retry-After hold, and an answer is
+judged at the endpoint of the request that produced it - the table of answers
+and judgments and the circuit's transitions are in :mod:`sinks.core.endpoints`,
+the window in :mod:`sinks.core.window`. So an engine outage, or one endpoint's
+outage, spends no attempt of any record, and other endpoints keep delivering
+while one is down.
 
 Invariants (each checked after every step of the model test):
 
 1. **Offsets**: a :class:`Commit` never names an offset past a record that is
-   neither delivered nor parked, in that partition (:class:`OffsetWatermark`).
+   neither delivered nor parked, in that partition (:class:`OffsetWatermark`) -
+   but one the parking lot refused alone, with and without its payload: it is
+   *skipped* (:meth:`SinkCore.park_refused`: counted, returned for the shell to
+   log), never a stalled partition.
    A commit counts only once the broker confirmed it (:meth:`commit_result`);
    a failed or lost commit is sent again.
 2. **Per-key order**: records of one key go to the engine one at a time, in
@@ -65,10 +32,16 @@ Invariants (each checked after every step of the model test):
    attempts never exceed the answers that blamed it.
 4. **Only a record a healthy route rejects spends attempts**: after
    ``inline_attempts`` it is parked; a record that cannot be routed, or
-   that the routing marks as bad input, is parked at once and never sent.
+   that the routing marks as bad input, is parked at once and never sent -
+   so is one whose reading raised anything at all (classified before it is
+   tracked: an exception never leaves an offset pending). Parks go in
+   batches of at most :data:`PARK_BATCH_MAX` rows and
+   :data:`PARK_BATCH_MAX_BYTES`; a batch the parking lot refuses for what it
+   carries is split in halves, down to the record that causes it.
 5. **No record is sent after it was parked**; nothing is sent to a route
    whose circuit is OPEN; while a route is HALF_OPEN exactly one probe of it
-   is in flight. A route's circuit leaves CLOSED only on trouble of its own.
+   is in flight. A route's circuit leaves CLOSED only on trouble of its own,
+   and stays out of CLOSED only while something of the route waits.
 6. **Bounded state**: nothing is kept for a partition no longer assigned,
    except records whose I/O is still out (orphans), until it returns. Every
    record the core holds for a partition counts - queued, in flight, waiting
@@ -76,11 +49,14 @@ Invariants (each checked after every step of the model test):
    lower one not yet settled (the watermark holds them): a partition holding
    more than its share (``max_buffered`` / partitions assigned) pauses, and
    above ``max_buffered`` in all every partition holding anything pauses -
-   so at most a fetch batch per partition more is ever held. A partition
-   holding a queued record whose own route is not CLOSED pauses too: Kafka
-   holds that route's backlog (a probe still finds a record of the route, so
-   nothing deadlocks). A partition whose records can move is not held back
-   because another's cannot.
+   so at most a fetch batch per partition more is ever held. The same holds
+   in bytes (``max_buffered_bytes``, each record's :attr:`Envelope.size`). A
+   partition holding a queued record whose own route is not CLOSED pauses
+   too, when every route of its records is down: Kafka holds that route's
+   backlog (a probe still finds a record of the route, so nothing
+   deadlocks); a partition that also carries a route that works keeps
+   fetching within its share. A partition whose records can move is not held
+   back because another's cannot.
 7. **Each route slows to what the engine admits** (:class:`Window`): sends
    of a route stop until a throttled answer's ``Retry-After`` has passed; its
    in-flight limit is halved on a throttled or shared-deadline answer (once
@@ -96,17 +72,10 @@ Invariants (each checked after every step of the model test):
    queue per route, and the gauges read counters the core keeps: a step's cost
    does not grow with the number of records held (``make bench``).
 
-Circuit transitions, per route (the only ones)::
-
-    CLOSED    --trouble, nothing delivered by it since sent--> OPEN      (probe after backoff)
-    OPEN      --probe due, a record of the route waiting-----> HALF_OPEN (one probe Send)
-    HALF_OPEN --probe settled: DELIVERED or REJECTED by it---> CLOSED    (backoff reset)
-    HALF_OPEN --probe: trouble of the route------------------> OPEN      (longer backoff)
-    HALF_OPEN --probe: UNROUTABLE, or ended by another route-> OPEN      (probe again now)
-
-Any settled probe that is not trouble of its route closes that route's
-circuit: a 4xx is an answer of a healthy route. Records that never need the
-engine (bad input, ignored types) are settled without ever becoming a probe.
+Any settled probe that is not trouble of its endpoint closes its circuit; an
+endpoint with nothing of it waiting closes rather than saying "down" (see
+:mod:`sinks.core.endpoints`). Records that never need the engine (bad input,
+ignored types) are settled without ever becoming a probe.
 A newly assigned partition always gets an explicit Pause or Resume: the
 client may remember a pause from before the partition was revoked.
 """
@@ -119,38 +88,51 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from sinks.core.backoff import Backoff
 from sinks.core.delivery import Envelope, KeyScheduler, OffsetWatermark, Position, TopicPartition
-from sinks.core.retry import Backoff
+from sinks.core.endpoints import (
+    EVIDENCE_DELIVERIES,
+    Circuit,
+    Endpoint,
+    EndpointState,
+    Trouble,
+    judge_trouble,
+)
+from sinks.core.endpoints import Timer as _Timer
+from sinks.core.window import Window
 
 #: Longest a commit may stay unconfirmed before it is sent again (a lost callback).
 COMMIT_TIMEOUT_S = 30.0
 #: Records one :class:`Park` action carries at most: one round-trip for many rows.
 PARK_BATCH_MAX = 500
+#: Bytes of records one :class:`Park` carries at most (a record larger goes alone): a
+#: batch is one ``jsonb`` document, whose values PostgreSQL caps at 256 MiB, sent in one
+#: statement whose time ``statement_timeout`` bounds.
+PARK_BATCH_MAX_BYTES = 4 * 1024 * 1024
 #: A throttled answer without Retry-After holds new sends this long (the engine gave no hint).
 THROTTLE_HOLD_S = 1.0
 #: First wait after the parking lot failed; doubles up to :data:`PARK_RETRY_MAX_S`.
 PARK_RETRY_S = 0.5
 PARK_RETRY_MAX_S = 30.0
-#: Deliveries of *other* records by the same route, after a record's 5xx and with no
-#: trouble of that route in between, that blame the 5xx on the record. One is not
-#: enough: a request that raced the start of an outage, or a blip, looks like that.
-EVIDENCE_DELIVERIES = 2
 #: Longest a record waits before it is sent again (a retry, or a wait for evidence):
 #: a record whose route works for others is never left waiting longer than this.
 RETRY_WAIT_MAX_S = 30.0
 #: Exponents above this are past any cap anyway; keeps ``2**n`` small.
 _MAX_EXPONENT = 30
+#: The reason prefix of a record whose reading raised (the routing could not say what it is).
+UNREADABLE_RECORD = "unreadable record"
+#: Characters of an exception's text kept in a parking reason.
+_REASON_MAX_CHARS = 200
 
 
-class Circuit(Enum):
-    """An engine route as the sink sees it."""
+def _describe(exc: BaseException) -> str:
+    """``<class>: <first line of the text>`` (bounded: a reason is a column and a log word)."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0][:_REASON_MAX_CHARS] if lines else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
-    CLOSED = "closed"  # the route is healthy: deliveries flow
-    OPEN = "open"  # trouble of the route: nothing is sent to it until its probe is due
-    HALF_OPEN = "half_open"  # exactly one probe delivery of the route in flight
 
-
-class Route(Enum):
+class Disposition(Enum):
     """What the routing says of one record (:class:`Verdict`)."""
 
     DELIVER = "deliver"  # send it to the engine
@@ -166,7 +148,7 @@ class Verdict:
     window); records with the same endpoint share them.
     """
 
-    route: Route
+    disposition: Disposition
     reason: str = ""
     endpoint: str = ""
 
@@ -218,11 +200,16 @@ class Send:
 
 @dataclass(frozen=True, slots=True)
 class ParkItem:
-    """One record to park, why, and how many attempts it already spent."""
+    """One record to park, why, and how many attempts it already spent.
+
+    ``stub``: the parking lot refused the record's own row (alone): write a row
+    without its payload, naming where the record is in Kafka (``reason`` says why).
+    """
 
     record: Envelope
     reason: str
     attempts: int
+    stub: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,18 +243,6 @@ class Commit:
 Action = Send | Park | Pause | Resume | Commit
 
 
-@dataclass(frozen=True, slots=True)
-class RouteState:
-    """One engine route as the core sees it now (gauges, ``/readyz``)."""
-
-    endpoint: str
-    circuit: Circuit
-    reason: str  # the trouble that opened the circuit ("" while CLOSED)
-    window: int  # the adaptive in-flight limit
-    sending: int  # Sends out
-    waiting: int  # records queued for it (heads of their lanes and the records behind)
-
-
 class Phase(Enum):
     """Where a record taken from its key's lane stands (it holds the lane meanwhile)."""
 
@@ -298,6 +273,9 @@ class _Flight:
     probe: bool = False
     reason: str = ""
     park_failures: int = 0
+    #: the largest Park batch it may go in (halved each time a batch of it was refused)
+    park_cap: int = PARK_BATCH_MAX
+    park_stub: bool = False  # its own row was refused alone: parked without its payload
 
 
 @dataclass(slots=True)
@@ -311,68 +289,9 @@ class _Partition:
     committed: int | None = None  # the broker confirmed this commit
     committing: int | None = None  # a Commit of this offset is out
     commit_sent_at: float = 0.0
-
-
-class Window:
-    """The adaptive in-flight limit (AIMD with slow start, as TCP's congestion window).
-
-    Transitions: ``delivered()`` -> below ``threshold`` +1 per delivery
-    (doubling per round: slow start), from it +1 per ``limit`` deliveries
-    (congestion avoidance); ``cut()`` -> halved (floor 1), threshold = the new
-    limit; ``restart()`` (the route came back) -> 1, threshold = the limit
-    before (or the ceiling when it had fallen to 1). Never above ``ceiling``.
-    """
-
-    def __init__(self, ceiling: int) -> None:
-        self.ceiling = ceiling
-        self.limit = ceiling
-        self.threshold = ceiling
-        self._acked = 0
-
-    def delivered(self) -> None:
-        if self.limit >= self.ceiling:
-            return
-        if self.limit < self.threshold:
-            self.limit += 1
-            return
-        self._acked += 1
-        if self._acked >= self.limit:
-            self._acked = 0
-            self.limit += 1
-
-    def cut(self) -> None:
-        self.limit = max(1, self.limit // 2)
-        self.threshold = self.limit
-        self._acked = 0
-
-    def restart(self) -> None:
-        self.threshold = self.limit if self.limit > 1 else self.ceiling
-        self.limit = 1
-        self._acked = 0
-
-
-#: A timer heap entry: (due, timer number, position); stale once the flight's timer moved on.
-_Timer = tuple[float, int, Position]
-
-
-@dataclass(slots=True)
-class _Route:
-    """One engine route: its circuit, window, probe backoff, hold, evidence and retries."""
-
-    name: str
-    backoff: Backoff
-    window: Window
-    circuit: Circuit = Circuit.CLOSED
-    reason: str = ""  # why the circuit is not CLOSED
-    next_probe_at: float = 0.0
-    probe_out: bool = False
-    sending: int = 0  # Sends out that count in this route's window
-    hold_until: float = 0.0  # no new Send before this (a throttled answer's Retry-After)
-    cut_seq: int = 0  # a throttled Send numbered below this was answered by a cut already
-    deliveries: int = 0  # 2xx by this route, ever
-    openings: int = 0  # times the circuit opened or stayed open on a probe (voids marks)
-    last_delivery_tick: int = -1
-    retries: list[_Timer] = field(default_factory=list)  # RETRY_WAIT flights, by due
+    #: the engine routes of the records taken in this generation (bounded by the routing
+    #: table): a partition known to carry a route that works is not paused for another's
+    routes: set[str] = field(default_factory=set)
 
 
 class SinkCore:
@@ -391,6 +310,7 @@ class SinkCore:
         backoff: Callable[[], Backoff],
         commit_interval_s: float,
         classify: Callable[[Envelope], Verdict],
+        max_buffered_bytes: int | None = None,
     ) -> None:
         if inline_attempts < 1:
             raise ValueError("inline_attempts must be at least 1")
@@ -399,6 +319,7 @@ class SinkCore:
         self._scheduler = KeyScheduler(max_in_flight=None)  # the routes' windows bound sends
         self._max_in_flight = max_in_flight
         self._max_buffered = max_buffered
+        self._max_buffered_bytes = max_buffered_bytes
         self._inline_attempts = inline_attempts
         self._inline_backoff_s = inline_backoff_s
         self._new_backoff = backoff
@@ -413,7 +334,7 @@ class SinkCore:
         self._park_queue: deque[Position] = deque()  # PARK_QUEUED flights, in order
         self._park_timers: list[_Timer] = []  # PARK_WAIT flights, by due
         self._timers = 0  # timer entries ever made
-        self._routes: dict[str, _Route] = {}
+        self._endpoints: dict[str, Endpoint] = {}
         self._rotation = 0  # which route starts its sends first (fair share of max_in_flight)
         self._paused: set[TopicPartition] = set()
         self._unsynced: set[TopicPartition] = set()  # assigned since the last Pause/Resume
@@ -422,6 +343,8 @@ class SinkCore:
         self._tick = 0  # moves on every delivery: "delivered since it was sent"
         #: Attempts spent, ever (answers that blamed their record).
         self.attempts_spent = 0
+        #: Records the parking lot refused even without their payload: settled unparked.
+        self.parks_skipped = 0
         self._progress = 0  # records settled + commits confirmed, ever
         self._progress_seen = -1
         self._progress_at: float | None = None
@@ -477,36 +400,46 @@ class SinkCore:
         part = self._parts.get(record.topic_partition)
         if part is None or (part.last_offset is not None and record.offset <= part.last_offset):
             return None  # not (or no longer) ours, or a re-fetch of what we hold
+        verdict = self._verdict(record)  # first: nothing is tracked that cannot be settled
         part.last_offset = record.offset
-        part.watermark.track(record.offset)
+        part.watermark.track(record.offset, record.size)
         part.timestamps[record.offset] = record.timestamp_ms or now_ms
-        verdict = self._classify(record)
-        if verdict.route is Route.IGNORE:
+        if verdict.disposition is Disposition.IGNORE:
             self._done(record, part.generation)
             return verdict
         orphan = self._flights.get(record.position)
         if orphan is not None:  # in flight from before a revocation: the same record
             self._adopt(orphan, part.generation)
             return verdict
-        if verdict.route is Route.PARK:
+        if verdict.disposition is Disposition.PARK:
             self._flights[record.position] = _Flight(
                 record, part.generation, laned=False, phase=Phase.PARK_QUEUED, reason=verdict.reason
             )
             self._park_queue.append(record.position)
         else:
-            self._scheduler.submit(record, self._route(verdict.endpoint).name)
+            route = self._endpoint(verdict.endpoint).name
+            part.routes.add(route)
+            self._scheduler.submit(record, route)
         return verdict
+
+    def _verdict(self, record: Envelope) -> Verdict:
+        """The routing's verdict; whatever the routing raises while reading the record
+        (a ``RecursionError`` as well as a ``ValueError``) makes it bad input: parked."""
+        try:
+            return self._classify(record)
+        except Exception as exc:  # any failure to read a record is the record's own
+            return Verdict(Disposition.PARK, f"{UNREADABLE_RECORD}: {_describe(exc)}")
 
     def sent(self, record: Envelope, outcome: Result, *, now: float) -> None:
         """A Send ended with ``outcome``: judged at the route it happened (module docstring)."""
         flight = self._flights.get(record.position)
         if flight is None or flight.phase is not Phase.SENDING:
             raise ValueError(f"record {record.position} has no Send out")
-        sent_on = self._routes[flight.sent_on]
+        sent_on = self._endpoints[flight.sent_on]
         sent_on.sending -= 1
         self._sending -= 1
         probe, flight.probe = flight.probe, False
-        where = self._route(outcome.endpoint) if outcome.endpoint else sent_on
+        where = self._endpoint(outcome.endpoint) if outcome.endpoint else sent_on
         kind = outcome.kind
         if probe:
             sent_on.probe_out = False
@@ -545,6 +478,38 @@ class SinkCore:
         flight.due = now + min(PARK_RETRY_MAX_S, PARK_RETRY_S * 2**exponent)
         heapq.heappush(self._park_timers, self._timer(flight))
 
+    def park_refused(self, records: list[Envelope], error: str) -> list[ParkItem]:
+        """The parking lot refused these records' batch for what it carries (not an outage:
+        a value too large, a statement timeout): it is split in halves, down to the record
+        that causes it. A record refused alone is parked once more without its payload
+        (a row naming its place in Kafka); refused even so, it is *skipped* - settled
+        unparked, returned for the shell to log and count - never a stalled partition."""
+        flights = []
+        for record in records:
+            flight = self._flights.get(record.position)
+            if flight is None or flight.phase is not Phase.PARKING:
+                raise ValueError(f"record {record.position} has no Park out")
+            flights.append(flight)
+        cap = max(1, (len(flights) + 1) // 2)
+        skipped: list[ParkItem] = []
+        requeue: list[Position] = []
+        for flight in flights:
+            if self._forget_if_orphan(flight):
+                continue
+            if len(flights) == 1 and flight.park_stub:
+                skipped.append(ParkItem(flight.record, f"{flight.reason}; {error}", 0))
+                self.parks_skipped += 1
+                self._settle(flight)
+                continue
+            if len(flights) == 1:
+                flight.park_stub = True
+                flight.reason = f"{flight.reason}; the parking lot refused the record: {error}"
+            flight.park_cap = min(flight.park_cap, cap)
+            flight.phase = Phase.PARK_QUEUED
+            requeue.append(flight.record.position)
+        self._park_queue.extendleft(reversed(requeue))  # first again, in their order
+        return skipped
+
     def commit_result(self, topic: str, partition: int, offset: int, *, ok: bool) -> None:
         """The broker answered a Commit of ``offset``; a failed one is sent again."""
         part = self._parts.get((topic, partition))
@@ -567,6 +532,7 @@ class SinkCore:
         if self._progress != self._progress_seen or not self._work_waiting():
             self._progress_seen = self._progress
             self._progress_at = now
+        self._close_idle_circuits()
         if not self._stopping:
             self._start_sends(out, now)
             self._start_parks(out, now)
@@ -583,13 +549,13 @@ class SinkCore:
             times.append(self._last_commit_at + self._commit_interval_s)
         if not self._stopping:
             global_room = self._max_in_flight - self._sending > 0
-            for route in self._routes.values():
+            for route in self._endpoints.values():
                 times += self._route_due(route, global_room=global_room)
             if self._park_timers:  # (a stale entry only wakes the loop early)
                 times.append(self._park_timers[0][0])
         return min(times) if times else None
 
-    def _route_due(self, route: _Route, *, global_room: bool) -> list[float]:
+    def _route_due(self, route: Endpoint, *, global_room: bool) -> list[float]:
         """When ``route`` may send next without another event (empty: an event decides)."""
         if not global_room:
             return []  # a Send's answer makes room: an event, not a timer
@@ -653,6 +619,19 @@ class SinkCore:
             held += part.watermark.held
         return held
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the records :attr:`held` counts (O(partitions + orphans))."""
+        held = sum(self._flights[p].record.size for p in self._orphans if p in self._flights)
+        for part in self._parts.values():
+            held += part.watermark.held_bytes
+        return held
+
+    def held_bytes_for(self, topic: str, partition: int) -> int:
+        """Bytes of the records held for one partition."""
+        part = self._parts.get((topic, partition))
+        return 0 if part is None else part.watermark.held_bytes
+
     def held_for(self, topic: str, partition: int) -> int:
         """Records held for one partition (pending, and settled behind a pending one)."""
         part = self._parts.get((topic, partition))
@@ -664,28 +643,47 @@ class SinkCore:
 
     def _want_paused(self) -> set[TopicPartition]:
         """Partitions that must not fetch: all when stopping; one holding a queued record
-        whose own route is down (Kafka holds that route's backlog - not a record that
-        waits for another route's call, a quiz attempt's user sync: its route works); one
+        whose own route is down, when every route its records go to is down (Kafka holds
+        that route's backlog - not a record that waits for another route's call, a quiz
+        attempt's user sync: its route works; and a partition that also carries a route
+        that works keeps fetching, within its share, so that route's later events still
+        go out); one
         holding more than its share; and, while all together hold more than
         ``max_buffered``, every one that holds anything (one holding nothing may fetch:
         its records can move)."""
         if self._stopping:
             return set(self._parts)
-        over = self.held > self._max_buffered
-        share = self.buffer_share
-        down = [r.name for r in self._routes.values() if r.circuit is not Circuit.CLOSED]
+        over = self.held > self._max_buffered or self._over_bytes(self.held_bytes)
+        share, byte_share = self.buffer_share, self.buffer_share_bytes
+        down = {r.name for r in self._endpoints.values() if r.circuit is not Circuit.CLOSED}
         return {
             tp
             for tp, part in self._parts.items()
             if part.watermark.held > share
+            or (byte_share is not None and part.watermark.held_bytes > byte_share)
             or (over and part.watermark.held > 0)
-            or any(self._scheduler.queued_in(*tp, route) for route in down)
+            or (part.routes <= down and any(self._scheduler.queued_in(*tp, r) for r in down))
         }
+
+    def _over_bytes(self, held_bytes: int) -> bool:
+        return self._max_buffered_bytes is not None and held_bytes > self._max_buffered_bytes
+
+    @property
+    def max_buffered(self) -> int:
+        """Records held, all partitions together, above which every one holding any pauses."""
+        return self._max_buffered
 
     @property
     def buffer_share(self) -> int:
         """What one partition may hold before it pauses: ``max_buffered`` / partitions."""
         return max(1, self._max_buffered // max(1, len(self._parts)))
+
+    @property
+    def buffer_share_bytes(self) -> int | None:
+        """Bytes one partition may hold before it pauses (None: no byte bound)."""
+        if self._max_buffered_bytes is None:
+            return None
+        return max(1, self._max_buffered_bytes // max(1, len(self._parts)))
 
     @property
     def stopping(self) -> bool:
@@ -694,7 +692,7 @@ class SinkCore:
     @property
     def circuit(self) -> Circuit:
         """CLOSED while every route's circuit is; else the first other route's state."""
-        for route in self._routes.values():
+        for route in self._endpoints.values():
             if route.circuit is not Circuit.CLOSED:
                 return route.circuit
         return Circuit.CLOSED
@@ -704,29 +702,29 @@ class SinkCore:
         """Why routes are not CLOSED: ``<endpoint>: <trouble>``, ``; ``-joined."""
         return "; ".join(
             f"{route.name or 'engine'}: {route.reason}"
-            for route in self._routes.values()
+            for route in self._endpoints.values()
             if route.circuit is not Circuit.CLOSED
         )
 
     def circuit_of(self, endpoint: str) -> Circuit:
         """The circuit of one route (CLOSED for a route never used)."""
-        route = self._routes.get(endpoint)
+        route = self._endpoints.get(endpoint)
         return Circuit.CLOSED if route is None else route.circuit
 
     def window_of(self, endpoint: str) -> Window:
         """The adaptive window of one route (a full one for a route never used)."""
-        route = self._routes.get(endpoint)
+        route = self._endpoints.get(endpoint)
         return Window(self._max_in_flight) if route is None else route.window
 
     def throttled_until(self, endpoint: str) -> float:
         """No new Send to ``endpoint`` before this monotonic time (0: none held)."""
-        route = self._routes.get(endpoint)
+        route = self._endpoints.get(endpoint)
         return 0.0 if route is None else route.hold_until
 
-    def routes(self) -> list[RouteState]:
+    def endpoints(self) -> list[EndpointState]:
         """Every route used so far, as it stands (O(routes): the routing table bounds them)."""
         return [
-            RouteState(
+            EndpointState(
                 endpoint=r.name,
                 circuit=r.circuit,
                 reason=r.reason,
@@ -734,7 +732,7 @@ class SinkCore:
                 sending=r.sending,
                 waiting=self._scheduler.queued_for(r.name),
             )
-            for r in self._routes.values()
+            for r in self._endpoints.values()
         ]
 
     def stalled_s(self, now: float) -> float:
@@ -762,7 +760,7 @@ class SinkCore:
     def footprint(self) -> int:
         """Entries kept across every per-record container: bounded by what is assigned."""
         per_partition = sum(len(p.timestamps) + p.watermark.held for p in self._parts.values())
-        timers = len(self._park_timers) + sum(len(r.retries) for r in self._routes.values())
+        timers = len(self._park_timers) + sum(len(r.retries) for r in self._endpoints.values())
         return (
             self._scheduler.pending
             + len(self._flights)
@@ -799,19 +797,19 @@ class SinkCore:
 
     def probe_in_flight(self) -> bool:
         """True while a probe's Send is out (of any route)."""
-        return any(route.probe_out for route in self._routes.values())
+        return any(route.probe_out for route in self._endpoints.values())
 
     # -- routes -----------------------------------------------------------------------
-    def _route(self, endpoint: str) -> _Route:
-        route = self._routes.get(endpoint)
+    def _endpoint(self, endpoint: str) -> Endpoint:
+        route = self._endpoints.get(endpoint)
         if route is None:
-            route = self._routes[endpoint] = _Route(
+            route = self._endpoints[endpoint] = Endpoint(
                 endpoint, backoff=self._new_backoff(), window=Window(self._max_in_flight)
             )
         return route
 
     def _probe_answered(
-        self, route: _Route, where: _Route, kind: ResultKind, *, now: float
+        self, route: Endpoint, where: Endpoint, kind: ResultKind, *, now: float
     ) -> None:
         """``route``'s probe ended; ``where`` is the route whose request ended it.
 
@@ -822,55 +820,66 @@ class SinkCore:
         :meth:`_route_trouble` (OPEN, longer backoff).
         """
         if where is not route or kind is ResultKind.UNROUTABLE:
-            self._open_circuit(route, route.reason, now=now, delay_s=0.0)
+            route.open(route.reason, now=now, delay_s=0.0)
         elif kind not in _ROUTE_TROUBLE:
-            self._close_circuit(route)
+            route.close()
 
     def _route_trouble(
-        self, flight: _Flight, route: _Route, outcome: Result, *, now: float, probe: bool
+        self, flight: _Flight, route: Endpoint, outcome: Result, *, now: float, probe: bool
     ) -> None:
-        """An answer that says nothing about the record: trouble of ``route`` (module docstring)."""
-        if probe:  # the route's own probe: still down, wait longer
+        """An answer that says nothing about the record: trouble of ``route``
+        (:func:`~sinks.core.endpoints.judge_trouble`), carried out."""
+        trouble = judge_trouble(
+            route,
+            probe=probe,
+            throttled=outcome.kind is ResultKind.THROTTLED,
+            shared=outcome.shared,
+            sent_tick=flight.sent_tick,
+            strikes=flight.strikes,
+        )
+        if trouble is Trouble.PROBE_FAILED:
+            route.failed_probe = flight.record.position
             self._hold(flight)
-            self._route_down(route, outcome, now=now)
-        elif route.circuit is not Circuit.CLOSED:  # sent before the route opened: changes nothing
+            route.down(outcome.reason, outcome.retry_after_s, now=now)
+        elif trouble is Trouble.STALE:
             self._hold(flight)
-        elif outcome.kind is ResultKind.THROTTLED:
+        elif trouble is Trouble.THROTTLED:
             self._slow_down(route, flight, now + (outcome.retry_after_s or THROTTLE_HOLD_S))
-        elif route.last_delivery_tick <= flight.sent_tick and not flight.strikes:
-            # nothing says the route works (and the record has no history of failing alone)
+        elif trouble is Trouble.DOWN:
             flight.strikes += 1
             self._hold(flight)
-            self._route_down(route, outcome, now=now)
-        elif outcome.shared:  # the route is slow for everyone: fewer at once, not this one's
+            route.down(outcome.reason, outcome.retry_after_s, now=now)
+        elif trouble is Trouble.SHARED:
             self._slow_down(route, flight, now + (outcome.retry_after_s or 0.0))
-        else:  # the route works for others (or the record failed alone before): a blip, or
-            # a 5xx of this record's own - it waits; only evidence makes the 5xx an attempt
+        else:  # a blip, or a 5xx of this record's own - it waits; only evidence makes the
+            # 5xx an attempt
             flight.strikes += 1
             flight.reason = outcome.reason
             is_5xx = outcome.kind is ResultKind.SERVER_ERROR
             flight.mark = (route.deliveries, route.openings) if is_5xx else None
             self._wait(flight, route, now=now)
 
-    def _route_down(self, route: _Route, outcome: Result, *, now: float) -> None:
-        route.openings += 1  # the route is judged down: no 5xx before this is a record's own
-        delay_s = route.backoff.next_delay_s(outcome.retry_after_s)
-        self._open_circuit(route, outcome.reason, now=now, delay_s=delay_s)
+    def _close_idle_circuits(self) -> None:
+        """An OPEN route with nothing of it waiting closes: there is nothing to probe it
+        with (its records were revoked, or its probe was delivered by another route), and
+        nothing of it is held back - readiness and the gauges must not say it is down.
+        Its next record goes as an ordinary Send; trouble opens it again. O(routes)."""
+        for route in self._endpoints.values():
+            if route.circuit is Circuit.OPEN and not self._waits_for(route):
+                route.close()
 
-    def _open_circuit(self, route: _Route, reason: str, *, now: float, delay_s: float) -> None:
-        route.circuit = Circuit.OPEN
-        route.reason = reason
-        route.next_probe_at = now + delay_s
-
-    def _close_circuit(self, route: _Route) -> None:
-        route.circuit = Circuit.CLOSED
-        route.reason = ""
-        route.backoff.reset()
-        route.window.restart()  # slow start: a route back from an outage is not stampeded
+    def _waits_for(self, route: Endpoint) -> bool:
+        """Something of ``route`` waits: Sends out on it, records queued for it (heads of
+        their lanes and the records behind them), or records waiting to be sent again."""
+        return bool(
+            route.sending
+            or self._scheduler.queued_for(route.name)
+            or self._peek_retry(route) is not None
+        )
 
     # -- sends ----------------------------------------------------------------------
     def _start_sends(self, out: list[Action], now: float) -> None:
-        routes = list(self._routes.values())
+        routes = list(self._endpoints.values())
         if not routes:
             return
         first = self._rotation % len(routes)  # each route takes the first turn in turn
@@ -881,7 +890,7 @@ class SinkCore:
             elif route.circuit is Circuit.OPEN and now >= route.next_probe_at:
                 self._send_probe(route, out, now)
 
-    def _send_closed(self, route: _Route, out: list[Action], now: float) -> None:
+    def _send_closed(self, route: Endpoint, out: list[Action], now: float) -> None:
         if now < route.hold_until:
             return  # the route asked us to wait (Retry-After)
         route.hold_until = 0.0
@@ -896,13 +905,16 @@ class SinkCore:
             for record in self._scheduler.ready(limit=room, route=route.name):
                 out.append(self._send(self._take(record, route), route, probe=False))
 
-    def _send_probe(self, route: _Route, out: list[Action], now: float) -> None:
+    def _send_probe(self, route: Endpoint, out: list[Action], now: float) -> None:
         """One record tests the route: one that never failed alone first (a *suspect*, a
-        record that failed while the route worked, may be what breaks it), then a due retry."""
+        record that failed while the route worked, or the route's last failed probe, may
+        be what breaks it - a payload that crashes the engine), then a due retry."""
         if self._max_in_flight - self._sending <= 0:
             return
         head = self._scheduler.peek(route.name)
-        if head is not None and self._carry.get(head.position, (0, 0))[1]:
+        if head is not None and (
+            self._carry.get(head.position, (0, 0))[1] or head.position == route.failed_probe
+        ):
             due = self._peek_retry(route)
             retry = None if due is None or due > now else self._live_retry(route)
             if retry is not None and not retry.strikes:
@@ -919,18 +931,18 @@ class SinkCore:
         route.circuit = Circuit.HALF_OPEN
         out.append(self._send(probe, route, probe=True))
 
-    def _room(self, route: _Route) -> int:
+    def _room(self, route: Endpoint) -> int:
         """Sends the route's window, and all routes' bound together, admit now."""
         return max(0, min(route.window.limit - route.sending, self._max_in_flight - self._sending))
 
-    def _take(self, record: Envelope, route: _Route) -> _Flight:
+    def _take(self, record: Envelope, route: Endpoint) -> _Flight:
         part = self._parts[record.topic_partition]
         flight = _Flight(record, part.generation, laned=True, phase=Phase.SENDING, route=route.name)
         flight.attempts, flight.strikes = self._carry.pop(record.position, (0, 0))
         self._flights[record.position] = flight
         return flight
 
-    def _send(self, flight: _Flight, route: _Route, *, probe: bool) -> Send:
+    def _send(self, flight: _Flight, route: Endpoint, *, probe: bool) -> Send:
         flight.phase = Phase.SENDING
         flight.probe = probe
         flight.route = flight.sent_on = route.name
@@ -954,9 +966,9 @@ class SinkCore:
             return
         flight.reason = reason
         flight.mark = None
-        self._wait(flight, self._routes[flight.route], now=now)
+        self._wait(flight, self._endpoints[flight.route], now=now)
 
-    def _wait(self, flight: _Flight, route: _Route, *, now: float) -> None:
+    def _wait(self, flight: _Flight, route: Endpoint, *, now: float) -> None:
         """The record waits (taken out, its lane held) to be sent again to ``route``."""
         if self._forget_if_orphan(flight):
             return
@@ -965,7 +977,7 @@ class SinkCore:
         flight.due = now + min(RETRY_WAIT_MAX_S, self._inline_backoff_s * 2**exponent)
         heapq.heappush(route.retries, self._timer(flight))
 
-    def _confirmed(self, flight: _Flight, route: _Route) -> bool:
+    def _confirmed(self, flight: _Flight, route: Endpoint) -> bool:
         """A due record's 5xx mark is judged: False when it was parked instead of sent.
 
         The mark becomes a spent attempt only if ``route`` delivered
@@ -996,7 +1008,7 @@ class SinkCore:
         self._drop_flight(flight)
         self._scheduler.release(flight.record, flight.route)  # an orphan is forgotten by it
 
-    def _slow_down(self, route: _Route, flight: _Flight, hold_until: float) -> None:
+    def _slow_down(self, route: Endpoint, flight: _Flight, hold_until: float) -> None:
         """The route admits less than we send: unspent back to its lane, fewer at once.
 
         The window is cut once per round: answers to Sends made before the last
@@ -1020,7 +1032,7 @@ class SinkCore:
             return None
         return flight
 
-    def _peek_retry(self, route: _Route) -> float | None:
+    def _peek_retry(self, route: Endpoint) -> float | None:
         """The due time of the route's first live retry (stale entries are dropped)."""
         heap = route.retries
         while heap:
@@ -1029,11 +1041,11 @@ class SinkCore:
             heapq.heappop(heap)
         return None
 
-    def _live_retry(self, route: _Route) -> _Flight | None:
+    def _live_retry(self, route: Endpoint) -> _Flight | None:
         """The route's first live retry (after :meth:`_peek_retry`), left in place."""
         return self._live(route.retries[0], Phase.RETRY_WAIT) if route.retries else None
 
-    def _pop_due_retry(self, route: _Route, now: float) -> _Flight | None:
+    def _pop_due_retry(self, route: Endpoint, now: float) -> _Flight | None:
         due = self._peek_retry(route)
         if due is None or due > now:
             return None
@@ -1041,7 +1053,7 @@ class SinkCore:
 
     def _compact_timers(self) -> None:
         """After a revocation: heaps without the entries of records no longer held."""
-        for route in self._routes.values():
+        for route in self._endpoints.values():
             route.retries = [e for e in route.retries if self._live(e, Phase.RETRY_WAIT)]
             heapq.heapify(route.retries)
         self._park_timers = [e for e in self._park_timers if self._live(e, Phase.PARK_WAIT)]
@@ -1063,12 +1075,23 @@ class SinkCore:
                 flight.phase = Phase.PARK_QUEUED
                 self._park_queue.append(flight.record.position)
         while self._park_queue:
-            items: list[ParkItem] = []
-            while self._park_queue and len(items) < PARK_BATCH_MAX:
-                flight = self._flights[self._park_queue.popleft()]
-                flight.phase = Phase.PARKING
-                items.append(ParkItem(flight.record, flight.reason, flight.attempts))
-            out.append(Park(tuple(items)))
+            out.append(self._park_batch())
+
+    def _park_batch(self) -> Park:
+        """The next records of the park queue, within :data:`PARK_BATCH_MAX` rows,
+        :data:`PARK_BATCH_MAX_BYTES` (one record at least) and every record's cap."""
+        items: list[ParkItem] = []
+        cap, size = PARK_BATCH_MAX, 0
+        while self._park_queue:
+            flight = self._flights[self._park_queue[0]]
+            cap = min(cap, flight.park_cap)
+            if items and (len(items) >= cap or size + flight.record.size > PARK_BATCH_MAX_BYTES):
+                break
+            self._park_queue.popleft()
+            flight.phase = Phase.PARKING
+            size += flight.record.size
+            items.append(ParkItem(flight.record, flight.reason, flight.attempts, flight.park_stub))
+        return Park(tuple(items))
 
     # -- settling ---------------------------------------------------------------------
     def _settle(self, flight: _Flight) -> None:

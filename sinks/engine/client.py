@@ -3,7 +3,7 @@
 Guarantees:
 
 - :meth:`EngineClient.send` returns only on a 2xx; anything else raises a
-  :class:`~sinks.core.errors.SinkError` chosen by :func:`sinks.core.retry.classify`, and
+  :class:`~sinks.core.errors.SinkError` chosen by :func:`sinks.core.statuses.classify`, and
   every transport failure (refused, reset, timeout, protocol error) becomes
   :class:`~sinks.core.errors.EngineUnavailable` whose reason is
   ``<failure class>: <detail>`` (e.g. ``ConnectError: [Errno 111] Connection
@@ -62,9 +62,9 @@ import httpx
 
 from cdc.errors import ConfigError
 from cdc.settings import Settings
-from cdc.settings_values import redact_url
+from cdc.settings.values import redact_url
 from sinks.core.errors import EngineMisconfigured, EngineUnavailable, Unroutable
-from sinks.core.retry import classify
+from sinks.core.statuses import classify
 from sinks.engine import http1
 from sinks.engine.deadlines import Deadlines
 from sinks.shared.routes import EngineCall, user_sync_call
@@ -357,10 +357,12 @@ class EngineClient:
         if not event_id or not (event_id.isascii() and event_id.isprintable()):
             raise Unroutable(f"event id {event_id!r} cannot be an Idempotency-Key")
         extra = _extra_header_block(headers) if headers else b""
-        try:
-            content = json.dumps(call.body, separators=(",", ":"), allow_nan=False).encode()
-        except (TypeError, ValueError) as exc:
-            raise Unroutable(f"{call.path}: body is not JSON ({exc})") from exc
+        content = call.content  # the payload's own text: never re-encoded
+        if content is None:
+            try:
+                content = json.dumps(call.body, separators=(",", ":"), allow_nan=False).encode()
+            except (TypeError, ValueError) as exc:
+                raise Unroutable(f"{call.path}: body is not JSON ({exc})") from exc
         started = time.perf_counter()
         try:
             status, body, response_headers = await self._post(
@@ -506,7 +508,8 @@ def _transport_error(exc: http1.TransportError | httpx.RequestError) -> EngineUn
     ssl_error = _ssl_error(exc)
     if ssl_error is not None:
         return EngineMisconfigured(tls_reason(ssl_error, str(exc)))
-    return EngineUnavailable(_transport_reason(exc))
+    # the request deadline expired: the route is slow for everyone, not this request's
+    return EngineUnavailable(_transport_reason(exc), shared=isinstance(exc, http1.RequestDeadline))
 
 
 def _ssl_error(exc: BaseException) -> ssl.SSLError | None:

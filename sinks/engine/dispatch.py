@@ -4,7 +4,9 @@ Guarantees: the event's own id is the ``Idempotency-Key``; ``headers`` (the
 record's trace context) go with every request of the delivery; a quiz attempt
 whose user the engine does not know yet triggers a ``users/sync`` first (under
 a key derived from the attempt's id, the same on every redelivery), then the
-attempt is sent again once. Every failure surfaces as a
+attempt is sent again once - a second ``user_not_found`` right after a successful
+sync is the engine's own delay (:class:`~sinks.core.errors.EngineUnavailable` of the
+attempt's route: no attempt spent). Every failure surfaces as a
 :class:`sinks.core.errors.SinkError` whose class says how to treat it, and whose
 ``endpoint`` names the engine route of the request that failed (the user sync's
 own route when that is the one): trouble is judged per route.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from sinks.core.errors import UserNotFound
+from sinks.core.errors import EngineUnavailable, UserNotFound
 from sinks.engine.client import EngineClient
 from sinks.shared.logs import RepeatLog
 from sinks.shared.routes import CATALOG, EngineCall, Routing, derived_user_sync_key, user_sync_call
@@ -67,9 +69,24 @@ async def deliver(
         await engine.send(sync, event_id=sync_key, headers=headers)
         if answered is not None:
             answered.append(sync.path)
-        duplicate = await engine.send(call, event_id=event_id, headers=headers)
+        try:
+            duplicate = await engine.send(call, event_id=event_id, headers=headers)
+        except UserNotFound as again:  # the engine took the sync and does not show it yet
+            raise _not_visible_yet(call, user_id) from again
     if answered is not None:
         answered.append(call.path)
     if duplicate and duplicates is not None:
         duplicates.append(call.path)
     return call
+
+
+def _not_visible_yet(call: EngineCall, user_id: str) -> EngineUnavailable:
+    """``user_not_found`` right after the user's sync succeeded: the engine's own state
+    (it applies syncs asynchronously, DESIGN "Sink invariants" 4), never the record's -
+    trouble of the attempt's route, which spends no attempt; the record is sent again."""
+    error = EngineUnavailable(
+        f"user_not_found for user {user_id} right after its users/sync succeeded"
+        " (the engine has not applied the sync yet)"
+    )
+    error.endpoint = call.path
+    return error

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sinks.core.delivery import Envelope
-from sinks.core.retry import retry_delay_s
+from sinks.core.schedule import retry_delay_s
 from sinks.idempotent.constants import MAX_EVENT_ID_CHARS, RETRY_BACKOFF_CAP_S
 from sinks.idempotent.errors import BadEvent, ConsumerUsageError
 

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafka.log import KafkaClientEvents
 from sinks.core.delivery import Envelope
 from sinks.idempotent.books import TP, AttemptBook, PauseActions, PauseBook, event_id_of
 from sinks.idempotent.constants import RETRY_BACKOFF_CAP_S

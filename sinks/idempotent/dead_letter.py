@@ -17,7 +17,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc.constants import HEADER_DLQ_REASON, HEADER_DLQ_TOPIC
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafka.log import KafkaClientEvents
 from sinks.core.delivery import Envelope
 from sinks.idempotent.constants import (
     DEAD_LETTER_TIMEOUT_S,

@@ -1,14 +1,13 @@
-"""The Kafka shell: the consumer group member, its Kafka thread, the process.
+"""Kafka for the sink: the consumer group member's thread and what it keeps by itself.
 
-What it is for: :mod:`.consumer` (the asyncio loop that carries out what
-:class:`sinks.core.machine.SinkCore` decides), :mod:`.worker` (librdkafka on
-a thread of its own), :mod:`.config` (its Kafka settings), :mod:`.metrics`
-(its ``outbox_sink_*`` series), :mod:`.offset_expiry` (offsets that retention removed:
-never skipped silently) and :mod:`.service` (the ``outbox-cdc sink`` process:
-the consumer, the parking lot's retrier and the admin API). What it may
-import: everything below it - the ``cdc`` kernel, :mod:`sinks.core`,
-:mod:`sinks.shared`, :mod:`sinks.engine`, :mod:`sinks.parking`; never the
-command line or the group operations. Invariants: no Kafka call blocks a
-delivery, the admin API or the scheduler; an offset is stored only when the
-core says every record at or below it is delivered or parked.
+What it is for: :mod:`.worker` (librdkafka on a thread of its own: every consumer
+call, records and rebalances handed to the loop), :mod:`.config` (the member's Kafka
+settings), :mod:`.offset_expiry` (offsets that retention removed: never skipped
+silently), :mod:`.fetch_watch` (a partition that should fetch and does not is
+restarted), :mod:`.stall_probe` and :mod:`.lag_monitor` (broker requests on threads
+and clients of their own). What it may import: the ``cdc`` kernel,
+:mod:`sinks.core`; nothing of the roles above it (the shell in :mod:`sinks.runtime`
+drives it). Invariants: no Kafka call blocks the event loop, and a turn of the
+consumer's thread waits for the broker in ``consume`` only; an offset is
+committed only as the loop says.
 """

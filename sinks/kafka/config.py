@@ -1,7 +1,7 @@
 """The group member's Kafka settings: librdkafka's configuration and the subscription.
 
 What it is for: the one place the sink's consumer configuration is written, so
-the consumer (:mod:`sinks.kafka.consumer`) and the group operations
+the consumer (:mod:`sinks.runtime.sink`) and the group operations
 (:mod:`sinks.ops.offsets`: the reset policy a replay must respect) read the same
 values. Guarantees: offsets are never committed or stored by librdkafka on its
 own (the core says when); the assignment is cooperative-sticky; the

@@ -29,6 +29,10 @@ Guarantees (:class:`FetchWatch` is pure; the worker thread is its shell):
 * each partition is checked at most once per ``stall_after_s``: a partition
   whose tail is records the consumer never returns (an aborted transaction) is
   sought again at that pace, never in a loop;
+* an offset reset (the configured policy restarting a partition whose offset was
+  out of range) is where the partition is expected from then on (:meth:`FetchWatch.reset`):
+  it is never sought back to the removed offset (a reset, an ERROR and
+  ``offsets_expired_total`` again every ``stall_after_s``: false pages);
 * what it keeps is bounded by the assignment: a revoked partition is forgotten.
 """
 
@@ -99,6 +103,16 @@ class FetchWatch:
         if part is not None:
             part.stopped = True
 
+    def reset(self, tp: TP, start: int, now: float) -> None:
+        """The partition was restarted at ``start`` by the offset-reset policy (a logical
+        offset - beginning, end - is negative): that is where it is expected now, never
+        the offset that was out of range (sought back there, it would reset again)."""
+        part = self._parts.get(tp)
+        if part is not None:
+            part.next_offset = start if start >= 0 else None
+            part.quiet_since = now
+            part.stopped = False
+
     def held_back(self, now: float) -> None:
         """The thread fetched nothing on purpose (its hand-off to the loop is full):
         silence is counted only while it fetches."""
@@ -110,6 +124,12 @@ class FetchWatch:
         if part is not None:
             part.next_offset = offset + 1
             part.quiet_since = now
+
+    def lively_since(self, tp: TP, at: float) -> bool:
+        """True when ``tp`` showed life after ``at`` (a record, a resume, a held-back turn),
+        or is no longer watched: an answer asked for at ``at`` is stale."""
+        part = self._parts.get(tp)
+        return part is None or part.quiet_since > at
 
     def next_offset(self, tp: TP) -> int | None:
         part = self._parts.get(tp)

@@ -26,6 +26,11 @@ Guarantees:
   what it dealt with, and a restart does not report the same range again (a record
   of the partition the sink still held from before the skip may commit a lower
   offset afterwards: the range is then reported once more after a restart - never lost);
+* the consumer's thread never waits for the broker here: the watermarks a decision
+  needs are asked on another thread (:class:`ResetBook` keeps which partitions wait,
+  at most one question out per partition), the answer is applied on a later turn,
+  and the position is committed asynchronously - a broker that stops answering
+  cannot hold the thread that serves pauses, commits and close;
 * the partition is restarted at the chosen offset by re-assigning it
   (librdkafka refuses a seek on a partition stopped by the error), keeping it
   paused if the sink had paused it; an eager assignor re-assigns the whole
@@ -43,6 +48,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 log = logging.getLogger("sinks.consumer")  # the name operators filter on: kept across moves
+
+TP = tuple[str, int]
 
 #: Broker requests of the reset (watermarks) give up after this.
 WATERMARK_TIMEOUT_S = 5.0
@@ -115,8 +122,75 @@ def decide(failed: int | None, *, low: int, high: int, policy: Policy) -> Decisi
     return Decision(Cause.IN_RANGE, failed, None)
 
 
+class Step(enum.Enum):
+    """What :meth:`ResetBook.begin` says to do with a partition librdkafka stopped."""
+
+    ASK = "ask"  # hand a watermark question to the probe's thread
+    WAIT = "wait"  # a question about it is out already: its answer serves this one too
+
+
+class ResetBook:
+    """Pure: which stopped partitions wait for the broker's watermarks, and at which offset.
+
+    At most one question per partition is out at a time (what waits is bounded by
+    the assignment); every partition waiting has its question out (none is left
+    stopped with nobody asking); an answer applies to the offset the partition
+    waits at now (the last one librdkafka refused), and to nothing once the
+    partition was revoked. Transitions::
+
+        begin(tp, failed)   idle -> waiting(failed), asked      : ASK
+                            waiting/asked -> waiting(failed)    : WAIT
+        answered(tp)        asked -> idle; waiting(f) -> f, else None
+        forget(tps)         waiting -> idle (its question stays out, answered to nobody)
+    """
+
+    def __init__(self) -> None:
+        #: partitions waiting for an answer, and the offset librdkafka refused
+        self._waiting: dict[TP, int] = {}
+        #: partitions whose question is out (answered or not in time: always answered)
+        self._asked: set[TP] = set()
+
+    def begin(self, tp: TP, failed: int) -> Step:
+        self._waiting[tp] = failed
+        if tp in self._asked:
+            return Step.WAIT
+        self._asked.add(tp)
+        return Step.ASK
+
+    def answered(self, tp: TP) -> int | None:
+        """The offset to decide for, or None when nobody waits for ``tp`` any more."""
+        self._asked.discard(tp)
+        return self._waiting.pop(tp, None)
+
+    def forget(self, tps: Collection[TP]) -> None:
+        for tp in tps:
+            self._waiting.pop(tp, None)
+
+    def waiting(self) -> dict[TP, int]:
+        return dict(self._waiting)
+
+    def asked(self) -> frozenset[TP]:
+        return frozenset(self._asked)
+
+
+@dataclass(frozen=True, slots=True)
+class Watermarks:
+    """The broker's answer about ``tp``: ``(low, high)``, or None when it did not answer
+    within :data:`WATERMARK_TIMEOUT_S` (the partition is then fetched again where it
+    was refused: librdkafka reports it again and it is asked about again)."""
+
+    tp: TP
+    low_high: tuple[int, int] | None
+
+
 class OffsetResets:
-    """The shell: on the consumer's thread, answers librdkafka's ``_AUTO_OFFSET_RESET``."""
+    """The shell: on the consumer's thread, answers librdkafka's ``_AUTO_OFFSET_RESET``.
+
+    Nothing here waits for the broker: the watermarks are asked on another thread
+    (``ask``, the worker's :class:`~sinks.kafka.stall_probe.StallProbe`) and the answer
+    is applied on a later turn (:meth:`answered`); the reset position is committed
+    asynchronously. A partition never committed needs no watermark (librdkafka
+    resolves its logical offsets) and is restarted at once."""
 
     def __init__(
         self,
@@ -124,42 +198,73 @@ class OffsetResets:
         policy: Policy,
         group: str,
         incremental: bool,
+        ask: Callable[[TP], None],
         count: Callable[[int], None] | None = None,
     ) -> None:
         self.policy = policy
         self.group = group
         self.incremental = incremental
+        self._ask = ask
         self._count = count
+        self._book = ResetBook()
         #: where each partition was last restarted (an eager re-assignment keeps them)
         self._starts: dict[tuple[str, int], int] = {}
 
     def handle(
         self, consumer: Consumer, message: Any, *, paused: Collection[tuple[str, int]]
-    ) -> None:
-        """Apply the policy to the partition of ``message`` (an ``_AUTO_OFFSET_RESET`` error)."""
-        topic, partition = str(message.topic()), int(message.partition())
+    ) -> int | None:
+        """Take librdkafka's ``_AUTO_OFFSET_RESET`` for the partition of ``message``.
+
+        Returns the offset the partition was restarted at now (a logical one -
+        beginning, end - is negative), or None: not restarted (yet: its watermarks
+        were asked for, :meth:`answered` restarts it)."""
+        tp = (str(message.topic()), int(message.partition()))
         failed = message.offset()
         if failed is None or failed < 0:
-            decision = no_commit(self.policy)
+            return self._apply(consumer, tp, no_commit(self.policy), paused)
+        if self._book.begin(tp, int(failed)) is Step.ASK:
+            self._ask(tp)
+        return None
+
+    def answered(
+        self, consumer: Consumer, answer: Watermarks, *, paused: Collection[tuple[str, int]]
+    ) -> int | None:
+        """Apply the policy to a partition whose watermarks came (see :meth:`handle`)."""
+        failed = self._book.answered(answer.tp)
+        if failed is None:  # revoked meanwhile: its next owner fetches and reports
+            return None
+        if answer.low_high is None:  # fetch at the same offset again: asks again
+            topic, partition = answer.tp
+            log.error(
+                "%s[%d]: offset %d out of range, the log's start unknown (no answer in %ss):"
+                " retrying",
+                topic,
+                partition,
+                failed,
+                WATERMARK_TIMEOUT_S,
+            )
+            low = high = failed
         else:
-            try:
-                low, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=WATERMARK_TIMEOUT_S
-                )
-            except KafkaException as exc:  # fetch at the same offset again: asks again
-                log.error(
-                    "%s[%d]: offset %d out of range, the log's start unknown (%s): retrying",
-                    topic,
-                    partition,
-                    failed,
-                    exc,
-                )
-                low = high = failed
-            decision = decide(failed, low=low, high=high, policy=self.policy)
+            low, high = answer.low_high
+        decision = decide(failed, low=low, high=high, policy=self.policy)
+        return self._apply(consumer, answer.tp, decision, paused)
+
+    def forget(self, tps: Collection[TP]) -> None:
+        """Revoked: an answer still to come about ``tps`` restarts nothing."""
+        self._book.forget(tps)
+
+    def _apply(
+        self,
+        consumer: Consumer,
+        tp: TP,
+        decision: Decision,
+        paused: Collection[tuple[str, int]],
+    ) -> int | None:
+        topic, partition = tp
         self._report(topic, partition, decision)
         if decision.start is None:
-            return
-        self._starts[(topic, partition)] = decision.start
+            return None
+        self._starts[tp] = decision.start
         try:
             restarted = restart(
                 consumer,
@@ -172,14 +277,15 @@ class OffsetResets:
             )
             if not restarted:
                 log.info("%s[%d]: no longer assigned, not restarted", topic, partition)
-                return
+                return None
         except KafkaException as exc:  # the next fetch of a re-assignment tries again
             log.error(
                 "%s[%d]: cannot restart at offset %d: %s", topic, partition, decision.start, exc
             )
-            return
+            return None
         if decision.cause in (Cause.EXPIRED, Cause.PAST_END) and decision.start >= 0:
             commit_position(consumer, topic, partition, decision.start)
+        return int(decision.start)
 
     def _report(self, topic: str, partition: int, decision: Decision) -> None:
         where = {"topic": topic, "partition": partition, "group": self.group}
@@ -224,9 +330,10 @@ class OffsetResets:
 
 def commit_position(consumer: Consumer, topic: str, partition: int, offset: int) -> None:
     """Commit the position a reset moved to: the group's commit then says what it dealt
-    with (the ERROR), and a restart does not report the same range again."""
+    with (the ERROR), and a restart does not report the same range again. Asynchronous:
+    the broker's answer reaches the worker's commit callback (a failure is logged there)."""
     try:
-        consumer.commit(offsets=[TopicPartition(topic, partition, offset)], asynchronous=False)
+        consumer.commit(offsets=[TopicPartition(topic, partition, offset)], asynchronous=True)
     except KafkaException as exc:  # a rebalance took it: its next owner fetches and reports
         log.warning(
             "%s[%d]: commit of the reset position %d failed: %s", topic, partition, offset, exc

@@ -14,7 +14,8 @@ Guarantees:
   here - the partitions' next owner starts after what this member settled;
   a lost assignment commits nothing;
 * what the thread hands the loop is bounded: at most ``HANDOFF_MAX_RECORDS``
-  records are on their way (posted, not yet taken by the loop); past that the
+  records and ``HANDOFF_MAX_BYTES`` bytes are on their way (posted, not yet taken by
+  the loop, a batch more at most); past that the
   thread stops fetching until the loop catches up, so a busy loop cannot make
   records pile up in memory ahead of the core's own bound (``max_buffered``);
 * every record fetched reaches the loop: it becomes an :class:`Envelope`
@@ -24,18 +25,29 @@ Guarantees:
   :func:`sinks.core.delivery.read_headers`: a second read is a SIGSEGV);
 * the loop talks back through :meth:`KafkaWorker.command` (pause, resume,
   commit, close), a queue this thread drains between ``consume`` calls;
-* librdkafka's errors and log lines go through :class:`cdc.kafkalog.KafkaClientEvents`;
+* librdkafka's errors and log lines go through :class:`cdc.kafka.log.KafkaClientEvents`;
   a fatal consumer error ends the thread with :class:`KafkaFatalError`;
 * the consumer-lag gauge is measured by :class:`LagMonitor` on a thread and a
   client of its own: its broker round-trips never delay a fetch;
+* a caught-up partition's commit is the consumer's position, past a transaction's
+  control marker (:meth:`KafkaWorker._commit_past_markers`): a drained
+  exactly-once topic shows lag 0, not 1;
 * an offset out of range is never skipped silently: librdkafka runs with
   ``auto.offset.reset=error`` and :class:`sinks.kafka.offset_expiry.OffsetResets` applies
-  the configured policy, logging and counting what was removed unprocessed;
+  the configured policy, logging and counting what was removed unprocessed; the
+  watermarks it needs are asked on the probe's thread and applied on a later turn,
+  the reset position is committed asynchronously;
+* so a turn of this thread waits for the broker in ``consume`` only (``POLL_S``):
+  the blocking requests (watermarks, committed offsets) are all made on other
+  threads, and the only synchronous commits are the revocation's and the close's
+  (the close bounded by the caller's ``timeout_s``, ``SINK_SHUTDOWN_S``);
 * the wait for a partition's records is bounded: a partition that should fetch
   and was silent for ``stall_after_s`` while the broker holds records past the
   next offset expected is resumed and sought there
-  (:class:`sinks.kafka.fetch_watch.FetchWatch`); its broker round-trip is bounded
-  (``WATERMARK_TIMEOUT_S``) and made at most once per partition per ``stall_after_s``.
+  (:class:`sinks.kafka.fetch_watch.FetchWatch`); its broker round-trips are made on
+  a thread and a client of their own (:class:`sinks.kafka.stall_probe.StallProbe`),
+  each bounded (``WATERMARK_TIMEOUT_S``), at most one per partition at a time: a
+  broker outage never holds this thread, which serves pauses, commits and close.
 """
 
 from __future__ import annotations
@@ -54,17 +66,19 @@ from typing import Any, Protocol
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from prometheus_client import Gauge
 
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafka.log import KafkaClientEvents
 from sinks.core.delivery import Envelope
 from sinks.core.errors import SinkError
 from sinks.kafka.fetch_watch import STALL_AFTER_S, FetchWatch, Restart
+from sinks.kafka.lag_monitor import LagMonitor
 from sinks.kafka.offset_expiry import (
     LIBRDKAFKA_DEFAULT,
-    WATERMARK_TIMEOUT_S,
     OffsetResets,
     Policy,
+    Watermarks,
     incremental,
 )
+from sinks.kafka.stall_probe import Answer, Question, StallProbe
 
 log = logging.getLogger("sinks.kafka_worker")  # the name operators filter on: kept across moves
 
@@ -73,14 +87,16 @@ CONSUME_BATCH = 1_000
 #: Records posted to the loop and not yet taken by it, above which the thread
 #: stops fetching: two batches keep the loop fed without a gap.
 HANDOFF_MAX_RECORDS = 2 * CONSUME_BATCH
+#: Bytes of records posted to the loop and not yet taken, above which the thread stops
+#: fetching: 2,000 records of a megabyte must not wait in memory ahead of the core's bound.
+HANDOFF_MAX_BYTES = 64 * 1024 * 1024
 #: Longest the consumer waits for a first record: how soon a command is served.
 POLL_S = 0.05
 #: Longest a rebalance callback waits for the loop's answer (a dead loop: give up).
 LOOP_ANSWER_TIMEOUT_S = 10.0
-#: The consumer-lag gauge is refreshed this often (two broker requests per partition).
-LAG_REFRESH_S = 5.0
-#: Broker requests of the lag refresh give up after this.
-LAG_QUERY_TIMEOUT_S = 2.0
+#: How often caught-up partitions are checked for a position past their commit (a
+#: transaction marker after the last record): a local call, no broker round-trip.
+CAUGHT_UP_CHECK_S = 1.0
 
 TP = tuple[str, int]
 Offsets = Sequence[tuple[str, int, int]]
@@ -119,7 +135,12 @@ class _Close:
     final: tuple[tuple[str, int, int], ...]
 
 
-_Command = _Pause | _Resume | _Commit | _Close
+@dataclass(frozen=True, slots=True)
+class _Judge:
+    answer: Answer | Watermarks
+
+
+_Command = _Pause | _Resume | _Commit | _Close | _Judge
 
 
 class KafkaWorker:
@@ -141,10 +162,13 @@ class KafkaWorker:
         self._config = {**config, **events.config(), "on_commit": self._on_commit}
         #: librdkafka stops a partition out of range; OffsetResets applies the policy
         self._config["auto.offset.reset"] = "error"
+        #: the watch's and the resets' broker requests, on a thread and a client of their own
+        self._probe = StallProbe(config, answer=lambda a: self._commands.put(_Judge(a)))
         self._resets = OffsetResets(
             policy=Policy.parse(config.get("auto.offset.reset", LIBRDKAFKA_DEFAULT)),
             group=str(config.get("group.id", "")),
             incremental=incremental(config),
+            ask=self._probe.watermarks,
             count=offsets_expired,
         )
         #: partitions the loop paused (kept paused when a reset re-assigns them)
@@ -153,6 +177,11 @@ class KafkaWorker:
         self._watch = FetchWatch(stall_after_s)
         self._fetch_restarted = fetch_restarted
         self._next_watch_at = 0.0
+        self._next_caught_up_at = 0.0
+        #: per partition, the last commit the broker confirmed (this assignment)
+        self._confirmed: dict[TP, int] = {}
+        #: per partition, a commit of the consumer's position this thread sent itself
+        self._topups: dict[TP, int] = {}
         self._topics = topics
         self._loop = loop
         self._side = side
@@ -165,6 +194,7 @@ class KafkaWorker:
         self._closing = False
         #: records posted to the loop and not yet taken (HANDOFF_MAX_RECORDS bounds it)
         self._handoff = 0
+        self._handoff_bytes = 0
         self._handoff_lock = threading.Lock()
         self._handoff_room = threading.Event()
         self._handoff_room.set()
@@ -179,6 +209,7 @@ class KafkaWorker:
 
     def start(self) -> KafkaWorker:
         self._thread.start()
+        self._probe.start()
         if self._lag is not None:
             self._lag.start()
         return self
@@ -197,10 +228,16 @@ class KafkaWorker:
     def commit(self, offsets: tuple[tuple[str, int, int], ...]) -> None:
         self._commands.put(_Commit(offsets))
 
-    async def close(self, final: Offsets) -> None:
-        """Commit ``final`` synchronously, leave the group, end the thread; await it."""
+    async def close(self, final: Offsets, *, timeout_s: float | None = None) -> bool:
+        """Commit ``final`` synchronously, leave the group, end the thread; await it for
+        ``timeout_s`` at most. False when the thread did not end in time (a broker that
+        does not answer): it is a daemon thread, left to the process's end."""
         self._commands.put(_Close(tuple(final)))
-        await asyncio.shield(self._done)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._done), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     # -- the thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -238,6 +275,9 @@ class KafkaWorker:
             if now >= self._next_watch_at:  # (fetching: the hand-off has room)
                 self._next_watch_at = now + self._watch.stall_after_s / 4
                 self._check_stalls(consumer, now)
+            if now >= self._next_caught_up_at:
+                self._next_caught_up_at = now + CAUGHT_UP_CHECK_S
+                self._commit_past_markers(consumer)
 
     def _consume(self, consumer: Consumer) -> list[Envelope]:
         """What is there now, without waiting for a whole batch.
@@ -258,9 +298,11 @@ class KafkaWorker:
                     (msg.topic() or "", msg.partition() or 0), msg.offset() or 0, now
                 )
             elif err.code() == KafkaError._AUTO_OFFSET_RESET:
-                if self._resets.policy is Policy.ERROR:  # stays stopped: not a stall
-                    self._watch.stopped((msg.topic() or "", msg.partition() or 0))
-                self._resets.handle(consumer, msg, paused=self._paused)
+                tp = (msg.topic() or "", msg.partition() or 0)
+                self._watch.stopped(tp)  # (policy error, or its watermarks asked): not a stall
+                start = self._resets.handle(consumer, msg, paused=self._paused)
+                if start is not None:  # expected from there on, not at the removed offset
+                    self._watch.reset(tp, start, time.monotonic())
             elif err.code() != KafkaError._PARTITION_EOF:
                 log.warning("consumer error: %s", err, extra={"kafka_error": err.name()})
         return records
@@ -287,6 +329,8 @@ class KafkaWorker:
                 consumer.resume(self._assigned(consumer, command.partitions))
             elif isinstance(command, _Commit):
                 self._commit_async(consumer, command.offsets)
+            elif isinstance(command, _Judge):
+                self._judge(consumer, command.answer)
         except KafkaException as exc:
             log.warning("consumer %s failed: %s", type(command).__name__.lstrip("_"), exc)
 
@@ -300,6 +344,7 @@ class KafkaWorker:
 
     def _close(self, consumer: Consumer, close: _Close) -> None:
         self._closing = True
+        self._probe.stop()
         if self._lag is not None:
             self._lag.stop()
         self._commit_sync(consumer, close.final, what="final commit")
@@ -317,30 +362,74 @@ class KafkaWorker:
             log.warning("%s failed: %s", what, exc)
 
     def _check_stalls(self, consumer: Consumer, now: float) -> None:
-        """Restart the partitions that should fetch, are silent, and have records waiting."""
+        """Ask about the partitions that should fetch and are silent (off this thread:
+        :class:`~sinks.kafka.stall_probe.StallProbe`); the answers come back as commands."""
         for tp, silent_s in self._watch.suspects(now):
-            try:
-                expected = self._watch.next_offset(tp)
-                if expected is None:
-                    expected = self._start_of(consumer, tp)
-                _low, end = consumer.get_watermark_offsets(
-                    TopicPartition(*tp), timeout=WATERMARK_TIMEOUT_S, cached=False
-                )
-            except KafkaException as exc:  # the next check asks again
-                log.debug("%s[%d]: stall check failed: %s", tp[0], tp[1], exc)
-                continue
-            restart = self._watch.judge(tp, expected, end, silent_s)
-            if restart is not None:
-                self._restart(consumer, restart)
+            expected = self._watch.next_offset(tp)
+            if expected is None:  # nothing fetched yet: its position (a local call)
+                try:
+                    position = consumer.position([TopicPartition(*tp)])[0].offset
+                except KafkaException:
+                    position = -1
+                expected = int(position) if position >= 0 else None  # else: the commit
+            self._probe.ask(Question(tp, expected, silent_s, now))
 
-    @staticmethod
-    def _start_of(consumer: Consumer, tp: TP) -> int | None:
-        """Where a partition fetched nothing yet starts: its position, else the commit."""
-        position = consumer.position([TopicPartition(*tp)])[0].offset
-        if position >= 0:
-            return int(position)
-        committed = consumer.committed([TopicPartition(*tp)], timeout=WATERMARK_TIMEOUT_S)
-        return int(committed[0].offset) if committed and committed[0].offset >= 0 else None
+    def _judge(self, consumer: Consumer, answer: Answer | Watermarks) -> None:
+        """Restart a partition the broker says holds records past what it expects - unless
+        it fetched (or was resumed, or held back) since it was asked about; or apply the
+        reset policy to a partition whose watermarks came."""
+        if isinstance(answer, Watermarks):
+            start = self._resets.answered(consumer, answer, paused=self._paused)
+            if start is not None:  # expected from there on, not at the removed offset
+                self._watch.reset(answer.tp, start, time.monotonic())
+            return
+        question = answer.question
+        if self._watch.lively_since(question.tp, question.asked_at):
+            return
+        restart = self._watch.judge(question.tp, answer.expected, answer.end, question.silent_s)
+        if restart is not None:
+            self._restart(consumer, restart)
+
+    def _commit_past_markers(self, consumer: Consumer) -> None:
+        """Caught-up partitions whose position lies past their commit: commit the position.
+
+        A Kafka transaction ends with a control marker after its last record; the
+        consumer's position moves past it, the core's commit (last record + 1) does
+        not, and a drained partition would show lag 1 forever. Only a partition whose
+        confirmed commit is the offset after the last record fetched qualifies (every
+        record handed over is settled and committed), so what lies between the
+        commit and the position is no record of ours: markers, or an aborted
+        transaction's records the consumer never returns.
+        """
+        tps = [
+            tp
+            for tp, offset in self._confirmed.items()
+            if tp not in self._topups and offset == self._watch.next_offset(tp)
+        ]
+        if not tps:
+            return
+        try:
+            positions = consumer.position([TopicPartition(*tp) for tp in tps])
+        except KafkaException as exc:  # (not assigned any more: asked again later)
+            log.debug("position of caught-up partitions unknown: %s", exc)
+            return
+        offsets = [
+            (p.topic, p.partition, p.offset)
+            for p in positions
+            if p.error is None and p.offset > self._confirmed.get((p.topic, p.partition), p.offset)
+        ]
+        if not offsets:
+            return
+        for topic, partition, offset in offsets:
+            self._topups[(topic, partition)] = offset
+        try:
+            consumer.commit(
+                offsets=[TopicPartition(t, p, o) for t, p, o in offsets], asynchronous=True
+            )
+        except KafkaException as exc:
+            log.debug("commit past transaction markers failed (tried again): %s", exc)
+            for topic, partition, _offset in offsets:
+                self._topups.pop((topic, partition), None)
 
     def _restart(self, consumer: Consumer, restart: Restart) -> None:
         topic, partition = restart.tp
@@ -382,6 +471,7 @@ class KafkaWorker:
         self._assignment = self._assignment - set(tps)
         self._paused.difference_update(tps)
         self._watch.revoked(tps)
+        self._forget(tps)
         final = self._ask(lambda: self._side.on_revoke(tps, lost=False))
         self._commit_sync(consumer, final or [], what="commit on revoke")
         log.info("revoked %s", _names(tps))
@@ -391,13 +481,26 @@ class KafkaWorker:
         self._assignment = self._assignment - set(tps)
         self._paused.difference_update(tps)
         self._watch.revoked(tps)
+        self._forget(tps)
         self._ask(lambda: self._side.on_revoke(tps, lost=True))
         log.warning("assignment lost (no commit possible): %s", _names(tps))
+
+    def _forget(self, tps: list[TP]) -> None:
+        self._resets.forget(tps)
+        for tp in tps:
+            self._confirmed.pop(tp, None)
+            self._topups.pop(tp, None)
 
     def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         results = []
         for tp in partitions:
             ok = err is None and tp.error is None
+            key = (tp.topic, tp.partition)
+            if ok and key in self._assignment:
+                self._confirmed[key] = max(tp.offset, self._confirmed.get(key, tp.offset))
+            if self._topups.get(key) == tp.offset:
+                del self._topups[key]  # this thread's own: not the core's to hear of
+                continue
             results.append((tp.topic, tp.partition, tp.offset, ok))
             if not ok:
                 log.warning(
@@ -408,7 +511,8 @@ class KafkaWorker:
                     tp.error or err,
                     extra={"topic": tp.topic, "partition": tp.partition, "offset": tp.offset},
                 )
-        self._post(self._side.on_commit, results)
+        if results:
+            self._post(self._side.on_commit, results)
 
     # -- to the loop ----------------------------------------------------------------------
     @property
@@ -417,20 +521,23 @@ class KafkaWorker:
         return self._handoff
 
     def _hand_over(self, records: list[Envelope]) -> None:
+        size = sum(r.size for r in records)
         with self._handoff_lock:
             self._handoff += len(records)
-            if self._handoff >= HANDOFF_MAX_RECORDS:
+            self._handoff_bytes += size
+            if self._handoff >= HANDOFF_MAX_RECORDS or self._handoff_bytes >= HANDOFF_MAX_BYTES:
                 self._handoff_room.clear()
-        self._post(self._take, records)
+        self._post(self._take, records, size)
 
-    def _take(self, records: list[Envelope]) -> None:
+    def _take(self, records: list[Envelope], size: int) -> None:
         """On the loop: give ``records`` to the loop's side, then make room for more."""
         try:
             self._side.on_records(records)
         finally:
             with self._handoff_lock:
                 self._handoff -= len(records)
-                if self._handoff < HANDOFF_MAX_RECORDS:
+                self._handoff_bytes -= size
+                if self._handoff < HANDOFF_MAX_RECORDS and self._handoff_bytes < HANDOFF_MAX_BYTES:
                     self._handoff_room.set()
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -473,77 +580,3 @@ def _names(partitions: Sequence[tuple[Any, ...]]) -> str:
         name = f"{item[0]}[{item[1]}]"
         names.append(f"{name}@{item[2]}" if len(item) > 2 else name)
     return ", ".join(names) or "nothing"
-
-
-class LagMonitor:
-    """``outbox_sink_consumer_lag`` = end offset - committed offset, summed over the assignment.
-
-    Runs on a daemon thread with a consumer of its own that never subscribes
-    (it only reads the group's committed offsets and the watermarks), so the
-    member's fetching is never held up by these broker round-trips. A
-    partition without a commit counts from its low watermark. A failed
-    refresh keeps the last value (and says so at DEBUG).
-    """
-
-    def __init__(
-        self,
-        config: dict[str, Any],
-        *,
-        gauge: Gauge,
-        assigned: Callable[[], set[TP]],
-        period_s: float = LAG_REFRESH_S,
-    ) -> None:
-        keep = ("bootstrap.servers", "group.id", "security.", "sasl.", "ssl.", "client.")
-        self._config = {
-            k: v for k, v in config.items() if isinstance(k, str) and k.startswith(keep)
-        }
-        self._config["enable.auto.commit"] = False
-        self._gauge = gauge
-        self._assigned = assigned
-        self._period_s = period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kafka-lag", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        events = KafkaClientEvents("sink-lag")
-        try:
-            config = {k: v for k, v in self._config.items() if k != "stats_cb"}
-            config["statistics.interval.ms"] = 0  # (the consumer's statistics are not its)
-            client = Consumer({**config, **events.config()})
-        except KafkaException as exc:
-            log.warning("consumer-lag gauge disabled: %s", exc)
-            return
-        try:
-            while not self._stop.wait(self._period_s):
-                lag = self.measure(client, sorted(self._assigned()))
-                if lag is not None:
-                    self._gauge.set(lag)
-        finally:
-            client.close()
-
-    @staticmethod
-    def measure(client: Consumer, partitions: list[TP]) -> int | None:
-        """The lag of ``partitions`` now; ``None`` when the broker did not answer."""
-        if not partitions:
-            return 0
-        try:
-            committed = client.committed(
-                [TopicPartition(t, p) for t, p in partitions], timeout=LAG_QUERY_TIMEOUT_S
-            )
-            lag = 0
-            for tp in committed:
-                low, high = client.get_watermark_offsets(
-                    TopicPartition(tp.topic, tp.partition), timeout=LAG_QUERY_TIMEOUT_S
-                )
-                start = tp.offset if tp.offset >= 0 else low
-                lag += max(0, high - max(start, low))
-        except KafkaException as exc:
-            log.debug("lag refresh failed: %s", exc)
-            return None
-        return lag

@@ -5,7 +5,8 @@ and ``trace`` need. The arithmetic is pure and lives in :mod:`.selection`
 (durations, times, topics, commit order), :mod:`.offsets` (clamping, resume
 points, lag, rates) and :mod:`.plan` (replay plans); the shells drive it:
 :mod:`.kafka` (the ops' Kafka client), :mod:`.lag`, :mod:`.replay`,
-:mod:`.redeliver` and :mod:`.parking` (synchronous faces of the parking lot).
+:mod:`.redeliver` and :mod:`.parking` (synchronous faces of the parking lot);
+:mod:`.errors` holds the ops errors (``OpsError`` and its branches).
 What it may import: the ``cdc`` kernel (settings, constants, LSNs, slot
 status) and the sink's delivery, engine client and parking lot; never the
 command line. Invariants: read-only unless named otherwise - no offset of any

@@ -1,20 +1,20 @@
 """The ops' Kafka client: an AdminClient and a throwaway consumer that never joins a group.
 
 Guarantees: every read is read-only. Committed offsets are read by
-:class:`cdc.kafkaclient.CommittedReader` (a consumer handle with the group's id
+:class:`cdc.kafka.client.CommittedReader` (a consumer handle with the group's id
 that never subscribes: never the AdminClient's ``list_consumer_group_offsets``,
 which crashes librdkafka on a broker that has just started), records with a
 consumer whose group id is a throwaway (``outbox-cdc-ops-<uuid>``) that only
 ``assign``s partitions - it never joins a group and never commits. The first
 request is the cluster's metadata with a short timeout: Kafka unreachable
 fails within seconds with one line, ``Kafka at <bootstrap> unreachable: ...
-(check KAFKA_BOOTSTRAP_SERVERS)``, as a :class:`~sinks.core.errors.KafkaOpsError`
+(check KAFKA_BOOTSTRAP_SERVERS)``, as a :class:`~sinks.ops.errors.KafkaOpsError`
 (exit 1). librdkafka's errors and log lines are rate-limited
-(:mod:`cdc.kafkalog`). The only write,
+(:mod:`cdc.kafka.log`). The only write,
 :meth:`KafkaOps.alter_offsets`, commits exactly the offsets it is given and
 turns Kafka's refusal of a non-empty group into
-:class:`~sinks.core.errors.GroupActiveError`. Kafka failures surface as
-:class:`~sinks.core.errors.KafkaOpsError` with the librdkafka error chained; every
+:class:`~sinks.ops.errors.GroupActiveError`. Kafka failures surface as
+:class:`~sinks.ops.errors.KafkaOpsError` with the librdkafka error chained; every
 request gives up after :data:`KAFKA_REQUEST_TIMEOUT_S`.
 """
 
@@ -37,11 +37,11 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 
 from cdc.errors import KafkaUnreachableError
-from cdc.kafkaclient import CommittedReader, first_contact
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafka.client import CommittedReader, first_contact
+from cdc.kafka.log import KafkaClientEvents
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
-from sinks.core.errors import (
+from sinks.ops.errors import (
     GroupActiveError,
     GroupNotFoundError,
     KafkaOpsError,
@@ -224,13 +224,20 @@ class KafkaOps:
         if members or state not in _UNKNOWN_GROUP_STATES:
             return
         try:
+            known = self.known_groups()
+        except KafkaOpsError:
+            known = []  # the suggestion is a courtesy: the verdict stands without it
+        raise GroupNotFoundError(group, similar=similar_groups(group, known))
+
+    def known_groups(self) -> list[str]:
+        """Every consumer group Kafka lists, outbox-cdc's own throwaway readers left out."""
+        try:
             listed = self.admin.list_consumer_groups(request_timeout=self._timeout_s).result(
                 timeout=self._timeout_s
             )
-            known = [g.group_id for g in listed.valid if not g.group_id.startswith(_OWN_GROUPS)]
-        except KafkaException:
-            known = []  # the suggestion is a courtesy: the verdict stands without it
-        raise GroupNotFoundError(group, similar=difflib.get_close_matches(group, known, n=2))
+        except KafkaException as exc:
+            raise KafkaOpsError(f"list consumer groups: {exc}") from exc
+        return sorted(g.group_id for g in listed.valid if not g.group_id.startswith(_OWN_GROUPS))
 
     def commit_for_group(self, group: str, offsets: Mapping[TP, int]) -> None:
         """Set the group's committed offsets (Kafka refuses for a non-empty group)."""
@@ -281,6 +288,15 @@ class KafkaOps:
                         yield record
         finally:
             self.consumer.unassign()
+
+
+def similar_groups(
+    group: str, known: Sequence[str], *, n: int = 2, cutoff: float = 0.6
+) -> list[str]:
+    """The ``n`` groups of ``known`` whose names are closest to ``group`` (closest first;
+    none below ``cutoff``): a typo's likely intent. ``group`` itself is never one."""
+    others = [g for g in known if g != group]
+    return difflib.get_close_matches(group, others, n=n, cutoff=cutoff)
 
 
 def _take(msg: Any, todo: set[TP], ends: Mapping[TP, int]) -> Iterator[Envelope]:

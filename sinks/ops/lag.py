@@ -17,9 +17,7 @@ import psycopg
 from cdc.errors import CdcError
 from cdc.ops import SlotStatus, slot_status
 from cdc.settings import Settings
-from sinks.core.errors import (
-    KafkaOpsError,
-)
+from sinks.ops.errors import KafkaOpsError
 from sinks.ops.kafka import FIRST_RECORD_TIMEOUT_S, KafkaOps
 from sinks.ops.offsets import (
     LagTotals,
@@ -47,7 +45,7 @@ def group_lag(
     position, read with a throwaway consumer). Resume positions follow the sink's
     ``auto.offset.reset`` for a missing or out-of-range commit (:func:`resume_offset`).
     ``group`` defaults to ``SINK_GROUP_ID``; ``topics`` to the sink's.
-    :class:`~sinks.core.errors.GroupNotFoundError` when the group does not exist."""
+    :class:`~sinks.ops.errors.GroupNotFoundError` when the group does not exist."""
     group = group or settings.sink_group_id
     reset = sink_offset_reset(settings)
     with KafkaOps(settings) as kafka:
@@ -101,7 +99,7 @@ class PipelineLag:
     ``slot`` / ``parking`` are ``None`` when ``CDC_PG_DSN`` is not set or they
     could not be read; ``problems`` then says why (a missing DSN is no problem).
     ``kafka_error`` is set when Kafka could not be read: the partitions are then
-    unknown (empty), never shown as "no lag".
+    unknown (empty) and the JSON totals ``null``, never shown as "no lag".
     """
 
     group: str
@@ -125,7 +123,8 @@ class PipelineLag:
         return {
             "group": self.group,
             "at_ms": self.at_ms,
-            "totals": self.totals.as_json(),
+            # Kafka unread: the totals are unknown (null), never 0 - which reads "no lag"
+            "totals": None if self.kafka_error is not None else self.totals.as_json(),
             "partitions": [p.as_json() for p in self.partitions],
             "slot": dict(self.slot) if self.slot is not None else None,
             "parking_lot": self.parking,
@@ -146,7 +145,7 @@ def pipeline_lag(
     Kafka unreachable is not the end of the report: the slot and the parking lot
     are still read and shown, the partitions are marked unknown
     (``kafka_error``), and the Kafka failure is the report's first problem. A group
-    that does not exist (:class:`~sinks.core.errors.GroupNotFoundError`) ends it.
+    that does not exist (:class:`~sinks.ops.errors.GroupNotFoundError`) ends it.
     """
     group = group or settings.sink_group_id
     kafka_error: str | None = None

@@ -16,10 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cdc.settings import Settings
-from sinks.core.errors import (
-    OpsUsageError,
-)
 from sinks.kafka.config import consumer_config
+from sinks.ops.errors import OpsUsageError
 from sinks.ops.selection import TP
 
 

@@ -12,10 +12,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from cdc.settings import Settings
-from sinks.core.errors import (
-    OpsUsageError,
-)
 from sinks.engine.client import EngineClient
+from sinks.ops.errors import OpsUsageError
 from sinks.parking.lot import ParkedEvent, ParkingLot
 from sinks.parking.retrier import Retrier, RetrySummary
 
@@ -38,6 +36,31 @@ def parked_events(
     )
 
 
+def retry_scheduled(row: ParkedEvent, *, fingerprint: str, max_attempts: int) -> bool:
+    """The scheduler will retry ``row`` (at its ``next_retry_at``): it is open, has attempts
+    left, and is not an UNROUTABLE row under the routing it was parked with (no route for
+    its type yet: it waits for ``SINK_ROUTES`` to change). The rule of the lot's due rows."""
+    if row.status == "DONE" or row.retry_count >= max_attempts:
+        return False
+    return not (row.event_type == "UNROUTABLE" and row.routes_fingerprint == fingerprint)
+
+
+def parked_json(row: ParkedEvent, *, scheduled: bool) -> dict[str, object]:
+    """A parked row for ``failed list --json``: the table's columns under the names they
+    have there (``event_id``, the row's id, and ``event_type``, its sync type, as in the
+    admin API), and what they hold named plainly: ``id`` (the row),
+    ``sync_type`` (USER_SYNC, QUIZ_SYNC, UNROUTABLE), ``type`` (the record's own type,
+    e.g. OrderPlaced) and ``retry_scheduled`` (the scheduler will retry it at
+    ``next_retry_at``)."""
+    return {
+        "id": row.event_id,
+        "sync_type": row.event_type,
+        "type": row.type_header or None,
+        "retry_scheduled": scheduled,
+        **row.as_json(),
+    }
+
+
 def count_acceptable(
     settings: Settings, *, ids: Sequence[int] | None, event_type: str | None
 ) -> int:
@@ -51,15 +74,22 @@ def count_acceptable(
 
 
 def accept_parked(
-    settings: Settings, *, ids: Sequence[int] | None, event_type: str | None
+    settings: Settings,
+    *,
+    ids: Sequence[int] | None,
+    event_type: str | None,
+    reason: str | None = None,
 ) -> list[int]:
-    """Mark open rows DONE without sending them ("accept as skipped"); the ids marked."""
+    """Mark open rows DONE without sending them ("accept as skipped"); the ids marked;
+    ``reason`` is written into their ``last_error``."""
     if not ids and not event_type:
         raise OpsUsageError("give parked event ids or an event type")
     return asyncio.run(
         _with_lot(
             settings,
-            lambda lot: lot.accept(ids=list(ids) if ids else None, event_type=event_type),
+            lambda lot: lot.accept(
+                ids=list(ids) if ids else None, event_type=event_type, reason=reason
+            ),
         )
     )
 

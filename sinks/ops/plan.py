@@ -24,9 +24,7 @@ import enum
 from dataclasses import dataclass
 from datetime import datetime
 
-from sinks.core.errors import (
-    OpsUsageError,
-)
+from sinks.ops.errors import OpsUsageError
 from sinks.ops.offsets import (
     CommitRange,
     OffsetReset,

@@ -2,10 +2,10 @@
 
 Guarantees: :func:`plan_replay` never moves an offset. :func:`apply_replay`
 is the only writer of the ops: it commits exactly the plan's targets for the
-plan's group, and refuses with :class:`~sinks.core.errors.GroupActiveError` while
+plan's group, and refuses with :class:`~sinks.ops.errors.GroupActiveError` while
 the group has members (Kafka itself also refuses an offset change of a
 non-empty group; that answer is reported the same way), or with
-:class:`~sinks.core.errors.UncommittedShiftError` when the plan shifts a partition
+:class:`~sinks.ops.errors.UncommittedShiftError` when the plan shifts a partition
 the group never committed.
 """
 
@@ -14,11 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cdc.settings import Settings
-from sinks.core.errors import (
-    GroupActiveError,
-    OpsUsageError,
-    UncommittedShiftError,
-)
+from sinks.ops.errors import GroupActiveError, OpsUsageError, UncommittedShiftError
 from sinks.ops.kafka import KafkaOps
 from sinks.ops.offsets import sink_offset_reset
 from sinks.ops.plan import ReplayPlan, ReplaySpec, group_is_active, plan_partition
@@ -39,7 +35,7 @@ def plan_replay(
     ``topics=None`` takes every partition of the sink's topics. Partitions the group
     never committed are planned only when named (``T:p``) or ``include_uncommitted``
     (:func:`partition_action`). Reads only. A group that does not exist is
-    :class:`~sinks.core.errors.GroupNotFoundError` - unless uncommitted partitions are
+    :class:`~sinks.ops.errors.GroupNotFoundError` - unless uncommitted partitions are
     asked for (named or ``include_uncommitted``), as when seeding a new group.
     """
     now = now_ms() if at_ms is None else at_ms

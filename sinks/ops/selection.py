@@ -1,7 +1,7 @@
 """What the operator selects, parsed and ordered (pure): durations, times, topics, events.
 
 Guarantees: an ISO-8601 duration or date-time that does not parse raises
-:class:`~sinks.core.errors.OpsUsageError` naming the problem; a topic selection never
+:class:`~sinks.ops.errors.OpsUsageError` naming the problem; a topic selection never
 accepts Kafka's internal ``__*`` topics; records merged from several partitions
 come out in commit order (the ``lsn`` header, else the record timestamp) and
 offset order within a partition is never changed.
@@ -21,9 +21,7 @@ from cdc.constants import HEADER_LSN
 from cdc.settings import Settings
 from cdc.wal.replproto import str_to_lsn
 from sinks.core.delivery import Envelope
-from sinks.core.errors import (
-    OpsUsageError,
-)
+from sinks.ops.errors import OpsUsageError
 
 #: (topic, partition)
 TP = tuple[str, int]

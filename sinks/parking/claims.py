@@ -32,6 +32,10 @@ A scheduled claim needs the row due (``next_retry_at`` ≤ t) and below the
 attempt limit; an operator's claim (admin API, ``failed retry``) ignores both,
 but never takes a live lease either.
 
+A row without an event id (``keyless``: the record had no ``id`` holding a uuid)
+has no idempotency key: the scheduler never claims it (an operator fixes or
+discards it; an operator's retry of it fails without a request).
+
 An ``UNROUTABLE`` row (an event type without a route) cannot fare better on a
 retry until the routing changes: the scheduler leaves it alone while its
 ``fingerprint`` - the routing configuration it was parked or last tried
@@ -43,7 +47,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from sinks.core.retry import retry_delay_s
+from sinks.core.schedule import retry_delay_s
 
 #: How long a claim holds a row. One retry is at most a quiz attempt, a user
 #: sync and the attempt again (3 requests of connect + read timeouts, ~15 s
@@ -79,6 +83,7 @@ class ClaimRow:
     claimed_by: str | None = None
     claimed_until: float | None = None
     unroutable: bool = False  # parked because its type had no route
+    keyless: bool = False  # no event id (no idempotency key): never delivered by a retrier
     fingerprint: str | None = None  # the routing configuration it was last tried under
 
 
@@ -108,7 +113,7 @@ def claimable(
         return False
     if not scheduled:
         return True
-    if row.unroutable and row.fingerprint == fingerprint:
+    if row.keyless or (row.unroutable and row.fingerprint == fingerprint):
         return False
     due = row.next_retry_at is None or row.next_retry_at <= now
     below = max_attempts is None or row.retry_count < max_attempts

@@ -4,7 +4,11 @@ Guarantees:
 
 * one row per event: ``outbox_event_id`` (the idempotency key) is unique, so
   a redelivered or replayed event updates its row instead of adding one;
-  its ``retry_count`` adds the attempts the sink already spent inline;
+  its ``retry_count`` adds the attempts the sink already spent inline; a
+  record without an event id is one row per place in Kafka (topic, partition,
+  offset: migration 008), so re-reading it finds its row;
+* a row without an event id is never delivered (no idempotency key: the
+  scheduler never claims it; an operator fixes or discards it);
 * a row is written before the sink counts its record as done, so an offset
   never moves past an event that is neither delivered nor parked;
   :meth:`ParkingLot.park_many` writes a batch in one round-trip;
@@ -25,6 +29,9 @@ Bounded waits (issue 35: a stuck parking lot never hangs its callers):
 * one statement at a time runs on the connection; a caller waits at most
   :attr:`LotTimeouts.queue_s` for its turn (or, without that bound, as many
   statement deadlines as there are statements ahead of it);
+* a statement PostgreSQL refuses for what it carries (a value over a limit, a
+  ``statement_timeout``: the same statement fails again) is :class:`ParkRefused`,
+  a :class:`ParkingLotUnavailable` that is not ``retriable``;
 * every such failure is one :class:`ParkingLotUnavailable` whose message is a
   line for ``/readyz``, an admin API 503 or the CLI: ``parking lot
   unavailable: ...``. A statement cut by ``lock_timeout`` or
@@ -52,8 +59,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
 from sinks.core.errors import SinkError
-from sinks.core.retry import retry_delay_s
+from sinks.core.schedule import retry_delay_s
 from sinks.parking.claims import CLAIM_LEASE_S, AttemptResult, RowStatus
+from sinks.parking.statements import PARK_SQL
 
 log = logging.getLogger("sinks.parking")
 
@@ -105,6 +113,25 @@ class ParkingLotUnavailable(SinkError):  # noqa: N818 - named after the conditio
 
     def __init__(self, what: str) -> None:
         super().__init__(f"parking lot unavailable: {what}")
+
+
+class ParkRefused(ParkingLotUnavailable):
+    """PostgreSQL answered and refused the statement for what it carries - a value over
+    a limit, data it cannot take, a ``statement_timeout`` - not an outage: the same
+    statement fails again. The consumer splits a refused park batch down to the
+    record that causes it (:meth:`sinks.core.machine.SinkCore.park_refused`)."""
+
+    retriable = False
+
+
+#: SQLSTATEs (or their classes) of an outage: the connection, the server going away or
+#: starting, too many connections, a lock held by another session. Any other error
+#: PostgreSQL answers with is about the statement (:class:`ParkRefused`).
+_OUTAGE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53300", "55P03")
+
+
+def _is_outage(exc: psycopg.Error) -> bool:
+    return exc.sqlstate is None or exc.sqlstate.startswith(_OUTAGE_SQLSTATES)
 
 
 def lot_conninfo(dsn: str, timeouts: LotTimeouts) -> str:
@@ -201,29 +228,6 @@ _COLUMNS = (
     " routes_fingerprint"
 )
 
-_PARK_SQL = """
-INSERT INTO failed_sync_events
-    (event_type, payload_json, status, retry_count, last_error, next_retry_at,
-     outbox_event_id, kafka_topic, kafka_partition, kafka_offset, kafka_key, kafka_headers,
-     routes_fingerprint)
-SELECT r.sync_type, r.payload, 'FAILED', r.attempts, r.reason,
-       COALESCE(%(now)s::timestamptz, now()) + make_interval(secs => r.retry_in_s),
-       r.outbox_event_id, r.topic, r.kafka_partition, r.kafka_offset, r.kafka_key, r.headers,
-       r.fingerprint
-FROM jsonb_to_recordset(%(rows)s::jsonb)
-     AS r(sync_type text, payload text, attempts int, reason text, retry_in_s float8,
-          outbox_event_id uuid, topic text, kafka_partition int, kafka_offset bigint,
-          kafka_key text, headers jsonb, fingerprint text)
-ON CONFLICT (outbox_event_id) DO UPDATE SET
-    status = 'FAILED', last_error = EXCLUDED.last_error,
-    retry_count = failed_sync_events.retry_count + EXCLUDED.retry_count,
-    next_retry_at = EXCLUDED.next_retry_at, updated_at = now(),
-    claimed_by = NULL, claimed_until = NULL, routes_fingerprint = EXCLUDED.routes_fingerprint,
-    kafka_topic = EXCLUDED.kafka_topic, kafka_partition = EXCLUDED.kafka_partition,
-    kafka_offset = EXCLUDED.kafka_offset
-RETURNING event_id
-"""
-
 #: The clock of a statement: the caller's ``now`` (tests) or the database's.
 _NOW = "COALESCE(%(now)s::timestamptz, now())"
 #: sinks.parking.claims.claimable: not DONE, no live lease (a PENDING row without one
@@ -249,10 +253,20 @@ def _matching(
     return {"statuses": [str(s) for s in statuses], "type": event_type, "ids": ids}
 
 
+#: More filters of list_rows: the key, a text in last_error (why parked), created since/until.
+_NARROWING = (
+    " AND (%(key)s::text IS NULL OR kafka_key = %(key)s)"
+    " AND (%(reason)s::text IS NULL OR strpos(coalesce(last_error, ''), %(reason)s) > 0)"
+    " AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s)"
+    " AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s)"
+)
+
+
 #: retry_count is an int4: no row reaches this.
 _NO_LIMIT = 2**31 - 1
 _DUE = (
     f"(next_retry_at IS NULL OR next_retry_at <= {_NOW}) AND retry_count < %(max_attempts)s"
+    " AND outbox_event_id IS NOT NULL"
     " AND NOT (event_type = 'UNROUTABLE'"
     " AND routes_fingerprint IS NOT DISTINCT FROM %(fingerprint)s)"
 )
@@ -312,9 +326,18 @@ class ParkingLot:
                 f" {timeouts.lock_ms / 1000:g} s)"
             ) from exc
         except pgerrors.QueryCanceled as exc:
-            raise ParkingLotUnavailable(f"statement cancelled: {_first_line(exc)}") from exc
-        except psycopg.OperationalError as exc:
+            raise ParkRefused(f"statement cancelled: {_first_line(exc)}") from exc
+        except psycopg.Error as exc:
+            if not _is_outage(exc):  # answered: the statement is refused for what it carries
+                raise ParkRefused(f"{type(exc).__name__}: {_first_line(exc)}") from exc
             await self._drop()
+            # psycopg's connect keeps the error it raises in locals of its own frame
+            # (last_ex, conn_errors), a frame of this traceback: a reference cycle
+            # that held this frame - and its params, a park batch's whole JSON
+            # document (~250 KiB) - until the cyclic GC ran, which the sink's
+            # raised gen-0 threshold makes rare: a paused sink retrying its parks
+            # against a PostgreSQL that is away grew by one document per failure.
+            exc.__traceback__ = None
             raise ParkingLotUnavailable(f"{type(exc).__name__}: {_first_line(exc)}") from exc
         finally:
             self._lock.release()
@@ -337,10 +360,10 @@ class ParkingLot:
 
         Two requests for the same event in one batch are written once (the last wins).
         """
-        latest: dict[str, ParkRequest] = {}
-        for i, req in enumerate(reqs):
+        latest: dict[object, ParkRequest] = {}
+        for req in reqs:
             outbox_id = _uuid_or_none(req.outbox_event_id)
-            latest[outbox_id or f"no-id-{i}"] = req
+            latest[outbox_id or (req.topic, req.partition, req.offset)] = req
         # One JSON document for the whole batch: encoded in C by orjson, read by
         # jsonb_to_recordset - ~10x cheaper than a text array per column.
         document = orjson.dumps(
@@ -362,7 +385,7 @@ class ParkingLot:
                 for r in latest.values()
             ]
         ).decode()
-        rows = await self._fetch(_PARK_SQL, {"rows": document, "now": now})
+        rows = await self._fetch(PARK_SQL, {"rows": document, "now": now})
         return [int(r["event_id"]) for r in rows]
 
     async def list_open(self, limit: int = 100) -> list[ParkedEvent]:
@@ -375,16 +398,22 @@ class ParkingLot:
         statuses: Sequence[str] = (RowStatus.FAILED, RowStatus.PENDING),
         event_type: str | None = None,
         limit: int = 100,
+        key: str | None = None,
+        reason: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
     ) -> list[ParkedEvent]:
         """The oldest ``limit`` rows in ``statuses``, of ``event_type`` if given.
 
         ``event_type`` matches the row's sync type (``USER_SYNC``, ``UNROUTABLE``
-        ...) or the record's ``type`` header (``UserEmailChanged``).
+        ...) or the record's ``type`` header (``UserEmailChanged``); :data:`_NARROWING`
+        says what ``key``, ``reason``, ``since`` and ``until`` match.
         """
+        narrowing = {"key": key, "reason": reason, "since": since, "until": until, "limit": limit}
         rows = await self._fetch(
-            f"SELECT {_COLUMNS} FROM failed_sync_events WHERE {_MATCHING}"  # noqa: S608
+            f"SELECT {_COLUMNS} FROM failed_sync_events WHERE {_MATCHING}{_NARROWING}"  # noqa: S608
             " ORDER BY event_id LIMIT %(limit)s",
-            _matching(statuses=statuses, event_type=event_type, ids=None) | {"limit": limit},
+            _matching(statuses=statuses, event_type=event_type, ids=None) | narrowing,
         )
         return [_row(r) for r in rows]
 
@@ -396,19 +425,23 @@ class ParkingLot:
         )
         return int(rows[0]["n"])
 
-    async def accept(self, *, ids: list[int] | None, event_type: str | None) -> list[int]:
+    async def accept(
+        self, *, ids: list[int] | None, event_type: str | None, reason: str | None = None
+    ) -> list[int]:
         """Mark open rows DONE without sending them ("accept as skipped"); their ids.
 
-        An operator's decision, recorded in ``last_error``; a row under a live
-        lease (being retried right now) is left alone.
+        An operator's decision, recorded in ``last_error`` (with ``reason``, when given);
+        a row under a live lease (being retried right now) is left alone.
         """
+        said = f" ({reason})" if reason else ""  # (the whole text is cut at 4,000)
         rows = await self._fetch(
             "UPDATE failed_sync_events SET status = 'DONE', next_retry_at = NULL,"  # noqa: S608
-            " last_error = left('accepted as skipped by an operator; was: '"
+            " last_error = left(%(said)s || '; was: '"
             " || coalesce(last_error, ''), 4000),"
             " claimed_by = NULL, claimed_until = NULL, updated_at = now()"
             f" WHERE {_MATCHING} AND {_UNLEASED} RETURNING event_id",
-            _matching(statuses=_OPEN, event_type=event_type, ids=ids) | {"now": None},
+            _matching(statuses=_OPEN, event_type=event_type, ids=ids)
+            | {"now": None, "said": "accepted as skipped by an operator" + said},
         )
         return sorted(int(r["event_id"]) for r in rows)
 
@@ -519,6 +552,15 @@ class ParkingLot:
             params,
         )
         return bool(rows)
+
+    async def counts_by_type(self) -> dict[tuple[str, str], int]:
+        """Rows per (sync type, status): why they are parked (``UNROUTABLE``: no route for
+        their type; ``USER_SYNC``/``QUIZ_SYNC``: the engine would not take them)."""
+        rows = await self._fetch(
+            "SELECT event_type, status, count(*) AS n FROM failed_sync_events"
+            " GROUP BY event_type, status ORDER BY event_type, status"
+        )
+        return {(str(r["event_type"]), str(r["status"])): int(r["n"]) for r in rows}
 
     async def counts(self) -> dict[str, int]:
         rows = await self._fetch(

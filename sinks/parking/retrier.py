@@ -16,6 +16,10 @@ Guarantees (Sink invariants 6 and 7):
   are an operator's decision and ignore ``next_retry_at``, the attempt limit
   and the routing (never a live lease: such ids are reported as busy);
 * a row whose type the routing now ignores is marked DONE without a request;
+* an operator's retry can be given a deadline (the admin API's): no row is
+  started after it, and the answer names the rows not tried;
+* a row without an event id is never sent (the scheduler does not claim it; an
+  operator's retry of it fails, saying why): no key but the event's own, ever;
 * a parking lot that cannot answer (:class:`~sinks.parking.lot.ParkingLotUnavailable`,
   within its bounded waits) fails the run or the request, never hangs it; the
   scheduler logs one line and tries again next period (a claimed row's lease expires).
@@ -27,6 +31,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -43,18 +48,35 @@ log = logging.getLogger("sinks.retrier")
 
 #: Parking-lot event type -> the record type to route a row whose headers lack it.
 _DEFAULT_TYPES = {"USER_SYNC": "UserRegistered", "QUIZ_SYNC": "QuizAttemptSubmitted"}
+#: Why a row without an event id is never sent (it has no idempotency key).
+NO_EVENT_ID = (
+    "no event id (the record's 'id' header held no uuid): never sent without its"
+    " idempotency key; fix the producer and re-publish the event, or discard the row"
+)
 #: Rows an explicit retry_all takes at most (the admin list shows 100 too).
 RETRY_ALL_LIMIT = 100
 #: Ids a retry answer names at most per kind: a message stays a line, whatever was asked.
 MAX_IDS_QUOTED = 20
 
 
-def retry_message(unknown_ids: list[int], busy_ids: list[int] | None = None) -> str:
+def retry_message(
+    unknown_ids: list[int],
+    busy_ids: list[int] | None = None,
+    *,
+    untried_ids: list[int] | None = None,
+    deadline_s: float | None = None,
+) -> str:
     """A retry answer's ``message`` (admin API and CLI): at most 20 ids per kind not retried."""
     message = "Retry failed sync events finished"
+    if deadline_s is not None and untried_ids is not None:
+        message = (
+            f"Retry failed sync events stopped at its deadline ({deadline_s:g} s): ask again"
+            " for the rest"
+        )
     for what, ids in (
         ("unknown or not open", unknown_ids),
         ("being retried by another instance right now", busy_ids or []),
+        ("not tried before the deadline", untried_ids or []),
     ):
         if ids:
             named = ids[:MAX_IDS_QUOTED]
@@ -82,6 +104,8 @@ class RetrySummary:
     unknown_ids: list[int] = field(default_factory=list)
     busy_ids: list[int] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)
+    #: asked for, not tried: the run reached its deadline first (None: it did not)
+    untried_ids: list[int] | None = None
 
     def as_data(self) -> dict[str, int]:
         return {
@@ -109,18 +133,30 @@ class Retrier:
         self.claimer = claimer or claimer_id()
         self.routing = routing or Routing.from_settings(settings)
 
-    async def retry(self, ids: list[int] | None, *, retry_all: bool) -> RetrySummary:
-        """Retry chosen rows (``ids``) or, with ``retry_all``, every open row (up to 100)."""
+    async def retry(
+        self, ids: list[int] | None, *, retry_all: bool, deadline_s: float | None = None
+    ) -> RetrySummary:
+        """Retry chosen rows (``ids``) or, with ``retry_all``, every open row (up to 100).
+
+        ``deadline_s``: no row is started after this long (the admin API answers within
+        it and one row's retry); the rows not tried are in ``untried_ids``."""
         summary = RetrySummary()
+        until = None if deadline_s is None else time.monotonic() + deadline_s
         if ids:
-            for event_id in sorted(set(ids)):
+            wanted = sorted(set(ids))
+            for n, event_id in enumerate(wanted):
+                if until is not None and time.monotonic() >= until:
+                    summary.untried_ids = wanted[n:]
+                    break
                 row = await self._lot.claim_id(event_id, by=self.claimer)
                 if row is None:
                     await self._not_claimed(event_id, summary)
                 else:
                     await self._retry_row(row, summary)
         elif retry_all:
-            await self._claim_and_retry(summary, scheduled=False, limit=RETRY_ALL_LIMIT)
+            await self._claim_and_retry(
+                summary, scheduled=False, limit=RETRY_ALL_LIMIT, until=until
+            )
         return summary
 
     async def run_scheduled(self) -> RetrySummary:
@@ -136,9 +172,14 @@ class Retrier:
             )
         return summary
 
-    async def _claim_and_retry(self, summary: RetrySummary, *, scheduled: bool, limit: int) -> None:
+    async def _claim_and_retry(
+        self, summary: RetrySummary, *, scheduled: bool, limit: int, until: float | None = None
+    ) -> None:
         after_id = 0  # one pass in id order: a row retried in this run is not taken again
         while summary.processed_count < limit:
+            if until is not None and time.monotonic() >= until:
+                summary.untried_ids = []  # (the rest of retry_all: not named, not claimed)
+                return
             row = await self._lot.claim_next(
                 by=self.claimer,
                 scheduled=scheduled,
@@ -184,7 +225,9 @@ class Retrier:
 
     async def _attempt(self, row: ParkedEvent) -> tuple[AttemptResult, str | None]:
         event_type = row.type_header or _DEFAULT_TYPES.get(row.event_type, "")
-        event_id = row.outbox_event_id or f"parked-{row.event_id}"
+        event_id = row.outbox_event_id  # canonical (uuid::text): the key the consumer used
+        if not event_id:  # never delivered under a key that is not the event's own
+            return AttemptResult.UNAVAILABLE, NO_EVENT_ID
         if self.routing.is_ignored(row.kafka_topic or "", event_type):
             return AttemptResult.SKIPPED, f"skipped: {event_type!r} is in SINK_IGNORED_TYPES"
         try:

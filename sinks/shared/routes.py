@@ -35,7 +35,10 @@ from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Any
 
+import orjson
+
 from cdc.errors import ConfigError
+from cdc.jsontext import TOO_DEEP, object_members, too_deep
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
 from sinks.core.errors import Unroutable
@@ -65,6 +68,9 @@ class EngineCall:
     path: str
     body: dict[str, Any]
     sync_type: SyncType
+    #: The bytes to send: the payload's own JSON text, exactly as Kafka held it (the
+    #: relay's pass-through rule: never re-encoded); None: ``body`` encoded.
+    content: bytes | None = None
 
     @property
     def user_id(self) -> str | None:
@@ -105,26 +111,39 @@ def derived_user_sync_key(event_id: str) -> str:
 
 
 def _payload_object(event_type: str, payload: bytes | None) -> dict[str, Any]:
+    """The payload's members, read for routing only (what is sent is the payload's own
+    text, :attr:`EngineCall.content`): one JSON object (RFC 8259, UTF-8, no NaN or
+    Infinity) nested at most :data:`cdc.jsontext.MAX_DEPTH` levels - the relay's rule.
+    Numbers a double cannot hold are read as their text (:func:`cdc.jsontext.object_members`),
+    never refused and never rounded on the way to the engine."""
     if payload is None:
         raise Unroutable(f"{event_type}: no payload (tombstone record)")
+    if too_deep(payload):
+        raise Unroutable(f"{event_type}: payload {TOO_DEEP}")
     try:
-        # json.loads(payload, parse_constant=...) exactly, without building a
-        # decoder per call (a tenth of the sink's routing cost).
-        value = _DECODER.decode(payload.decode(json.detect_encoding(payload), "surrogatepass"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise Unroutable(f"{event_type}: payload is not valid JSON ({exc})") from exc
+        value = _loads(payload)  # one C parse for the common case
+    except _JSONDecodeError:
+        value = _exact_members(event_type, payload)  # what orjson declines (1e400, \ud800 ...)
     if not isinstance(value, dict):
-        raise Unroutable(f"{event_type}: payload is a JSON {type(value).__name__}, not an object")
+        raise Unroutable(f"{event_type}: payload is a JSON {_json_type(value)}, not an object")
     return value
 
 
-def _reject_constant(name: str) -> Any:
-    """``NaN`` and ``Infinity`` parse in Python but are not JSON: the engine would refuse them."""
-    raise ValueError(f"{name} is not JSON")
+def _exact_members(event_type: str, payload: bytes) -> dict[str, Any]:
+    try:
+        members = object_members(payload.decode())
+    except UnicodeDecodeError as exc:
+        raise Unroutable(f"{event_type}: payload is not valid JSON (not UTF-8: {exc})") from exc
+    except ValueError as exc:
+        raise Unroutable(f"{event_type}: payload is not valid JSON ({exc})") from exc
+    return {name: value for name, (value, _text) in members.items()}
 
 
-#: One decoder for every payload: NaN/Infinity rejected (:func:`_reject_constant`).
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+def _json_type(value: Any) -> str:
+    return {list: "list", str: "str", bool: "bool", type(None): "null"}.get(type(value), "number")
+
+
+_loads, _JSONDecodeError = orjson.loads, orjson.JSONDecodeError
 
 
 def _required_user_id(event_type: str, body: dict[str, Any]) -> str:
@@ -138,13 +157,22 @@ def _user_registered(body: dict[str, Any]) -> EngineCall:
     return user_sync_call(_required_user_id(EVENT_USER_REGISTERED, body))
 
 
-def _quiz_attempt_submitted(body: dict[str, Any]) -> EngineCall:
+def _quiz_attempt_submitted(body: dict[str, Any], content: bytes | None = None) -> EngineCall:
     _required_user_id(EVENT_QUIZ_ATTEMPT_SUBMITTED, body)
-    return EngineCall(path=QUIZ_ATTEMPTS_SYNC_PATH, body=body, sync_type=SyncType.QUIZ_SYNC)
+    return EngineCall(
+        path=QUIZ_ATTEMPTS_SYNC_PATH, body=body, sync_type=SyncType.QUIZ_SYNC, content=content
+    )
 
 
-_ROUTES: dict[str, Callable[[dict[str, Any]], EngineCall]] = {
-    EVENT_USER_REGISTERED: _user_registered,
+def _user_registered_call(body: dict[str, Any], _content: bytes | None = None) -> EngineCall:
+    return _user_registered(body)
+
+
+#: Builds an engine call from the payload's members and its own text.
+_Builder = Callable[[dict[str, Any], bytes | None], EngineCall]
+
+_ROUTES: dict[str, _Builder] = {
+    EVENT_USER_REGISTERED: _user_registered_call,
     EVENT_QUIZ_ATTEMPT_SUBMITTED: _quiz_attempt_submitted,
 }
 _SYNC_TYPES: dict[str, SyncType] = {
@@ -167,8 +195,8 @@ class IgnoreRule:
         return self.type_glob if self.topic_glob == "*" else f"{self.topic_glob}:{self.type_glob}"
 
 
-_BUILDERS: dict[SyncType, Callable[[dict[str, Any]], EngineCall]] = {
-    SyncType.USER_SYNC: _user_registered,
+_BUILDERS: dict[SyncType, _Builder] = {
+    SyncType.USER_SYNC: _user_registered_call,
     SyncType.QUIZ_SYNC: _quiz_attempt_submitted,
 }
 
@@ -235,41 +263,32 @@ class Routing:
         builder = self._routes.get(event_type)
         if builder is None:
             raise Unroutable(f"no route for event type {event_type!r}")
-        return builder(_payload_object(event_type, payload))
+        return builder(_payload_object(event_type, payload), payload)
 
     def route_envelope(self, envelope: Envelope) -> EngineCall:
         """The engine call for a Kafka record; :class:`Unroutable` also without a usable id.
 
-        The ``id`` header is the idempotency key: without one (or with one that
-        is not printable ASCII, so not an HTTP header value) the record cannot
-        be delivered safely and is parked; the contract's ``id`` is the event
-        uuid, so an ``id`` that does not parse as a uuid is not an outbox event
-        and is parked too (``id is not a uuid``); so is a record whose headers
-        could not be read at all (:attr:`Envelope.unreadable`).
+        The ``id`` header is the idempotency key, read once into its canonical text
+        (:attr:`Envelope.event_id`): without one that holds a uuid (missing, ``evt-1``,
+        a uuid in braces or ``urn:uuid:`` - the forms :func:`cdc.records.uuid_bytes`
+        refuses) the record is no outbox event and cannot be delivered safely: it is
+        parked (as ``UNROUTABLE``: never sent under another key); so is a record whose
+        headers could not be read at all (:attr:`Envelope.unreadable`).
         """
         if envelope.unreadable:
             raise Unroutable(f"record {envelope.position}: {envelope.unreadable}")
-        event_id = envelope.event_id
-        if not event_id:
-            raise Unroutable(f"record {envelope.position} has no 'id' header (idempotency key)")
-        if not (event_id.isascii() and event_id.isprintable()):
-            raise Unroutable(f"record {envelope.position} has an 'id' header unfit for HTTP")
-        if not _is_uuid(event_id):
-            raise Unroutable(f"record {envelope.position}: id is not a uuid ({event_id[:64]!r})")
+        if not envelope.event_id:
+            raw = envelope.raw_id
+            if not raw:
+                raise Unroutable(f"record {envelope.position} has no 'id' header (idempotency key)")
+            if not (raw.isascii() and raw.isprintable()):
+                raise Unroutable(f"record {envelope.position} has an 'id' header unfit for HTTP")
+            raise Unroutable(f"record {envelope.position}: id is not a uuid ({raw[:64]!r})")
         return self.route(envelope.event_type, envelope.value)
 
     def sync_type_for(self, event_type: str) -> SyncType | None:
         """The parking lot's ``event_type`` of a routed type, ``None`` when unknown."""
         return self._sync_types.get(event_type)
-
-
-def _is_uuid(text: str) -> bool:
-    """True when ``text`` parses as a uuid (``uuid.UUID``'s forms: hyphens, braces, urn)."""
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _parse_routes(text: str) -> dict[str, SyncType]:

@@ -7,7 +7,7 @@ request that makes no sense: 400 naming the problem). An engine request waits
 the configured latency, then :class:`~sinks.stub.engine.StubEngine` answers
 it; a request whose client gave up meanwhile is still applied. A control
 request that opens an outage window is answered only once the listening
-socket is closed.
+socket and the idle keep-alive connections are closed.
 
 Control API (JSON; never behind the API key)::
 

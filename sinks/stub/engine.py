@@ -12,8 +12,9 @@ Guarantees, as the real engine's contract (DESIGN "Engine API"):
   401 before anything else. A request without ``Idempotency-Key`` gets 400.
 - With a rate limit set (``faults.limiter``, a token bucket), a request over
   it gets 429 + ``Retry-After`` and is neither applied nor matched to rules.
-- Everything applied is recorded in order, per path, with event id, body, time
-  and the request's W3C trace headers (``trace``: ``traceparent``/``tracestate``).
+- Everything applied is recorded in order, per path, with event id, body (parsed,
+  and ``body_text``: the bytes as received), time and the request's W3C trace
+  headers (``trace``: ``traceparent``/``tracestate``).
 
 Pure: no I/O; used from the server's event loop only (not thread-safe).
 """
@@ -126,6 +127,7 @@ class StubEngine:
                 "event_id": event_id,
                 "user_id": user_id,
                 "body": payload,
+                "body_text": body.decode("utf-8", "replace"),  # as received, byte for byte
                 "applied_at": time.time(),
                 "trace": trace,
             }

@@ -10,7 +10,13 @@ Guarantees:
   asked to exit (uvicorn closes the listener, shuts idle keep-alive
   connections and lets requests in progress finish); after the window a new
   ``Server`` serves a socket bound to the same port. The engine's state lives
-  outside the servers and carries over.
+  outside the servers and carries over. The window is counted from the moment
+  the listener is closed (uvicorn notices ``should_exit`` within its 0.1 s
+  tick, later on a busy loop), so ``refuse_connections_s: s`` refuses for ``s``
+  seconds however long the close took. Every wait of a window is bounded: the
+  close (:data:`CLOSE_WAIT_S`), the window, the rebind after it
+  (:data:`REBIND_TIMEOUT_S`: a port someone else took stops the stub with an
+  error naming it, instead of refusing for ever).
 - TLS: given a certificate and key (:class:`StubTLS`; ``ENGINE_STUB_TLS_CERT`` /
   ``ENGINE_STUB_TLS_KEY`` for ``outbox-cdc engine-stub``) the stub serves
   HTTPS, and with a client CA (``ENGINE_STUB_CLIENT_CA``) it requires a client
@@ -65,9 +71,14 @@ STARTUP_TIMEOUT_S = 10.0
 STOP_GRACE_S = 2
 #: While an outage window ends but the port cannot be bound again, retry this often.
 REBIND_RETRY_S = 0.2
-#: How often an outage's control request looks whether the listener is closed yet
-#: (uvicorn looks at ``should_exit`` every 0.1 s).
+#: ... and give up after this long: the port is someone else's (the stub stops, naming it).
+REBIND_TIMEOUT_S = 10.0
+#: How often an outage looks whether the listener is closed yet (uvicorn looks at
+#: ``should_exit`` every 0.1 s).
 CLOSE_POLL_S = 0.005
+#: The longest an outage waits for the serving ``Server`` to close its listener before
+#: its window starts anyway (uvicorn's tick is 0.1 s; a loop starved for seconds is slower).
+CLOSE_WAIT_S = 10.0
 
 
 class ListenerState(Enum):
@@ -109,6 +120,12 @@ class Listener:
     Refusing asks the serving ``Server`` to exit: it closes the listening socket
     (new connections: ``ECONNREFUSED``) and idle keep-alive connections;
     requests in progress finish, while the next ``Server`` may already serve.
+    One task per window (:meth:`_window`): it waits for that close (bounded),
+    one loop turn more (the idle connections closed with the listener are
+    closed then: asyncio closes a transport's socket on the turn after
+    ``close()``), marks the window open (:meth:`closed` returns from then on),
+    sleeps ``s`` and listens again (the rebind bounded too). A new window or
+    :meth:`reopen_now` replaces the task; the close is never waited for twice.
     """
 
     def __init__(
@@ -123,6 +140,8 @@ class Listener:
         self._serving: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: the current window's listener is closed and its idle connections too
+        self._window_open = False
 
     @property
     def started(self) -> bool:
@@ -173,12 +192,10 @@ class Listener:
         self._sock.close()
 
     def refuse_for(self, window_s: float) -> None:
-        """Stop accepting connections now, for ``window_s`` seconds (a new window replaces one)."""
-        if self._reopen is not None:
-            self._reopen.cancel()
+        """Stop accepting connections now, for ``window_s`` seconds counted from the close of
+        the listener (a new window replaces one)."""
         self._server.should_exit = True
-        self._reopen = asyncio.get_running_loop().create_task(self._reopen_after(window_s))
-        self._serving.add(self._reopen)
+        self._start_window(window_s)
         log.info(
             "engine stub %s:%s refuses connections for %.1f s",
             self.host,
@@ -188,33 +205,66 @@ class Listener:
         )
 
     async def closed(self) -> None:
-        """One loop turn; during an outage, until the listening socket is closed."""
+        """One loop turn; during an outage, until its listener and idle connections are closed."""
         await asyncio.sleep(0)
-        while self.refusing and self._sock.fileno() != -1:
+        while self.refusing and not self._window_open:  # bounded: CLOSE_WAIT_S in _window
             await asyncio.sleep(CLOSE_POLL_S)
 
     def reopen_now(self) -> None:
-        """End the outage window early."""
+        """End the outage window early (once the listener it closes is closed)."""
         if self.refusing:
-            assert self._reopen is not None
-            self._reopen.cancel()
-            self._reopen = asyncio.get_running_loop().create_task(self._reopen_after(0.0))
-            self._serving.add(self._reopen)
+            self._start_window(0.0)
+
+    def _start_window(self, window_s: float) -> None:
+        if self._reopen is not None:
+            self._reopen.cancel()  # (a window already open stays open: no close to wait for)
+        self._reopen = asyncio.get_running_loop().create_task(self._window(window_s))
+        self._serving.add(self._reopen)
 
     def _listen(self, server: uvicorn.Server, sock: socket.socket) -> None:
         self._server, self._sock = server, sock
+        self._window_open = False
         server.should_exit = self._stopping
         self._serving.add(asyncio.get_running_loop().create_task(server.serve(sockets=[sock])))
 
-    async def _reopen_after(self, window_s: float) -> None:
+    async def _window(self, window_s: float) -> None:
         try:
+            if not self._window_open:
+                await self._wait_closed()
+                self._window_open = True
             await asyncio.sleep(window_s)
+            await self._listen_again()
         except asyncio.CancelledError:
-            return  # replaced by another window, ended early, or stopped
+            return  # replaced by another window, ended early, or stopped (rebinding too)
+
+    async def _wait_closed(self) -> None:
+        """Until the serving ``Server`` closed its listener (bounded), then one loop turn."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_WAIT_S
+        while self._sock.fileno() != -1 and loop.time() < deadline:
+            await asyncio.sleep(CLOSE_POLL_S)
+        if self._sock.fileno() != -1:
+            log.warning(
+                "engine stub %s:%s: the listener is still open %.0f s after the outage began",
+                self.host,
+                self.port,
+                CLOSE_WAIT_S,
+            )
+        await asyncio.sleep(0)  # the transports closed with the listener close their sockets
+
+    async def _listen_again(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REBIND_TIMEOUT_S
         while not self._stopping:
             try:
                 sock = bind_socket(self.host, self.port)
             except OSError as exc:
+                if loop.time() >= deadline:
+                    raise RuntimeError(
+                        f"engine stub cannot listen on {self.host}:{self.port} again after an"
+                        f" outage window: {exc} (for {REBIND_TIMEOUT_S:g} s; is the port"
+                        " someone else's now?)"
+                    ) from exc
                 log.warning("engine stub cannot rebind %s:%s: %s", self.host, self.port, exc)
                 await asyncio.sleep(REBIND_RETRY_S)
                 continue
@@ -456,6 +506,11 @@ class StubServer:
             )
         self._listener.release()
 
+    @property
+    def stopped(self) -> bool:
+        """The server's thread has ended (stopped, or failed: the control helpers say why)."""
+        return self._thread.ident is not None and not self._thread.is_alive()
+
     def end_outage(self) -> None:
         """Accept connections again now (the control API is unreachable while refusing)."""
         if self._loop is not None:
@@ -492,7 +547,10 @@ class StubServer:
         *,
         query: Mapping[str, str] | None = None,
     ) -> Any:
-        """Call the control API; the decoded JSON answer (raises on non-2xx)."""
+        """Call the control API; the decoded JSON answer (raises on non-2xx; RuntimeError
+        naming the cause when the server has failed)."""
+        if self._error is not None:
+            raise RuntimeError(f"engine stub on port {self.port} failed: {self._error}")
         with httpx.Client(
             base_url=self.url,
             timeout=STARTUP_TIMEOUT_S,

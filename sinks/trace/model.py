@@ -26,7 +26,7 @@ from typing import Any
 from cdc import constants as c
 from cdc.router import iso_utc_us
 from sinks.core.delivery import Envelope
-from sinks.core.errors import OpsError
+from sinks.ops.errors import OpsError
 
 #: Records read per partition at most, from the start offset (``--max-records``).
 

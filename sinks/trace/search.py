@@ -43,7 +43,7 @@ from cdc import constants as c
 from cdc.router import iso_utc_us
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
-from sinks.core.errors import KafkaOpsError, OpsError
+from sinks.ops.errors import KafkaOpsError, OpsError
 from sinks.ops.kafka import KAFKA_REQUEST_TIMEOUT_S, OPS_GROUP_PREFIX, SCAN_IDLE_TIMEOUT_S, KafkaOps
 from sinks.ops.selection import default_topic_filter, now_ms, select_topics
 

@@ -25,7 +25,7 @@ import pytest
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from cdc.producer import PRODUCER_DEFAULTS
+from cdc.kafka.producer import PRODUCER_DEFAULTS
 from tests.bench.report import GOALS, metric_sum, print_goals, scrape
 from tests.harness import Proc, env_without, free_port, wait_until
 from tests.pki import Pki

@@ -2,8 +2,8 @@
 
     python -m tests.bench.held_sink MAX_BUFFERED
 
-Exactly ``outbox-cdc sink`` (settings from the environment, :func:`sinks.kafka.service.run_sink`)
-but for the records one sink may hold (``sinks.kafka.consumer.MAX_BUFFERED``): the bench holds
+Exactly ``outbox-cdc sink`` (settings from the environment, :func:`sinks.runtime.service.run_sink`)
+but for the records one sink may hold (``sinks.runtime.sink.MAX_BUFFERED``): the bench holds
 100,000 records, five times the default bound.
 """
 
@@ -14,8 +14,8 @@ import sys
 
 from cdc.logs import setup_logging
 from cdc.settings import Settings
-from sinks.kafka import consumer
-from sinks.kafka.service import run_sink
+from sinks.runtime import sink as consumer
+from sinks.runtime.service import run_sink
 
 
 def main(max_buffered: str) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from cdc.producer import producer_config
+from cdc.kafka.producer import producer_config
 from tests.bench.conftest import Pace, create_topics, paced
 
 #: A record's value: the sender's wall clock, as text.

@@ -17,7 +17,7 @@ import uuid
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from cdc.producer import make_producer
+from cdc.kafka.producer import make_producer
 
 TOPIC = "bench-partitioner"
 PARTITIONS = 6

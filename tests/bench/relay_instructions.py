@@ -150,23 +150,25 @@ class ReplayStream:
         self._stop()  # type: ignore[operator]
         return None
 
-    def send_status(self, flushed_lsn: int, *, reply_requested: bool = False) -> None:
-        pass
+    def send_status(
+        self, flushed_lsn: int, *, reply_requested: bool = False, ask_raise: bool = True
+    ) -> int:
+        return flushed_lsn  # (a stream without a limit)
 
 
 def replay_relay(settings: Any) -> Any:
-    """A :class:`~cdc.relay.loop.Relay` whose slot ledger touches no database.
+    """A :class:`~cdc.relay.stream.loop.Relay` whose slot ledger touches no database.
 
     A replay streams no slot: nothing vouches for one, so the real ledger's
-    :meth:`~cdc.relay.ledger.SlotLedger.bound` and ``cap`` confirm as far as asked
+    :meth:`~cdc.relay.gaps.ledger.SlotLedger.bound` and ``cap`` confirm as far as asked
     (their per-turn checks are still counted), and only what it would write - the
     topics and forms before their first record - is kept in memory instead (the
     replay's DSN names no server). An older checkout without a ledger module gets
     its plain relay (its guard touches no database either)."""
-    from cdc.relay.loop import Relay
+    from cdc.relay.stream.loop import Relay
 
     try:
-        from cdc.relay.ledger import SlotLedger
+        from cdc.relay.gaps.ledger import SlotLedger
     except ImportError:  # (before the ledger: nothing to replace)
         return Relay(settings, serve_http=False)
 
@@ -202,9 +204,9 @@ def replay(
     it (one during the imports walked every message object: an artefact that grew
     with the stream and moved with the imported code)."""
     if not build_only:
-        from cdc.producer import make_producer
-        from cdc.relay.loop import GC_THRESHOLDS
-        from cdc.relay.state import Session
+        from cdc.kafka.producer import make_producer
+        from cdc.relay.health.state import Session
+        from cdc.relay.stream.loop import GC_THRESHOLDS
         from cdc.settings import Settings
         from cdc.wal.lsn import LsnTracker
         from tests.bench.relay_instructions_eos import (

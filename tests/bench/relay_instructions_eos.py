@@ -4,8 +4,8 @@ exactly-once``): the same synthetic stream through :class:`ExactlyOnceRelay`'s l
 What is real: the transactional producer against the local broker (its
 ``init_transactions``), the session's start (:meth:`ExactlyOnceRelay._begin_session`:
 the checkpoint topic made, the checkpoint read with ``read_committed``, the machine
-:class:`~cdc.relay.txbatch.TxBatch` set up), the machine's decisions, the commit on
-its own thread (:mod:`cdc.relay.overlap`) with records read meanwhile buffered and
+:class:`~cdc.relay.delivery.txbatch.TxBatch` set up), the machine's decisions, the commit on
+its own thread (:mod:`cdc.relay.delivery.overlap`) with records read meanwhile buffered and
 released into the next transaction, and each part's end committed as a shutdown
 does (the commit under way awaited, then ``flush``). What is replaced, as for
 at-least-once: the replication connection and the slot ledger's writes, and the one
@@ -36,9 +36,9 @@ TX_TIMEOUT_MS = 900_000
 
 
 def replay_relay_eos(settings: Any, ledger_of: Any) -> Any:
-    """An :class:`~cdc.relay.exactly_once.ExactlyOnceRelay` whose slot ledger is
+    """An :class:`~cdc.relay.delivery.exactly_once.ExactlyOnceRelay` whose slot ledger is
     ``ledger_of(settings)`` (:func:`tests.bench.relay_instructions.replay_relay`'s)."""
-    from cdc.relay.exactly_once import ExactlyOnceRelay
+    from cdc.relay.delivery.exactly_once import ExactlyOnceRelay
 
     class ReplayRelay(ExactlyOnceRelay):
         def _init_guard(self) -> None:
@@ -70,9 +70,13 @@ def origin_eos() -> tuple[str, bytes]:
 def start_eos(relay: Any, bootstrap: str, origin: tuple[str, bytes]) -> Any:
     """The transactional producer of the session, and the WAL position query replaced
     (a replay has no server: every LSN of its stream lies below the bound)."""
-    from cdc.relay import checkpoint
+    from cdc.relay.delivery import checkpoint, eos_start
+    from cdc.wal.slots import ServerIdentity
 
     checkpoint.server_wal_position = lambda settings: 0xFFFF_FFFF_0000_0000
+    # (the session's start asks the server for its timeline history: timeline 1 has none)
+    system_id = origin[1].split(b"/", 1)[0].decode()
+    eos_start.identify_system = lambda dsn: ServerIdentity(system_id, 1)  # type: ignore[assignment]
     return relay._new_producer(origin)
 
 
@@ -80,7 +84,7 @@ def end_part_eos(relay: Any, sess: Any, end_lsn: int) -> None:
     """A part's end as a shutdown commits it: the commit under way awaited, the open
     transaction flushed (committed), its outcome awaited; then its checkpoint must
     be the stream's last commit end-LSN."""
-    from cdc.relay.txbatch import TxState
+    from cdc.relay.delivery.txbatch import TxState
 
     relay._await_commit(sess)
     relay._drain_dlq(sess)

@@ -4,7 +4,7 @@
   1,000 / 20,000 / 100,000 records in every waiting state at once (a third
   queued for a route that is down, a third waiting to be sent again after a
   4xx, a third waiting to be parked again after the parking lot failed), and
-  one loop step timed - what :meth:`sinks.kafka.consumer.Sink._step` asks of the core:
+  one loop step timed - what :meth:`sinks.runtime.sink.Sink._step` asks of the core:
   ``actions()``, ``next_due()`` and every gauge's query. Flat is the goal
   (before issue 35: 12 ms a step at 20,000, 74 ms at 100,000). The calls a step
   makes are printed too: a figure the machine's load does not change.
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 
+from sinks.core.backoff import Backoff, Jitter
 from sinks.core.delivery import Envelope
-from sinks.core.machine import Park, Result, ResultKind, Route, Send, SinkCore, Verdict
-from sinks.core.retry import Backoff, Jitter
+from sinks.core.machine import Disposition, Park, Result, ResultKind, Send, SinkCore, Verdict
 from sinks.shared.routes import USERS_SYNC_PATH
 from tests.bench.conftest import API_KEY, create_topics, produce_user_events, start_stub
 from tests.bench.report import fmt, metric_sum, peak_rss_mb, percentile, print_table, record_goal
@@ -65,8 +65,8 @@ TARGET_FLAT_RATIO = 1.5
 def _classify(record: Envelope) -> Verdict:
     kind = record.headers.get("kind", b"")
     if kind == b"bad":
-        return Verdict(Route.PARK, "no route for event type 'Bad'")
-    return Verdict(Route.DELIVER, endpoint=record.headers["route"].decode())
+        return Verdict(Disposition.PARK, "no route for event type 'Bad'")
+    return Verdict(Disposition.DELIVER, endpoint=record.headers["route"].decode())
 
 
 def held_core(n: int) -> tuple[SinkCore, float]:
@@ -124,7 +124,7 @@ def loop_step(core: SinkCore, now: float) -> Callable[[], object]:
             core.footprint(),
             len(core.paused),
             core.circuit,
-            core.routes(),
+            core.endpoints(),
             core.attempts_spent,
             core.oldest_pending_timestamp_ms(),
             core.stalled_s(now),

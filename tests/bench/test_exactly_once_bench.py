@@ -7,7 +7,7 @@ at-least-once relay drains one slot and an exactly-once relay the other, each ti
 from its ``/readyz`` until Kafka acknowledged every transaction of the backlog
 (:func:`tests.bench.conftest.wait_drained`) and, exactly-once, the last Kafka
 transaction committed (the exactly-once relay's commits fall inside that time; its
-reading goes on during them, buffering the next transaction: cdc.relay.overlap).
+reading goes on during them, buffering the next transaction: cdc.relay.delivery.overlap).
 Each run's relay CPU and the machine's are printed beside it, with the load average.
 Goal (issue 40): exactly-once / at-least-once >= 0.8, judged on the median of the
 pairs' ratios - each pair runs back to back on the same machine state, and on this
@@ -338,3 +338,137 @@ def test_exactly_once_commit_to_read_committed_consumer_latency_at_2000_per_s(
         at_most=GOAL_P99_MS,
         digits=1,
     )
+
+
+# -- sharded relays: exactly-once against at-least-once, two relays at once -------------
+
+#: The sharding recipe's row filter (docs/relay/scaling.md), a `%` in it.
+SHARD_FILTER = "(((hashtext(aggregateid) & 2147483647) % 2) = {shard})"
+
+
+def _shard_drain(
+    cfg: RelayConfig,
+    tmp: Path,
+    *,
+    slots: list[str],
+    pubs: list[str],
+    topic: str,
+    shares: list[int],
+    per_tx: int,
+    extra: dict[str, str],
+) -> float:
+    """Both shards' relays started at once on their backlogs; events/s over the two
+    (from the later /readyz until both acknowledged - exactly-once: committed - every
+    transaction)."""
+    relays = []
+    try:
+        for shard, (slot, pub) in enumerate(zip(slots, pubs, strict=True)):
+            run = replace(
+                cfg,
+                extra={
+                    **cfg.extra,
+                    **extra,
+                    "CDC_SLOT": slot,
+                    "CDC_PUBLICATION": pub,
+                    "CDC_PUBLICATION_FILTERED": "true",
+                    "CDC_GAP_TAIL_MAX_RECORDS": str(max(100_000, EOS_EVENTS * (REPEATS + 1))),
+                },
+            )
+            relays.append(start_relay(run, tmp, name=f"shard{shard}-{slot}", wait_ready=False))
+        ready = max(_wait_ready_precisely(relay, port) for relay, port in relays)
+        drained = max(
+            wait_drained(
+                port,
+                topic,
+                events=share,
+                transactions=math.ceil(EOS_EVENTS / per_tx),
+                committed=extra == EOS,
+            )
+            for (_, port), share in zip(relays, shares, strict=True)
+        )
+        for relay, _ in relays:
+            assert relay.terminate() == 0, relay.log_tail()
+    finally:
+        for relay, _ in relays:
+            relay.close()
+    return EOS_EVENTS / (drained - ready)
+
+
+@pytest.mark.timeout(3600)
+def test_sharded_exactly_once_drains_beside_sharded_at_least_once(
+    cfg: RelayConfig, tmp_path: Path, slots_to_drop: list[str]
+) -> None:
+    """Two sharded relays (the recipe: row-filtered publications with a `%`, a slot
+    each, one topic prefix) drain one backlog of 100-event transactions, in both modes,
+    pairs interleaved: the exactly-once / at-least-once ratio (median of the pairs).
+    Each relay keeps its checkpoints in a topic of its own."""
+    per_tx = 100
+    aggregate = "eosshard"
+    topic = cfg.topic_prefix + aggregate
+    pubs = [f"pub_{cfg.unique}_s{shard}" for shard in range(2)]
+    runs = [
+        {
+            mode: [f"{cfg.slot}_{mode}{run}_s{shard}" for shard in range(2)]
+            for mode in ("alo", "eos")
+        }
+        for run in range(REPEATS)
+    ]
+    create_topics(cfg.kafka, [topic, cfg.dlq_topic], partitions=PARTITIONS)
+    every_slot = [slot for run in runs for slots in run.values() for slot in slots]
+    with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+        for shard, pub in enumerate(pubs):
+            conn.execute(
+                f"CREATE PUBLICATION {pub} FOR TABLE outbox WHERE"
+                f" {SHARD_FILTER.format(shard=shard)} WITH (publish = 'insert')"
+            )
+        slots_to_drop.extend(every_slot)
+        conn.execute(
+            "SELECT pg_create_logical_replication_slot(name, 'pgoutput')"
+            " FROM unnest(%s::text[]) AS name",
+            (every_slot,),
+        )
+    try:
+        _fill(cfg.db_dsn, aggregate, EOS_EVENTS, per_tx)
+        with psycopg.connect(cfg.db_dsn) as conn:
+            shares = [
+                int(
+                    conn.execute(  # type: ignore[index]
+                        f"SELECT count(*) FROM outbox WHERE aggregatetype = %s AND"
+                        f" {SHARD_FILTER.format(shard=shard).replace('%', '%%')}",
+                        (aggregate,),
+                    ).fetchone()[0]
+                )
+                for shard in range(2)
+            ]
+        load_before = load_average()
+        pairs = []
+        for i, run in enumerate(runs):
+            order = [("alo", {}), ("eos", EOS)]
+            rates: dict[str, float] = {}
+            for mode, extra in order if i % 2 == 0 else order[::-1]:
+                rates[mode] = _shard_drain(
+                    cfg,
+                    tmp_path,
+                    slots=run[mode],
+                    pubs=pubs,
+                    topic=topic,
+                    shares=shares,
+                    per_tx=per_tx,
+                    extra=extra,
+                )
+            pairs.append((rates["alo"], rates["eos"]))
+    finally:
+        with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
+            for pub in pubs:
+                conn.execute(f"DROP PUBLICATION IF EXISTS {pub}")
+    ratio = statistics.median(e / a for a, e in pairs)
+    print_table(
+        f"two sharded relays: exactly-once vs at-least-once drain, {EOS_EVENTS:,} events in"
+        f" {per_tx}-event transactions ({shares[0]:,} / {shares[1]:,} per shard; {REPEATS}"
+        f" pairs, interleaved; load average {load_before} before, {load_average()} after,"
+        f" {os.cpu_count()} cores, the machine shared)",
+        ["pair", "at-least-once ev/s", "exactly-once ev/s", "ratio"],
+        [[str(i + 1), fmt(a), fmt(e), fmt(e / a, 2)] for i, (a, e) in enumerate(pairs)]
+        + [["median", "", "", f"{ratio:.2f} (goal >= {GOAL_RATIO})"]],
+    )
+    record_goal("exactly-once / at-least-once drain, 2 sharded relays", ratio, at_least=GOAL_RATIO)

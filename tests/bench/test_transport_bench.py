@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from sinks.core.retry import classify
+from sinks.core.statuses import classify
 from sinks.engine.client import API_KEY_HEADER, IDEMPOTENCY_HEADER, EngineClient, EngineTLS
 from sinks.shared.routes import EngineCall, user_sync_call
 from tests.bench.conftest import API_KEY, StubProc, start_stub

@@ -13,6 +13,7 @@ tests/unit/test_claims_model.py.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
@@ -67,10 +68,14 @@ def machine_for(dsn: str) -> type[RuleBasedStateMachine]:
             )
             return {r.event_id: r for r in rows}
 
-        @rule(unroutable=st.booleans(), delay=st.sampled_from([0.0, 1.0, 4.0]))
-        def park(self, unroutable: bool, delay: float) -> None:
+        @rule(
+            unroutable=st.booleans(),
+            delay=st.sampled_from([0.0, 1.0, 4.0]),
+            keyless=st.sampled_from([False, False, True]),
+        )
+        def park(self, unroutable: bool, delay: float, keyless: bool) -> None:
             request = ParkRequest(
-                outbox_event_id=None,
+                outbox_event_id=None if keyless else str(uuid.uuid4()),
                 sync_type="UNROUTABLE" if unroutable else "USER_SYNC",
                 payload=b"{}",
                 reason="test",
@@ -87,6 +92,7 @@ def machine_for(dsn: str) -> type[RuleBasedStateMachine]:
                 event_id,
                 next_retry_at=self.now + delay,
                 unroutable=unroutable,
+                keyless=keyless,
                 fingerprint=self.fingerprint,
             )
 
@@ -195,6 +201,7 @@ def machine_for(dsn: str) -> type[RuleBasedStateMachine]:
                     claimed_by=row.claimed_by,
                     claimed_until=_seconds(row.claimed_until),
                     unroutable=row.event_type == "UNROUTABLE",
+                    keyless=row.outbox_event_id is None,
                     fingerprint=row.routes_fingerprint,
                 )
                 want = replace(

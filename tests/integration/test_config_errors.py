@@ -11,6 +11,7 @@ before anything connects.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -109,6 +110,38 @@ CASES = [
         "CDC_TOPIC_PARTITIONS",
     ),
     Case("stub port", ("engine-stub",), {"ENGINE_STUB_PORT": "0"}, "ENGINE_STUB_PORT"),
+    # A misspelt name under the project's prefixes: the closest setting named, in every
+    # command that reads settings (the check's answer is its own test below).
+    *(
+        Case(
+            f"misspelt {variable} ({' '.join(command)})",
+            command,
+            {variable: "8"},
+            variable,
+            expect=(f"did you mean {closest}?",),
+        )
+        for command, variable, closest in (
+            (("sink",), "SINK_MAX_INFLIGHT", "SINK_MAX_IN_FLIGHT"),
+            (("relay",), "CDC_SLOTT", "CDC_SLOT"),
+            (("lag",), "SINK_GROUPID", "SINK_GROUP_ID"),
+            (("failed", "list"), "OUTBOX_RETRY_MAX_ATTEMPT", "OUTBOX_RETRY_MAX_ATTEMPTS"),
+            (("migrate",), "CDC_OUTBOX_TABEL", "CDC_OUTBOX_TABLE"),
+        )
+    ),
+    Case(
+        "subscription not a regex",
+        ("sink",),
+        {"SINK_TOPICS_PATTERN": "^("},
+        "SINK_TOPICS_PATTERN",
+        expect=("not a regular expression",),
+    ),
+    Case(
+        "misspelt name in the stub",
+        ("engine-stub",),
+        {"ENGINE_STUB_PROT": "8081"},
+        "ENGINE_STUB_PROT",
+        expect=("did you mean ENGINE_STUB_PORT?",),
+    ),
 ]
 
 
@@ -176,3 +209,15 @@ def test_a_port_in_use_is_one_line_naming_its_setting_exit_2(
     case = Case(f"{variable} in use", command, {variable: str(taken_port)}, variable)
     line = _assert_one_line(_cli(command, case.env), case)
     assert f"{variable}={taken_port}: port 127.0.0.1:{taken_port} already in use" in line
+
+
+def test_check_lists_a_misspelt_name_as_its_settings_finding() -> None:
+    """``check`` reports every finding at once: a misspelt name fails its settings item (as a
+    bad value does: exit 1, the table and one ``error: settings:`` line), never "valid"."""
+    done = _cli(("check", "--json"), {"CDC_SLOTT": "foo"})
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    [finding] = [f for f in json.loads(done.stdout)["findings"] if f["item"] == "settings"]
+    assert finding["status"] == "fail"
+    assert finding["detail"].startswith("unknown setting CDC_SLOTT (did you mean CDC_SLOT?")
+    assert done.stderr.strip().splitlines() == [f"error: settings: {finding['detail']}"]

@@ -14,6 +14,7 @@ the pipeline runs in the background (``make run`` / ``make stop``, ``demo write`
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,40 @@ def test_the_stack_remembers_its_ports_and_refuses_others_in_one_line(
     assert len(lines) == 1, refused.stderr
     assert f"OUTBOX_KAFKA_PORT={other} (it runs on {kafka_port})" in lines[0]
     assert "up" not in refused.stdout  # nothing reported as this stack's
+
+
+def test_other_http_ports_are_no_reason_to_stop_the_stack(
+    local_stack: None, kafka_bootstrap: str
+) -> None:
+    """The HTTP ports of `make run` are not the stack's: a verb given others goes on (the
+    next `up` records them) - a busy HTTP port never needs `make down` of PostgreSQL and
+    Kafka. The shell's own process settings win over `.dev/env` for those ports (so
+    `CDC_RELAY_HTTP_PORT=33195 make demo` listens there), and the engine URL follows the
+    stub's port."""
+    bare = {k: v for k, v in os.environ.items() if k not in PORT_VARIABLES}
+    given = {var: str(free_port()) for var in PORT_VARIABLES[3:]}
+    status = _stack("status", env={**bare, **given})
+    assert status.returncode == 0, status.stderr
+    assert f"127.0.0.1:{kafka_bootstrap.rsplit(':', 1)[1]}" in status.stdout
+
+    env_file = Path(os.environ.get("OUTBOX_DEV_DIR") or ROOT / ".dev") / "env"
+    shown = "$CDC_RELAY_HTTP_PORT $SINK_HTTP_PORT $ENGINE_STUB_PORT $ENGINE_BASE_URL"
+    ports = [str(free_port()) for _ in range(3)]
+    sourced = subprocess.run(
+        ["bash", "-c", f'. "{env_file}" && echo {shown}'],
+        env={
+            "PATH": os.environ["PATH"],
+            "CDC_RELAY_HTTP_PORT": ports[0],
+            "SINK_HTTP_PORT": ports[1],
+            "ENGINE_STUB_PORT": ports[2],
+            "ENGINE_BASE_URL": "http://elsewhere:1",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert sourced.stdout.split() == [*ports, f"http://127.0.0.1:{ports[2]}"]
 
 
 def _cli(
@@ -154,6 +189,32 @@ def test_keep_running_then_write_then_stop_then_run_again(
         assert "already running" in again.stderr and "make stop first" in again.stderr
         pids = _pids(run_dir)
         wait_until(lambda: http_status(f"http://127.0.0.1:{sink_port}/readyz") == 200, 60, "sink")
+
+        # One of the three dead: `make run` starts that one again, leaves the others be.
+        os.killpg(pids["relay"], signal.SIGKILL)
+        wait_until(lambda: not _alive(pids["relay"]), 30, "the relay gone")
+        restart = _cli("demo", "start", env=env)
+        assert restart.returncode == 0, restart.stdout + restart.stderr
+        assert f"relay (pid {pids['relay']}) had exited" in restart.stdout, restart.stdout
+        assert "relay running, pid" in restart.stdout
+        for name in ("engine-stub", "sink"):
+            assert f"{name} still running, pid {pids[name]}" in restart.stdout, restart.stdout
+        assert "make down" in restart.stdout
+        restarted = _pids(run_dir)
+        assert restarted["relay"] != pids["relay"] and _alive(restarted["relay"])
+        assert {n: restarted[n] for n in ("engine-stub", "sink")} == {
+            n: pids[n] for n in ("engine-stub", "sink")
+        }
+        assert http_status(f"http://127.0.0.1:{relay_port}/readyz") == 200
+
+        # `make stop` names one that had died.
+        pids = restarted
+        os.killpg(pids["engine-stub"], signal.SIGKILL)
+        wait_until(lambda: not _alive(pids["engine-stub"]), 30, "the stub gone")
+        stop = _cli("demo", "stop", env=env)
+        assert stop.returncode == 0, stop.stderr
+        assert f"engine-stub (pid {pids['engine-stub']}) was not running" in stop.stdout
+        assert stop.stdout.count(" stopped") == 2, stop.stdout
     finally:
         _cli("demo", "stop", env=env)
         drop_slot(db_dsn, relay.slot)

@@ -19,7 +19,7 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.kafka.consumer import MAX_TYPE_LABELS
+from sinks.runtime.sink import MAX_TYPE_LABELS
 from sinks.shared.logs import NEW_KINDS_PER_PERIOD, SUMMARY_PERIOD_S
 from sinks.stub.server import StubServer
 from tests.harness import (

@@ -7,6 +7,7 @@ stub holds afterwards (``/_stub/applied``, ``/_stub/stats``).
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import time
 from collections.abc import Coroutine, Iterator
@@ -25,6 +26,7 @@ from sinks.shared.routes import (
     route,
     user_sync_call,
 )
+from sinks.stub import server as stub_server
 from sinks.stub.server import StubServer
 
 T = TypeVar("T")
@@ -280,6 +282,95 @@ def test_outage_refuses_connections_then_accepts_again_on_the_same_port(
     assert stub.stats()["refusing_connections"] is False
 
 
+def _idle_keep_alive(port: int) -> socket.socket:
+    """A connection that got one answer and stays open (HTTP/1.1 keep-alive), unread from."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: stub\r\n\r\n")
+    answer = b""
+    while not answer.endswith(b'{"status":"ok"}'):
+        chunk = sock.recv(4096)
+        assert chunk, f"closed before the answer: {answer!r}"
+        answer += chunk
+    return sock
+
+
+def test_an_outage_is_answered_only_once_its_idle_keep_alive_connections_are_closed(
+    stub: StubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interleaving forced: the outage's request looks at the listener on every loop turn
+    (``CLOSE_POLL_S = 0``), so it sees it closed on the turn after uvicorn closed it - before
+    asyncio closed the idle connections uvicorn closed with it. Answered then, a client
+    reusing such a connection sends its request into a socket about to close: a reset, not
+    a refusal (httpx's ReadError, seen under load). Their FIN must be out before the answer."""
+    monkeypatch.setattr(stub_server, "CLOSE_POLL_S", 0.0)
+    idle = [_idle_keep_alive(stub.port) for _ in range(8)]
+    listener = stub._listener
+    closed = listener.closed
+    open_at_answer: list[int] = []
+
+    async def closed_and_looked() -> None:  # on the stub's loop, as the answer is sent
+        await closed()
+        if listener.refusing:
+            readable, _, _ = select.select(idle, [], [], 0)  # the FIN (EOF) waiting
+            open_at_answer.append(len(idle) - len(readable))
+
+    monkeypatch.setattr(listener, "closed", closed_and_looked)
+    try:
+        stub.add_faults({"refuse_connections_s": 5})  # (not waited for: the test ends in it)
+        assert all(sock.recv(1) == b"" for sock in idle)
+    finally:
+        for sock in idle:
+            sock.close()
+    assert open_at_answer == [0], f"{open_at_answer} idle connections open at the answer"
+
+
+def test_a_port_taken_during_an_outage_stops_the_stub_with_an_error_naming_it(
+    stub: StubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window ends when it says, or the stub fails loudly: never refusing for ever.
+
+    Another socket listening on the port (``SO_REUSEADDR``, as servers bind) when the
+    window ends: the stub retries for ``REBIND_TIMEOUT_S``, then stops, and its control
+    helpers name the port."""
+    monkeypatch.setattr(stub_server, "REBIND_TIMEOUT_S", 0.5)
+    stub.add_faults({"refuse_connections_s": 0.2})
+    with socket.socket() as intruder:
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        intruder.bind(("127.0.0.1", stub.port))
+        intruder.listen()
+        deadline = time.monotonic() + 30
+        while not stub.stopped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stub.stopped, "the stub still waits for its port 30 s after the window"
+    with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{stub.port} again"):
+        stub.stats()
+
+
+def test_an_outage_ended_while_the_port_is_still_taken_keeps_the_stub_serving(
+    stub: StubServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``end_outage`` arriving while the stub retries its rebind (the port someone else's
+    for a moment) replaces that retry: the stub listens again once the port is free (the
+    old stub's retry died of the cancellation, and the stub with it)."""
+    caplog.set_level("WARNING", logger="sinks.stub")
+    stub.add_faults({"refuse_connections_s": 0.2})
+    with socket.socket() as intruder:
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        intruder.bind(("127.0.0.1", stub.port))
+        intruder.listen()
+        deadline = time.monotonic() + 10
+        while "cannot rebind" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "cannot rebind" in caplog.text, "the window never ended"
+        stub.end_outage()  # while the rebind is retried
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while _refused(stub.port) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run(sync_user(stub, "u1", "e1"))
+    assert (stub.stats()["applied"], stub.stopped) == (1, False)
+
+
 def test_end_outage_accepts_connections_before_the_window_ends(stub: StubServer) -> None:
     stub.add_faults({"refuse_connections_s": 60})
     assert _refused(stub.port)
@@ -371,8 +462,14 @@ def test_concurrent_deliveries_of_distinct_events_are_all_applied_once(
 def test_many_in_flight_ride_out_an_outage_and_each_event_is_applied_once(
     stub: StubServer,
 ) -> None:
-    """64 deliveries at a time on the default transport; the engine refuses for 0.5 s midway."""
+    """64 deliveries at a time on the default transport; the engine refuses for 0.5 s midway.
+
+    The outage is asked for once 300 events are delivered; the last 500 wait until it
+    has begun, so it always meets deliveries (a machine slow to ask for it once let the
+    burst end before the window opened, and the stats were asked for inside it).
+    """
     events = [f"e{n}" for n in range(1500)]
+    held_back = len(events) - 500
     delivered: list[str] = []
     refused: list[str] = []
 
@@ -388,23 +485,27 @@ def test_many_in_flight_ride_out_an_outage_and_each_event_is_applied_once(
                 return
 
     async def burst() -> None:
+        began = asyncio.Event()
         async with client_for(stub, max_in_flight=64) as client:
-            pending = iter(events)
+            pending = enumerate(events)
 
             async def worker() -> None:
-                for event_id in pending:
+                for n, event_id in pending:
+                    if n >= held_back:
+                        await began.wait()
                     await deliver(client, event_id)
 
             async def outage() -> None:
                 while len(delivered) < 300:
                     await asyncio.sleep(0.005)
                 await asyncio.to_thread(stub.add_faults, {"refuse_connections_s": 0.5})
+                began.set()  # answered: the listener is closed (the window counts from there)
 
             await asyncio.gather(outage(), *(worker() for _ in range(64)))
 
     run(burst())
     assert sorted(delivered) == sorted(events)
-    stats = stub.stats()
+    stats = stub.stats()  # the held-back events needed the listener back: the window is over
     assert (stats["applied"], stats["refusing_connections"]) == (len(events), False)
     assert {i["event_id"] for i in stub.applied(limit=len(events))["items"]} == set(events)
     assert refused, "the outage was never seen"

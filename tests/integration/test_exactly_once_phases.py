@@ -1,12 +1,12 @@
 """CDC_DELIVERY=exactly-once through its phases, against real PostgreSQL and Kafka.
 
-* the behind/caught-up switch of :class:`cdc.relay.txbatch.TxBatch`, both ways, end
+* the behind/caught-up switch of :class:`cdc.relay.delivery.txbatch.TxBatch`, both ways, end
   to end: a backlog is drained in few large Kafka transactions (CDC_TX_MAX_RECORDS
   or BACKLOG_TX_MAX_MS while behind), a trickle that follows is committed event by
   event (CDC_TX_MAX_MS once caught up), a burst written while the relay runs puts it
   behind again;
 * a compound fault: the broker killed -9 while records are buffered behind a commit
-  under way (the overlap, :mod:`cdc.relay.overlap`), twice; the relay recovers on
+  under way (the overlap, :mod:`cdc.relay.delivery.overlap`), twice; the relay recovers on
   its own.
 
 Every count is checked against the outbox table by a read_committed consumer: 0 lost,
@@ -25,7 +25,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from cdc.relay.exactly_once import BACKLOG_TX_MAX_MS
+from cdc.relay.delivery.exactly_once import BACKLOG_TX_MAX_MS
 from cdc.settings import Settings
 from tests.harness import RelayConfig, stack, start_relay, wait_until
 from tests.integration.test_exactly_once import (

@@ -10,10 +10,11 @@ processes on the multi-host DSN, with a writer committing events throughout:
   relay streams on from the synchronized slot - lost 0, phantom 0, no gap recorded,
   nothing re-published as recovered (edge: slot lifetime across a failover, the
   server keeping the slot; combined with live writers and a crash);
-  The same in exactly-once mode (edge: the new primary's timeline is a new origin, so
-  the checkpoint of the old one is not taken for it - the session starts from the
-  carried slot's confirmed position; the transactional producer of the same
-  transactional.id fences its own predecessor): lost 0, phantom 0, no recovery;
+  The same in exactly-once mode (edge: the new primary's timeline is a new origin with
+  no checkpoint: the old timeline's checkpoint counts up to the fork LSN the timeline
+  history names; the transactional producer of the same transactional.id fences its
+  own predecessor): lost 0, phantom 0, no recovery, and read_committed holds no event
+  twice (before the inherited checkpoint: 33 duplicates in 1,005 events);
 * the same failover with a standby that does not synchronize slots: the relay's
   failover slot is gone on the new primary, today's gap recovery runs - lost 0
   (edge: a failover slot that was not carried; the fallback path);
@@ -21,15 +22,27 @@ processes on the multi-host DSN, with a writer committing events throughout:
   relay is down: a gap with its own cause (``slot_idle_timeout``), recovered, lost 0
   (edge: a new invalidation cause, read by version).
 
+* whether the standby carries the failover slot *for good* (issue 49, item 2): with a
+  transaction held open on the primary the standby's copy stays temporary (its catalog
+  xmin cannot pass the standby's own), and `check`'s ``standby <host:port>`` item and
+  the relay's /readyz line say "not yet" - /readyz 200, information only; once it ends
+  both say "for good" (edge: the temporary window, held as long as the test needs);
+  a host of the DSN that refuses connections is "unknown (cannot look: ...)" on both.
+
 Each also runs the preflight's failover-slot probe (:func:`cdc.check.failover_slots`)
 on the primary and asserts its verdict on the standby.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,8 +57,10 @@ from tests.bench.report import metric_sum, scrape
 from tests.clusters import STANDBY_SLOT, ClusterPair, server_version_num
 from tests.conftest import IN_CI
 from tests.harness import (
+    ROOT,
     Proc,
     RelayConfig,
+    free_port,
     headers_of,
     read_topics,
     start_relay,
@@ -158,6 +173,36 @@ def _dbname(dsn: str) -> str:
     return str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
 
 
+def _readyz(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode()
+
+
+def _check(cfg: RelayConfig) -> dict[str, dict[str, str]]:
+    """``outbox-cdc check --json`` as an operator runs it, on the relay's settings: its
+    findings by item (the ``standby <host:port>`` items read each standby's copy)."""
+    check = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "check", "--json"],
+        env=cfg.env(free_port()),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert check.returncode in (0, 1), check.stdout + check.stderr
+    return {f["item"]: f for f in json.loads(check.stdout)["findings"]}
+
+
+def _said(port: int, line: str) -> tuple[int, str] | None:
+    """/readyz's answer once one of its lines is ``line`` (else None)."""
+    answer = _readyz(port)
+    return answer if line in answer[1].splitlines()[1:] else None
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("delivery", ["at-least-once", "exactly-once"])
 def test_a_failover_with_a_synchronized_failover_slot_is_a_non_event(
@@ -209,17 +254,87 @@ def test_a_failover_with_a_synchronized_failover_slot_is_a_non_event(
     if delivery == "exactly-once":
         log_text = relay.log_path.read_text()
         assert "delivery exactly-once" in log_text, relay.log_tail()
-        # (what read_committed holds more than once: the new timeline's origin has no
-        # checkpoint, so the session starts from the carried slot's confirmed position -
-        # duplicates possible, printed for the record; a loss is asserted above)
+        # (the new timeline's origin has no checkpoint: the old timeline's counts up to
+        # the fork, so nothing the old primary's relay committed is published again)
+        assert "(a new timeline): the checkpoint" in log_text, relay.log_tail()
         records = read_topics(
             cfg.kafka, [cfg.topic_prefix + aggregate], expect=len(ids), committed_only=True
         )
         seen = [headers_of(msg)["id"].decode() for msg in records]
+        duplicates = len(seen) - len(set(seen))
         print(
-            f"exactly-once across the failover: {len(seen) - len(set(seen))} duplicates"
-            f" in {len(set(seen))} events"
+            f"exactly-once across the failover: {duplicates} duplicates in {len(set(seen))} events"
         )
+        assert duplicates == 0
+
+
+@pytest.mark.timeout(600)
+def test_a_promoted_standby_naming_a_missing_slot_holds_decoding_back_and_says_so(
+    synced_pair: ClusterPair,
+    pair_db: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    writers: list[Writer],
+    procs: list[Proc],
+) -> None:
+    """Edge: a setting of the server that holds decoding back (issue 49, item 2). The
+    standby carries the failover slot and has its primary's synchronized_standby_slots
+    (as pg_basebackup copies it); promoted, it names a physical slot the new primary does
+    not have, and PostgreSQL sends the failover slot nothing (a WARNING a second in its
+    log). Before: the relay said streaming, /readyz 200, while nothing flowed. Now
+    `outbox-cdc check` exits 1 naming the slot, /readyz answers 503 naming it; once the
+    setting is reset the relay streams on and nothing is lost."""
+    pair = synced_pair
+    aggregate = "heldback"
+    cfg = _cfg(pair_db, kafka_bootstrap)
+    relay, port = _start(cfg, tmp_path, procs, "relay")
+    writer = Writer(pair_db, aggregate).start()
+    writers.append(writer)
+    wait_until(lambda: _relayed(port, aggregate, cfg) >= PHASE_EVENTS, 120, "events relayed")
+    wait_until(
+        lambda: (copy := pair.synced_slot(cfg.slot)) is not None and copy[1],
+        180,
+        "the slot synchronized to the standby",
+        interval_s=0.5,
+    )
+    # what pg_basebackup copies: the primary's setting, in the standby's own configuration
+    pair.standby.alter_system(synchronized_standby_slots=STANDBY_SLOT)
+    writer.wait_for(PHASE_EVENTS)
+    pair.fail_over()
+    writer.wait_for(PHASE_EVENTS)  # the writer goes on on the new primary: held back
+
+    def readyz() -> tuple[int, str]:
+        return _readyz(port)
+
+    named = f"synchronized_standby_slots names {STANDBY_SLOT}, which does not exist"
+    wait_until(lambda: named in readyz()[1], 120, "/readyz naming the slot", interval_s=0.5)
+    assert readyz()[0] == 503
+    check = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "check", "--json"],
+        env=cfg.env(free_port()),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert check.returncode == 1, check.stdout + check.stderr
+    failing = [f for f in json.loads(check.stdout)["findings"] if f["status"] == "fail"]
+    assert any(
+        f["item"] == "synchronized_standby_slots" and named in f["detail"] for f in failing
+    ), failing
+    assert f"error: synchronized_standby_slots: {named}" in check.stderr
+
+    pair.primary.alter_system(synchronized_standby_slots=None)  # the operator's fix
+    wait_until(lambda: readyz()[0] == 200, 120, "/readyz 200 once reset", interval_s=0.5)
+    writer.wait_for(PHASE_EVENTS)
+    writer.stop()
+    on_new_primary = _table_ids(pair_db, aggregate)
+    ids, _ = _kafka(cfg, aggregate, on_new_primary)
+    assert on_new_primary - ids == set(), f"{len(on_new_primary - ids)} events lost"
+    log_text = relay.log_path.read_text()
+    assert f"logical decoding of slot {cfg.slot} held back" in log_text
+    assert f"logical decoding of slot {cfg.slot} no longer held back" in log_text
 
 
 @pytest.mark.timeout(600)
@@ -375,3 +490,106 @@ def test_standby_safe_mode_lets_the_server_guard_and_a_failover_makes_no_phantom
     assert ids - on_new_primary == set(), "phantoms published while the server guarded"
     assert on_new_primary - ids == set(), "events of the new primary missing from Kafka"
     assert recovered == set() and _gaps(port) == 0, relay.log_tail()
+
+
+@pytest.mark.timeout(600)
+def test_readyz_and_check_say_whether_the_standby_carries_the_failover_slot_for_good(
+    pair: ClusterPair,
+    pair_db: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    procs: list[Proc],
+) -> None:
+    """Edge: the standby's temporary copy (issue 49, item 2). A transaction held open on
+    the primary keeps the failover slot's catalog xmin behind the standby's own, so the
+    standby's copy stays temporary: `check` warns "holds only a temporary copy ... not
+    yet for good", /readyz answers 200 with "standby H: failover slot not yet carried for
+    good (temporary copy)", the gauge 0. Once it ends: "for good" on both, the gauge 1."""
+    _needs(PG17)
+    cfg = _cfg(pair_db, kafka_bootstrap)
+    relay, port = _start(cfg, tmp_path, procs, "relay")
+    assert _slot_flags(pair_db, cfg.slot) == (True, False)
+    where = f"127.0.0.1:{pair.standby.port}"
+    item = f"standby {where}"
+    # not set up yet: no copy, the standby's settings named (and still 200)
+    status, body = wait_until(
+        lambda: (a := _readyz(port)) and f"{item}: failover slot not carried" in a[1] and a,
+        120,
+        "/readyz: no copy",
+        interval_s=0.5,
+    )
+    assert status == 200 and "set sync_replication_slots = on" in body, body
+
+    held = psycopg.connect(pair.primary.dsn(_dbname(pair_db)))  # a transaction, kept open
+    try:
+        held.execute(
+            "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+            " VALUES ('held', 'k', 'Held', '{}')"
+        )
+        with psycopg.connect(pair_db, autocommit=True) as conn:  # a later xid, committed
+            conn.execute(
+                "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+                " VALUES ('later', 'k', 'Later', '{}')"
+            )
+        wait_until(pair.standby_caught_up, 60, "standby caught up")
+        pair.sync_slots()  # the standby's copy: made now, kept temporary while held is open
+        not_yet = f"{item}: failover slot not yet carried for good (temporary copy)"
+        status, body = wait_until(lambda: _said(port, not_yet), 180, not_yet, interval_s=0.5)
+        assert status == 200 and body.splitlines()[0] == "streaming", body
+        copy = pair.synced_slot(cfg.slot)  # what the standby itself holds: temporary
+        assert copy is not None and not copy[1], copy
+        assert metric_sum(scrape(port), "outbox_relay_failover_slot_synced", standby=where) == 0
+        finding = _check(cfg)[item]
+        assert finding["status"] == "warn", finding
+        assert f"holds only a temporary copy of slot {cfg.slot}" in finding["detail"], finding
+        assert "not yet for good" in finding["detail"], finding
+    finally:
+        held.rollback()
+        held.close()
+
+    for_good = f"{item}: failover slot carried for good (synced, not temporary)"
+
+    def carried() -> tuple[int, str] | None:
+        pair.primary.scalar("SELECT pg_log_standby_snapshot()")  # the slot's xmin moves on
+        return _said(port, for_good)
+
+    status, body = wait_until(carried, 180, for_good, interval_s=1.0)
+    assert status == 200, body
+    assert metric_sum(scrape(port), "outbox_relay_failover_slot_synced", standby=where) == 1
+    finding = _check(cfg)[item]
+    assert finding == {
+        "item": item,
+        "status": "ok",
+        "detail": f"holds slot {cfg.slot} for good (synced, not temporary)",
+    }
+    log_text = relay.log_path.read_text()
+    assert not_yet in log_text and for_good in log_text, relay.log_tail()
+
+
+@pytest.mark.timeout(300)
+def test_a_standby_host_the_relay_cannot_reach_is_unknown_not_ok(
+    pair: ClusterPair,
+    pair_db: str,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    procs: list[Proc],
+) -> None:
+    """Edge: a standby host that refuses connections (down, or a wrong port in the DSN):
+    /readyz (200) and `check` say "unknown ... cannot look", the gauge -1 - never "ok"."""
+    _needs(PG17)
+    closed = free_port()  # nothing listens there
+    dsn = psycopg.conninfo.make_conninfo(
+        pair_db, host="127.0.0.1,127.0.0.1", port=f"{pair.primary.port},{closed}"
+    )
+    cfg = _cfg(dsn, kafka_bootstrap)
+    _, port = _start(cfg, tmp_path, procs, "relay")
+    where = f"127.0.0.1:{closed}"
+    line = f"standby {where}: failover slot unknown (cannot look:"
+    status, body = wait_until(
+        lambda: (a := _readyz(port)) and line in a[1] and a, 120, line, interval_s=0.5
+    )
+    assert status == 200, body
+    assert metric_sum(scrape(port), "outbox_relay_failover_slot_synced", standby=where) == -1
+    finding = _check(cfg)[f"standby {where}"]
+    assert finding["status"] == "warn", finding
+    assert f"cannot tell whether it carries slot {cfg.slot}: cannot look:" in finding["detail"]

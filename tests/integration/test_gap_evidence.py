@@ -50,7 +50,8 @@ from cdc import gaps
 from cdc.migrate import migrate
 from cdc.outbox import OutboxEvent, emit_event, write_event
 from cdc.records import read_headers
-from cdc.relay import recovery, republish
+from cdc.relay.gaps import recovery
+from cdc.repair import republish
 from cdc.settings import Settings
 from tests.harness import (
     ROOT,
@@ -305,21 +306,58 @@ def test_a_slot_dropped_and_recreated_under_its_name_is_a_gap_and_every_event_re
     assert [h[:3] for h in history][-1] == ("gap", "slot_replaced", "recovered")
 
 
+def test_with_messages_off_logical_messages_are_not_decoded_and_a_lost_slot_recovers(
+    cfg: RelayConfig, tmp_path: Path
+) -> None:
+    """Edge: issue 49 item 5 - ``CDC_MESSAGES=off`` (the default): the relay does not decode
+    logical messages at all (nothing published, nothing dead-lettered), so whether an
+    application uses them is never guessed from history: a slot lost while the relay was
+    down is recovered from the table on its own."""
+    assert "CDC_MESSAGES" not in cfg.env(0), "the default is tested"
+    relay, _ = start_relay(cfg, tmp_path, name="first")
+    try:
+        rows = _write(cfg.db_dsn, 2)
+        ignored = _emit(cfg.db_dsn, 2)
+        after = _write(cfg.db_dsn, 1)
+        msgs = read_topics(cfg.kafka, [_topic(cfg)], expect=3, idle_s=1.0)
+        assert _ids(msgs) == set(rows + after) and not set(ignored) & _ids(msgs)
+        assert relay.terminate() == 0
+    finally:
+        relay.close()
+    assert "dead-letter" not in relay.log_path.read_text().lower()
+    drop_slot(cfg.db_dsn, cfg.slot)
+    down = _write(cfg.db_dsn, 2)
+    _emit(cfg.db_dsn, 1)  # (not decoded with off: it holds no gap open either)
+    relay, _ = start_relay(cfg, tmp_path, name="second")
+    try:
+        msgs = read_topics(cfg.kafka, [_topic(cfg)], expect=5, idle_s=1.0)
+        assert set(down) <= _ids(msgs), "the lost slot's rows recovered from the table"
+    finally:
+        relay.close()
+    log = relay.log_path.read_text()
+    assert "slot_missing" in log and "accept-gap" not in log
+
+
 def test_rows_and_logical_messages_over_a_dropped_slot_keep_the_gap_open_until_accepted(
     cfg: RelayConfig, tmp_path: Path
 ) -> None:
-    """Edge: issue 34 item 4 - mixed forms; before, a gap was recoverable when any of the
-    newest ids was still in the table: the rows came back, the messages were lost and the
-    gap marked ``recovered``. The relay's own records say it published messages."""
+    """Edge: issue 34 item 4 and issue 49 item 5 - mixed forms. With ``CDC_MESSAGES=on``
+    any slot loss holds the gap open: the relay had published rows only, and the
+    application wrote its first logical messages while the relay was down and the slot
+    gone (no evidence of them anywhere: issue 49 measured them lost with /readyz 200).
+    Before issue 34 such a gap was recoverable when any of the newest ids was still in
+    the table: the rows came back, the messages were lost and the gap marked
+    ``recovered``."""
+    cfg.extra["CDC_MESSAGES"] = "on"
     relay, _ = start_relay(cfg, tmp_path, name="first")
     try:
-        published = _write(cfg.db_dsn, 2) + _emit(cfg.db_dsn, 2)
-        first_msgs = read_topics(cfg.kafka, [_topic(cfg)], expect=4, idle_s=0.5)
+        published = _write(cfg.db_dsn, 2)  # rows only: this slot never published a message
+        first_msgs = read_topics(cfg.kafka, [_topic(cfg)], expect=2, idle_s=0.5)
         assert relay.terminate() == 0
     finally:
         relay.close()
     forms = {_headers(m)["id"].decode(): _headers(m).get("form") for m in first_msgs}
-    assert sorted(forms.values(), key=str) == [None, None, b"message", b"message"]
+    assert list(forms.values()) == [None, None]
     drop_slot(cfg.db_dsn, cfg.slot)
     down_rows = _write(cfg.db_dsn, 2)
     down_messages = _emit(cfg.db_dsn, 2)  # lost: no slot held them, the table never did
@@ -339,7 +377,7 @@ def test_rows_and_logical_messages_over_a_dropped_slot_keep_the_gap_open_until_a
         assert accepted["accepted_by"] == "bob"
         wait_until(lambda: _get(port, "/readyz")[0] == 200, 60, "relay streaming again")
         later = _write(cfg.db_dsn, 1) + _emit(cfg.db_dsn, 1)
-        msgs = read_topics(cfg.kafka, [_topic(cfg)], expect=8)
+        msgs = read_topics(cfg.kafka, [_topic(cfg)], expect=6)
         # The rows the table still held come back through the start-up check; the
         # messages of the window are the accepted loss.
         assert _ids(msgs) == set(published + later + down_rows)
@@ -349,7 +387,8 @@ def test_rows_and_logical_messages_over_a_dropped_slot_keep_the_gap_open_until_a
         relay2.close()
     errors = [line for line in relay2.log_path.read_text().splitlines() if " ERROR " in line]
     assert len(errors) == 1, errors
-    assert "logical messages" in errors[0] and "accept-gap" in errors[0]
+    assert "logical messages" in errors[0] and "CDC_MESSAGES=on" in errors[0]
+    assert "slot accept-gap" in errors[0]
     event, cause, state, _rows, by, _ = _history(cfg.db_dsn, cfg.slot)[-1]
     assert (event, cause, state, by) == ("gap", "slot_missing", "accepted", "bob")
 
@@ -551,7 +590,7 @@ def test_migration_007_keeps_one_open_gap_per_slot_with_the_earliest_window(
             " ('a', 'gap', 'slot_missing', 'open', now() - interval '2 hours'),"
             " ('b', 'gap', 'slot_lost', 'open', NULL), ('b', 'gap', 'slot_lost', 'open', now())"
         )
-    assert migrate(empty_db_dsn) == ["007"]
+    assert migrate(empty_db_dsn)[0] == "007"  # (and the later ones)
     with psycopg.connect(empty_db_dsn) as conn:
         rows = conn.execute(
             "SELECT slot, state, window_start IS NULL,"

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafka.log import KafkaClientEvents
 from sinks.core.delivery import Envelope
 from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS, KafkaWorker, _Resume
 from tests.harness import create_topics, produce, wait_until

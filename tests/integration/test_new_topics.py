@@ -1,6 +1,6 @@
 """Records produced the moment the relay has created a topic all reach the broker.
 
-The race (cdc/producer.py, "New topics"): the broker publishes a new topic's
+The race (cdc/kafka/producer.py, "New topics"): the broker publishes a new topic's
 leaders before it serves the partitions; a first batch sent in between fails
 with NOT_LEADER_OR_FOLLOWER, the next batch in flight is appended, and
 librdkafka reports the failed batch delivered. The relay then confirms WAL past
@@ -20,7 +20,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from cdc.producer import TopicManager, make_producer
+from cdc.kafka.producer import TopicManager, make_producer
 
 pytestmark = pytest.mark.integration
 

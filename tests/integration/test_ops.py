@@ -34,7 +34,7 @@ from cdc import pgconn
 from cdc.ops import slot_status, unconfirmed_event_count
 from cdc.outbox import OutboxEvent, register_user, write_event
 from cdc.settings import Settings
-from cdc.wal.stream import ReplicationStream
+from cdc.wal.stream import UNLIMITED, ReplicationStream
 from sinks.parking.lot import ParkingLot, ParkRequest
 from sinks.stub.server import StubServer
 from tests.harness import (
@@ -869,7 +869,7 @@ def test_slot_status_reports_wal_lag_and_the_age_of_the_oldest_unconfirmed_event
 
 def test_slot_status_measures_an_active_slots_lag_through_a_temporary_copy(ops: Ops) -> None:
     _create_slot(ops.db_dsn, ops.slot)
-    stream = ReplicationStream(ops.db_dsn, slot=ops.slot, publication="outbox_pub")
+    stream = ReplicationStream(ops.db_dsn, slot=ops.slot, publication="outbox_pub", limit=UNLIMITED)
     try:
         stream.start()  # active, and never confirms anything
         wait_until(lambda: slot_status(ops.settings())["active"], 30, "slot active")
@@ -949,7 +949,7 @@ def test_slot_drop_is_refused_while_a_relay_streams_the_slot_naming_that_relay(
     connection's application_name), apart from the walsender's PID and client address."""
     _create_slot(ops.db_dsn, ops.slot)
     monkeypatch.setattr(pgconn, "PROCESS_ROLE", ["relay"])  # (this process streams, as a relay)
-    stream = ReplicationStream(ops.db_dsn, slot=ops.slot, publication="outbox_pub")
+    stream = ReplicationStream(ops.db_dsn, slot=ops.slot, publication="outbox_pub", limit=UNLIMITED)
     try:
         stream.start()
         wait_until(lambda: slot_status(ops.settings())["active"], 30, "slot active")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -62,6 +64,11 @@ def _request(event_id: str, *, user_id: str | None = None) -> ParkRequest:
         headers={"id": event_id.encode(), "type": b"UserRegistered"},
         retry_in_s=0.0,
     )
+
+
+def _delete(dsn: str, row_ids: list[int]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM failed_sync_events WHERE event_id = ANY(%s)", (row_ids,))
 
 
 def _row(dsn: str, row_id: int) -> tuple:  # type: ignore[type-arg]
@@ -312,3 +319,115 @@ def test_the_lot_connection_carries_timeouts_and_keepalives_unless_the_dsn_sets_
     assert info["tcp_user_timeout"] == "15000"
     assert info["connect_timeout"] == "5"
     assert info["options"] == "-c statement_timeout=15000 -c lock_timeout=2000 -c work_mem=64MB"
+
+
+def test_a_keyless_record_read_again_finds_its_row_and_is_never_sent(
+    db_dsn: str, stub: StubServer
+) -> None:
+    """Issue 47 item 2: a record without an event id is one row per place in Kafka (a
+    replay parks no second row); an operator's retry of it fails without a request."""
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+
+    def keyless(offset: int) -> ParkRequest:
+        return ParkRequest(
+            outbox_event_id=None,
+            sync_type="UNROUTABLE",
+            payload=b'{"user_id":"u"}',
+            reason="record has no 'id' header",
+            topic=topic,
+            partition=0,
+            offset=offset,
+            key=b"k",
+            headers={"type": b"UserRegistered"},
+            retry_in_s=0.0,
+        )
+
+    async def run() -> tuple[list[int], list[int], object]:
+        lot = ParkingLot(db_dsn)
+        first = await lot.park_many([keyless(7), keyless(8), keyless(7)])
+        again = await lot.park_many([keyless(7)])
+        async with EngineClient(base_url=stub.url, api_key=API_KEY) as engine:
+            retrier = Retrier(lot=lot, engine=engine, settings=_settings(db_dsn, stub))
+            summary = await retrier.retry(again, retry_all=False)
+        await lot.close()
+        return first, again, summary
+
+    first, again, summary = asyncio.run(run())
+    _delete(db_dsn, first)  # (the session's parking lot: later tests list its oldest rows)
+    assert len(first) == 2 and again[0] in first, "one row per place in Kafka"
+    assert summary.failed_count == 1 and "no event id" in next(iter(summary.errors.values()))  # type: ignore[attr-defined]
+    assert stub.stats()["requests"] == 0, "never sent under a made-up key"
+
+
+def test_an_admin_retry_starts_no_row_after_its_deadline(db_dsn: str) -> None:
+    """Issue 47 item 7: a retry of many rows against a slow engine stops at its
+    deadline, names the rows it did not try, and leaves them as they were."""
+    with StubServer(api_key=API_KEY, latency_ms=300) as slow:
+
+        async def run() -> tuple[list[int], object, float]:
+            lot = ParkingLot(db_dsn)
+            ids = await lot.park_many([_request(str(uuid.uuid4())) for _ in range(30)])
+            async with EngineClient(base_url=slow.url, api_key=API_KEY) as engine:
+                retrier = Retrier(lot=lot, engine=engine, settings=_settings(db_dsn, slow))
+                started = asyncio.get_running_loop().time()
+                summary = await retrier.retry(ids, retry_all=False, deadline_s=1.0)
+                took_s = asyncio.get_running_loop().time() - started
+            await lot.close()
+            return ids, summary, took_s
+
+        ids, summary, took_s = asyncio.run(run())
+    rows = {row_id: _row(db_dsn, row_id)[0] for row_id in ids}
+    _delete(db_dsn, ids)  # (the session's parking lot: later tests list its oldest rows)
+    untried = summary.untried_ids  # type: ignore[attr-defined]
+    processed = summary.processed_count  # type: ignore[attr-defined]
+    assert untried and processed + len(untried) == len(ids), (processed, untried)
+    assert untried == sorted(ids)[processed:]
+    for row_id in untried:
+        assert rows[row_id] == "FAILED", "a row not tried is left as it was"
+    print(f"\n[admin retry] {processed} of {len(ids)} rows tried in {took_s:.1f} s (deadline 1 s)")
+
+
+def test_the_consoles_filters_and_a_discard_with_a_reason_hold_on_the_real_table(
+    db_dsn: str,
+) -> None:
+    """list_rows' key, reason and time filters (a reason's ``%``, ``_`` and quotes are
+    literal text, never patterns), counts per sync type, and accept's reason written into
+    last_error ahead of the engine's answer."""
+    marker = uuid.uuid4().hex
+
+    def request(reason: str) -> ParkRequest:
+        return dataclasses.replace(_request(str(uuid.uuid4())), reason=f"{reason} {marker}")
+
+    async def run() -> None:
+        lot = ParkingLot(db_dsn)
+        ids: list[int] = []
+        try:
+            a, b = request("HTTP 422: 50% off 'quoted'"), request("HTTP 400 from engine")
+            ids = await lot.park_many([a, b])
+            key_a = (a.key or b"").decode()
+            assert [r.event_id for r in await lot.list_rows(key=key_a)] == [ids[0]]
+            literal = await lot.list_rows(reason=f"50% off 'quoted' {marker}")
+            assert [r.event_id for r in literal] == [ids[0]]
+            assert await lot.list_rows(reason=f"50_ off 'quoted' {marker}") == []
+            assert await lot.list_rows(reason=f"%{marker}") == []
+            assert len(await lot.list_rows(reason=marker)) == 2
+            now = (await lot.get(ids[:1]))[0].created_at
+            later, earlier = now + timedelta(hours=1), now - timedelta(hours=1)
+            assert await lot.list_rows(reason=marker, since=later) == []
+            assert await lot.list_rows(reason=marker, until=earlier) == []
+            assert len(await lot.list_rows(reason=marker, since=earlier, until=later)) == 2
+            assert (await lot.counts_by_type())[("USER_SYNC", "FAILED")] >= 2
+            reason = "test data; it's 100% fake"
+            assert await lot.accept(ids=ids[:1], event_type=None, reason=reason) == ids[:1]
+            done = (await lot.get(ids[:1]))[0]
+            assert done.status == "DONE"
+            assert done.last_error is not None
+            assert done.last_error.startswith(
+                f"accepted as skipped by an operator ({reason}); was: HTTP 422: 50% off"
+            )
+            assert (await lot.get(ids[1:]))[0].status == "FAILED"
+        finally:
+            await lot.close()
+            _delete(db_dsn, ids)
+
+    asyncio.run(run())

@@ -23,9 +23,9 @@ import psycopg
 import pytest
 
 from cdc.migrate import migrate
-from sinks.kafka.consumer import MAX_BUFFERED
+from sinks.http.admin import LIST_PATH, RETRY_PATH
 from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
-from sinks.parking.admin import LIST_PATH, RETRY_PATH
+from sinks.runtime.sink import MAX_BUFFERED
 from sinks.stub.server import StubServer
 from tests.harness import (
     Proc,

@@ -18,8 +18,8 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from cdc.kafka.producer import PRODUCER_DEFAULTS, producer_config
 from cdc.outbox import OutboxEvent, write_event
-from cdc.producer import PRODUCER_DEFAULTS, producer_config
 from tests.conftest import IN_CI
 from tests.harness import ROOT, Proc, RelayConfig, drop_slot, headers_of, read_topics, start_relay
 

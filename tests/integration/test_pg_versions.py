@@ -11,12 +11,16 @@ Runs on every version (the default lane, the pg18 lane, the 16/17 smoke lane):
 * ``IDENTIFY_SYSTEM`` answers the same two fields the gap check uses, and pgoutput
   protocol 1 with ``messages`` streams a transactional logical message on each version
   (edge: protocol and message options by version);
-* the preflight's failover-slot finding matches the version.
+* the preflight's failover-slot finding matches the version; on 17+ the relay's
+  /readyz says after its state that the standbys' copies of the slot are unknown
+  (a one-host DSN: no standby to read), and stays 200.
 """
 
 from __future__ import annotations
 
 import os
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +32,17 @@ from pydantic import SecretStr
 from cdc.check import Status, failover_slots
 from cdc.settings import Settings
 from cdc.wal.slots import identify_system, read_slot
-from tests.harness import Proc, RelayConfig, drop_slot, free_port, read_topics, start_relay
+from cdc.wal.standby_copy import ONE_HOST_NOTE
+from tests.harness import (
+    Proc,
+    RelayConfig,
+    drop_slot,
+    free_port,
+    http_status,
+    read_topics,
+    start_relay,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -74,10 +88,19 @@ def test_identify_system_and_the_slot_row_by_version(db_dsn: str, version: int) 
     assert row.failover is (version >= 170_000)
 
 
+def _body(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return str(answer.read().decode())
+    except urllib.error.HTTPError as exc:
+        return str(exc.read().decode())
+
+
 def test_the_relay_makes_a_failover_slot_where_the_server_has_them(
     cfg: RelayConfig, version: int, tmp_path: Path
 ) -> None:
-    relay, _ = start_relay(cfg, tmp_path)
+    cfg.extra["CDC_MESSAGES"] = "on"  # (pgoutput's messages 'true' on every version)
+    relay, port = start_relay(cfg, tmp_path)
     try:
         with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
             # a transactional logical message through pgoutput (messages 'true', proto 1)
@@ -89,6 +112,10 @@ def test_the_relay_makes_a_failover_slot_where_the_server_has_them(
             row = read_slot(conn, cfg.slot)
         read_topics(cfg.kafka, [cfg.topic_prefix + "pgver"], expect=1)
         assert relay.alive(), relay.log_tail()
+        if version >= 170_000:  # a failover slot on a one-host DSN: its standbys unknown
+            url = f"http://127.0.0.1:{port}/readyz"
+            wait_until(lambda: _body(url).splitlines()[1:] == [ONE_HOST_NOTE], 60, "/readyz's note")
+            assert http_status(url) == 200
     finally:
         relay.close()
     assert row is not None and row.failover is (version >= 170_000)

@@ -128,7 +128,12 @@ def outbox_rows(draw: st.DrawFn, fresh_type: str) -> dict[str, Any]:
 def fid(
     db_dsn: str, kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RelayConfig]:
-    cfg = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=uuid.uuid4().hex[:10])
+    cfg = RelayConfig(
+        db_dsn=db_dsn,
+        kafka=kafka_bootstrap,
+        unique=uuid.uuid4().hex[:10],
+        extra={"CDC_MESSAGES": "on"},  # (emit_event is one of the channels)
+    )
     proc, _ = start_relay(cfg, tmp_path_factory.mktemp("fidelity"))
     try:
         yield cfg

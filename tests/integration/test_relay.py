@@ -34,7 +34,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
-    config = RelayConfig(db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique)
+    # (two tests emit logical messages: the file's relay decodes them, CDC_MESSAGES=on)
+    config = RelayConfig(
+        db_dsn=db_dsn, kafka=kafka_bootstrap, unique=unique, extra={"CDC_MESSAGES": "on"}
+    )
     yield config
     drop_slot(db_dsn, config.slot)
 

@@ -36,8 +36,8 @@ from psycopg.conninfo import make_conninfo
 from cdc import gaps
 from cdc.errors import SlotInUseError
 from cdc.outbox import OutboxEvent, write_event
-from cdc.relay import recovery
-from cdc.relay.recovery_lock import RecoveryLock, lock_name, recovery_in_progress
+from cdc.relay.gaps import recovery
+from cdc.repair.lock import RecoveryLock, lock_name, recovery_in_progress
 from cdc.settings import Settings
 from tests.harness import (
     Proc,

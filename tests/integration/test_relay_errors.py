@@ -26,8 +26,8 @@ import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from cdc.relay.dead_letters import DLQ_MINIMAL_FIELD_BYTES
-from cdc.relay.state import POISON_MAX
+from cdc.relay.health.state import POISON_MAX
+from cdc.relay.stream.dead_letters import DLQ_MINIMAL_FIELD_BYTES
 from cdc.wal.replproto import str_to_lsn
 from tests.harness import (
     Proc,
@@ -175,6 +175,7 @@ def test_a_real_fatal_producer_error_rebuilds_the_producer_and_every_event_arriv
             "KAFKA_CONFIG_BATCH_SIZE": "16384",
             "KAFKA_CONFIG_COMPRESSION_TYPE": "none",
             "LOG_FORMAT": "json",
+            "CDC_MESSAGES": "on",  # (a logical message that is not JSON)
         }
     )
     relay, port = start_relay(cfg, tmp_path)
@@ -216,7 +217,7 @@ def test_a_real_fatal_producer_error_rebuilds_the_producer_and_every_event_arriv
         assert metric(port, "outbox_relay_kafka_errors_total", 'code="_GAPLESS_GUARANTEE"') >= 1
         lines = json_lines(relay)
         assert any(
-            line.get("logger") == "cdc.kafkalog"
+            line.get("logger") == "cdc.kafka.log"
             and line.get("kafka_error") == "_GAPLESS_GUARANTEE"
             and line.get("fatal") is True
             for line in lines
@@ -238,6 +239,7 @@ def test_dead_letter_topic_deleted_then_a_record_to_dead_letter_holds_reports_an
     (topic.metadata.propagation.max.ms=3000 only makes librdkafka report the
     missing topic after 3 s instead of 30 s.)"""
     cfg.extra["KAFKA_CONFIG_TOPIC_METADATA_PROPAGATION_MAX_MS"] = "3000"
+    cfg.extra["CDC_MESSAGES"] = "on"  # (the record to dead-letter is a logical message)
     relay, port = start_relay(cfg, tmp_path)
     try:
         first = insert_events(cfg.db_dsn, "held", 10)

@@ -233,7 +233,13 @@ def test_a_dead_letter_produce_raising_buffer_error_holds_backs_off_and_retries(
     relay spun inside the dead letter's produce; now it holds (not reading WAL,
     /readyz naming the cause), retries after a growing back-off, and writes it
     when Kafka is back. Nothing is lost, nothing exits."""
-    cfg.extra.update({"KAFKA_CONFIG_QUEUE_BUFFERING_MAX_MESSAGES": "5", "CDC_MAX_IN_FLIGHT": "50"})
+    cfg.extra.update(
+        {
+            "KAFKA_CONFIG_QUEUE_BUFFERING_MAX_MESSAGES": "5",
+            "CDC_MAX_IN_FLIGHT": "50",
+            "CDC_MESSAGES": "on",  # (the malformed event is a logical message)
+        }
+    )
     relay, port = start_relay(cfg, tmp_path)
     try:
         _bulk(cfg.db_dsn, "qfull", 5, per_tx=5)

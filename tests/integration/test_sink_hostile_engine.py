@@ -28,8 +28,8 @@ import httpx
 import psycopg
 import pytest
 
-from sinks.kafka.consumer import MAX_BUFFERED
 from sinks.kafka.worker import CONSUME_BATCH, HANDOFF_MAX_RECORDS
+from sinks.runtime.sink import MAX_BUFFERED
 from sinks.stub.server import StubServer
 from tests.harness import (
     RelayConfig,
@@ -214,6 +214,8 @@ def test_kafka_away_with_work_waiting_shows_a_stall_after_the_threshold_and_reco
 
 #: RSS samples (0.5 s apart) while the sink is paused: the first quarter lets the allocator settle.
 RSS_SAMPLES = 40
+#: The most the RSS floor may rise between the second and the last quarter of the samples.
+RSS_FLOOR_RISE_KIB = 8 * 1024
 
 
 def _rss_kib(pid: int) -> int:
@@ -271,12 +273,15 @@ def test_postgres_away_under_a_flood_of_unroutable_events_keeps_memory_bounded_a
     assert paused == PARTITIONS
     bound = MAX_BUFFERED + CONSUME_BATCH + HANDOFF_MAX_RECORDS
     assert max(held) <= bound, f"{max(held)} records held, bound {bound}"
-    # Growth is a rising floor: the failed parks' garbage comes and goes with the
-    # collector (one run read 157 -> 167 -> 143 MiB), a leak lifts the lowest reading.
-    # The first retries of the parks (0.5, 1, 2, 4, 8 s apart) also lift it while the
-    # allocator finds its size (one CI run: 158 -> 179 MiB in its first 5 s, then flat),
-    # so the floor of the last quarter is judged against the second's, not the first's.
+    # Growth is a rising floor (a leak lifts the lowest reading; garbage freed later
+    # does not lower it much: the allocator keeps its pages), judged from the second
+    # quarter on, once the first retries have run. What lifted it in CI (159 -> 195 MiB
+    # in these 20 s, 150 -> 282 MiB over 5 minutes) was every failed park's batch kept
+    # in a reference cycle until the cyclic GC ran (sinks/parking/lot.py); with each
+    # batch freed as it fails the floor moved by 8-40 KiB (9 runs, load 11-14; the old
+    # lot in the same test: +11.2, +13.0 MiB, and +4 KiB once: no retry round in the window).
+    # The bound is below one retry round's batches kept (~46 x 250 KiB).
     quarter = RSS_SAMPLES // 4
     floor_rise = min(rss[3 * quarter :]) - min(rss[quarter : 2 * quarter])
     print(f"\nRSS while paused (KiB): {rss}; the floor rose {floor_rise} KiB")
-    assert floor_rise < 20 * 1024, f"RSS grew while paused: {rss} KiB"
+    assert floor_rise < RSS_FLOOR_RISE_KIB, f"RSS grew while paused: {rss} KiB"

@@ -19,22 +19,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
+from starlette.responses import PlainTextResponse
+from starlette.routing import Mount
 
 from cdc.errors import ConfigError
 from cdc.health import Liveness
 from cdc.settings import Settings
 from sinks.engine.client import EngineClient
-from sinks.parking.admin import (
-    MAX_EVENT_ID,
-    RequestBodyError,
-    RetryRequest,
-    create_app,
-    is_json,
-    parse_retry_request,
-    quote,
-    retry_message,
-)
-from sinks.parking.guard import (
+from sinks.http.app import create_app
+from sinks.http.guard import (
     MAX_HEADER_BYTES,
     MAX_HEADER_COUNT,
     Access,
@@ -45,8 +38,16 @@ from sinks.parking.guard import (
     headers_too_large,
     token_digest,
 )
+from sinks.http.schema import (
+    MAX_EVENT_ID,
+    RequestBodyError,
+    RetryRequest,
+    is_json,
+    parse_retry_request,
+    quote,
+)
 from sinks.parking.lot import ParkingLot
-from sinks.parking.retrier import Retrier
+from sinks.parking.retrier import Retrier, retry_message
 
 TOKEN = "s3cret-admin-token"
 DIGEST = token_digest(TOKEN)
@@ -56,7 +57,7 @@ LIST = "/api/v1/admin/failed-sync-events"
 UNREACHABLE_DSN = "postgresql://admin:db-password-xyz@127.0.0.1:1/nowhere?connect_timeout=2"
 
 
-def _app(*, token: str = TOKEN, max_body_bytes: int = 1024 * 1024) -> Any:
+def _app(*, token: str = TOKEN, max_body_bytes: int = 1024 * 1024, extra_routes: Any = ()) -> Any:
     settings = Settings(pg_dsn=UNREACHABLE_DSN, engine_base_url="http://127.0.0.1:1")
     lot = ParkingLot(UNREACHABLE_DSN)
     engine = EngineClient.from_settings(settings)
@@ -67,6 +68,7 @@ def _app(*, token: str = TOKEN, max_body_bytes: int = 1024 * 1024) -> Any:
         registry=CollectorRegistry(),
         liveness=Liveness(),
         max_body_bytes=max_body_bytes,
+        extra_routes=extra_routes,
     )
 
 
@@ -180,7 +182,7 @@ def test_the_token_is_compared_in_constant_time_over_equal_length_digests(
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr("sinks.parking.guard.hmac.compare_digest", spy)
+    monkeypatch.setattr("sinks.http.guard.hmac.compare_digest", spy)
     for presented in ("", "x", TOKEN[:-1], TOKEN, TOKEN + "x", "y" * 10_000):
         check_access([f"Bearer {presented}".encode()], DIGEST)
     assert calls == [(32, 32)] * 5, "every presented token goes through compare_digest"
@@ -383,3 +385,26 @@ def test_unknown_paths_and_methods_answer_in_the_same_envelope() -> None:
     assert unknown.status_code == 404
     for response in (wrong_method, unknown):
         assert response.json()["success"] is False
+
+
+def test_a_mounted_app_plugs_in_with_one_route_behind_the_same_token() -> None:
+    """What an operator console at /console/ needs: one item of ``extra_routes``."""
+
+    async def console(scope: Any, receive: Any, send: Any) -> None:
+        await PlainTextResponse(f"console {scope['path']}")(scope, receive, send)
+
+    async def run() -> list[httpx.Response]:
+        app = _app(extra_routes=[Mount("/console", app=console)])
+        transport = httpx.ASGITransport(app=app)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(transport=transport, base_url="http://sink") as client:
+            return [
+                await client.get("/console/", headers=auth),
+                await client.get("/console/"),
+                await client.get("/readyz"),
+            ]
+
+    served, unauthenticated, probe = asyncio.run(run())
+    assert served.status_code == 200 and served.text.startswith("console")
+    assert unauthenticated.status_code == 401
+    assert probe.status_code in (200, 503)  # (public: the liveness decides, not the token)

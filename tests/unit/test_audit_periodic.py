@@ -10,16 +10,17 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from cdc.audit import periodic
 from cdc.audit import table as pg
 from cdc.audit.compare import Comparison, TopicCounts
 from cdc.audit.ids import IdBuckets, IdList, uuid_text
 from cdc.audit.kafka import Expired, GroupCheck, KafkaRead
-from cdc.audit.periodic import ACTIVE_STATES, PeriodicAudit, finding_line
-from cdc.audit.run import AuditBusyError, AuditReport
+from cdc.audit.run import AuditReport
 from cdc.audit.window import BeforeFirstStartError, Window
 from cdc.errors import KafkaUnavailableError
-from cdc.relay.state import RelayState
+from cdc.relay.gaps import periodic_audit as periodic
+from cdc.relay.gaps.periodic_audit import ACTIVE_STATES, PeriodicAudit, finding_line
+from cdc.relay.health.state import RelayState
+from cdc.repair.lock import AuditBusyError
 from cdc.settings import Settings
 
 SETTINGS = Settings(pg_dsn="postgresql://u@h/db", kafka_bootstrap_servers="k:9092")

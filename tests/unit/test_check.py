@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pytest
+
 from cdc.check import Finding, Status, _topics, run_probes
 from cdc.settings import Settings
 
@@ -41,4 +43,29 @@ def test_a_probe_that_raises_is_one_failing_finding_and_the_others_still_run() -
 def test_the_sink_registers_its_probes_through_the_plugin() -> None:
     from sinks.cli import PLUGIN
 
-    assert [name for name, _ in PLUGIN.checks] == ["engine", "parking lot"]
+    assert [name for name, _ in PLUGIN.checks] == ["engine", "parking lot", "sink group"]
+
+
+def test_the_sink_group_item_fails_for_a_named_group_and_warns_for_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A start the sink would refuse: `fail` when SINK_GROUP_ID names the group, `warn`
+    for the default group (a relay's shell, an operator's, may run no sink)."""
+    from sinks.cli.check import sink_group
+    from sinks.ops import new_group
+    from sinks.ops.new_group import Start
+
+    monkeypatch.setattr(new_group, "preview", lambda s: (Start.REFUSE, "refused: did you mean"))
+    named = list(
+        sink_group(
+            Settings.from_env({"KAFKA_BOOTSTRAP_SERVERS": "k:9092", "SINK_GROUP_ID": "engine-synk"})
+        )
+    )
+    default = list(sink_group(Settings.from_env({"KAFKA_BOOTSTRAP_SERVERS": "k:9092"})))
+    assert [(f.status, f.detail) for f in named] == [(Status.FAIL, "refused: did you mean")]
+    assert [f.status for f in default] == [Status.WARN]
+    assert "SINK_GROUP_ID is not set" in default[0].detail
+    monkeypatch.setattr(new_group, "preview", lambda s: (Start.RESUME, "resumes"))
+    assert [f.status for f in sink_group(Settings.from_env({"KAFKA_BOOTSTRAP_SERVERS": "k"}))] == [
+        Status.OK
+    ]

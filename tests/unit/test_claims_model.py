@@ -83,6 +83,9 @@ class ClaimsModel(RuleBasedStateMachine):
                 fingerprint=self.fingerprint,
             ):
                 continue
+            assert not (scheduled and row.keyless), (
+                f"row {event_id} has no event id and was claimed by the scheduler"
+            )
             if scheduled and row.unroutable:
                 assert self.tried_under[event_id] != self.fingerprint, (
                     f"unroutable row {event_id} retried under the routing it failed under"
@@ -100,13 +103,14 @@ class ClaimsModel(RuleBasedStateMachine):
             self.working.append(Attempt(by, event_id, self.now, scheduled))
             return
 
-    @rule(unroutable=st.booleans())
-    def park(self, unroutable: bool) -> None:
+    @rule(unroutable=st.booleans(), keyless=st.sampled_from([False, False, True]))
+    def park(self, unroutable: bool, keyless: bool) -> None:
         event_id = len(self.rows) + 1
         self.rows[event_id] = ClaimRow(
             event_id,
             next_retry_at=self.now + BASE_S,
-            unroutable=unroutable,
+            unroutable=unroutable or keyless,
+            keyless=keyless,
             fingerprint=self.fingerprint,
         )
         self.counted[event_id] = 0
@@ -242,6 +246,42 @@ def test_the_model_catches_unroutable_rows_retried_without_a_routing_change() ->
         "Mutant", (ClaimsModel,), {"claimable": staticmethod(_claimable_ignoring_routing)}
     )
     with pytest.raises(AssertionError, match="retried under the routing it failed under"):
+        run_state_machine_as_test(
+            mutant,
+            settings=settings(
+                CLAIMS_SETTINGS,
+                max_examples=2000,
+                database=None,
+                print_blob=False,
+                report_multiple_bugs=False,
+                derandomize=True,
+                phases=[Phase.generate],
+            ),
+        )
+
+
+def _claimable_ignoring_keys(
+    row: ClaimRow,
+    *,
+    now: float,
+    scheduled: bool,
+    max_attempts: int | None = None,
+    fingerprint: str | None = None,
+) -> bool:
+    """Issue 47 item 2 as it was: a row without an event id was retried (under a made-up
+    key) once the routing changed."""
+    return claims.claimable(
+        replace(row, keyless=False),
+        now=now,
+        scheduled=scheduled,
+        max_attempts=max_attempts,
+        fingerprint=fingerprint,
+    )
+
+
+def test_the_model_catches_a_row_without_an_event_id_claimed_by_the_scheduler() -> None:
+    mutant = type("Mutant", (ClaimsModel,), {"claimable": staticmethod(_claimable_ignoring_keys)})
+    with pytest.raises(AssertionError, match="has no event id and was claimed"):
         run_state_machine_as_test(
             mutant,
             settings=settings(

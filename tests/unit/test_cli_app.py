@@ -88,3 +88,47 @@ def test_the_start_line_shows_only_what_differs_from_the_defaults_secrets_redact
 def test_the_start_line_of_the_defaults_says_so() -> None:
     assert settings_line(Settings.from_env({})) == "every setting at its default"
     assert len(str(Settings.from_env({}).safe_summary())) > 1_000  # what it replaces
+
+
+def _dev_env_settings() -> Settings:
+    """What a shell that sourced .dev/env (plus one relay and one sink setting) holds."""
+    return Settings.from_env(
+        {
+            "CDC_PG_DSN": "postgresql://postgres:pw@127.0.0.1:27200/outbox",
+            "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:31200",
+            "ENGINE_STUB_PORT": "17200",
+            "ENGINE_BASE_URL": "http://127.0.0.1:17200",
+            "CDC_RELAY_HTTP_PORT": "17201",
+            "SINK_HTTP_PORT": "17202",
+            "ADMIN_API_TOKEN": "admintoken",
+            "INTERNAL_API_KEY": "enginekey",
+            "CDC_SLOT": "other_slot",
+            "SINK_GROUP_ID": "billing",
+            "LOG_LEVEL": "debug",
+        }
+    )
+
+
+def test_the_sink_start_line_shows_only_the_sink_settings_that_differ() -> None:
+    from sinks.cli.run import sink_reads
+
+    line = settings_line(_dev_env_settings(), reads=sink_reads)
+    assert line == (
+        'CDC_PG_DSN="user=postgres password=*** dbname=outbox host=127.0.0.1 port=27200"'
+        " KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:31200 SINK_GROUP_ID=billing SINK_HTTP_PORT=17202"
+        " ENGINE_BASE_URL=http://127.0.0.1:17200 INTERNAL_API_KEY=*** ADMIN_API_TOKEN=***"
+        " LOG_LEVEL=DEBUG"
+    )  # not CDC_SLOT, CDC_RELAY_HTTP_PORT (the relay's), ENGINE_STUB_PORT (the stub's)
+    for text in ("pw", "admintoken", "enginekey", "LogLevel", "{", "SecretStr"):
+        assert text not in line.replace("password=***", "")
+
+
+def test_the_relay_start_line_leaves_the_sink_settings_out() -> None:
+    from cdc.cli.relay import relay_reads
+
+    line = settings_line(_dev_env_settings(), reads=relay_reads)
+    assert line == (
+        'CDC_PG_DSN="user=postgres password=*** dbname=outbox host=127.0.0.1 port=27200"'
+        " CDC_SLOT=other_slot CDC_RELAY_HTTP_PORT=17201 KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:31200"
+        " LOG_LEVEL=DEBUG"
+    )

@@ -114,3 +114,71 @@ def test_the_parking_table_says_the_time_zone_of_its_times() -> None:
 
     assert "next retry (UTC)" in text
     assert "2026-12-01 06:30:00Z" in text
+
+
+def _lot_row(event_id: int, sync_type: str, record_type: str, error: str) -> ParkedEvent:
+    return ParkedEvent(
+        event_id=event_id,
+        event_type=sync_type,
+        payload_json="{}",
+        status="FAILED",
+        retry_count=0,
+        last_error=error,
+        next_retry_at=NOW,
+        created_at=NOW,
+        updated_at=NOW,
+        outbox_event_id="7b0c2b1e-5f0e-4a59-9e43-7f1c2a3d4e5f",
+        kafka_topic="outbox.event.order",
+        kafka_partition=0,
+        kafka_offset=1,
+        kafka_key=None,
+        kafka_headers={"type": record_type},
+        routes_fingerprint="fp",
+    )
+
+
+def test_the_parking_table_keeps_id_status_retries_and_reason_in_80_columns() -> None:
+    rows = [
+        _lot_row(12, "UNROUTABLE", "OrderPlaced", "no route for event type 'OrderPlaced'"),
+        _lot_row(1234, "QUIZ_SYNC", "QuizAttemptSubmitted", "HTTP 422 invalid score"),
+    ]
+    text = _render(parked_table(rows, statuses=("FAILED", "PENDING"), scheduled=lambda i: i != 12))
+    assert max(len(line) for line in text.splitlines()) <= 80
+    header = "".join(text.splitlines()[1:5])
+    for column in ("id", "type", "status", "retries", "next retry", "event id", "reason"):
+        assert column in header, text
+    first, second = (
+        next(line for line in text.splitlines() if line.startswith(f"│ {n:>4} │"))
+        for n in (12, 1234)
+    )
+    assert " FAILED " in first and " 0 " in first and " no route " in first
+    assert " - " in first  # the scheduler leaves it alone: no next retry shown
+    assert "2026-12-01" in second and " HTTP 422 " in second
+
+
+def test_a_row_is_scheduled_only_when_the_scheduler_would_take_it() -> None:
+    from dataclasses import replace
+
+    from sinks.ops.parking import retry_scheduled
+
+    unroutable = _lot_row(1, "UNROUTABLE", "OrderPlaced", "no route")
+    quiz = _lot_row(2, "QUIZ_SYNC", "QuizAttemptSubmitted", "HTTP 422")
+    assert not retry_scheduled(unroutable, fingerprint="fp", max_attempts=5)
+    assert retry_scheduled(unroutable, fingerprint="routes-changed", max_attempts=5)
+    assert retry_scheduled(quiz, fingerprint="fp", max_attempts=5)
+    assert not retry_scheduled(replace(quiz, retry_count=5), fingerprint="fp", max_attempts=5)
+    assert not retry_scheduled(replace(quiz, status="DONE"), fingerprint="fp", max_attempts=5)
+
+
+def test_the_json_row_names_its_fields_for_what_they_hold_and_keeps_the_old_ones() -> None:
+    from sinks.ops.parking import parked_json
+
+    doc = parked_json(_lot_row(12, "UNROUTABLE", "OrderPlaced", "no route"), scheduled=False)
+    assert (doc["id"], doc["sync_type"], doc["type"], doc["retry_scheduled"]) == (
+        12,
+        "UNROUTABLE",
+        "OrderPlaced",
+        False,
+    )
+    assert (doc["event_id"], doc["event_type"]) == (12, "UNROUTABLE")  # as before
+    assert doc["outbox_event_id"] == "7b0c2b1e-5f0e-4a59-9e43-7f1c2a3d4e5f"

@@ -1,7 +1,8 @@
-"""The Docker path stays honest: no engine runs here, so the compose file is
-checked against the code's settings and CLI instead; where the compose plugin
-is installed, ``docker compose config`` validates the file too (it needs no
-Docker engine)."""
+"""The compose file, checked fast against the code's settings, CLI and shutdown bounds.
+
+The compose lane (``tests/compose``, ``make test-compose-lane``) runs the file for real;
+these checks need no Docker engine. Where the compose plugin is installed,
+``docker compose config`` validates the file too (it needs no engine either)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from cdc.cli import main as cli
+from cdc.relay.stream.loop import SHUTDOWN_FLUSH_S
 from cdc.settings import ENV, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,3 +228,149 @@ def test_grafana_provisions_the_prometheus_datasource_and_the_dashboard() -> Non
         assert panel["datasource"]["uid"] == uid, panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == uid, panel["title"]
+
+
+# --- the image and the stand-ins (issue 50) ----------------------------------------------------
+
+DOCKERFILE = ROOT / "compose" / "Dockerfile"
+STANDINS = ROOT / "compose" / "standins"
+_GRACE = re.compile(r"^(\d+)s$")
+
+
+def _grace_s(service: dict[str, Any]) -> int:
+    match = _GRACE.match(str(service["stop_grace_period"]))
+    assert match, service["stop_grace_period"]
+    return int(match[1])
+
+
+def test_grafana_starts_only_with_its_profile() -> None:
+    services = _compose()["services"]
+    assert services["grafana"]["profiles"] == ["grafana"]
+    assert [name for name, s in services.items() if "profiles" in s] == ["grafana"]
+
+
+def test_relay_and_sink_get_twice_their_shutdown_bound_before_a_sigkill() -> None:
+    services = _compose()["services"]
+    # the relay flushes Kafka and confirms, the sink waits for deliveries then commits
+    assert _grace_s(services["relay"]) >= 2 * SHUTDOWN_FLUSH_S
+    sink_env = services["sink"]["environment"]
+    sink_bound_s = float(sink_env.get("SINK_SHUTDOWN_S", Settings().sink_shutdown_s))
+    assert _grace_s(services["sink"]) >= 2 * sink_bound_s
+    assert "STOPSIGNAL SIGTERM" in DOCKERFILE.read_text().splitlines()
+
+
+def test_the_image_runs_as_a_user_with_one_healthcheck_for_every_role() -> None:
+    lines = DOCKERFILE.read_text().splitlines()
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users == ["outbox"]
+    (healthcheck,) = [line for line in lines if line.startswith("HEALTHCHECK ")]
+    assert lines[lines.index(healthcheck) + 1].strip() == 'CMD ["python", "-m", "cdc.healthcheck"]'
+    services = _compose()["services"]
+    for name in ("relay", "sink", "engine-stub"):
+        assert services[name]["healthcheck"]["test"] == ["CMD", "python", "-m", "cdc.healthcheck"]
+
+
+def test_the_build_context_is_an_allow_list_that_leaves_out_dev_and_venv() -> None:
+    rules = [
+        line
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert rules[0] == "*"
+    allowed = {line[1:] for line in rules if line.startswith("!")}
+    copied = {
+        part
+        for line in DOCKERFILE.read_text().splitlines()
+        if line.startswith("COPY ")
+        for part in line.split()[1:-1]
+    }
+    assert copied == allowed
+    assert not {".dev", ".venv", "tests"} & allowed
+
+
+def _pulled_images() -> set[str]:
+    services = _compose()["services"]
+    images = {s["image"] for s in services.values() if "build" not in s and "profiles" not in s}
+    bases = re.findall(r"^FROM\s+(\S+)", DOCKERFILE.read_text(), flags=re.MULTILINE)
+    return images | set(bases)
+
+
+def test_every_image_the_stack_pulls_has_a_stand_in_under_its_exact_name() -> None:
+    script = (STANDINS / "build.sh").read_text()
+    known = set(re.search(r'^ALL="([^"]+)"', script, flags=re.MULTILINE)[1].split())  # type: ignore[index]
+    assert _pulled_images() == known
+    for image in known:
+        case = rf"^\s+{re.escape(image)}\) echo (\w+) ;;"
+        assert re.search(case, script, flags=re.MULTILINE), image
+    readme = (STANDINS / "README.md").read_text()
+    assert "only for machines without an image registry" in readme
+    for image in known:
+        assert f"`{image}`" in readme, image
+
+
+# --- the docs show what the compose lane runs ---------------------------------------------------
+
+RUN_IT_YOURSELF = ROOT / "docs" / "getting-started" / "run-it-yourself.md"
+LANE_TESTS = ROOT / "tests" / "compose" / "test_compose_stack.py"
+DOCKER_SH = ROOT / "compose" / "docker.sh"
+_SHOWN = re.compile(r"docker compose -f compose/docker-compose\.yml((?: [\w*'-]+)+)")
+_SCRIPTED = re.compile(r"^\s*(?:\S+=\S+ )*compose((?: (?!\")[^\s|\"]+)+)", re.MULTILINE)
+ANY = "*"
+
+
+def _shown_compose_commands() -> set[tuple[str, ...]]:
+    return {tuple(m[1].split()) for m in _SHOWN.finditer(RUN_IT_YOURSELF.read_text())}
+
+
+def _lane_compose_commands() -> list[tuple[str, ...]]:
+    """``compose.run(...)`` of the lane's tests (a variable: any word) and the
+    ``compose ...`` lines of compose/docker.sh."""
+    import ast
+
+    commands = []
+    for node in ast.walk(ast.parse(LANE_TESTS.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "run"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "compose"
+        ):
+            commands.append(
+                tuple(
+                    a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else ANY
+                    for a in node.args
+                )
+            )
+    commands += [tuple(m[1].split()) for m in _SCRIPTED.finditer(DOCKER_SH.read_text())]
+    return commands
+
+
+def _runs(shown: tuple[str, ...], ran: tuple[str, ...]) -> bool:
+    """The lane ran ``shown``: a command that starts with its words (any word for a
+    variable of the lane; more options after them are the lane's bounds)."""
+    return len(ran) >= len(shown) and all(r in (s, ANY) for s, r in zip(shown, ran, strict=False))
+
+
+def test_every_compose_command_the_docs_show_is_one_the_lane_runs() -> None:
+    shown = _shown_compose_commands()
+    lane = _lane_compose_commands()
+    assert {("up", "-d", "--build", "--wait"), ("down", "-v"), ("restart", "kafka")} <= shown
+    not_run = [" ".join(c) for c in shown if not any(_runs(c, ran) for ran in lane)]
+    assert not not_run, f"shown in {RUN_IT_YOURSELF.name}, never run by the lane: {not_run}"
+
+
+@pytest.mark.parametrize(("args", "names"), [(["up"], "ADMIN_API_TOKEN"), (["nonsense"], "usage")])
+def test_a_mistake_with_docker_sh_is_one_line_and_exit_2(args: list[str], names: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "ADMIN_API_TOKEN"}
+    proc = subprocess.run(
+        ["bash", str(DOCKER_SH), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], proc.stderr

@@ -75,24 +75,24 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from sinks.core.backoff import Backoff, Jitter
 from sinks.core.delivery import Envelope, Position
+from sinks.core.endpoints import EVIDENCE_DELIVERIES, Circuit
 from sinks.core.machine import (
-    EVIDENCE_DELIVERIES,
+    PARK_BATCH_MAX_BYTES,
     THROTTLE_HOLD_S,
-    Circuit,
     Commit,
+    Disposition,
     Park,
     Pause,
     Result,
     ResultKind,
     Resume,
-    Route,
     Send,
     SinkCore,
     Verdict,
-    Window,
 )
-from sinks.core.retry import Backoff, Jitter
+from sinks.core.window import Window
 
 TOPICS = ("user", "quiz")
 PARTITIONS = (0,)
@@ -107,6 +107,10 @@ FILLER_KEY = b"z"
 MAX_IN_FLIGHT = 3
 INLINE_ATTEMPTS = 2
 MAX_BUFFERED = 6
+#: Bytes held above which every partition holding any pauses (a padded record is ~250).
+MAX_BUFFERED_BYTES = 600
+#: Padding of a record's value: most small, some large enough for the byte bound to act.
+PADS = (0, 0, 0, 0, 0, 0, 0, 200)
 #: The most records one ``consume`` step fetches: the overshoot a pause allows.
 FETCH_BATCH = 4
 
@@ -123,6 +127,8 @@ GOOD, POISON, BAD, IGNORED = Kind("good"), Kind("poison"), Kind("bad"), Kind("ig
 CRASH = Kind("crash")
 #: A record other producers wrote: headers the routing cannot read at all.
 HOSTILE = Kind("hostile")
+#: Bad input whose row the parking lot refuses, whatever the batch (too large for it).
+LOT_POISON = Kind("lotpoison")
 #: Kinds that go to the engine, one at a time per key.
 LANED = (GOOD, POISON, CRASH)
 
@@ -132,12 +138,12 @@ def _classify(record: Envelope) -> Verdict:
         kind = record.headers["kind"].decode()
         route = record.headers["route"].decode()
     except (KeyError, UnicodeDecodeError) as exc:
-        return Verdict(Route.PARK, f"uninterpretable record: {type(exc).__name__}")
-    if kind == "bad":
-        return Verdict(Route.PARK, "no route for event type 'Bad'")
+        return Verdict(Disposition.PARK, f"uninterpretable record: {type(exc).__name__}")
+    if kind in ("bad", "lotpoison"):
+        return Verdict(Disposition.PARK, "no route for event type 'Bad'")
     if kind == "ignored":
-        return Verdict(Route.IGNORE, "ignored type")
-    return Verdict(Route.DELIVER, endpoint=route)
+        return Verdict(Disposition.IGNORE, "ignored type")
+    return Verdict(Disposition.DELIVER, endpoint=route)
 
 
 def make_core(cls: type[SinkCore] = SinkCore) -> SinkCore:
@@ -149,6 +155,7 @@ def make_core(cls: type[SinkCore] = SinkCore) -> SinkCore:
         backoff=lambda: Backoff(base_s=0.5, cap_s=4.0, jitter=Jitter.NONE),
         commit_interval_s=1.0,
         classify=_classify,
+        max_buffered_bytes=MAX_BUFFERED_BYTES,
     )
 
 
@@ -167,7 +174,7 @@ FAILURES = {
 TROUBLE_KINDS = (ResultKind.UNAVAILABLE, ResultKind.SERVER_ERROR, ResultKind.THROTTLED)
 #: The answers a Send may get (a route that is down overrides them with its trouble).
 ANSWERS = (
-    *("2xx", "2xx", "2xx", "4xx", "5xx-one", "down", "user-down"),
+    *("2xx", "2xx", "2xx", "4xx", "5xx-one", "down", "user-down", "user-known"),
     *("unroutable", "429", "deadline"),
 )
 
@@ -205,6 +212,11 @@ class SinkCoreModel(RuleBasedStateMachine):
         #: The endpoint a route's own records are sent to (whose circuit they wait on).
         self.endpoint_of: dict[str, str] = {}
         self.waits_on: dict[Position, str] = {}  # a record whose last trouble was elsewhere
+        #: parking-lot refusals: the largest batch a record may go in, and how often its
+        #: own row was refused alone (once: parked without its payload; twice: skipped)
+        self.park_cap: dict[Position, int] = {}
+        self.solo_refusals: dict[Position, int] = {}
+        self.skipped: set[Position] = set()
 
     # -- the world ------------------------------------------------------------------
     @rule(
@@ -212,9 +224,15 @@ class SinkCoreModel(RuleBasedStateMachine):
         key=st.sampled_from(KEYS),
         kind=st.sampled_from([GOOD, GOOD, GOOD, GOOD, POISON, CRASH, BAD, IGNORED, HOSTILE]),
         route=st.sampled_from(ROUTES),
+        pad=st.sampled_from(PADS),
     )
     def produce(
-        self, tp: tuple[str, int], key: bytes, kind: Kind, route: str | None = None
+        self,
+        tp: tuple[str, int],
+        key: bytes,
+        kind: Kind,
+        route: str | None = None,
+        pad: int = 0,
     ) -> None:
         offset = len(self.log[tp])
         route = route or ("u" if tp[0] == "user" else "q")
@@ -230,7 +248,7 @@ class SinkCoreModel(RuleBasedStateMachine):
             partition=tp[1],
             offset=offset,
             key=key,
-            value=b"{}",
+            value=b'{"p":"' + b"x" * pad + b'"}',
             headers=headers,
             timestamp_ms=int(self.now * 1000),
         )
@@ -244,13 +262,20 @@ class SinkCoreModel(RuleBasedStateMachine):
         if tp not in self.position or tp in self.paused:
             return
         start = self.position[tp]
+        out = {s.record.position for s in self.sends}
+        parking = {i.record.position for p in self.parks for i in p.items}
         for record in self.log[tp][start : start + n]:
             verdict = self.core.consumed(record, now_ms=int(self.now * 1000))
             assert verdict is not None
+            if record.position not in out:  # taken in afresh (not an adopted orphan)
+                self.waits_on.pop(record.position, None)
+            if record.position not in parking:  # (an orphan's Park still out is adopted)
+                self.park_cap.pop(record.position, None)
+                self.solo_refusals.pop(record.position, None)
             self.parked_live.discard(record.position)
             self.position[tp] = record.offset + 1
             self.taken[tp].append(record.offset)
-            if verdict.route is Route.IGNORE:
+            if verdict.disposition is Disposition.IGNORE:
                 self.settled_now[tp].add(record.offset)
         self.step()
 
@@ -316,7 +341,7 @@ class SinkCoreModel(RuleBasedStateMachine):
     @precondition(lambda self: any(s.probe for s in self.sends))
     @rule(
         answer=st.sampled_from(
-            ["2xx", "4xx", "down", "user-down", "unroutable", "429", "deadline"]
+            ["2xx", "4xx", "down", "user-down", "user-known", "unroutable", "429", "deadline"]
         ),
         failure=st.sampled_from(sorted(FAILURES)),
     )
@@ -356,7 +381,10 @@ class SinkCoreModel(RuleBasedStateMachine):
         """The world's answer: a down route fails every request that reaches it."""
         position = send.record.position
         kind, home = self.kinds[position], self.home[position]
-        via_users = home == "q" and (answer == "user-down" or send.endpoint == "u")
+        # "user-known": the engine knows the attempt's user by now - no users/sync call,
+        # even for an attempt sent as the users route's probe (credited to its own route)
+        known = answer == "user-known"
+        via_users = home == "q" and not known and (answer == "user-down" or send.endpoint == "u")
         calls = ["q", "u"] if via_users else [home]
         for route in calls:
             if not self.route_up[route]:
@@ -398,9 +426,9 @@ class SinkCoreModel(RuleBasedStateMachine):
             self.candidates = kept
         elif result.kind is ResultKind.REJECTED:
             self.blamed[position] = self.blamed.get(position, 0) + 1
+            self.waits_on[position] = where
         elif result.kind in TROUBLE_KINDS:
-            if where != self.home[position]:
-                self.waits_on[position] = where
+            self.waits_on[position] = where  # it waits for the route whose trouble it was
             if result.kind is ResultKind.SERVER_ERROR:
                 self.candidates.append((position, where, self.deliveries[where]))
 
@@ -411,14 +439,37 @@ class SinkCoreModel(RuleBasedStateMachine):
             self.settled_now[tp].add(position[2])
 
     @precondition(lambda self: self.parks)
-    @rule(data=st.data(), ok=st.sampled_from([True, True, True, False]))
-    def answer_park(self, data: st.DataObject, ok: bool) -> None:
+    @rule(data=st.data(), outcome=st.sampled_from([*("ok",) * 5, "failed", "failed", "refused"]))
+    def answer_park(self, data: st.DataObject, outcome: str) -> None:
         park = self.parks.pop(data.draw(st.integers(0, len(self.parks) - 1)))
+        if outcome == "refused":
+            self.park_refused(park)
+            return
         for item in park.items:
-            if ok:
+            if outcome == "ok":
                 self.park_done(item.record)
             else:
                 self.core.park_failed(item.record, now=self.now)
+        self.step()
+
+    def park_refused(self, park: Park) -> None:
+        """PostgreSQL refused the batch for what it carries: split, down to the culprit."""
+        n = len(park.items)
+        for item in park.items:
+            position = item.record.position
+            self.park_cap[position] = min(self.park_cap.get(position, n), max(1, (n + 1) // 2))
+            if n == 1:
+                self.solo_refusals[position] = self.solo_refusals.get(position, 0) + 1
+        skipped = self.core.park_refused([i.record for i in park.items], "value too large")
+        for item in skipped:
+            position = item.record.position
+            assert self.solo_refusals.get(position, 0) >= 2, (
+                f"{position} skipped before it was refused alone, with and without its payload"
+            )
+            self.skipped.add(position)
+            self.done.add(position)
+            self.parked_live.add(position)  # (settled: never sent again unless re-read)
+            self.settle(position)
         self.step()
 
     def park_done(self, record: Envelope) -> None:
@@ -440,7 +491,7 @@ class SinkCoreModel(RuleBasedStateMachine):
 
     # -- one step of the shell: carry out what the core says, checking each action ---------
     def step(self) -> None:
-        circuits_before = {r.endpoint: r.circuit for r in self.core.routes()}
+        circuits_before = {r.endpoint: r.circuit for r in self.core.endpoints()}
         for action in self.core.actions(now=self.now):
             if isinstance(action, Send):
                 self.check_send(action, circuits_before)
@@ -449,6 +500,7 @@ class SinkCoreModel(RuleBasedStateMachine):
                 if self.waits_on.get(position, self.home[position]) == self.home[position]:
                     self.endpoint_of[self.home[position]] = action.endpoint
             elif isinstance(action, Park):
+                self.check_park(action)
                 for item in action.items:
                     blamed = self.blamed.get(item.record.position, 0)
                     assert item.attempts <= blamed, (
@@ -492,6 +544,23 @@ class SinkCoreModel(RuleBasedStateMachine):
         keys_out = [s.record.key for s in self.sends]
         assert record.key not in keys_out, f"two records of key {record.key!r} in flight"
 
+    def check_park(self, park: Park) -> None:
+        """A refused batch is split: no record goes in a batch larger than half the one
+        refused with it; a record refused alone goes again without its payload; a batch
+        holds at most PARK_BATCH_MAX_BYTES, or one record."""
+        items = park.items
+        for item in items:
+            position = item.record.position
+            cap = self.park_cap.get(position)
+            assert cap is None or len(items) <= cap, (
+                f"{position} parked in a batch of {len(items)}, refused in one of {2 * cap}"
+            )
+            assert item.stub == bool(self.solo_refusals.get(position)), (
+                f"{position}: stub={item.stub} after {self.solo_refusals.get(position)} refusals"
+            )
+        size = sum(i.record.size for i in items)
+        assert len(items) == 1 or size <= PARK_BATCH_MAX_BYTES, f"a park of {size} bytes"
+
     def check_commit(self, tp: tuple[str, int], offset: int) -> None:
         for record in self.log[tp][:offset]:
             if self.kinds[record.position] is not IGNORED:
@@ -509,6 +578,32 @@ class SinkCoreModel(RuleBasedStateMachine):
                 assert len(probes) == 1, f"{endpoint} HALF_OPEN with {len(probes)} probes out"
             else:
                 assert probes == [], f"{endpoint} {circuit} with a probe in flight"
+
+    @invariant()
+    def a_route_is_down_only_while_something_of_it_waits(self) -> None:
+        """Issue 47 item 3: a route not CLOSED has a Send out, or a record taken in, not
+        settled nor being parked, that waits for it (its home route, or the route whose
+        answer it had last) - else readiness says "engine unavailable" for nothing."""
+        out = {s.endpoint for s in self.sends}
+        parking = {i.record.position for p in self.parks for i in p.items}
+        for state in self.core.endpoints():
+            if state.circuit is Circuit.CLOSED or state.endpoint in out:
+                continue
+            if state.endpoint not in ROUTES:  # (a mutant's own route names: not judged here)
+                continue
+            waiting = [
+                (tp, o)
+                for tp, taken in self.taken.items()
+                for o in taken
+                if o not in self.settled_now[tp]
+                and (tp[0], tp[1], o) not in parking
+                and self.kinds[(tp[0], tp[1], o)] in LANED
+                and self.waits_on.get((tp[0], tp[1], o), self.home[(tp[0], tp[1], o)])
+                == state.endpoint
+            ]
+            assert waiting, (
+                f"route {state.endpoint} {state.circuit.value} with nothing of it waiting"
+            )
 
     @invariant()
     def in_flight_is_bounded(self) -> None:
@@ -534,10 +629,20 @@ class SinkCoreModel(RuleBasedStateMachine):
             assert held == expected, f"{tp}: the core counts {held} held, the model {expected}"
             if held > self.core.buffer_share:
                 assert tp in self.paused, f"{tp} holds {held} > its share, not paused"
+            nbytes = sum(self.log[tp][o].size for o in taken[first:])
+            held_bytes = self.core.held_bytes_for(*tp)
+            assert held_bytes == nbytes, f"{tp}: the core counts {held_bytes} bytes, the model"
+            share_bytes = self.core.buffer_share_bytes
+            if share_bytes is not None and nbytes > share_bytes:
+                assert tp in self.paused, f"{tp} holds {nbytes} bytes > its share, not paused"
         held = self.core.held
         bound = MAX_BUFFERED + FETCH_BATCH * len(self.log)
         assert held <= bound, f"{held} records held, bound {bound}"
-        if held > MAX_BUFFERED:  # over the bound: only a partition holding nothing may fetch
+        largest = max((r.size for records in self.log.values() for r in records), default=0)
+        bound_bytes = MAX_BUFFERED_BYTES + FETCH_BATCH * largest * len(self.log)
+        assert self.core.held_bytes <= bound_bytes, f"{self.core.held_bytes} bytes held"
+        over = held > MAX_BUFFERED or self.core.held_bytes > MAX_BUFFERED_BYTES
+        if over:  # over a bound: only a partition holding nothing may fetch
             for tp in self.position:
                 assert tp in self.paused or not self.core.held_for(*tp), f"{tp} not paused"
 
@@ -572,7 +677,7 @@ class SinkCoreModel(RuleBasedStateMachine):
                 return
         unsettled = {tp: (self.broker_committed[tp], len(self.log[tp])) for tp in self.position}
         raise AssertionError(
-            f"not live: circuits={[(r.endpoint, r.circuit) for r in self.core.routes()]}"
+            f"not live: circuits={[(r.endpoint, r.circuit) for r in self.core.endpoints()]}"
             f" paused={sorted(self.paused)} held={self.core.held} committed/end={unsettled}"
         )
 
@@ -590,7 +695,7 @@ class SinkCoreModel(RuleBasedStateMachine):
                     continue
                 assert offset in self.settled_now[tp], (
                     f"{position} of the users route held while only the quiz route is down"
-                    f" (circuits: {[(r.endpoint, r.circuit.value) for r in self.core.routes()]})"
+                    f" (circuits: {[(r.endpoint, r.circuit.value) for r in self.core.endpoints()]})"
                 )
 
     def key_waits_elsewhere(self, key: bytes | None) -> bool:
@@ -725,8 +830,8 @@ class _ForgetsPausesOnRevoke(SinkCore):
 class _EngineWideJudgment(SinkCore):
     """The per-route judgment reverted: every route's trouble is the one engine's."""
 
-    def _route(self, endpoint: str) -> Any:
-        return super()._route("")
+    def _endpoint(self, endpoint: str) -> Any:
+        return super()._endpoint("")
 
 
 class _BlamesWhenOthersSucceeded(SinkCore):
@@ -761,6 +866,43 @@ class _PausesOnQueuedAndTakenOnly(SinkCore):
             out.append(Resume(resumed))
 
 
+class _ProbesWithTheSameCrashingRecord(SinkCore):
+    """As it was: the route's last failed probe was not a suspect."""
+
+    def _route_trouble(
+        self, flight: Any, route: Any, outcome: Any, *, now: float, probe: bool
+    ) -> None:
+        super()._route_trouble(flight, route, outcome, now=now, probe=probe)
+        route.failed_probe = None
+
+
+class _PausesWholePartitionForOneRoute(SinkCore):
+    """Issue 47 item 7 as it was: one route's queued record paused its whole partition."""
+
+    def _want_paused(self) -> set[tuple[str, int]]:
+        want = super()._want_paused()
+        down = [r.name for r in self._endpoints.values() if r.circuit is not Circuit.CLOSED]
+        return want | {
+            tp for tp in self._parts if any(self._scheduler.queued_in(*tp, r) for r in down)
+        }
+
+
+class _RebuildsRefusedBatches(SinkCore):
+    """Issue 47 item 5 as it was: a refused batch parked again whole, after a wait."""
+
+    def park_refused(self, records: list[Envelope], error: str) -> list[Any]:
+        for record in records:
+            self.park_failed(record, now=0.0)
+        return []
+
+
+class _KeepsIdleCircuitsOpen(SinkCore):
+    """Issue 47 item 3 as it was: a route stayed OPEN with nothing of it to probe."""
+
+    def _close_idle_circuits(self) -> None:
+        pass
+
+
 def _mutant_model(make: object) -> type[SinkCoreModel]:
     return type("Mutant", (SinkCoreModel,), {"make": staticmethod(make)})
 
@@ -784,7 +926,8 @@ def _model_fails(machine: type[SinkCoreModel], match: str) -> None:
 def test_the_model_catches_a_circuit_left_half_open_by_a_rejected_probe() -> None:
     _model_fails(
         _mutant_model(lambda: make_core(cls=_ProbeClosesOnlyWhenDelivered)),
-        "HALF_OPEN with 0 probes out|not live: circuits=",
+        # (the circuit left HALF_OPEN holds its route's records: liveness fails)
+        "HALF_OPEN with 0 probes out|not live: circuits=|held while only the quiz route",
     )
 
 
@@ -792,7 +935,8 @@ def test_the_model_catches_a_reconsumed_record_queued_behind_later_ones_of_its_k
     _model_fails(
         _mutant_model(lambda: make_core(cls=_QueuesCopyBehindLaterRecords)),
         # the copy goes out behind a later record of its key, or after its orphan was parked
-        "sent before .* of its key was settled|sent after parked",
+        # (or is queued again after its orphan settled: held, the model says it is not)
+        "sent before .* of its key was settled|sent after parked|the core counts .* held",
     )
 
 
@@ -991,6 +1135,74 @@ SCRIPTS: dict[str, list[Step]] = {
         ("expect_delivered", {"route": "u", "n": 6}),
         ("expect_spent", {"n": INLINE_ATTEMPTS}),
     ],
+    # Issue 47 item 5: a batch PostgreSQL refused for what it carries was built again,
+    # the same, forever: its partitions stalled ("parking lot unavailable").
+    "issue 47: a refused park batch is split down to the record that causes it": [
+        ("assign", {"tp": U}),
+        *[("produce", {"tp": U, "key": k, "kind": BAD}) for k in (A, B, C)],
+        ("produce", {"tp": U, "key": A, "kind": LOT_POISON, "pad": 200}),
+        *[("produce", {"tp": U, "key": k, "kind": BAD}) for k in (B, C)],
+        ("consume", {"tp": U, "n": FETCH_BATCH}),
+        ("consume", {"tp": U, "n": FETCH_BATCH}),
+        ("refuse_poisoned_parks", {}),
+        ("expect_parked", {"kind": BAD, "n": 5}),
+        ("expect_skipped", {"n": 1}),
+    ],
+    # Issue 47 item 7: a partition carrying two routes paused whole for one route's
+    # outage - the other route's later events waited for it.
+    "issue 47: a partition carrying two routes keeps fetching for the one that works": [
+        ("assign", {"tp": U}),
+        ("produce", {"tp": U, "key": C, "kind": GOOD, "route": "u"}),  # it carries both
+        ("consume", {"tp": U, "n": 1}),
+        ("answer", {"index": 0, "answer": "2xx"}),
+        ("route_goes_down", {"route": "q"}),
+        ("produce", {"tp": U, "key": A, "kind": GOOD, "route": "q"}),
+        ("consume", {"tp": U, "n": 1}),
+        ("answer", {"index": 0, "answer": "2xx"}),  # the quiz route is down: OPEN
+        ("expect_circuits", {"q": Circuit.OPEN}),
+        ("produce", {"tp": U, "key": B, "kind": GOOD, "route": "u"}),
+        ("expect_paused", {"tps": [], "full": False}),
+        ("consume", {"tp": U, "n": 1}),
+        ("answer", {"index": 0, "answer": "2xx"}),
+        ("expect_delivered", {"route": "u", "n": 2}),
+        ("route_comes_back", {"route": "q"}),
+    ],
+    # Found by the model after issue 47 widened its search: a crashing payload whose
+    # history went with a revocation probed its route again and again; the users
+    # record due beside it never got a turn.
+    "a crashing probe re-read after a rebalance lets another record probe": [
+        ("assign", {"tp": U}),
+        ("produce", {"tp": U, "key": B, "kind": POISON}),
+        ("produce", {"tp": U, "key": A, "kind": CRASH}),
+        ("rebalance_gives_it_back", {"tp": U}),
+        ("answer", {"index": 1, "answer": "2xx"}),  # the crash: 5xx, nothing delivered: OPEN
+        ("rebalance_gives_it_back", {"tp": U}),  # its history goes with the revocation
+        ("expect_circuits", {"u": Circuit.OPEN}),
+    ],
+    # Issue 47 item 3: a route stayed OPEN - /readyz 503 "engine unavailable" - with
+    # nothing of it left to probe.
+    "issue 47: a route whose waiting records are revoked closes": [
+        ("assign", {"tp": U}),
+        ("produce", {"tp": U, "key": A, "kind": GOOD}),
+        ("consume", {"tp": U, "n": 1}),
+        ("answer", {"index": 0, "answer": "down", "failure": "refused"}),  # u OPEN
+        ("expect_circuits", {"u": Circuit.OPEN}),
+        ("revoke", {"tp": U, "lost": False}),  # its only record goes with its partition
+        ("expect_circuits", {"u": Circuit.CLOSED}),
+    ],
+    "issue 47: a probe delivered by another route leaves nothing to probe: the route closes": [
+        ("assign", {"tp": Q}),
+        ("route_goes_down", {"route": "u"}),
+        ("produce", {"tp": Q, "key": A, "kind": GOOD}),
+        ("consume", {"tp": Q, "n": 1}),
+        ("answer", {"index": 0, "answer": "user-down", "failure": "503"}),  # u OPEN
+        ("expect_circuits", {"u": Circuit.OPEN, "q": Circuit.CLOSED}),
+        ("time_passes", {"dt": 5.0}),  # the attempt probes the users route
+        ("expect_circuits", {"u": Circuit.HALF_OPEN}),
+        ("answer", {"index": 0, "answer": "user-known"}),  # delivered: no users/sync call
+        ("expect_circuits", {"u": Circuit.CLOSED, "q": Circuit.CLOSED}),
+        ("expect_spent", {"n": 0}),
+    ],
     "issue 35: a stuck park holds settled records behind it: they count, its partition pauses": [
         ("assign", {"tp": U}),
         ("assign", {"tp": Q}),
@@ -1048,6 +1260,23 @@ class ScriptedModel(SinkCoreModel):
                 self.core.park_failed(item.record, now=self.now)
             self.step()
 
+    def refuse_poisoned_parks(self) -> None:
+        """The parking lot refuses every batch holding a LOT_POISON record (whole, or
+        without its payload), takes the others; until nothing is out (20 rounds at most)."""
+        for _ in range(20):
+            if not self.parks:
+                return
+            park = self.parks.pop(0)
+            if any(self.kinds[i.record.position] is LOT_POISON for i in park.items):
+                self.park_refused(park)
+            else:
+                for item in park.items:
+                    self.park_done(item.record)
+                self.step()
+
+    def expect_skipped(self, n: int) -> None:
+        assert len(self.skipped) == n == self.core.parks_skipped, f"skipped {self.skipped}"
+
     def expect_paused(self, tps: list[tuple[str, int]], *, full: bool = True) -> None:
         """Exactly ``tps`` paused (``full``: each over its share)."""
         for tp in tps if full else ():
@@ -1071,6 +1300,7 @@ class ScriptedModel(SinkCoreModel):
 
     def check_all(self) -> None:
         self.circuits_match_the_probes_out()
+        self.a_route_is_down_only_while_something_of_it_waits()
         self.in_flight_is_bounded()
         self.no_attempt_without_blame()
         self.memory_is_bounded_in_every_state()
@@ -1123,8 +1353,38 @@ def test_a_scripted_hard_interleaving_keeps_every_invariant(name: str) -> None:
             " pauses",
             "not paused",
         ),
+        (
+            _ProbesWithTheSameCrashingRecord,
+            "a crashing probe re-read after a rebalance lets another record probe",
+            "held while only the quiz route is down",
+        ),
+        (
+            _PausesWholePartitionForOneRoute,
+            "issue 47: a partition carrying two routes keeps fetching for the one that works",
+            "paused",
+        ),
+        (
+            _RebuildsRefusedBatches,
+            "issue 47: a refused park batch is split down to the record that causes it",
+            "parked|skipped",
+        ),
+        (
+            _KeepsIdleCircuitsOpen,
+            "issue 47: a route whose waiting records are revoked closes",
+            "with nothing of it waiting",
+        ),
+        (
+            _KeepsIdleCircuitsOpen,
+            "issue 47: a probe delivered by another route leaves nothing to probe: the route"
+            " closes",
+            "with nothing of it waiting",
+        ),
     ],
-    ids=["rejected-probe", "no-evidence", "engine-wide", "uncounted-settled"],
+    ids=[
+        *("rejected-probe", "no-evidence", "engine-wide", "uncounted-settled"),
+        *("crashing-probe", "mixed-partition-paused", "refused-rebuilt"),
+        *("idle-after-revoke", "idle-after-credit"),
+    ],
 )
 def test_the_scripts_catch_each_bug_every_run(bug: type[SinkCore], script: str, match: str) -> None:
     with pytest.raises(AssertionError, match=match):
@@ -1224,7 +1484,7 @@ def _one_step(core: SinkCore, now: float) -> Callable[[], object]:
             core.sending,
             core.held,
             core.footprint(),
-            core.routes(),
+            core.endpoints(),
             core.oldest_pending_timestamp_ms(),
             core.stalled_s(now),
             core.needs_pause(),

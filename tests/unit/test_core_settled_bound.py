@@ -9,19 +9,19 @@ commits and the partitions resume.
 
 from __future__ import annotations
 
+from sinks.core.backoff import Backoff, Jitter
 from sinks.core.delivery import Envelope
 from sinks.core.machine import (
     DELIVERED,
     Commit,
+    Disposition,
     Park,
     Pause,
     Resume,
-    Route,
     Send,
     SinkCore,
     Verdict,
 )
-from sinks.core.retry import Backoff, Jitter
 
 TP = ("user", 0)
 MAX_BUFFERED = 50
@@ -29,8 +29,8 @@ MAX_BUFFERED = 50
 
 def _classify(record: Envelope) -> Verdict:
     if record.headers.get("type") == b"Unroutable":
-        return Verdict(Route.PARK, "no route for event type 'Unroutable'")
-    return Verdict(Route.DELIVER)
+        return Verdict(Disposition.PARK, "no route for event type 'Unroutable'")
+    return Verdict(Disposition.DELIVER)
 
 
 def _core() -> SinkCore:

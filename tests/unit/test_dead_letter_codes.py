@@ -11,7 +11,7 @@ import orjson
 import pytest
 from confluent_kafka import KafkaError
 
-from cdc.producer import RECORD_ERRORS, is_record_error, record_error_code
+from cdc.kafka.producer import RECORD_ERRORS, is_record_error, record_error_code
 from cdc.router import (
     DeadLetterCode,
     RouteError,

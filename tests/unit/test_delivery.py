@@ -166,7 +166,8 @@ def test_envelope_helpers_read_the_contract_headers() -> None:
         },
         timestamp_ms=1,
     )
-    assert (env.event_id, env.event_type, env.aggregate_type) == ("e-1", "UserRegistered", "user")
+    assert (env.raw_id, env.event_type, env.aggregate_type) == ("e-1", "UserRegistered", "user")
+    assert env.event_id == ""  # not a uuid: no idempotency key
     assert (env.lsn, env.commit_ts) == ("0/16B3748", "2025-01-01T00:00:00Z")
     assert env.position == ("outbox.event.user", 1, 9)
     assert env.topic_partition == ("outbox.event.user", 1)
@@ -186,7 +187,7 @@ def test_envelope_from_a_confluent_kafka_message() -> None:
     )
     env = Envelope.from_kafka(message)
     assert env.position == ("t", 2, 42)
-    assert env.event_id == "e-9"
+    assert env.raw_id == "e-9"
     assert env.headers["traceparent"] == b""
     assert env.timestamp_ms == 1_700_000_000_000
     no_ts = SimpleNamespace(

@@ -378,3 +378,22 @@ def test_every_page_is_in_the_nav_and_strict_mode_would_say_so() -> None:
         "anchors": "warn",
     }
     assert set(config["plugins"]) <= {"search", "offline"}, "no plugin that reaches the network"
+
+
+def _migration_versions() -> list[str]:
+    files = [*(ROOT / "sql").glob("[0-9]*.sql"), *(ROOT / "sql" / "demo").glob("[0-9]*.sql")]
+    return sorted(path.name.split("_", 1)[0] for path in files)
+
+
+def test_the_sample_migration_lists_are_what_a_run_applies() -> None:
+    """The demo's `schema: applied ...` line and `migrate --status`'s table list every
+    migration of sql/ (and sql/demo/), as a run on a fresh database applies them."""
+    versions = _migration_versions()
+    demo = (DOCS / "getting-started" / "index.md").read_text(encoding="utf-8")
+    [applied] = re.findall(r"^schema: applied (.+)$", demo, re.M)
+    assert applied.split(", ") == versions
+    status = (DOCS / "operations" / "commands.md").read_text(encoding="utf-8")
+    block = status[status.index("$ outbox-cdc migrate --status\n") :]
+    block = block[: block.index("```")]
+    assert block.splitlines()[1] == f"{len(versions)} applied, 0 pending"
+    assert re.findall(r"^│ (\d{3}) ", block, re.M) == versions

@@ -9,19 +9,20 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from cdc.errors import CdcError, ConfigError
-from cdc.lineage import Origin, Owner
+from cdc.evidence import Origin, Owner
 from cdc.records import Skip
-from cdc.relay.checkpoint import TOPIC_CONFIG, Checkpoint, _Newest, checkpoint_topic, judge
-from cdc.relay.exactly_once import (
+from cdc.relay.delivery.checkpoint import TOPIC_CONFIG, Checkpoint, _Newest, checkpoint_topic, judge
+from cdc.relay.delivery.exactly_once import (
     CheckpointTracker,
     RelayFencedError,
     is_fenced,
     transactional_id,
 )
-from cdc.relay.transactional import PresentIds, Transactions, _Ids
-from cdc.relay.transactional import transactional_id as republish_id
-from cdc.relay.txbatch import Action, TxBatch, TxLimits
-from cdc.settings import Settings, build, default_checkpoint_topic
+from cdc.relay.delivery.txbatch import Action, TxBatch, TxLimits
+from cdc.repair.transactional import PresentIds, Transactions, _Ids
+from cdc.repair.transactional import transactional_id as republish_id
+from cdc.settings import Settings, build
+from cdc.settings.checkpoint_names import default_checkpoint_topic
 from sinks.kafka.config import consumer_config
 
 LIMITS = TxLimits(
@@ -52,10 +53,24 @@ def test_republishing_runs_have_ids_of_their_own_never_the_streaming_relays() ->
 def test_the_checkpoint_topic_defaults_outside_the_sinks_subscription() -> None:
     settings = _settings()
     topic = checkpoint_topic(settings)
-    assert topic == "__outbox_cdc_checkpoints.outbox.event"
+    assert topic == "__outbox_cdc_checkpoints.outbox.event.outbox_slot"
     assert not topic.startswith(settings.topic_prefix)
     assert checkpoint_topic(_settings(checkpoint_topic="cp")) == "cp"
     assert TOPIC_CONFIG["cleanup.policy"] == "compact"
+
+
+def test_sharded_relays_have_a_checkpoint_topic_each_and_know_the_shared_one_of_before() -> None:
+    """The sharding recipe gives every shard the same prefix: one shared checkpoint
+    partition let another shard's open transaction hide this one's checkpoints."""
+    shard_0, shard_1 = _settings(slot="outbox_slot_0"), _settings(slot="outbox_slot_1")
+    assert checkpoint_topic(shard_0) != checkpoint_topic(shard_1)
+    assert shard_0.shared_checkpoint_topic == "__outbox_cdc_checkpoints.outbox.event"
+    assert shard_0.shared_checkpoint_topic == shard_1.shared_checkpoint_topic
+    assert _settings(checkpoint_topic="cp").shared_checkpoint_topic is None
+    for name in (checkpoint_topic(shard_1), "__outbox_cdc_checkpoints.outbox.event"):
+        assert shard_0.is_checkpoint_topic(name), name  # (a sibling's: no event in it)
+        assert not shard_0.is_outbox_topic(name)
+    assert not shard_0.is_checkpoint_topic("outbox.event.orders")
 
 
 @pytest.mark.parametrize(
@@ -76,12 +91,16 @@ def test_the_checkpoint_topic_defaults_outside_the_sinks_subscription() -> None:
 def test_the_default_checkpoint_topic_never_starts_with_the_topic_prefix(prefix: str) -> None:
     """The prefix "outbox" (no dot) made `outbox__checkpoints`: the sink's `^outbox.*`,
     the audit and the present-ids read took it for an outbox topic."""
-    topic = default_checkpoint_topic(prefix)
-    assert not prefix or not topic.startswith(prefix)
-    assert re.fullmatch(r"[A-Za-z0-9._-]{1,249}", topic), topic
-    assert not re.match(f"^{re.escape(prefix)}.*", topic) or not prefix
+    for slot in ("", "outbox_slot", "s"):
+        topic = default_checkpoint_topic(prefix, slot)
+        assert not prefix or not topic.startswith(prefix)
+        assert re.fullmatch(r"[A-Za-z0-9._-]{1,249}", topic), topic
+        assert not re.match(f"^{re.escape(prefix)}.*", topic) or not prefix
+        assert topic.endswith(f".{slot}" if slot else "")
     assert default_checkpoint_topic("x" * 400).startswith("__outbox_cdc_checkpoints.x")
     assert len(default_checkpoint_topic("x" * 400)) == 249
+    assert default_checkpoint_topic("x" * 400, "slot_1").endswith("x.slot_1")
+    assert len(default_checkpoint_topic("x" * 400, "slot_1")) == 249
 
 
 def test_the_configured_checkpoint_topic_is_never_an_outbox_topic_even_under_the_prefix() -> None:
@@ -117,8 +136,8 @@ def test_the_audit_never_reads_the_checkpoint_topic_as_an_outbox_topic() -> None
 
 def test_the_sink_skips_records_of_the_checkpoint_topic_its_pattern_matches() -> None:
     from sinks.core.delivery import Envelope
-    from sinks.core.machine import Route
-    from sinks.kafka.consumer import CHECKPOINT_RECORD, classifier
+    from sinks.core.machine import Disposition
+    from sinks.runtime.verdicts import CHECKPOINT_RECORD, classifier
 
     class _Routing:
         def is_ignored(self, topic: str, event_type: str) -> bool:
@@ -127,12 +146,13 @@ def test_the_sink_skips_records_of_the_checkpoint_topic_its_pattern_matches() ->
         def route_envelope(self, record: Envelope) -> object:
             return type("Call", (), {"path": "/x"})()
 
-    classify = classifier(_Routing(), "outbox.checkpoints")  # type: ignore[arg-type]
+    settings = _settings(topic_prefix="outbox.", checkpoint_topic="outbox.checkpoints")
+    classify = classifier(_Routing(), settings.is_checkpoint_topic)  # type: ignore[arg-type]
     checkpoint = Envelope(topic="outbox.checkpoints", partition=0, offset=1, key=b"o", value=b"0/1")
-    assert classify(checkpoint).route is Route.IGNORE
+    assert classify(checkpoint).disposition is Disposition.IGNORE
     assert classify(checkpoint).reason == CHECKPOINT_RECORD
     event = Envelope(topic="outbox.orders", partition=0, offset=1, key=b"k", value=b"{}")
-    assert classify(event).route is Route.DELIVER
+    assert classify(event).disposition is Disposition.DELIVER
 
 
 ORIGIN = "7714869915919296735/1/outbox_slot"
@@ -296,9 +316,9 @@ def test_the_sink_reads_committed_records_only() -> None:
 def test_the_exactly_once_shell_hands_records_to_the_relays_own_send() -> None:
     """The shell calls the relay's _send directly (not through super(): the hot path);
     a mixin that overrode it would be passed by - this notices one."""
-    from cdc.relay import eos_steps, exactly_once
-    from cdc.relay.fast_path import FastPath
-    from cdc.relay.loop import Relay
+    from cdc.relay.delivery import eos_steps, exactly_once
+    from cdc.relay.stream.fast_path import FastPath
+    from cdc.relay.stream.loop import Relay
 
     assert exactly_once._send_record is Relay._send
     assert eos_steps._send_record is Relay._send
@@ -317,9 +337,9 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
     import struct
 
     from cdc.errors import DecodeError
-    from cdc.relay.eos_steps import EosSteps
-    from cdc.relay.fast_path import FastPath
-    from cdc.relay.state import Session
+    from cdc.relay.delivery.eos_steps import EosSteps
+    from cdc.relay.health.state import Session
+    from cdc.relay.stream.fast_path import FastPath
     from cdc.wal.lsn import LsnTracker
 
     acted: list[Action] = []
@@ -379,3 +399,125 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
         steps._on_commit(sess, commit(0x100, 0x128)[:-1], 0)
     with pytest.raises(DecodeError):
         steps._on_begin(sess, begin(0x100)[:-1], 0)
+
+
+def test_a_moved_epoch_is_a_takeover_unless_our_own_transaction_outlived_the_timeout() -> None:
+    from cdc.relay.delivery.epoch import is_takeover
+
+    timeout = 60_000
+    # another session holds the slot, or who does cannot be read: fenced
+    assert is_takeover(slot_taken=True, tx_age_ms=10 * timeout, timeout_ms=timeout)
+    assert is_takeover(slot_taken=None, tx_age_ms=10 * timeout, timeout_ms=timeout)
+    # our session holds it, but no transaction of ours can have timed out: someone
+    # else took our transactional.id
+    assert is_takeover(slot_taken=False, tx_age_ms=None, timeout_ms=timeout)
+    assert is_takeover(slot_taken=False, tx_age_ms=timeout - 1, timeout_ms=timeout)
+    # our transaction was open past the timeout, nobody else holds the slot: the
+    # coordinator aborted it
+    assert not is_takeover(slot_taken=False, tx_age_ms=timeout, timeout_ms=timeout)
+
+
+def test_a_new_timeline_inherits_its_ancestors_checkpoint_only_up_to_the_fork() -> None:
+    """After a failover the new timeline's origin has no checkpoint: the nearest
+    ancestor's counts, judged under its own origin, capped where that timeline ended
+    (the same WAL before it); a forged ancestor record counts for nothing."""
+    from cdc.relay.delivery.checkpoint import choose
+
+    old, older = "7/2/outbox_slot", "7/1/outbox_slot"
+    ancestors = [(old, 0x5000), (older, 0x3000)]
+    behind = {old: _newest(old.encode(), b"0/4000")}
+    assert choose(behind, ORIGIN_3, ancestors, 0x9000).lsn == 0x4000
+    beyond = {old: _newest(old.encode(), b"0/6000"), older: _newest(older.encode(), b"0/2000")}
+    found = choose(beyond, ORIGIN_3, ancestors, 0x9000)
+    assert (found.lsn, found.inherited, found.inherited_lsn, found.fork) == (
+        0x5000,
+        old,
+        0x6000,
+        0x5000,
+    )
+    only_older = {older: _newest(older.encode(), b"0/3800")}
+    assert choose(only_older, ORIGIN_3, ancestors, 0x9000).lsn == 0x3000
+    forged = {old: _newest(b"someone/else", b"0/4000")}
+    assert choose(forged, ORIGIN_3, ancestors, 0x9000).lsn is None
+    own = {ORIGIN_3: _newest(ORIGIN_3.encode(), b"0/7000"), old: _newest(old.encode(), b"0/4000")}
+    assert choose(own, ORIGIN_3, ancestors, 0x9000).lsn == 0x7000
+    assert choose({}, ORIGIN_3, ancestors, 0x9000).lsn is None
+
+
+ORIGIN_3 = "7/3/outbox_slot"
+
+
+def test_a_checkpoint_counts_only_as_far_as_the_relays_own_records_show_it() -> None:
+    """DESIGN relay invariant 13: the data records of a Kafka transaction commit with its
+    checkpoint. A checkpoint beyond the relay's own streamed records (a forged one, or
+    one of a history the server lost) counts up to those records, or the slot's
+    confirmed position; one they reach counts whole."""
+    from cdc.relay.delivery.checkpoint import provable
+
+    # the relay's newest own record (its WAL transaction at 0x500) and the checkpoint
+    # right after it (the transaction's end): the checkpoint counts (covered: < 0x501)
+    assert provable(0x510, confirmed=0x100, streamed=0x500) == 0x501
+    assert provable(0x400, confirmed=0x100, streamed=0x500) == 0x400
+    # forged ahead: the records reach 0x500 only
+    assert provable(0x9000, confirmed=0x100, streamed=0x500) == 0x501
+    # no record of the relay's at all: nothing is skipped past the slot's position
+    assert provable(0x9000, confirmed=0x100, streamed=0) == 0x100
+    assert provable(0x9000, confirmed=0x700, streamed=0x500) == 0x700
+    # the newest records name rows the table no longer holds (a server rewound on the
+    # same timeline): nothing at or beyond the first lost one is evidence
+    rows = ((0x8000, False), (0x7000, False), (0x300, True), (0x200, True))
+    assert provable(0x9000, confirmed=0x100, streamed=0x8000, rows=rows) == 0x301
+    assert provable(0x9000, confirmed=0x100, streamed=0x8000, rows=((0x8000, False),)) == 0x100
+    # the table keeps no rows: the records are the evidence
+    assert provable(0x9000, confirmed=0x100, streamed=0x8000, rows=((0x8000, None),)) == 0x8001
+
+
+class _InitialisedProducer:
+    """A transactional producer whose init_transactions succeeded (nothing in flight)."""
+
+    def __init__(self) -> None:
+        self.purged = False
+
+    def init_transactions(self, timeout: float) -> None:
+        return None
+
+    def poll(self, timeout: float = 0) -> int:
+        return 0
+
+    def purge(self, in_queue: bool = True, in_flight: bool = True) -> None:
+        self.purged = True
+
+    def __len__(self) -> int:
+        return 0
+
+
+def test_a_session_whose_start_fails_after_init_transactions_lets_its_producer_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """init_transactions succeeded, then the checkpoint could not be read: the producer
+    is let go (purged, never kept for a later session, which makes a new one)."""
+    from cdc.errors import KafkaUnavailableError
+    from cdc.relay.delivery import checkpoint as ckpt
+    from cdc.relay.delivery.exactly_once import ExactlyOnceRelay
+    from cdc.relay.health.state import Session
+
+    relay = ExactlyOnceRelay(
+        _settings(delivery="exactly-once", pg_dsn="postgresql://x"), serve_http=False
+    )
+    producer = _InitialisedProducer()
+    relay._producer = producer  # type: ignore[assignment]
+
+    def unreadable(settings: Settings) -> str:
+        raise KafkaUnavailableError("checkpoint topic: not reachable")
+
+    monkeypatch.setattr(ckpt, "ensure_checkpoint_topic", unreadable)
+    sess = Session(
+        stream=None,  # type: ignore[arg-type]
+        tracker=relay._new_tracker(0),
+        last_confirmed=0,
+        origin=("origin", ORIGIN.encode()),
+    )
+    with pytest.raises(KafkaUnavailableError):
+        relay._stream_loop(sess)
+    assert relay._producer is None and relay._initialised is None
+    assert producer.purged

@@ -45,3 +45,31 @@ def test_a_resume_of_a_partition_not_paused_does_not_reset_its_silence() -> None
     watch.assigned([A], now=0)
     watch.resumed((A,), now=9)  # (the core resumes every newly assigned partition)
     assert watch.suspects(10) == [(A, 10)]
+
+
+def test_an_offset_reset_is_where_the_partition_is_expected_never_the_removed_offset() -> None:
+    """Issue 47 item 7: after the reset policy restarted a partition at 500 (its offset
+    41 removed by retention), a silent partition is judged from 500 - it was sought
+    back to 42 every 30 s (out of range: a reset, an ERROR, a count, again)."""
+    watch = FetchWatch(stall_after_s=30)
+    watch.assigned([A], now=0)
+    watch.fetched(A, 41, now=0)
+    watch.stopped(A)  # (reset=error stops it; a policy that restarts un-stops it)
+    watch.reset(A, 500, now=10)
+    assert watch.next_offset(A) == 500
+    assert watch.suspects(39) == []
+    assert watch.suspects(40) == [(A, 30)]
+    assert watch.judge(A, watch.next_offset(A), 501, 30) is None  # idle at the new start
+    watch.reset(A, -2, now=50)  # a logical offset (the beginning): the position decides
+    assert watch.next_offset(A) is None
+
+
+def test_an_answer_asked_for_before_the_partition_showed_life_is_stale() -> None:
+    """Issue 47 item 6: the broker's answer comes back later, from another thread."""
+    watch = FetchWatch(stall_after_s=30)
+    watch.assigned([A, B], now=0)
+    assert watch.suspects(30) == [(A, 30), (B, 30)]
+    watch.fetched(A, 7, now=31)
+    assert watch.lively_since(A, 30) and not watch.lively_since(B, 30)
+    watch.revoked([B])
+    assert watch.lively_since(B, 30)  # not watched any more: nothing to restart

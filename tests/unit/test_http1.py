@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import pytest
 
 from sinks.core.errors import EngineUnavailable
-from sinks.core.retry import classify
+from sinks.core.statuses import classify
 from sinks.engine import http1
 from sinks.engine.client import EngineClient, EngineTimeouts
 from sinks.engine.http1 import (

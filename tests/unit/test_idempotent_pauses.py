@@ -189,5 +189,6 @@ def test_the_model_catches_a_pause_forgotten_across_a_rebalance() -> None:
                 print_blob=False,
                 derandomize=True,
                 phases=[Phase.generate],
+                report_multiple_bugs=False,
             ),
         )

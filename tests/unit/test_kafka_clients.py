@@ -1,9 +1,9 @@
 """The way the project builds and uses librdkafka clients (issue 23).
 
 * No module calls ``AdminClient.list_consumer_group_offsets``: on a broker that has
-  just started it crashes the process (librdkafka #5040, see :mod:`cdc.kafkaclient`).
+  just started it crashes the process (librdkafka #5040, see :mod:`cdc.kafka.client`).
 * Every module that builds a librdkafka client routes its errors and log lines
-  through :class:`cdc.kafkalog.KafkaClientEvents` (rate-limited), or takes a
+  through :class:`cdc.kafka.log.KafkaClientEvents` (rate-limited), or takes a
   configuration built that way by its caller.
 """
 
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CLIENTS = {"Consumer", "Producer", "AdminClient"}
 #: Modules whose clients take a configuration their caller built with KafkaClientEvents.
 CONFIG_FROM_CALLER = {
-    "cdc/kafkaclient.py",
+    "cdc/kafka/client.py",
     "sinks/kafka/worker.py",
-    "cdc/relay/exactly_once.py",  # (the relay's own KafkaClientEvents, self._events)
+    "cdc/relay/delivery/exactly_once.py",  # (the relay's own KafkaClientEvents, self._events)
 }
 
 
@@ -42,7 +42,7 @@ def test_no_module_lists_committed_offsets_through_the_admin_client() -> None:
     offenders = [
         str(p.relative_to(ROOT)) for p in _sources() if "list_consumer_group_offsets" in _calls(p)
     ]
-    assert offenders == [], "use cdc.kafkaclient.CommittedReader (librdkafka #5040)"
+    assert offenders == [], "use cdc.kafka.client.CommittedReader (librdkafka #5040)"
 
 
 def test_every_module_building_a_client_routes_its_logs_through_kafka_client_events() -> None:

@@ -1,4 +1,4 @@
-"""A command's first contact with Kafka names what refused it (cdc.kafkaclient).
+"""A command's first contact with Kafka names what refused it (cdc.kafka.client).
 
 librdkafka's reasons below are the texts it gave against a real TLS-only broker
 (tests/integration/test_tls_services.py runs them end to end); here the pure parts:
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaError
 
-from cdc.kafkaclient import diagnose, explain, speaks_tls
-from cdc.kafkalog import KafkaClientEvents
+from cdc.kafka.client import diagnose, explain, speaks_tls
+from cdc.kafka.log import KafkaClientEvents
 from tests.pki import make_pki
 
 #: What librdkafka 2.x reported, and the KAFKA_CONFIG_* variable the line must name.

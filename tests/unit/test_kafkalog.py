@@ -1,4 +1,4 @@
-"""librdkafka errors and logs reach the process's logging and metrics (cdc.kafkalog)."""
+"""librdkafka errors and logs reach the process's logging and metrics (cdc.kafka.log)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from cdc.kafkalog import REPEAT_LOG_S, KafkaClientEvents, KafkaReach, fatal_error
+from cdc.kafka.log import REPEAT_LOG_S, KafkaClientEvents, KafkaReach, fatal_error
 from cdc.logs import JsonFormatter
 
 
@@ -28,13 +28,13 @@ def test_every_error_is_counted_by_code_and_repeats_are_logged_once_per_period(
     clock = _Clock()
     events = KafkaClientEvents("producer", count=counted.append, clock=clock)
     err = KafkaError(KafkaError._TRANSPORT, "broker down")
-    with caplog.at_level(logging.WARNING, logger="cdc.kafkalog"):
+    with caplog.at_level(logging.WARNING, logger="cdc.kafka.log"):
         for _ in range(5):
             events.on_error(err)
         clock.now += REPEAT_LOG_S + 1
         events.on_error(err)
     assert counted == ["_TRANSPORT"] * 6
-    lines = [r for r in caplog.records if r.name == "cdc.kafkalog"]
+    lines = [r for r in caplog.records if r.name == "cdc.kafka.log"]
     assert len(lines) == 2
     assert "4 more since last logged" in lines[1].getMessage()
     assert lines[0].kafka_error == "_TRANSPORT"  # type: ignore[attr-defined]
@@ -63,13 +63,13 @@ def test_a_fatal_error_raised_by_a_client_call_is_routed_like_an_error_cb_one(
     fatals: list[str] = []
     events = KafkaClientEvents("producer", count=counted.append, on_fatal=fatals.append)
     raised = KafkaException(KafkaError(KafkaError._GAPLESS_GUARANTEE, "gap", fatal=True))
-    with caplog.at_level(logging.ERROR, logger="cdc.kafkalog"):
+    with caplog.at_level(logging.ERROR, logger="cdc.kafka.log"):
         assert events.raised(raised)
         assert events.raised(KafkaException(KafkaError(KafkaError._FATAL)))
     assert counted == ["_GAPLESS_GUARANTEE", "_FATAL"]
     assert events.fatal == "gap"
     assert fatals == ["gap"]
-    lines = [r for r in caplog.records if r.name == "cdc.kafkalog"]
+    lines = [r for r in caplog.records if r.name == "cdc.kafka.log"]
     assert len(lines) == 2  # a different code each
     assert lines[0].fatal is True  # type: ignore[attr-defined]
     assert lines[0].kafka_error == "_GAPLESS_GUARANTEE"  # type: ignore[attr-defined]
@@ -80,10 +80,10 @@ def test_a_dead_client_repeating_its_fatal_error_is_logged_once_per_period(
 ) -> None:
     events = KafkaClientEvents("producer")
     dead = KafkaException(KafkaError(KafkaError._FATAL))
-    with caplog.at_level(logging.ERROR, logger="cdc.kafkalog"):
+    with caplog.at_level(logging.ERROR, logger="cdc.kafka.log"):
         for _ in range(100):
             events.raised(dead)
-    assert len([r for r in caplog.records if r.name == "cdc.kafkalog"]) == 1
+    assert len([r for r in caplog.records if r.name == "cdc.kafka.log"]) == 1
 
 
 def test_exceptions_without_a_fatal_error_are_left_alone() -> None:
@@ -161,7 +161,7 @@ def test_a_held_first_contact_writes_nothing_but_still_counts(
         events.on_error(KafkaError(KafkaError._TRANSPORT, "refused"))
         events.config()["logger"].log(logging.ERROR, "%s [%s] %s", "FAIL", "c", "refused")
     assert counted == ["_TRANSPORT"]
-    assert [r for r in caplog.records if r.name in ("kafka.ops", "cdc.kafkalog")] == []
+    assert [r for r in caplog.records if r.name in ("kafka.ops", "cdc.kafka.log")] == []
 
 
 def _stats(*states: str) -> str:

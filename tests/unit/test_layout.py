@@ -34,9 +34,12 @@ LAYERS = (
     "stub",  # a real engine stand-in (the route catalogue of shared)
     "idempotent",  # the toolkit for your own consumers (core's record reading)
     "parking",  # the parking lot (delivers through engine)
-    "kafka",  # the Kafka shell: consumer, its thread, the process (parks)
+    "kafka",  # Kafka: the consumer's thread, offset expiry, the fetch watch
+    "http",  # the process's endpoints: probes, metrics, the admin API and its guard
+    "runtime",  # the process's shell: the loop around the core, parks, readiness, service
     "ops",  # group operations (the consumer's Kafka config, the parking lot)
     "trace",  # where is event X (ops' Kafka client)
+    "console",  # the operator console: the pages of ops, trace, parking and the audit
     "cli",  # the commands, the preflight's items, the demo
 )
 
@@ -47,7 +50,10 @@ MAX_LINES = 600
 
 #: Longer on purpose, each one thing that reads best whole.
 EXCEPTED = {
-    "sinks/core/machine.py": "the core state machine: every transition and its invariant",
+    "sinks/core/machine.py": (
+        "the core state machine: one class whose events and timer share every record's"
+        " state (its endpoints' circuits and judgment, and the window, are modules of their own)"
+    ),
     "cdc/wal/pgoutput.py": "the protocol codec: one decoder per pgoutput message",
 }
 
@@ -73,6 +79,17 @@ def test_sinks_holds_folders_only_and_every_folder_has_its_place() -> None:
     assert not loose, f"modules at the top of sinks/ (give each a folder by its role): {loose}"
     folders = sorted(path.name for path in SINKS.iterdir() if (path / "__init__.py").is_file())
     assert sorted(LAYERS) == folders, "LAYERS must name every folder of sinks/ once"
+
+
+def test_every_module_of_sinks_lives_in_a_package_of_its_role() -> None:
+    """No loose module anywhere under sinks/: each folder holding modules is a package
+    (its ``__init__.py`` says what it is for), and sinks/ itself holds folders only."""
+    loose = sorted(
+        str(path.relative_to(ROOT))
+        for path in _sinks_modules()
+        if not (path.parent / "__init__.py").is_file()
+    )
+    assert not loose, f"modules in a folder that is not a package: {loose}"
 
 
 def test_every_module_of_sinks_opens_with_a_docstring() -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from cdc.cli.render import fmt_age, fmt_bytes, fmt_offset
 from cdc.settings import Settings
 from sinks.core.delivery import Envelope
-from sinks.core.errors import OpsUsageError
+from sinks.ops.errors import OpsUsageError
 from sinks.ops.offsets import (
     CommitRange,
     OffsetReset,
@@ -167,7 +167,7 @@ def test_an_unknown_auto_offset_reset_is_a_usage_error() -> None:
 
 
 def test_the_sinks_reset_policy_is_read_from_its_consumer_configuration() -> None:
-    assert sink_offset_reset(Settings()) is OffsetReset.EARLIEST  # sinks/kafka/consumer.py today
+    assert sink_offset_reset(Settings()) is OffsetReset.EARLIEST  # sinks/runtime/sink.py today
     overridden = Settings(kafka_config={"auto.offset.reset": "largest"})
     assert sink_offset_reset(overridden) is OffsetReset.LATEST
 
@@ -559,10 +559,23 @@ def test_only_an_empty_or_dead_group_without_members_is_idle() -> None:
 # --- redelivery selection and order --------------------------------------------------------------
 
 
+def _uuid_of(name: str) -> str:
+    """A uuid standing for ``name`` (an event id is a uuid: anything else is no id)."""
+    try:
+        return str(uuid.UUID(name))
+    except ValueError:
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, name))
+
+
+def _names(records: list[Envelope]) -> list[str]:
+    by_id = {_uuid_of(n): n for n in ("e1", "e2", "e3", "e4", "x", "y", "z")}
+    return [by_id[r.event_id] for r in records]
+
+
 def _rec(
     topic: str, partition: int, offset: int, key: str, event_id: str, lsn: str | None, ts: int
 ) -> Envelope:
-    headers = {"id": event_id.encode(), "type": b"UserRegistered"}
+    headers = {"id": _uuid_of(event_id).encode(), "type": b"UserRegistered"}
     if lsn is not None:
         headers["lsn"] = lsn.encode()
     return Envelope(
@@ -585,7 +598,7 @@ def test_records_merge_in_commit_order_and_a_duplicate_id_is_sent_once() -> None
     ]
     late_user = [_rec("user", 2, 5, "A", "e3", "0/300", 1_500)]
     ordered = in_commit_order([quiz, late_user, users])
-    assert [r.event_id for r in ordered] == ["e1", "e2", "e3", "e4"]
+    assert _names(ordered) == ["e1", "e2", "e3", "e4"]
 
 
 def test_offset_order_within_a_partition_is_never_changed() -> None:
@@ -594,7 +607,7 @@ def test_offset_order_within_a_partition_is_never_changed() -> None:
         _rec("t", 0, 1, "A", "y", None, 4_000),  # a clock step back: still after x
     ]
     other = [_rec("t", 1, 0, "A", "z", None, 4_500)]
-    ordered = [r.event_id for r in in_commit_order([part, other])]
+    ordered = _names(in_commit_order([part, other]))
     assert ordered.index("x") < ordered.index("y")
 
 

@@ -19,9 +19,10 @@ from datetime import UTC, datetime
 import pytest
 
 from cdc.errors import DatabaseSetupError
+from cdc.evidence import Origin
 from cdc.gaps import HistoryRow
-from cdc.lineage import LastRecord, Origin, RowRef
-from cdc.relay.gap import Action, Evidence, GapCause, Verdict, decide
+from cdc.lineage import LastRecord, RowRef
+from cdc.relay.gaps.gap import Action, Evidence, GapCause, Verdict, decide
 from cdc.wal.slots import (
     CONFLICT,
     WAL_REMOVED,

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc.jsontext import MAX_DEPTH, TOO_DEEP, object_error, object_members, too_deep
-from cdc.relay.loop import Relay
+from cdc.relay.stream.loop import Relay
 from cdc.router import DeadLetterCode, RouteError, TxContext, route_message
 from tests.unit.test_relay_routing import (  # the same recording producer and wire format
     new_session,
@@ -102,7 +102,7 @@ def _relation(payload_oid: int) -> bytes:
 
 
 def _new_relay() -> Relay:
-    from cdc.relay import loop as relay_mod
+    from cdc.relay.stream import loop as relay_mod
     from cdc.settings import Settings
     from tests.unit.test_relay_routing import FakeTopics, RecordingProducer
 
@@ -201,7 +201,7 @@ def test_one_depth_rule_for_the_fast_path_the_full_decoder_and_the_recovery(
 ) -> None:
     """Issue 34 item 9: a payload at MAX_DEPTH is published on every path, one level
     deeper it is dead-lettered on every path, with the same reason."""
-    from cdc.relay.republish import outbox_record
+    from cdc.repair.republish import outbox_record
     from cdc.settings import Settings
 
     rows = _deep_rows()

@@ -17,7 +17,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cdc.lineage import Owner
+from cdc.evidence import Owner
 from cdc.records import RecordReader, Skip, uuid_bytes
 from sinks.core.delivery import UNREADABLE_HEADERS, Envelope, read_headers
 from sinks.idempotent import BadEvent, event_id_of
@@ -119,7 +119,7 @@ def test_duplicate_names_keep_every_header_in_order_and_the_last_wins_by_name() 
         FakeMessage(RawRecord(b"k", None, ((b"id", b"a"), (b"x", None), (b"id", b"b"))))
     )
     assert env.header_list == (("id", b"a"), ("x", None), ("id", b"b"))
-    assert (env.event_id, env.headers["x"]) == ("b", b"")
+    assert (env.raw_id, env.headers["x"]) == ("b", b"")
 
 
 class _Odd:

@@ -1,4 +1,4 @@
-"""The gap recovery's publisher (cdc.relay.republish.Publisher) against a producer
+"""The gap recovery's publisher (cdc.repair.republish.Publisher) against a producer
 that reports like confluent-kafka with ``delivery.report.only.error``: a delivered
 record calls nothing, a refused one calls its callback; reports carry no headers.
 
@@ -11,11 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 from confluent_kafka import KafkaError
 
 from cdc import constants as c
-from cdc.relay.republish import Acks, Publisher
-from cdc.router import KafkaRecord
+from cdc.errors import KafkaUnavailableError
+from cdc.repair.republish import Acks, Publisher, outbox_record
+from cdc.router import KafkaRecord, TxContext
 from cdc.settings import Settings
 from tests.unit.test_relay_routing import FakeTopics
 
@@ -109,3 +111,160 @@ def test_a_record_refused_in_its_report_is_dead_lettered_with_its_event_id() -> 
     assert all(h[c.HEADER_DLQ_REASON].startswith(b"Kafka refused the record") for _, h in dead)
     assert publisher.sent == 4, "each refused record is replaced by its dead letter"
     assert not producer.pending
+
+
+class FakeTransactions:
+    """:class:`cdc.repair.transactional.Transactions` over a :class:`ReportingProducer`:
+    what each committed transaction held; ``fail_commits`` commits fail (abortable)."""
+
+    def __init__(self, producer: ReportingProducer, max_records: int, fail_commits: int = 0):
+        self.producer = producer
+        self.max_records = max_records
+        self.fail_commits = fail_commits
+        self.skipped = 0
+        self.open = False
+        self.start = 0
+        self.committed: list[list[tuple[str, bytes, list[tuple[str, bytes]]]]] = []
+        self.aborted = 0
+
+    def skip(self, event_id: str) -> bool:
+        self.begin()
+        return False
+
+    def begin(self) -> None:
+        if not self.open:
+            self.open, self.start = True, len(self.producer.produced)
+
+    def full(self, records: int) -> bool:
+        return self.open and records >= self.max_records
+
+    def commit(self) -> None:
+        assert self.open
+        if self.fail_commits:
+            self.fail_commits -= 1
+            raise KafkaUnavailableError("commit_transaction failed: an abortable error")
+        self.committed.append(self.producer.produced[self.start :])
+        self.open = False
+
+    def abort(self, *, strict: bool = False) -> None:
+        self.open = False
+        self.aborted += 1
+
+
+def _eos_publisher(
+    refuse: set[bytes], max_records: int, fail_commits: int = 0
+) -> tuple[Publisher, FakeTransactions]:
+    producer = ReportingProducer(refuse=refuse)
+    settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="x:1", dlq_topic=DLQ)
+    tx = FakeTransactions(producer, max_records, fail_commits)
+    publisher = Publisher(settings, producer, FakeTopics(), Acks(), tx=tx)  # type: ignore[arg-type]
+    return publisher, tx
+
+
+def _ids(records: list[tuple[str, bytes, list[tuple[str, bytes]]]]) -> list[bytes]:
+    return [dict(headers)[c.HEADER_ID] for _, _, headers in records]
+
+
+def test_a_window_is_published_in_transactions_of_at_most_max_records_each_once() -> None:
+    """23 records, CDC_TX_MAX_RECORDS 5: five transactions (5, 5, 5, 5, 3), in order,
+    every record in exactly one of them - never the window in one."""
+    publisher, tx = _eos_publisher(set(), max_records=5)
+    records = [_record(n) for n in range(23)]
+    for record in records:
+        publisher.send(record)
+    publisher.wait_acked()
+    assert [len(t) for t in tx.committed] == [5, 5, 5, 5, 3]
+    assert [i for t in tx.committed for i in _ids(t)] == [r.event_id.encode() for r in records]
+    assert publisher.sent == 23 and not tx.open and tx.aborted == 0
+
+
+def test_a_transaction_with_a_refused_record_is_aborted_and_redone_alone() -> None:
+    """A record Kafka refuses in its report makes its transaction fail: that one is
+    aborted and redone with the record's dead letter; the transactions before and after
+    it are committed once, untouched."""
+    publisher, tx = _eos_publisher({b"k7"}, max_records=5)
+    records = [_record(n) for n in range(12)]
+    for record in records:
+        publisher.send(record)
+    publisher.wait_acked()
+    assert tx.aborted == 1 and publisher.redone == 1
+    assert [len(t) for t in tx.committed] == [5, 5, 2]
+    second = tx.committed[1]
+    assert [topic for topic, _, _ in second] == [records[5].topic] * 2 + [DLQ] + [
+        records[5].topic
+    ] * 2
+    ids = [i for t in tx.committed for i in _ids(t)]
+    assert ids == [r.event_id.encode() for r in records], (
+        "each once, the refused one as a dead letter"
+    )
+    assert publisher.sent == 12
+
+
+def test_a_failed_commit_redoes_the_transaction_and_gives_up_after_its_attempts() -> None:
+    from cdc.repair.republish import TX_ATTEMPTS
+
+    publisher, tx = _eos_publisher(set(), max_records=4, fail_commits=2)
+    for record in [_record(n) for n in range(6)]:
+        publisher.send(record)
+    publisher.wait_acked()
+    assert [len(t) for t in tx.committed] == [4, 2] and tx.aborted == 2
+    assert publisher.sent == 6
+    publisher, tx = _eos_publisher(set(), max_records=4, fail_commits=TX_ATTEMPTS + 1)
+    with pytest.raises(KafkaUnavailableError, match=f"aborted {TX_ATTEMPTS} times"):
+        for record in [_record(n) for n in range(4)]:
+            publisher.send(record)
+        publisher.wait_acked()
+    assert not tx.committed
+
+
+def test_records_made_while_a_commit_is_under_way_wait_for_the_next_transaction() -> None:
+    """A full transaction's commit runs on a thread of its own; the records sent
+    meanwhile are held - none joins the committing transaction - and produced, in the
+    order sent, into the next one once the commit returned."""
+    import threading
+
+    publisher, tx = _eos_publisher(set(), max_records=5)
+    release = threading.Event()
+    commit = tx.commit
+
+    def slow_commit() -> None:
+        assert release.wait(10)
+        commit()
+
+    tx.commit = slow_commit  # type: ignore[method-assign]
+    records = [_record(n) for n in range(8)]
+    for record in records[:5]:
+        publisher.send(record)
+    assert publisher.job is not None  # (the first transaction's commit, under way)
+    for record in records[5:]:
+        publisher.send(record)
+    assert len(tx.producer.produced) == 5 and len(publisher.held) == 3
+    release.set()
+    publisher.wait_acked()
+    assert [len(t) for t in tx.committed] == [5, 3]
+    assert [i for t in tx.committed for i in _ids(t)] == [r.event_id.encode() for r in records]
+
+
+ORIGIN = (c.HEADER_ORIGIN, b"7301/2/outbox_slot")
+
+
+def test_a_republished_dead_letter_carries_the_republishers_origin() -> None:
+    """Edge: both ways a republished row becomes a dead letter - Kafka refuses its record
+    in the report (no headers come back), or the router refuses the row read from the
+    table (no commit LSN: the table does not hold it) - give a dead letter with the
+    run's ``origin`` (cdc.evidence: every record the relay publishes carries one)."""
+    producer = ReportingProducer(refuse={b"k1"})
+    settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="x:1", dlq_topic=DLQ)
+    publisher = Publisher(settings, producer, FakeTopics(), Acks(), origin=ORIGIN)  # type: ignore[arg-type]
+    publisher.send(_record(1))
+    publisher.wait_acked()
+    refused = [dict(h) for topic, _, h in producer.produced if topic == DLQ]
+    assert [h[c.HEADER_ORIGIN] for h in refused] == [ORIGIN[1]]
+
+    unroutable = ("0000000a-5d1c-4f7e-9a53-0e6f3c1d2a10", "", "agg-1", "T", "{}", None)
+    record = outbox_record(unroutable, TxContext("", 1_000_000, ORIGIN), settings, b"verify")
+    assert record.topic == DLQ  # (no aggregate type: no topic)
+    headers = dict(record.headers)
+    assert headers[c.HEADER_ORIGIN] == ORIGIN[1]
+    assert c.HEADER_LSN not in headers  # (no commit LSN is made up)
+    assert headers[c.HEADER_RECOVERED] == b"verify"

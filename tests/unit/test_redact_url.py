@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cdc.settings_values import redact_url
+from cdc.settings.values import redact_url
 
 
 @pytest.mark.parametrize(

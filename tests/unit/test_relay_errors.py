@@ -27,12 +27,12 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc.errors import KafkaUnavailableError, ProducerFatalError
-from cdc.kafkalog import KafkaClientEvents
-from cdc.producer import TopicManager, discard_producer, make_producer
-from cdc.relay import loop as relay_mod
-from cdc.relay.dead_letters import DLQ_MINIMAL_FIELD_BYTES
-from cdc.relay.loop import REBUILD_MAX_S, REBUILD_MIN_S, Relay
-from cdc.relay.state import DLQ_RETRY_MIN_S, POISON_MAX, PoisonIds, RelayState, Session
+from cdc.kafka.log import KafkaClientEvents
+from cdc.kafka.producer import TopicManager, discard_producer, make_producer
+from cdc.relay.health.state import DLQ_RETRY_MIN_S, POISON_MAX, PoisonIds, RelayState, Session
+from cdc.relay.stream import loop as relay_mod
+from cdc.relay.stream.dead_letters import DLQ_MINIMAL_FIELD_BYTES
+from cdc.relay.stream.loop import REBUILD_MAX_S, REBUILD_MIN_S, Relay
 from cdc.router import DeadLetterCode
 from cdc.settings import Settings
 from cdc.wal.lsn import LsnTracker
@@ -108,8 +108,11 @@ class ReadNothing:
     def __init__(self) -> None:
         self.statuses: list[int] = []
 
-    def send_status(self, lsn: int, *, reply_requested: bool = False) -> None:
+    def send_status(
+        self, lsn: int, *, reply_requested: bool = False, ask_raise: bool = True
+    ) -> int:
         self.statuses.append(lsn)
+        return lsn  # (a stream without a limit)
 
     def get_nowait(self) -> tuple[int, None]:
         raise AssertionError("WAL was read while a dead letter was failing")
@@ -548,15 +551,15 @@ def test_the_producers_and_admin_clients_errors_and_logs_reach_logging_and_the_m
         produced = len(counted)
         assert _served_until(topics.serve, lambda: len(counted) > produced)
     loggers = {r.name for r in caplog.records}
-    assert {"kafka.producer", "kafka.admin", "cdc.kafkalog"} <= loggers
-    assert {r.kafka_client for r in caplog.records if r.name == "cdc.kafkalog"} == {  # type: ignore[attr-defined]
+    assert {"kafka.producer", "kafka.admin", "cdc.kafka.log"} <= loggers
+    assert {r.kafka_client for r in caplog.records if r.name == "cdc.kafka.log"} == {  # type: ignore[attr-defined]
         "producer",
         "admin",
     }
     discard_producer(producer)
 
 
-# --- delivery reports counted per run of records (cdc.relay.producing.Reports) ----------
+# --- delivery reports counted per run of records (cdc.relay.stream.producing.Reports) ----------
 
 
 def test_records_are_acknowledged_only_once_every_report_is_served_and_the_session_let_go(

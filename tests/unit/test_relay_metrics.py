@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from cdc.relay.metrics import OneWriterHistogram, RelayMetrics
+from cdc.relay.health.metrics import OneWriterHistogram, RelayMetrics
 
 BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 NAME = "outbox_relay_commit_to_ack_seconds"

@@ -21,9 +21,9 @@ import pytest
 from confluent_kafka import KafkaError, Producer
 
 from cdc.errors import DecodeError
-from cdc.relay import loop as relay_mod
-from cdc.relay.loop import Relay
-from cdc.relay.state import Session
+from cdc.relay.health.state import Session
+from cdc.relay.stream import loop as relay_mod
+from cdc.relay.stream.loop import Relay
 from cdc.router import DeadLetterCode, TxContext, route_fields
 from cdc.settings import Settings
 from cdc.wal import pgoutput
@@ -162,8 +162,10 @@ class FakeTopics:
 class FakeStream:
     wal_sender_timeout_ms = 60_000
 
-    def send_status(self, lsn: int, *, reply_requested: bool = False) -> None:
-        pass
+    def send_status(
+        self, lsn: int, *, reply_requested: bool = False, ask_raise: bool = True
+    ) -> int:
+        return lsn  # (a stream without a limit)
 
 
 @pytest.fixture

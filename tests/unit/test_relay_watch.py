@@ -10,7 +10,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from cdc.jsontext import object_error, object_members
 from cdc.pgconn import CLIENT_DEFAULTS, Use, conninfo
-from cdc.relay.stall import StallWatch
+from cdc.relay.health.stall import StallWatch
 from cdc.router import BrokenOutbox, OutboxLayout, outbox_layout
 
 
@@ -100,13 +100,13 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
     ``reconnecting: <this reason>``), the silence counted, the abandoned walsender
     ended; status updates asked for a reply."""
     from cdc.errors import StreamError
-    from cdc.relay import loop as relay_mod
-    from cdc.relay import silence as silence_mod
-    from cdc.relay import silent_session as silent_mod
-    from cdc.relay.loop import Relay
+    from cdc.relay.health import silence as silence_mod
+    from cdc.relay.health import silent_session as silent_mod
+    from cdc.relay.stream import loop as relay_mod
+    from cdc.relay.stream.loop import Relay
     from cdc.settings import Settings
+    from cdc.wal.looks import WalsenderSample
     from cdc.wal.lsn import LsnTracker
-    from cdc.wal.stream import WalsenderSample
     from tests.unit.test_relay_routing import FakeTopics, RecordingProducer
 
     class Silent:
@@ -122,8 +122,11 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
         def __init__(self) -> None:
             self.replies: list[bool] = []
 
-        def send_status(self, lsn: int, *, reply_requested: bool = False) -> None:
+        def send_status(
+            self, lsn: int, *, reply_requested: bool = False, ask_raise: bool = True
+        ) -> int:
             self.replies.append(reply_requested)
+            return lsn  # (a stream without a limit)
 
         def get_nowait(self) -> tuple[int, None]:
             return 0, None
@@ -134,7 +137,7 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
     ended: list[int] = []
     looks: list[int] = []
 
-    def look(dsn: str, slot: str, pid: int) -> WalsenderSample:
+    def look(dsn: str, slot: str, pid: int, timeout_s: float) -> WalsenderSample:
         looks.append(pid)
         return WalsenderSample(
             at_s=time.monotonic(),
@@ -149,7 +152,7 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
     monkeypatch.setattr(silence_mod, "LOOK_EVERY_S", 0.3)
     monkeypatch.setattr(relay_mod, "TopicManager", lambda **_: FakeTopics())
     monkeypatch.setattr(
-        silent_mod, "end_walsender", lambda dsn, slot, pid: ended.append(pid) or True
+        silent_mod, "end_walsender", lambda dsn, slot, pid, t: ended.append(pid) or True
     )
     monkeypatch.setattr(silent_mod, "REPLY_REQUEST_AFTER_S", 0.1)
     relay = Relay(
@@ -162,7 +165,7 @@ def test_a_silent_stream_ends_the_session_counted_with_its_cause(
     )
     relay._producer = RecordingProducer()  # type: ignore[assignment]
     stream = Silent()
-    from cdc.relay.state import Session
+    from cdc.relay.health.state import Session
 
     sess = Session(stream=stream, tracker=LsnTracker(0))  # type: ignore[arg-type]
     with pytest.raises(StreamError, match="replication connection silent for"):

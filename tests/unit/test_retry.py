@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sinks.core.backoff import Backoff, Jitter
 from sinks.core.errors import (
     EngineMisconfigured,
     EngineRejected,
@@ -19,21 +20,12 @@ from sinks.core.errors import (
     UserNotFound,
 )
 from sinks.core.machine import Result, ResultKind
-from sinks.core.retry import (
-    PARKING_RETRY_CAP_S,
-    RETRY_AFTER_MAX_S,
-    Backoff,
-    Jitter,
-    OutcomeKind,
-    classify,
-    next_retry_at,
-    parse_retry_after,
-    retry_delay_s,
-)
-from sinks.engine.client import EngineClient
+from sinks.core.schedule import PARKING_RETRY_CAP_S, next_retry_at, retry_delay_s
+from sinks.core.statuses import RETRY_AFTER_MAX_S, OutcomeKind, classify, parse_retry_after
+from sinks.engine.client import EngineClient, _transport_error
 from sinks.engine.dispatch import deliver
 from sinks.engine.http1 import RequestDeadline
-from sinks.kafka.consumer import route_result
+from sinks.runtime.verdicts import route_result
 from sinks.shared.routes import QUIZ_ATTEMPTS_SYNC_PATH, USERS_SYNC_PATH
 
 NOW_S = 1_750_000_000.0
@@ -272,8 +264,10 @@ def test_a_transport_failure_or_an_expired_deadline_is_trouble_of_its_route() ->
     assert route_result(refused) == Result(
         ResultKind.UNAVAILABLE, refused.reason, endpoint=USERS_SYNC_PATH
     )
-    late = EngineUnavailable("RequestDeadline: no complete answer within 10 s")
-    late.__cause__ = RequestDeadline("no complete answer within 10 s")
+    assert not refused.shared
+    # the client says the trouble is shared where it makes the exception (issue 51 item 6)
+    late = _transport_error(RequestDeadline("no complete answer within 10 s"))
+    assert late.shared and late.__cause__ is None
     assert route_result(late).shared, "a slow route: its window is cut, nothing spent"
 
 

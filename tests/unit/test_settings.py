@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cdc import settings_doc
 from cdc.errors import ConfigError
 from cdc.settings import ENV, SECRET_FIELDS, Settings, env
-from cdc.settings_doc import SettingsDocError, render
-from cdc.settings_values import redact_dsn
+from cdc.settings import doc as settings_doc
+from cdc.settings.doc import SettingsDocError, render
+from cdc.settings.values import redact_dsn
 
 #: What docs/configuration/index.md holds where the generated reference goes.
 MARKER = "<!-- settings-reference -->"
@@ -248,7 +248,7 @@ def test_good_values_pass_and_case_does_not_matter() -> None:
     assert s.topic_replication_factor == -1
 
 
-# --- the configuration page, generated from the settings class (cdc.settings_doc) ------------
+# --- the configuration page, generated from the settings class (cdc.settings.doc) ------------
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -339,3 +339,76 @@ def test_engine_base_url_follows_the_stub_port_unless_given() -> None:
     assert stub.engine_base_url == "http://127.0.0.1:30181"
     given = {"ENGINE_STUB_PORT": "30181", "ENGINE_BASE_URL": "https://engine.example"}
     assert Settings.from_env(given).engine_base_url == "https://engine.example"
+
+
+@pytest.mark.parametrize(
+    ("variable", "closest"),
+    [
+        ("SINK_MAX_INFLIGHT", "SINK_MAX_IN_FLIGHT"),
+        ("CDC_SLOTT", "CDC_SLOT"),
+        ("ENGINE_BASE_URI", "ENGINE_BASE_URL"),
+        ("ADMIN_API_TOKN", "ADMIN_API_TOKEN"),
+        ("OUTBOX_SCHEDULER_ENABLE", "OUTBOX_SCHEDULER_ENABLED"),
+        ("OUTBOX_RETRY_MAX_ATTEMPT", "OUTBOX_RETRY_MAX_ATTEMPTS"),
+        ("SINK_HTTP_PROT", "SINK_HTTP_PORT"),
+        ("ENGINE_PORT", "ENGINE_STUB_PORT"),  # no tcp:// value: not a service link
+    ],
+)
+def test_a_misspelt_setting_name_is_refused_naming_the_closest(variable: str, closest: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        Settings.from_env({variable: "8"})
+    message = str(caught.value)
+    assert message.startswith(f"unknown setting {variable} (did you mean {closest}?")
+    assert "\n" not in message
+
+
+def test_every_name_under_a_prefix_is_refused_even_far_from_any_setting() -> None:
+    with pytest.raises(ConfigError, match=r"unknown setting CDC_ENVIRONMENT \(did you mean CDC_"):
+        Settings.from_env({"CDC_ENVIRONMENT": "prod"})
+
+
+def test_names_that_are_not_settings_pass() -> None:
+    """The librdkafka pass-through, the stack's and the tests' OUTBOX_* variables, Kafka's
+    image's KAFKA_*, LOG_*, what is read elsewhere, and the variables of a Kubernetes or
+    Docker service link named after a prefix (a Service `sink`, `engine`, `cdc`)."""
+    env = {
+        "KAFKA_CONFIG_LINGER_MS": "10",
+        "KAFKA_NODE_ID": "1",
+        "KAFKA_HEAP_OPTS": "-Xmx1g",
+        "OUTBOX_PG_PORT": "27200",
+        "OUTBOX_DEV_DIR": "/tmp/x",
+        "OUTBOX_RELAY_HTTP_PORT": "9101",
+        "OUTBOX_CDC_PURE_PYTHON": "1",
+        "OUTBOX_EOS_KILLS": "3",
+        "LOG_DIR": "/tmp",
+        "CDC_SQL_DIR": "/nonexistent",
+        "SINK_SERVICE_HOST": "10.0.0.7",
+        "SINK_SERVICE_PORT": "9102",
+        "SINK_SERVICE_PORT_HTTP": "9102",
+        "SINK_PORT": "tcp://10.0.0.7:9102",
+        "SINK_PORT_9102_TCP": "tcp://10.0.0.7:9102",
+        "SINK_PORT_9102_TCP_PROTO": "tcp",
+        "SINK_PORT_9102_TCP_PORT": "9102",
+        "SINK_PORT_9102_TCP_ADDR": "10.0.0.7",
+        "ENGINE_SERVICE_HOST": "10.0.0.8",
+        "ENGINE_PORT": "tcp://10.0.0.8:8081",
+        "CDC_NAME": "/web/cdc",
+        "CDC_ENV_PGDATA": "/var/lib/postgresql",
+    }
+    assert Settings.from_env(env).kafka_config == {"linger.ms": "10"}
+
+
+def test_names_read_elsewhere_are_the_documented_ones_under_the_prefixes() -> None:
+    from cdc.settings.sources import READ_ELSEWHERE, SETTING_PREFIXES
+
+    documented = {
+        x.variable for x in settings_doc.ELSEWHERE if x.variable.startswith(SETTING_PREFIXES)
+    }
+    assert documented == set(READ_ELSEWHERE)
+
+
+def test_an_unknown_toml_key_names_the_closest(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('slott = "x"\n')
+    with pytest.raises(ConfigError, match=r"unknown setting 'slott' \(did you mean slot\?\)"):
+        Settings.from_env({}, config_file=str(path))

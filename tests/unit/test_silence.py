@@ -1,17 +1,20 @@
 """The silence detector's decision (issue 34, item 6), the seat decision and the orphan match
 (item 7), and the connection parameters of every connection (item 5): pure parts.
 
-* :func:`cdc.relay.silence.judge` as a table: every kind of look at a silent
+* :func:`cdc.relay.health.silence.judge` as a table: every kind of look at a silent
   session's walsender, and what the relay does;
-* :class:`cdc.relay.silence.SilenceWatch` model-checked: over random silences,
+* :class:`cdc.relay.health.silence.SilenceWatch` model-checked: over random silences,
   messages and looks (the fault events: a walsender gone, idle, blocked writing,
   unseen, going from record to record without a word; and the busy ones: on the
   CPU, reading spill files, a lock), a session is never ended while its
   walsender is busy inside a record, never without two looks of a walsender
   waiting for its client (or a vanished / unseen / record-to-record one), never
-  before CDC_REPLICATION_SILENCE_S; a walsender left alone is reported at most
-  once per interval;
-* :func:`cdc.relay.standby_wait.seat_of` and :meth:`cdc.wal.stream.Walsender.same_as`;
+  before CDC_REPLICATION_SILENCE_S; a walsender no look can see (a look fails,
+  whatever the server's wal_sender_timeout, 0 included) is ended within the relay's
+  own bound and said blind until then (invariants; the mutants that trust
+  wal_sender_timeout or say nothing while blind are caught); a walsender left alone
+  is reported at most once per interval;
+* :func:`cdc.relay.standby.wait.seat_of` and :meth:`cdc.wal.stream.Walsender.same_as`;
 * :func:`cdc.pgconn.conninfo`: the defaults, per use, and the DSN's word first.
 """
 
@@ -21,7 +24,7 @@ import math
 
 import pytest
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from psycopg.conninfo import conninfo_to_dict
 
 from cdc.pgconn import (
@@ -32,15 +35,18 @@ from cdc.pgconn import (
     Use,
     conninfo,
 )
-from cdc.relay.silence import (
+from cdc.relay.health.silence import (
     LOOK_EVERY_S,
+    LOOK_TIMEOUT_S,
+    Judgement,
     Silence,
     SilenceWatch,
     judge,
     silence_bound_s,
 )
-from cdc.relay.standby_wait import Seat, seat_of
-from cdc.wal.stream import SlotHolder, Walsender, WalsenderSample
+from cdc.relay.standby.wait import Seat, seat_of
+from cdc.wal.looks import WalsenderSample
+from cdc.wal.stream import SlotHolder, Walsender
 
 
 def sample(
@@ -156,17 +162,17 @@ TABLE = [
     row("idle twice (PostgreSQL 17)", sample(4, IDLE_17), sample(10, IDLE_17), Silence.END),
     row("idle after the CPU: it may answer now", sample(4), sample(10, IDLE), Silence.WAIT),
     row("idle after blocked writing", sample(4, WRITE), sample(10, IDLE), Silence.WAIT),
-    # cannot be seen: only past what wal_sender_timeout promises
+    # cannot be seen: past the relay's own bound, whatever wal_sender_timeout says
     row("unseen within the bound", None, None, Silence.WAIT, unseen="timeout"),
     row("unseen past the bound", sample(4), None, Silence.END, silent_s=61, unseen="timeout"),
     row(
-        "unseen, wal_sender_timeout 0",
+        "unseen, wal_sender_timeout 0: the relay's bound still",
         None,
         None,
-        Silence.WAIT,
-        silent_s=9_999,
-        bound_s=math.inf,
-        unseen="refused",
+        Silence.END,
+        silent_s=46,
+        bound_s=silence_bound_s(35),
+        unseen="connection timeout expired",
     ),
 ]
 
@@ -209,20 +215,32 @@ def test_the_reasons_name_what_was_seen() -> None:
     assert "blocked writing" in ended.reason and "at two looks 6s apart" in ended.reason
 
 
-@pytest.mark.parametrize(
-    ("configured_s", "timeout_ms", "bound_s"),
-    [
-        (35.0, 60_000, 60.0),  # the default: two keepalive periods
-        (35.0, 600_000, 600.0),  # raised: follows it
-        (90.0, 60_000, 90.0),  # the setting is a floor
-        (35.0, 0, math.inf),  # off: the server promises nothing
-        (35.0, None, math.inf),  # unknown: the same
-    ],
-)
-def test_the_bound_follows_wal_sender_timeout(
-    configured_s: float, timeout_ms: int | None, bound_s: float
-) -> None:
-    assert silence_bound_s(configured_s, timeout_ms) == bound_s
+def test_the_bound_is_the_relays_own_look_after_plus_the_looks_timeout() -> None:
+    """Not the server's wal_sender_timeout: 0 (off) gave an unseen walsender for ever."""
+    assert silence_bound_s(35.0) == 35.0 + LOOK_TIMEOUT_S
+    assert silence_bound_s(5.0) == 5.0 + LOOK_TIMEOUT_S
+
+
+def test_an_unseen_walsender_is_counted_from_the_last_look_that_saw_it() -> None:
+    watch = SilenceWatch(look_after_s=35.0, bound_s=silence_bound_s(35.0))
+    assert watch.judge(36.0, 100.0, sample(100.0)).action is Silence.LEAVE
+    assert watch.blind is None
+    blind = watch.judge(46.0, 110.0, None, "connection timeout expired")
+    assert blind.action is Silence.WAIT, "seen working 10 s ago: within the bound"
+    assert watch.blind is not None and "cannot be seen (connection timeout expired)" in watch.blind
+    assert "silent for 46s" in watch.blind
+    ended = watch.judge(82.0, 146.0, None, "connection timeout expired")
+    assert ended.action is Silence.END and "no look has seen it for 46s" in ended.reason
+    watch.heard()
+    assert watch.blind is None, "a message ends the blindness"
+
+
+def test_a_look_that_sees_the_walsender_again_ends_the_blindness() -> None:
+    watch = SilenceWatch(look_after_s=35.0, bound_s=silence_bound_s(35.0))
+    watch.judge(36.0, 100.0, None, "refused")
+    assert watch.blind is not None
+    watch.judge(41.0, 105.0, sample(105.0))
+    assert watch.blind is None
 
 
 def test_a_working_walsender_is_reported_at_most_once_per_interval() -> None:
@@ -254,16 +272,31 @@ WALSENDER = {
 }
 
 
+#: The relay's own bound for a walsender no look sees (the model's, written out).
+BOUND_S = LOOK_AFTER_S + LOOK_TIMEOUT_S
+
+
+def real_watch(look_after_s: float, timeout_ms: int) -> SilenceWatch:
+    """The relay's watch for a session whose server has ``wal_sender_timeout`` = timeout_ms
+    (which it does not read: the bound is its own)."""
+    return SilenceWatch(look_after_s=look_after_s, bound_s=silence_bound_s(look_after_s))
+
+
 class SilenceModel(RuleBasedStateMachine):
     """Random silences, messages, reply requests, looks and walsender states (the fault
-    events: it vanishes, cannot be seen, waits for a client that is gone; the busy ones:
-    the CPU, spilling, a lock; it reads WAL; it reads our request); each answer of the
-    watch checked against the guarantees of cdc.relay.silence."""
+    events: it vanishes, cannot be seen, waits for a client that is gone, a look fails
+    whatever it does; the server's wal_sender_timeout 0, 10 s, 60 s or 600 s; the busy
+    ones: the CPU, spilling, a lock; it reads WAL; it reads our request); each answer of
+    the watch checked against the guarantees of cdc.relay.health.silence, and the bounds after
+    every step (invariants)."""
+
+    #: how a session's watch is made (the mutants below replace it)
+    make_watch = staticmethod(real_watch)
 
     def __init__(self) -> None:
         super().__init__()
         self.timeout_ms = 0
-        self.watch = SilenceWatch(look_after_s=LOOK_AFTER_S, bound_s=math.inf)
+        self.watch = self.make_watch(LOOK_AFTER_S, 0)
         self.now_s = 1000.0
         self.heard_at_s = self.now_s
         self.doing = "idle"  # a WALSENDER key, "gone" or "unseen"
@@ -274,6 +307,10 @@ class SilenceModel(RuleBasedStateMachine):
         self.look_times: list[float] = []
         self.reported_at: list[float] = []
         self.ended = False
+        #: the last look of this silence failed (the relay is blind: 503)
+        self.last_look_failed = False
+        #: how long no look had seen the walsender, at the last failed look
+        self.unseen_at_last_look_s = 0.0
 
     def _us(self) -> int:
         return int(self.now_s * 1_000_000)
@@ -281,9 +318,7 @@ class SilenceModel(RuleBasedStateMachine):
     @rule(timeout_ms=st.sampled_from([0, 10_000, 60_000, 600_000]))
     def new_session(self, timeout_ms: int) -> None:
         self.timeout_ms = timeout_ms
-        self.watch = SilenceWatch(
-            look_after_s=LOOK_AFTER_S, bound_s=silence_bound_s(LOOK_AFTER_S, timeout_ms)
-        )
+        self.watch = self.make_watch(LOOK_AFTER_S, timeout_ms)
         self.doing, self.ended = "idle", False
         self.a_message_arrives()
 
@@ -307,6 +342,7 @@ class SilenceModel(RuleBasedStateMachine):
     def a_message_arrives(self) -> None:
         self.heard_at_s = self.now_s
         self.seen, self.look_times, self.asked_at_us = [], [], None
+        self.last_look_failed, self.unseen_at_last_look_s = False, 0.0
         self.watch.heard()
 
     @rule()
@@ -335,13 +371,23 @@ class SilenceModel(RuleBasedStateMachine):
     @precondition(lambda self: not self.ended)
     @rule()
     def look(self) -> None:
+        self._look(failed=False)
+
+    @precondition(lambda self: not self.ended)
+    @rule()
+    def a_look_fails(self) -> None:
+        """The look cannot connect or answer (the same dead path, too many connections),
+        whatever the walsender does."""
+        self._look(failed=True)
+
+    def _look(self, *, failed: bool) -> None:
         silent_s = self.now_s - self.heard_at_s
         if not self.watch.due(silent_s, self.now_s):
             assert silent_s <= LOOK_AFTER_S or (
                 self.look_times and self.now_s - self.look_times[-1] < LOOK_EVERY_S
             ), "a look is due past the setting, LOOK_EVERY_S after the last one"
             return
-        look = self._sample()
+        look = None if failed else self._sample()
         verdict = self.watch.judge(silent_s, self.now_s, look, "unseen")
         assert verdict.action is self._expected(look, silent_s), verdict.reason
         if verdict.action is Silence.LEAVE and verdict.log:
@@ -349,15 +395,25 @@ class SilenceModel(RuleBasedStateMachine):
             self.reported_at.append(self.now_s)
         if look is not None:
             self.seen.append(look)
+        else:
+            self.unseen_at_last_look_s = self._unseen_s(silent_s)
+        self.last_look_failed = look is None
         self.look_times.append(self.now_s)
         self.ended = verdict.action is Silence.END
+
+    def _unseen_s(self, silent_s: float) -> float:
+        """How long no look has seen the walsender: since the silence began, or since the
+        last look of it that found it (gone or not)."""
+        if not self.seen:
+            return silent_s
+        return min(silent_s, self.now_s - self.seen[-1].at_s)
 
     def _expected(self, look: WalsenderSample | None, silent_s: float) -> Silence:
         """The guarantees, written out: what the watch must answer."""
         assert silent_s > LOOK_AFTER_S, "never a look (nor an end) before the setting"
         if look is None:
-            past = silent_s > silence_bound_s(LOOK_AFTER_S, self.timeout_ms)
-            return Silence.END if past else Silence.WAIT
+            # the relay's own bound, whatever the server's wal_sender_timeout (0 included)
+            return Silence.END if self._unseen_s(silent_s) > BOUND_S else Silence.WAIT
         if not look.found:
             return Silence.END
         before = self.seen[-1] if self.seen else None
@@ -377,8 +433,90 @@ class SilenceModel(RuleBasedStateMachine):
             return Silence.END  # waiting for its client at two looks
         return Silence.WAIT
 
+    @invariant()
+    def a_walsender_no_look_sees_is_ended_within_the_bound(self) -> None:
+        assert self.ended or self.unseen_at_last_look_s <= BOUND_S, (
+            f"unseen for {self.unseen_at_last_look_s}s (bound {BOUND_S}s,"
+            f" wal_sender_timeout {self.timeout_ms} ms) and the session kept"
+        )
+
+    @invariant()
+    def a_failed_look_is_said_until_a_message_or_a_look_that_sees(self) -> None:
+        blind = self.watch.blind
+        if self.last_look_failed and not self.ended:
+            assert blind is not None and "cannot be seen" in blind and "silent for" in blind
+        elif not self.last_look_failed:
+            assert blind is None, blind
+
 
 TestSilenceModel = SilenceModel.TestCase
+
+
+# -- mutants: the bugs this model exists for, each caught ------------------------------
+
+
+def _trusts_wal_sender_timeout(look_after_s: float, timeout_ms: int) -> SilenceWatch:
+    """The regression of issue 49: the bound from the server's wal_sender_timeout, so an
+    unseen walsender is never ended when it is 0 (and kept for as long when it is large)."""
+    bound_s = math.inf if not timeout_ms else max(look_after_s, timeout_ms / 1000)
+    return SilenceWatch(look_after_s=look_after_s, bound_s=bound_s)
+
+
+class _QuietWhenBlind(SilenceWatch):
+    """Never says that it cannot see (/readyz stays 200 through a blind silence)."""
+
+    def judge(
+        self, silent_s: float, now_s: float, look: WalsenderSample | None, unseen: str = ""
+    ) -> Judgement:
+        verdict = super().judge(silent_s, now_s, look, unseen)
+        self.blind = None
+        return verdict
+
+
+def _quiet_when_blind(look_after_s: float, timeout_ms: int) -> SilenceWatch:
+    return _QuietWhenBlind(look_after_s=look_after_s, bound_s=silence_bound_s(look_after_s))
+
+
+_BLIND_SILENCE: list[tuple[str, dict[str, object]]] = [
+    ("new_session", {"timeout_ms": 0}),
+    ("the_walsender_changes", {"doing": "unseen"}),
+    ("time_passes", {"step_s": 36.0}),
+    ("look", {}),  # 36 s: blind, within the bound
+    ("time_passes", {"step_s": 36.0}),
+    ("look", {}),  # 72 s: past the bound, ended
+]
+MUTANT_SCRIPTS: dict[object, list[tuple[str, dict[str, object]]]] = {
+    _trusts_wal_sender_timeout: _BLIND_SILENCE,
+    _quiet_when_blind: _BLIND_SILENCE,
+}
+
+
+def _checked(model: SilenceModel) -> None:
+    model.a_walsender_no_look_sees_is_ended_within_the_bound()
+    model.a_failed_look_is_said_until_a_message_or_a_look_that_sees()
+
+
+@pytest.mark.parametrize("mutant", list(MUTANT_SCRIPTS), ids=lambda m: m.__name__.strip("_"))
+def test_the_model_catches_the_mutant(mutant: object) -> None:
+    class Mutated(SilenceModel):
+        make_watch = staticmethod(mutant)  # type: ignore[arg-type]
+
+    model = Mutated()
+    with pytest.raises(AssertionError):
+        for name, kwargs in MUTANT_SCRIPTS[mutant]:
+            getattr(model, name)(**kwargs)
+            _checked(model)
+
+
+@pytest.mark.parametrize("script", list(MUTANT_SCRIPTS.values()), ids=lambda _: "script")
+def test_the_real_watch_passes_every_mutants_script(
+    script: list[tuple[str, dict[str, object]]],
+) -> None:
+    model = SilenceModel()
+    for name, kwargs in script:
+        getattr(model, name)(**kwargs)
+        _checked(model)
+    assert model.ended
 
 
 # --- the seat and the orphan --------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""The gap decision (cdc.relay.gap.decide) as a table: slot x server x the relay's last record x
-history x the row that made the slot x an empty outbox; and the evidence behind it: whose
-records count (cdc.lineage.Owner), which kinds of events a gap cannot give back."""
+"""The gap decision (cdc.relay.gaps.gap.decide) as a table: slot x server x the relay's last
+record x history x the row that made the slot x an empty outbox; and the evidence behind it: whose
+records count (cdc.evidence.Owner), which kinds of events a gap cannot give back."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from cdc.backlog import BacklogLimits, BacklogState, SlotMeasures, judge
+from cdc.evidence import Origin, Owner, origin_value
 from cdc.gaps import HistoryRow
-from cdc.lineage import LastRecord, Origin, Owner, RowRef, origin_value
+from cdc.lineage import LastRecord, RowRef
 from cdc.records import Record, RecordReader, Skip
-from cdc.relay.gap import (
+from cdc.relay.gaps.gap import (
     Action,
     Evidence,
     GapCause,
@@ -416,6 +417,7 @@ def test_unrecoverable_kinds_come_from_the_relays_own_evidence() -> None:
         keeps_rows=True, published_messages=True, newest_rows=20, rows_gone=0
     )
     assert messages and "logical messages" in messages and "deleted" not in messages
+    assert "CDC_MESSAGES=on" in messages
     deleted = unrecoverable_reason(
         keeps_rows=True, published_messages=False, newest_rows=20, rows_gone=1
     )

@@ -20,9 +20,8 @@ from confluent_kafka import Producer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cdc.relay import loop as relay_mod
-from cdc.relay.loop import Relay
-from cdc.relay.standby_gate import (
+from cdc.relay.health.state import RelayState, Session
+from cdc.relay.standby.gate import (
     FAILOVER_SLOTS_MIN_VERSION,
     SafeMode,
     StandbyGate,
@@ -30,8 +29,9 @@ from cdc.relay.standby_gate import (
     listed_in_synchronized_standby_slots,
     releasable,
 )
-from cdc.relay.standby_safe import alter_failover_command
-from cdc.relay.state import RelayState, Session
+from cdc.relay.standby.safe import alter_failover_command
+from cdc.relay.stream import loop as relay_mod
+from cdc.relay.stream.loop import Relay
 from cdc.settings import Settings
 from cdc.wal.lsn import LsnTracker
 from tests.unit.test_relay_routing import (
@@ -252,7 +252,7 @@ def test_a_standby_that_does_not_catch_up_holds_the_relay_until_it_does(
     assert safe is not None
     sess = _session(relay)
     now = [100.0]
-    monkeypatch.setattr("cdc.relay.standby_safe.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("cdc.relay.standby.safe.time.monotonic", lambda: now[0])
     _tx(relay, sess, 1_000, 1)
     relay._release_held(sess)
     assert sess.held is None

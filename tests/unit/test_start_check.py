@@ -22,12 +22,12 @@ from prometheus_client import CollectorRegistry
 
 from cdc.audit import run
 from cdc.audit.ids import IdList
-from cdc.audit.run import AuditBusyError, Verification
+from cdc.audit.run import Verification
 from cdc.audit.window import Window
-from cdc.relay import guard
-from cdc.relay.guard import SlotGuard
-from cdc.relay.metrics import RelayMetrics
-from cdc.relay.state import RelayState
+from cdc.relay.gaps import start_check
+from cdc.relay.gaps.start_check import StartCheck
+from cdc.relay.health.metrics import RelayMetrics
+from cdc.repair.lock import AuditBusyError
 from cdc.settings import Settings
 from cdc.wal.slots import ServerIdentity
 
@@ -37,15 +37,9 @@ NOW = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 WINDOW = Window.between(NOW - timedelta(minutes=5), NOW)
 
 
-class _Guard(SlotGuard):
-    def __init__(self) -> None:
-        self.settings = SETTINGS
-        self.metrics = RelayMetrics(CollectorRegistry())
-        self._stop = threading.Event()
-        self.states: list[RelayState] = []
-
-    def _set_state(self, state: RelayState, reason: str = "") -> None:
-        self.states.append(state)
+def _check() -> StartCheck:
+    """The start-up check as the slot guard holds it."""
+    return StartCheck(SETTINGS, RelayMetrics(CollectorRegistry()), threading.Event())
 
 
 @pytest.fixture
@@ -56,9 +50,9 @@ def checked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
     def no_db(settings: Settings) -> Iterator[None]:
         yield None
 
-    monkeypatch.setattr(guard.recovery, "connect", no_db)
-    monkeypatch.setattr(guard.gaps, "outputs", lambda conn, slot, kind: ["t.user"])
-    monkeypatch.setattr(guard, "START_CHECK_POLL_S", 0.001)
+    monkeypatch.setattr(start_check.recovery, "connect", no_db)
+    monkeypatch.setattr(start_check.gaps, "outputs", lambda conn, slot, kind: ["t.user"])
+    monkeypatch.setattr(start_check, "START_CHECK_POLL_S", 0.001)
     yield []
 
 
@@ -72,7 +66,7 @@ def _outcomes(
             raise outcome
         return outcome  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(guard, "verify_since", fake_verify_since)
+    monkeypatch.setattr(start_check, "verify_since", fake_verify_since)
 
 
 def test_the_start_check_waits_while_an_audit_holds_the_lock_then_checks_once(
@@ -88,9 +82,9 @@ def test_the_start_check_waits_while_an_audit_holds_the_lock_then_checks_once(
     missing = IdList([uuid.uuid4().bytes])
     done = Verification(WINDOW, table_rows=3, missing=missing, republished=1)
     _outcomes(monkeypatch, checked, [busy] * 5 + [done])
-    g = _Guard()
+    g = _check()
     with caplog.at_level(logging.INFO, logger="cdc.relay"):
-        assert g._start_check_window(WINDOW, SERVER, "7301/2/outbox_slot") is True
+        assert g.check_window(WINDOW, SERVER, "7301/2/outbox_slot") is True
     assert len(checked) == 6
     call = checked[-1]
     assert call["server"] == SERVER and call["origin"] == "7301/2/outbox_slot"
@@ -111,13 +105,13 @@ def test_the_start_check_gives_up_waiting_at_its_bound_and_is_tried_again(
     next session) after many polls, with one line when the wait began and one when it gave
     up."""
     clock = iter(range(1_000))  # one second per look at the clock
-    monkeypatch.setattr(guard, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
-    monkeypatch.setattr(guard, "START_CHECK_BUSY_WAIT_S", 10.0)
+    monkeypatch.setattr(start_check, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
+    monkeypatch.setattr(start_check, "START_CHECK_BUSY_WAIT_S", 10.0)
     busy = AuditBusyError("another audit of slot s is running")
     _outcomes(monkeypatch, checked, [busy] * 100)
-    g = _Guard()
+    g = _check()
     with caplog.at_level(logging.INFO, logger="cdc.relay"):
-        assert g._start_check_window(WINDOW, SERVER, "o") is False  # (not marked checked)
+        assert g.check_window(WINDOW, SERVER, "o") is False  # (not marked checked)
     assert len(checked) == 11  # (polled until the bound)
     lines = [r.message for r in caplog.records]
     assert sum("waits (at most" in m for m in lines) == 1
@@ -129,9 +123,9 @@ def test_a_stopping_relay_stops_waiting_for_the_lock(
     monkeypatch: pytest.MonkeyPatch, checked: list[dict[str, Any]]
 ) -> None:
     _outcomes(monkeypatch, checked, [AuditBusyError("busy")] * 3)
-    g = _Guard()
+    g = _check()
     g._stop.set()
-    assert g._start_check_window(WINDOW, SERVER, "o") is False
+    assert g.check_window(WINDOW, SERVER, "o") is False
     assert len(checked) == 1
 
 

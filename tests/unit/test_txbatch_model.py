@@ -1,12 +1,14 @@
-"""Exactly-once transactions (cdc.relay.txbatch) against a model of PostgreSQL and Kafka.
+"""Exactly-once transactions (cdc.relay.delivery.txbatch) against a model of PostgreSQL and Kafka.
 
 The model is the world around the machine: a WAL of committed transactions (each
 with 0-3 records), the slot's confirmed LSN, Kafka's read_committed log and
 checkpoint, the open Kafka transaction, and one relay session reading the WAL
-from the slot, driving :class:`TxBatch` as :mod:`cdc.relay.exactly_once` does.
+from the slot, driving :class:`TxBatch` as :mod:`cdc.relay.delivery.exactly_once` does.
 Hypothesis interleaves reads (records and dead letters, which wait in the session
 until drained into the transaction), commits, time, status updates and the faults: a
-failed record, a commit timeout (retriable) and a commit failure, a failing
+failed record (acted on at once, or - a delivery report served in a poll or in the
+flush of a due commit - only at the shell's next step, the reading going on
+meanwhile), a commit timeout (retriable) and a commit failure, a failing
 abort, a broker restart between produce and commit (the open transaction is
 lost: its commit fails), a fencing by a newer relay, kill -9 of the relay and
 its restart reading the checkpoint. A commit is asynchronous, as in the shell:
@@ -17,6 +19,8 @@ budget spent, a fencing, a kill) may still complete in Kafka
 (``late_commit_fault``). After every step:
 
 * the read_committed log holds no record twice;
+* a record (a dead letter too) enters only an OPEN transaction: never one that is
+  aborting, failed or committing (the one admission rule);
 * every WAL transaction at or below the slot's confirmed LSN, and at or below
   the committed checkpoint, has all its records in the read_committed log;
 * a commit never happens inside a WAL transaction, and the checkpoint it writes
@@ -41,7 +45,7 @@ Mutants at the bottom re-create the bugs the machine exists to prevent (confirmi
 what Kafka acknowledged rather than committed; splitting a WAL transaction; a skip
 rule one transaction too wide; committing while dead letters wait; a caught-up
 relay holding a transaction as long as a backlog's; a backlog's transaction
-never committed by age), each with the
+never committed by age; a record admitted while aborting), each with the
 interleaving that shows it (``SCRIPTS``), run on every run against the mutant (the
 model fails) and against the real machine (it passes).
 """
@@ -61,7 +65,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cdc.relay.txbatch import Action, TxBatch, TxLimits, TxState
+from cdc.relay.delivery.txbatch import Action, TxBatch, TxLimits, TxState
 
 LIMITS = TxLimits(
     max_records=4,
@@ -125,6 +129,10 @@ class TxBatchModel(RuleBasedStateMachine):
         self.late_commit = False
         self.next_id = 0
         self.wal_end = 0
+        #: records handed to Kafka while the machine was not OPEN (must stay empty)
+        self.entered_not_open: list[tuple[str, TxState]] = []
+        #: records the machine refused (aborting, failed, fenced): read again later
+        self.refused = 0
         self._start()
 
     # -- the world -------------------------------------------------------------
@@ -211,7 +219,8 @@ class TxBatchModel(RuleBasedStateMachine):
         assert sess is not None and self.kafka.committing is not None
         batch = sess.batch
         records, checkpoint = self.kafka.committing
-        if self.kafka.doomed:  # (the broker lost the transaction: it never commits)
+        # (the broker lost the transaction, or a record of it failed: it never commits)
+        if self.kafka.doomed or batch.state is TxState.ABORTING:
             self.kafka.doomed = False
             self.kafka.committing = None
             self._do(batch.commit_failed(retriable=False, now_ms=self.now_ms))
@@ -288,7 +297,9 @@ class TxBatchModel(RuleBasedStateMachine):
         self._do(batch.closed(tx.end_lsn, self.now_ms, bool(sess.pending_dlq), self._behind()))
 
     def _read_record(self, sess: Session, rid: str, *, dead: bool, nbytes: int) -> None:
-        """A record routed: into the open transaction, the buffer, or (dead) pending_dlq."""
+        """A record routed: into the open transaction, the buffer, or (dead) pending_dlq;
+        refused (aborting, failed, fenced): into nothing, and what is due is done (the
+        shell's one guard: the abort, the session's end)."""
         batch = sess.batch
         action = batch.record(self.now_ms, nbytes)
         while action is Action.WAIT:  # the buffer is full: the commit's outcome first
@@ -296,6 +307,10 @@ class TxBatchModel(RuleBasedStateMachine):
             if self.sess is None:
                 return  # (aborted: the session ends, the record is read again)
             action = batch.record(self.now_ms, nbytes)
+        if action is Action.REFUSE:
+            self.refused += 1
+            self._do(batch.due(self.now_ms, waiting=bool(sess.pending_dlq), behind=self._behind()))
+            return
         if dead:  # a dead letter: queued now, handed to Kafka later (never while a
             # commit is under way: the shell drains them into an open transaction)
             sess.pending_dlq.append(rid)
@@ -305,16 +320,24 @@ class TxBatchModel(RuleBasedStateMachine):
         if action is not Action.BUFFER:
             self._do(action)
         if not dead:
-            assert self.kafka.pending is not None
-            self.kafka.pending.append(rid)
+            self._enter(batch, rid)
+
+    def _enter(self, batch: TxBatch, rid: str) -> None:
+        """``rid`` handed to Kafka, into the open transaction; one handed over while the
+        machine is not OPEN (aborting, failed, committing) is noted for the invariant."""
+        if batch.state is not TxState.OPEN:
+            self.entered_not_open.append((rid, batch.state))
+        assert self.kafka.pending is not None
+        self.kafka.pending.append(rid)
 
     @precondition(lambda self: self.sess is not None and self.sess.pending_dlq)
     @rule()
     def drain_dlq(self) -> None:
         sess = self.sess
         assert sess is not None
-        if self.kafka.pending is not None:
-            self.kafka.pending.extend(sess.pending_dlq)
+        if sess.batch.admits:  # (the shell's guard: into an OPEN transaction only)
+            for rid in sess.pending_dlq:
+                self._enter(sess.batch, rid)
             sess.pending_dlq.clear()
             # (the shell's next loop turn asks the machine first: _poll)
             self._do(sess.batch.due(self.now_ms, behind=self._behind()))
@@ -363,6 +386,23 @@ class TxBatchModel(RuleBasedStateMachine):
         assert self.sess is not None
         self._do(self.sess.batch.failed())
 
+    @precondition(
+        lambda self: (
+            self.sess is not None and self.sess.batch.state in (TxState.OPEN, TxState.COMMITTING)
+        )
+    )
+    @rule()
+    def report_failure(self) -> None:
+        """A record's delivery failure reported where the shell does not act on the
+        machine's answer (a delivery report served in a poll, or in the flush of a
+        caught-up relay's due commit): the transaction cannot commit; the reading goes
+        on until the shell's next step asks the machine."""
+        assert self.sess is not None
+        self.sess.batch.failed()
+        self.sess.buffer.clear()  # (thrown away with the transaction: never produced)
+        if self.kafka.pending is not None or self.kafka.committing is not None:
+            self.kafka.doomed = True
+
     @rule(retriable=st.booleans())
     def commit_fault(self, retriable: bool) -> None:
         self.commit_faults.append(retriable)
@@ -404,6 +444,13 @@ class TxBatchModel(RuleBasedStateMachine):
         for tx in self.wal:
             if tx.end_lsn <= bound:
                 assert set(tx.records) <= logged, (tx, bound)
+
+    @invariant()
+    def no_record_enters_a_transaction_not_open(self) -> None:
+        """The one admission rule: a record (a dead letter too) is handed to Kafka only
+        into an OPEN transaction - never while it aborts, failed, or commits (there it
+        is buffered)."""
+        assert not self.entered_not_open, self.entered_not_open
 
     @invariant()
     def waits_are_bounded(self) -> None:
@@ -449,7 +496,7 @@ class TxBatchModel(RuleBasedStateMachine):
     @invariant()
     def a_record_in_open_only_counts(self) -> None:
         """In OPEN, record() adds one to ``records`` and answers NONE - nothing else (the
-        relay's ``_send`` writes that case out, without the call: cdc.relay.eos_steps)."""
+        relay's ``_send`` writes that case out, without the call: cdc.relay.delivery.eos_steps)."""
         sess = self.sess
         if sess is None or sess.batch.state is not TxState.OPEN:
             return
@@ -783,8 +830,22 @@ class _WaitsForACommitWithoutBound(_Mutant):
         return super().due(now_ms, waiting=waiting, behind=behind)
 
 
+class _AdmitsWhileAborting(_Mutant):
+    """Takes a record into a transaction that is aborting (the relay's old crash:
+    a delivery failure during the flush, then the next insert)."""
+
+    __slots__ = ()
+
+    def record(self, now_ms: int, nbytes: int = 0) -> Action:
+        if self.state is TxState.ABORTING:
+            self.records += 1
+            return Action.NONE
+        return super().record(now_ms, nbytes)
+
+
 def _check(model: TxBatchModel) -> None:
     model.nothing_twice()
+    model.no_record_enters_a_transaction_not_open()
     model.confirmed_and_checkpointed_are_in_kafka()
     model.waits_are_bounded()
     model.commits_in_time()
@@ -850,6 +911,12 @@ SCRIPTS: dict[type[TxBatch], list[tuple[str, dict[str, object]]]] = {
         *[("read", {})] * 3,
         ("tick", {"ms": 60}),
         ("tick", {"ms": 200}),
+    ],
+    _AdmitsWhileAborting: [
+        ("pg_commit", {"n": 3}),
+        *[("read", {})] * 2,  # Begin, the first record: OPEN
+        ("report_failure", {}),  # (served in a poll: the reading goes on)
+        ("read", {}),  # the second record
     ],
     _NeverCommitsABacklogByAge: [
         ("pg_commit", {"n": 1}),
@@ -936,6 +1003,13 @@ OVERLAP_SCRIPTS: dict[str, list[tuple[str, dict[str, object]]]] = {
         ("tick", {"ms": LIMITS.commit_budget_ms}),
         ("relay_restart", {}),
     ],
+    "a_delivery_failure_during_the_flush_aborts_and_reads_again": [
+        *_BUFFERING,
+        ("report_failure", {}),  # (the flush at due: the commit cannot succeed)
+        ("pg_commit", {"n": 1}),
+        ("read_some", {"dead": False, "nbytes": 10, "steps": 4}),  # refused: aborted
+        ("relay_restart", {}),
+    ],
     "the_buffer_full_by_records_waits_for_the_commit": [
         *_BUFFERING,
         ("pg_commit", {"n": 3}),
@@ -996,3 +1070,23 @@ def test_a_record_past_the_buffers_bounds_waits_and_counts_nothing() -> None:
     assert batch.committed == 110 and batch.confirm_bound(500) == 110
     batch.wal_closed(210)
     assert batch.flush(64) is Action.COMMIT
+
+
+def test_a_failure_the_shell_learnt_of_later_refuses_records_and_makes_the_abort_due() -> None:
+    """A delivery failure reported in a poll or the commit's flush (failed(), its answer
+    not acted on): every record is refused - counted nowhere - and the abort is what
+    due(), closed() and a shutdown's flush() answer, until it is done."""
+    batch = TxBatch(LIMITS, 0)
+    batch.wal_opened()
+    assert batch.record(0) is Action.BEGIN
+    batch.failed()
+    assert batch.state is TxState.ABORTING and not batch.admits
+    records = batch.records
+    assert batch.record(1, 10) is Action.REFUSE and batch.records == records
+    assert batch.due(2) is Action.ABORT
+    assert batch.closed(110, 3, False, False) is Action.ABORT
+    assert batch.flush(4) is Action.ABORT
+    assert batch.aborted() is Action.RESTART
+    assert batch.record(5) is Action.REFUSE and batch.due(5) is Action.RESTART
+    batch.fenced()
+    assert batch.record(6) is Action.REFUSE and batch.due(6) is Action.EXIT

@@ -1,0 +1,128 @@
+"""Exactly-once mode: a producer whose epoch moved on - a takeover, or the coordinator's timeout.
+
+A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnceRelay` (a mixin). Kafka answers a
+producer whose epoch moved on the same way whether another producer of its
+``transactional.id`` took over (``init_transactions`` of a relay that took the slot)
+or the transaction coordinator aborted its transaction at ``transaction.timeout.ms``
+and bumped the epoch (the relay was paused past ``CDC_TX_TIMEOUT_MS``; librdkafka then
+says "fenced by a newer instance"). Guarantees:
+
+* :func:`is_takeover` (pure) tells them apart from evidence the relay owns: another
+  session holds the slot, or who does cannot be read, or no transaction of ours
+  can have outlived the timeout (our own session holds the slot: another producer
+  took our id) - a takeover, reported as fenced (the relay exits 1, as before);
+  otherwise the coordinator's timeout;
+* a timeout is one WARNING naming ``CDC_TX_TIMEOUT_MS``, the transaction counted
+  aborted, the producer let go and the session ended
+  (:class:`TransactionTimedOutError`, retriable): the next one makes a new producer
+  and reads again from the checkpoint - nothing lost, nothing published twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, NoReturn
+
+import psycopg
+from prometheus_client import Counter
+
+from cdc.errors import KafkaUnavailableError
+from cdc.pgconn import Use
+from cdc.pgconn import connect as pg_connect
+from cdc.relay.delivery.txbatch import TxBatch, TxState
+from cdc.settings import Settings
+from cdc.wal.stream import Walsender, slot_holder
+
+log = logging.getLogger("cdc.relay")
+
+_OPEN_STATES = (TxState.OPEN, TxState.COMMITTING, TxState.ABORTING)
+
+
+class TransactionTimedOutError(KafkaUnavailableError):
+    """The transaction coordinator aborted the relay's transaction at its timeout (the
+    producer's epoch moved on): nobody took over - a new producer, the session again."""
+
+
+def is_takeover(*, slot_taken: bool | None, tx_age_ms: int | None, timeout_ms: int) -> bool:
+    """Whether a producer whose epoch moved on (fenced, or an invalid epoch) was taken
+    over by another relay, rather than aborted by the coordinator at the transaction
+    timeout. Pure.
+
+    ``slot_taken``: another session holds the slot (None: it could not be read);
+    ``tx_age_ms``: how long the relay's Kafka transaction had been open (None: none
+    was). A takeover when another session holds the slot, when that cannot be told,
+    or when no transaction of ours could have outlived ``timeout_ms`` (so another
+    producer took our transactional.id while our session still holds the slot); a
+    timeout only when our session (or nobody) holds the slot and our transaction was
+    open at least ``timeout_ms``: the coordinator's clock starts after ours."""
+    if slot_taken is None or slot_taken:
+        return True
+    return tx_age_ms is None or tx_age_ms < timeout_ms
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+class EpochMoved:
+    """The exactly-once relay's judgement of a moved epoch (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        settings: Settings
+        _batch: TxBatch
+        _fenced: str | None
+        _transactions: Counter
+        _own_walsender: Walsender | None
+
+        def _drop_producer(self) -> None: ...
+
+    def _tx_age_ms(self) -> int | None:
+        """How long the session's Kafka transaction has been open (None: none is)."""
+        batch = self._batch
+        if batch.state in _OPEN_STATES:
+            return _now_ms() - batch.opened_ms
+        return None
+
+    def _slot_taken(self) -> bool | None:
+        """Whether another session holds the slot (None: it could not be read)."""
+        try:
+            with pg_connect(self.settings.pg_dsn.get_secret_value(), Use.QUERY) as conn:
+                holder = slot_holder(conn, self.settings.slot)
+        except psycopg.Error as exc:
+            log.warning("reading who holds slot %s: %s", self.settings.slot, exc)
+            return None
+        own = self._own_walsender
+        walsender = holder.walsender
+        return walsender is not None and not (own is not None and walsender.same_as(own))
+
+    def _taken_over(self) -> bool:
+        """Whether the moved epoch is a takeover (:func:`is_takeover`)."""
+        return is_takeover(
+            slot_taken=self._slot_taken(),
+            tx_age_ms=self._tx_age_ms(),
+            timeout_ms=self.settings.tx_timeout_ms,
+        )
+
+    def _timed_out(self) -> NoReturn:
+        """The coordinator aborted the transaction at its timeout: one WARNING, the
+        producer let go, the session ends (the next one reads from the checkpoint)."""
+        age_ms = self._tx_age_ms()
+        timeout_ms = self.settings.tx_timeout_ms
+        why, self._fenced = self._fenced, None
+        log.warning(
+            "Kafka transaction aborted by the transaction coordinator: open %.1fs, past"
+            " CDC_TX_TIMEOUT_MS (%d ms) - the relay was paused, or a WAL transaction"
+            " took that long (%s); nobody took over (this relay's session holds slot"
+            " %s): a new producer, reading again from the checkpoint",
+            (age_ms or 0) / 1000,
+            timeout_ms,
+            why,
+            self.settings.slot,
+        )
+        self._transactions.labels("aborted").inc()
+        self._batch.aborted()
+        self._drop_producer()
+        raise TransactionTimedOutError(
+            f"Kafka transaction timed out (CDC_TX_TIMEOUT_MS={timeout_ms}): a new producer"
+        )

@@ -1,0 +1,593 @@
+"""``CDC_DELIVERY=exactly-once``: Kafka transactions that carry their own checkpoint.
+
+A thin shell around :class:`cdc.relay.delivery.txbatch.TxBatch` (the decisions) on top of the
+at-least-once relay, whose hot path it leaves as it is: it only adds to the
+record-handling steps (Begin, Commit and :meth:`_send`: :mod:`cdc.relay.delivery.eos_steps`;
+:meth:`_queue_dlq`) and to the loop's poll. Guarantees (DESIGN.md, relay invariant 13):
+
+* the producer is transactional; its ``transactional.id`` is
+  ``CDC_TRANSACTIONAL_ID`` or ``outbox-cdc.<system identifier>.<slot>``: the
+  relay that holds the slot is the one producer of that id. ``init_transactions``
+  runs only once the session holds the slot (a standby never fences the active
+  relay) and, before anything is read, fences the relay before it and aborts
+  that relay's open transaction;
+* the records of one or more whole WAL transactions, their dead letters and a
+  **checkpoint record** (:mod:`cdc.relay.delivery.checkpoint`: the commit end-LSN of the
+  last WAL transaction in it, keyed by ``origin``) are committed in one Kafka
+  transaction; a transaction is committed once it holds ``CDC_TX_MAX_RECORDS``
+  records or is ``CDC_TX_MAX_MS`` old, whichever first, and only between WAL
+  transactions; while the relay reads a backlog (its last read turn left more WAL
+  waiting: ``Session.caught_up`` false) the age bound is :data:`BACKLOG_TX_MAX_MS`
+  instead - fewer commits, each a round trip and markers in every partition;
+* the LSN confirmed to PostgreSQL never passes the last committed checkpoint
+  while a Kafka transaction is open (the tracker is capped:
+  :meth:`TxBatch.confirm_bound`), so it follows Kafka's commit (invariant 1);
+* every start reads its checkpoint with ``read_committed`` and skips every WAL
+  transaction whose commit LSN lies below it: nothing committed is published
+  twice. The checkpoint is verified first (:func:`cdc.relay.delivery.checkpoint.judge`:
+  its ``origin`` header, its value, not beyond the server's WAL position); one
+  that is not trusted is warned about once and the session starts from the
+  slot's confirmed position (duplicates possible, never a loss). On a new
+  timeline without a checkpoint of its own (after a failover), the nearest
+  ancestor timeline's checkpoint counts up to where that timeline ended
+  (:func:`cdc.relay.delivery.checkpoint.read_checkpoint`). Records of an
+  aborted transaction are invisible to a read_committed consumer and are read
+  again from the slot;
+* a failed record, a failed commit (after retries within the commit budget) or
+  a transaction open for ``CDC_TX_TIMEOUT_MS`` less the commit budget is
+  aborted and the session ends; the next one starts from the slot and the
+  checkpoint. Every Kafka call of the transaction is bounded
+  (:data:`cdc.relay.delivery.overlap.COMMIT_TIMEOUT_S`, :data:`ABORT_TIMEOUT_S`,
+  :data:`INIT_TIMEOUT_S`);
+* **fenced**: a relay whose producer a newer one fenced (a takeover while it was
+  paused) publishes nothing more: it logs one line and the process exits 1. A
+  producer whose epoch moved on is judged first
+  (:func:`cdc.relay.delivery.epoch.is_takeover`): another
+  session holds the slot, or no transaction of ours can have outlived
+  ``CDC_TX_TIMEOUT_MS`` - fenced; otherwise the transaction coordinator aborted
+  our transaction at its timeout (the relay was paused, with nobody to take
+  over): one WARNING naming the timeout, a new producer, the session again from
+  the checkpoint;
+* a session whose start fails (``init_transactions``, the checkpoint read) lets
+  its producer go: the next session makes and initialises a new one.
+* **the commit overlaps the reading** (:mod:`cdc.relay.delivery.overlap`): records routed
+  while a commit is under way are buffered, within bounds, for the next transaction.
+
+The points where exactly-once changes the at-least-once relay: each hook of the
+relay it overrides, and who defines it (``tests/unit/test_relay_layout.py`` holds
+this table to the code: an override not listed here fails it).
+
+====================  ====================  ==========================================
+hook                  defined by            overridden by (what it adds)
+====================  ====================  ==========================================
+_new_producer         Relay                 ExactlyOnceRelay (transactional, fenced)
+_new_tracker          Relay                 ExactlyOnceRelay (confirms the checkpoint)
+_stream_loop          Relay                 ExactlyOnceRelay (the session's start)
+_shutdown             Relay                 ExactlyOnceRelay (the last commit)
+_rebuild_producer     Relay                 ExactlyOnceRelay (the machine reset)
+_read_wait_s          Relay                 CommitOverlap (no wait with a commit due)
+_poll                 Producing             ExactlyOnceRelay (the machine's due step)
+_report_failed        Producing             ExactlyOnceRelay (the transaction fails)
+_raise_kafka          Producing             ExactlyOnceRelay (fenced: exit)
+_send                 Producing             EosSteps (admission: TxBatch.record)
+_queue_dlq            DeadLetters           ExactlyOnceRelay (inside the transaction)
+_dlq_report_failed    DeadLetters           ExactlyOnceRelay (the transaction fails)
+_drain_dlq            DeadLetters           CommitOverlap (not while a commit runs)
+_on_begin             FastPath              EosSteps (TxBatch.wal_opened, covered)
+_on_commit            FastPath              EosSteps (TxBatch.wal_closed, due)
+_arm_start_check      SlotGuard             EosStart (keeps the tail's last record)
+====================  ====================  ==========================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, NoReturn
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from prometheus_client import Counter, Gauge
+
+from cdc.errors import CdcError, ConfigError, KafkaUnavailableError, ProducerFatalError
+from cdc.evidence import Origin
+from cdc.health import Liveness
+from cdc.kafka.producer import producer_config
+from cdc.relay.delivery import checkpoint as ckpt
+from cdc.relay.delivery.eos_start import EosStart
+from cdc.relay.delivery.eos_steps import EosSteps
+from cdc.relay.delivery.epoch import EpochMoved
+from cdc.relay.delivery.overlap import (
+    BUFFER_MAX_BYTES,
+    BUFFER_MAX_RECORDS,
+    CommitOverlap,
+)
+from cdc.relay.delivery.txbatch import Action, TxBatch, TxLimits, TxState
+from cdc.relay.health.state import Headers, Session, _PendingDlq
+from cdc.relay.stream.loop import Relay
+from cdc.relay.stream.producing import Producing, Reports
+from cdc.router import DeadLetterCode
+from cdc.wal.lsn import LsnTracker
+from cdc.wal.replproto import lsn_to_str
+
+log = logging.getLogger("cdc.relay")
+
+#: All attempts at one commit together; then the transaction is aborted.
+COMMIT_BUDGET_S = 10.0
+#: One abort_transaction call waits at most this long; a failed abort rebuilds the
+#: producer (the new one's init_transactions aborts the transaction).
+ABORT_TIMEOUT_S = 10.0
+#: init_transactions waits at most this long (it waits for the previous producer
+#: of the id: its open transaction is aborted first).
+INIT_TIMEOUT_S = 30.0
+#: While the relay reads a backlog (more WAL there than a read turn takes), a Kafka
+#: transaction is committed at CDC_TX_MAX_RECORDS or this age, not at CDC_TX_MAX_MS:
+#: its events are older than CDC_TX_MAX_MS already, and each commit costs a round trip
+#: to the coordinator and markers in every partition leader. A second bounds the
+#: work an abort throws away and the wait of the first events of a backlog.
+BACKLOG_TX_MAX_MS = 1_000
+#: Error codes that mean another producer took the transactional.id.
+FENCED_CODES = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+)
+
+
+class RelayFencedError(CdcError):
+    """A newer relay took the transactional.id: this one publishes nothing more."""
+
+    retriable = False
+
+
+def is_fenced(err: object) -> bool:
+    """Whether a KafkaError (or a KafkaException carrying one) says this producer was fenced."""
+    if isinstance(err, KafkaException):
+        err = err.args[0] if err.args else None
+    return isinstance(err, KafkaError) and err.code() in FENCED_CODES
+
+
+def transactional_id(configured: str, origin: Origin, slot: str) -> str:
+    """``CDC_TRANSACTIONAL_ID``, or ``outbox-cdc.<system identifier>.<slot>``."""
+    return configured or f"outbox-cdc.{origin.system_id}.{slot}"
+
+
+_monotonic = time.monotonic
+_tracker_open, _tracker_close = LsnTracker.open, LsnTracker.close
+_send_record = Producing._send  # (the relay's own _send: cdc.relay.stream.producing)
+_NONE = Action.NONE
+_BEGIN = Action.BEGIN
+_COMMITTING = TxState.COMMITTING
+
+
+def _now_ms() -> int:
+    return int(_monotonic() * 1000)
+
+
+class _ModeLiveness(Liveness):
+    """``/readyz`` names the delivery mode after the state."""
+
+    def set(self, state: str, *, ready: bool) -> None:
+        super().set(f"{state} (exactly-once)", ready=ready)
+
+
+class CheckpointTracker(LsnTracker):
+    """The session's LSN tracker, capped at the committed checkpoint and telling the
+    Kafka transactions where WAL transactions begin and end."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, start_lsn: int, batch: TxBatch) -> None:
+        super().__init__(start_lsn)
+        self.batch = batch
+
+    @property
+    def confirmable(self) -> int:
+        return self.batch.confirm_bound(self._confirmed)
+
+    # (LsnTracker's methods called directly, not through super(): once per WAL
+    # transaction, measurable in a 1-event transaction's cost)
+    def open(self, tx_id: int) -> None:
+        _tracker_open(self, tx_id)
+        self.batch.wal_opened()
+
+    def close(self, tx_id: int, end_lsn: int) -> None:
+        _tracker_close(self, tx_id, end_lsn)
+        self.batch.wal_closed(end_lsn)
+
+
+# (ignore: CommitOverlap._read_wait_s is a property over Relay's class attribute)
+class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  # type: ignore[override]
+    """The relay of ``CDC_DELIVERY=exactly-once``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        s = self.settings
+        budget_ms = int(COMMIT_BUDGET_S * 1000)
+        if s.standby_safe:
+            # (held records are produced after their WAL transaction ended: a commit
+            # could carry a checkpoint past records not yet in its transaction)
+            raise ConfigError(
+                "CDC_STANDBY_SAFE does not combine with CDC_DELIVERY=exactly-once: unset one"
+            )
+        if s.tx_timeout_ms <= budget_ms:
+            raise ConfigError(
+                f"CDC_TX_TIMEOUT_MS={s.tx_timeout_ms} must exceed the commit budget"
+                f" ({budget_ms} ms)"
+            )
+        self._limits = TxLimits(
+            max_records=s.tx_max_records,
+            max_ms=s.tx_max_ms,
+            backlog_max_ms=max(s.tx_max_ms, BACKLOG_TX_MAX_MS),
+            abort_after_ms=s.tx_timeout_ms - budget_ms,
+            commit_budget_ms=budget_ms,
+            # (a buffer no larger than a transaction: the next one stays within its bound)
+            buffer_max_records=min(BUFFER_MAX_RECORDS, s.tx_max_records),
+            buffer_max_bytes=BUFFER_MAX_BYTES,
+        )
+        self._checkpoint_topic = ckpt.checkpoint_topic(s)
+        self.liveness = _ModeLiveness()
+        self._transactions = Counter(
+            "outbox_relay_kafka_transactions_total",
+            "Exactly-once: Kafka transactions ended, by outcome (committed, aborted)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._checkpoint_lsn = Gauge(
+            "outbox_relay_checkpoint_lsn",
+            "Exactly-once: the last committed checkpoint (a commit end-LSN, as a number)",
+            registry=self.registry,
+        )
+        #: the producer whose init_transactions succeeded (None: call it first)
+        self._initialised: Producer | None = None
+        self._batch = TxBatch(self._limits, 0)
+        #: the WAL transaction being read, when the checkpoint covers it (else -1)
+        self._skip_tx = -1
+        self._sess: Session | None = None
+        self._origin = ""
+        self._fenced: str | None = None
+        self._fenced_producer: Producer | None = None
+        #: a commit_transaction failed retriably: only commit_transaction may follow
+        self._commit_unfinished = False
+        #: why a checkpoint was not trusted (each warned about once)
+        self._distrusted: set[str] = set()
+        self._init_overlap(self.registry)
+
+    # -- the session -------------------------------------------------------------
+    def _new_producer(self, origin: tuple[str, bytes]) -> Producer:
+        s = self.settings
+        parsed = Origin.parse(origin[1])
+        if parsed is None:
+            raise KafkaUnavailableError(f"origin {origin[1]!r} does not parse")
+        tid = transactional_id(s.transactional_id, parsed, s.slot)
+        config: dict[str, Any] = dict(producer_config(s.kafka_bootstrap_servers, s.kafka_config))
+        config.update(self._events.config())
+        config["delivery.report.only.error"] = self._tracing is None
+        config["transactional.id"] = tid
+        config["transaction.timeout.ms"] = s.tx_timeout_ms
+        # (records never outlive their transaction: at most the transaction timeout)
+        config["message.timeout.ms"] = s.tx_timeout_ms
+        log.info(
+            "delivery exactly-once: transactional.id %s, checkpoint topic %s",
+            tid,
+            self._checkpoint_topic,
+            extra={"topic": self._checkpoint_topic},
+        )
+        return Producer(config)
+
+    def _new_tracker(self, start_lsn: int) -> LsnTracker:
+        return CheckpointTracker(start_lsn, self._batch)
+
+    def _stream_loop(self, sess: Session) -> None:
+        try:
+            # (a failed start abandons its producer too: one whose init_transactions
+            # succeeded is never kept for a later session)
+            self._begin_session(sess)
+            super()._stream_loop(sess)
+        except BaseException:
+            self._abandon(sess)
+            raise
+        finally:
+            if self._fenced is not None:
+                self._exit_fenced()
+
+    def _begin_session(self, sess: Session) -> None:
+        """Fence the relay before (init_transactions), read the checkpoint, set the
+        session's transactions up (the tracker then answers from them)."""
+        producer = self._producer
+        assert producer is not None and sess.origin is not None
+        if self._initialised is not producer:
+            try:
+                producer.init_transactions(INIT_TIMEOUT_S)
+            except KafkaException as exc:
+                self._kafka_failed(exc, "init_transactions")
+            self._initialised = producer
+        self._origin = sess.origin[1].decode()
+        start = sess.tracker._confirmed  # (the slot's confirmed position: the session's start)
+        found = self._start_checkpoint(start)
+        checkpoint = found if found is not None else 0
+        self._batch = TxBatch(self._limits, checkpoint)
+        self._skip_tx = -1
+        self._buffer, self._flushing, self._releasing = [], False, False
+        self._checkpoint_lsn.set(checkpoint)
+        assert isinstance(sess.tracker, CheckpointTracker)
+        sess.tracker.batch = self._batch
+        self._sess = sess
+        log.info(
+            "checkpoint %s of %s; slot confirmed %s: WAL transactions below the checkpoint"
+            " are skipped",
+            lsn_to_str(checkpoint) if found is not None else "none",
+            self._origin,
+            lsn_to_str(start),
+            extra={"lsn": lsn_to_str(checkpoint)},
+        )
+
+    def _poll(self, timeout_s: float) -> None:
+        job = self._job
+        if job is None:
+            super()._poll(timeout_s)
+        elif timeout_s > 0:  # (commit_transaction has the producer: wait for it instead)
+            job.done.wait(timeout_s)
+        if self._fenced is not None:
+            self._exit_fenced()
+        sess = self._sess
+        if sess is not None:
+            if self._batch.state is _COMMITTING:
+                self._act(sess, self._advance(sess))
+            self._act(sess, self._due(sess))
+
+    def _shutdown(self, sess: Session) -> None:
+        """Finish the commit under way, commit what can be (an open WAL transaction's
+        records are aborted: the slot sends it again), then the relay's own shutdown:
+        the last confirmation goes no further than the committed checkpoint."""
+        try:
+            self._await_commit(sess)
+            self._drain_dlq(sess)
+            self._act(sess, self._batch.flush(_now_ms(), waiting=bool(sess.pending_dlq)))
+            self._await_commit(sess)
+        except KafkaUnavailableError as exc:  # (an abort, or a producer let go; fenced raises)
+            log.warning("at shutdown: %s", exc)
+        self._sess = None  # (the loop's polls act on transactions no more)
+        if self._producer is not None:
+            super()._shutdown(sess)
+
+    # -- record-handling steps (the hot ones: cdc.relay.delivery.eos_steps) ------------------
+    def _queue_dlq(
+        self,
+        sess: Session,
+        tx_id: int,
+        code: DeadLetterCode,
+        reason: str,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        headers: Headers,
+        timestamp_ms: int,
+    ) -> None:
+        if self._skipped(sess, tx_id):
+            return
+        super()._queue_dlq(sess, tx_id, code, reason, topic, key, value, headers, timestamp_ms)
+
+    def _skipped(self, sess: Session, tx_id: int) -> bool:
+        """A record (already added to the tracker) of ``tx_id``: True when its WAL
+        transaction is covered by the checkpoint (acknowledged at once, not produced);
+        otherwise a Kafka transaction is begun for it if none is open."""
+        batch = self._batch
+        if batch.covered(tx_id):
+            sess.tracker.ack(tx_id)
+            return True
+        action = batch.record(_now_ms())
+        if action is not _NONE:
+            # (buffered during a commit: the dead letter waits in pending_dlq meanwhile,
+            # counted in the next transaction)
+            action = self._held(sess, action, 0)
+        if action is Action.REFUSE:
+            # (aborting, failed or fenced - e.g. a failed report served during the
+            # commit's flush: its transaction is lost anyway and the record read again,
+            # a refused one remembered; called from a delivery report, so nothing is
+            # raised here: the abort is the machine's next answer to the loop)
+            sess.tracker.ack(tx_id)
+            return True
+        return False
+
+    def _refuse(self, sess: Session) -> NoReturn:
+        """A record the machine refused (the transaction is aborting, failed or fenced)
+        is not produced: what is due is done - the abort, the session's end, the
+        exit - and the session ends (its records are read again from the checkpoint)."""
+        self._act(sess, self._batch.due(_now_ms()))
+        raise KafkaUnavailableError("Kafka transaction aborted: reading again from the checkpoint")
+
+    def _begin(self) -> None:
+        """Begin the Kafka transaction the machine opened for a record."""
+        producer = self._producer
+        assert producer is not None
+        try:
+            producer.begin_transaction()
+        except KafkaException as exc:
+            self._kafka_failed(exc, "begin_transaction")
+
+    def _report_failed(self, reports: Reports, err: KafkaError, msg: Message) -> None:
+        """A failed delivery report: the transaction cannot commit (aborted, the session
+        ends); fenced: the relay stops. A record Kafka refused for itself is remembered
+        (dead-lettered when it is read again)."""
+        if is_fenced(err):
+            self._fenced = self._fenced or f"{err.name()}: {err.str()}"
+        self._batch.failed()  # (first: no dead letter joins a transaction that must abort)
+        super()._report_failed(reports, err, msg)
+        reports.sess.fatal = reports.sess.fatal or err
+
+    def _dlq_report_failed(self, sess: Session, item: _PendingDlq, err: KafkaError) -> None:
+        """A dead letter's delivery failed: its transaction cannot commit either (aborted,
+        the session ends; the dead letter is made again when its record is read again)."""
+        if is_fenced(err):
+            self._fenced = self._fenced or f"{err.name()}: {err.str()}"
+        self._batch.failed()
+        super()._dlq_report_failed(sess, item, err)
+        sess.fatal = sess.fatal or err
+
+    def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
+        if is_fenced(exc) or _fatal_code(exc) in FENCED_CODES:
+            self._fenced = self._fenced or f"{what}: {exc}"
+            self._exit_fenced()
+        super()._raise_kafka(exc, what)
+
+    # -- transactions ------------------------------------------------------------
+    def _due(self, sess: Session) -> Action:
+        """What the transactions' machine says is due now (a backlog - the last read
+        turn found more WAL than it read - lets the transaction grow longer; records of
+        the buffer not yet produced wait like dead letters)."""
+        return self._batch.due(
+            _now_ms(), bool(sess.pending_dlq) or self._releasing, not sess.caught_up
+        )
+
+    def _act(self, sess: Session, action: Action) -> None:
+        """Do what the transactions' machine asked (COMMIT, ABORT, RESTART, EXIT)."""
+        while action is not Action.NONE:
+            if action is Action.COMMIT:
+                action = self._commit(sess)
+            elif action is Action.ABORT:
+                action = self._abort(sess, "a record of it failed, or it grew too old")
+            elif action is Action.RESTART:
+                raise KafkaUnavailableError(
+                    "Kafka transaction aborted: reading again from the checkpoint"
+                )
+            elif action is Action.EXIT:
+                self._exit_fenced()
+            elif action is _BEGIN:  # (commit_ok: records were buffered during the commit)
+                self._begin()
+                self._release(sess)
+                action = self._due(sess)
+            else:  # BUFFER, WAIT and REFUSE come only from record(), WAIT from flush() too
+                raise AssertionError(action)
+
+    def _commit_failed(self, sess: Session, exc: KafkaException) -> Action:
+        """The checkpoint's produce or commit_transaction failed: fenced or fatal ends
+        it; otherwise COMMIT again (retriable, within the budget) or ABORT."""
+        producer = self._producer
+        assert producer is not None
+        err = exc.args[0] if exc.args else None
+        if is_fenced(exc) or _fatal_code(exc) is not None:
+            self._kafka_failed(exc, "commit_transaction")
+        # A record that failed during the commit has its report queued: served now,
+        # it is remembered (a refused one is dead-lettered when read again) and the
+        # transaction marked failed - never a retry of a commit that cannot succeed.
+        self._serve_reports(producer)
+        retriable = isinstance(err, KafkaError) and err.retriable()
+        # (after a retriable failure librdkafka takes only commit_transaction again)
+        self._commit_unfinished = self._commit_unfinished or retriable
+        log.warning("Kafka transaction commit failed: %s", exc)
+        sess.stream.send_status(sess.tracker.confirmable, ask_raise=False)
+        return self._batch.commit_failed(retriable=retriable, now_ms=_now_ms())
+
+    def _abort(self, sess: Session, why: str) -> Action:
+        producer = self._producer
+        assert producer is not None
+        job = self._job
+        running = not self._join_commit()
+        if job is not None and not running:
+            if job.error is None:  # (it committed: no transaction is open, the buffer in none)
+                self._transactions.labels("committed").inc()
+                self._commit_unfinished = False
+                return self._batch.aborted()
+            err = job.error.args[0] if job.error.args else None
+            if isinstance(err, KafkaError) and err.retriable():  # (only a commit may follow)
+                self._commit_unfinished = True
+        if self._commit_unfinished or running:  # (abort_transaction would conflict with it)
+            self._transactions.labels("aborted").inc()
+            self._batch.aborted()
+            self._drop_producer()
+            raise ProducerFatalError(
+                f"Kafka transaction commit not finished within {COMMIT_BUDGET_S:g}s: a new"
+                " producer (its init_transactions aborts the transaction)"
+            )
+        log.warning("aborting the Kafka transaction (%s)", why)
+        self._transactions.labels("aborted").inc()
+        try:
+            producer.abort_transaction(ABORT_TIMEOUT_S)
+        except KafkaException as exc:
+            if is_fenced(exc) or _fatal_code(exc) in FENCED_CODES:
+                self._fenced = self._fenced or f"abort_transaction: {exc}"
+                self._exit_fenced()
+            self._batch.aborted()
+            self._drop_producer()
+            raise ProducerFatalError(
+                f"Kafka transaction abort failed ({exc}): a new producer (its"
+                " init_transactions aborts the transaction)"
+            ) from exc
+        return self._batch.aborted()
+
+    def _abandon(self, sess: Session) -> None:
+        """The session ends with an exception: abort a Kafka transaction left open
+        (fenced: the relay stops; a failed abort: the producer is rebuilt)."""
+        self._sess = None
+        open_states = (TxState.OPEN, TxState.COMMITTING, TxState.ABORTING)
+        if self._batch.state in open_states and self._fenced is None and self._producer is not None:
+            self._abort(sess, "the session ended")
+        # A new session takes a new producer: init_transactions runs once per producer,
+        # and the next session may come after another relay held the slot (and fenced
+        # this producer) - a fresh one takes the id back.
+        self._drop_producer()
+
+    def _rebuild_producer(self, reason: str) -> None:
+        self._drop_producer()  # (close() would try to end the transaction once more)
+        super()._rebuild_producer(reason)
+
+    def _kafka_failed(self, exc: KafkaException, what: str) -> None:
+        """A transactional call failed: fenced stops the relay; anything else ends the
+        session (a fatal error rebuilds the producer)."""
+        if is_fenced(exc) or _fatal_code(exc) in FENCED_CODES:
+            self._fenced = self._fenced or f"{what}: {exc}"
+            self._exit_fenced()
+        err = exc.args[0] if exc.args else None
+        if isinstance(err, KafkaError) and err.txn_requires_abort():
+            self._batch.failed()
+            raise KafkaUnavailableError(f"{what} failed: {exc}") from exc
+        if _fatal_code(exc) is not None:
+            self._drop_producer()
+            raise ProducerFatalError(f"{what} failed: {exc}") from exc
+        raise KafkaUnavailableError(f"{what} failed: {exc}") from exc
+
+    def _serve_reports(self, producer: Producer) -> None:
+        """Serve the delivery reports already queued (failed ones are remembered)."""
+        with contextlib.suppress(KafkaException):
+            producer.poll(0)
+
+    def _drop_producer(self) -> None:
+        """Serve the reports already there (a refused record is remembered), purge and
+        let go of the producer without close() (which would try to end the transaction
+        once more); the next session makes a new one."""
+        self._join_commit()
+        producer, self._producer = self._producer, None
+        self._initialised = None
+        self._commit_unfinished = False
+        if producer is not None and producer is not self._busy:  # (see _join_commit)
+            self._serve_reports(producer)
+            with contextlib.suppress(KafkaException):
+                producer.purge(in_queue=True, in_flight=True)
+
+    def _exit_fenced(self) -> NoReturn:
+        """The producer's epoch moved on. A takeover
+        (:func:`cdc.relay.delivery.epoch.is_takeover`): publish
+        nothing more - purge the producer's records and raise (it is not closed: close()
+        would try to abort the transaction the broker already ended). The coordinator's
+        transaction timeout instead: one WARNING, a new producer, the session again
+        (:class:`cdc.relay.delivery.epoch.TransactionTimedOutError`)."""
+        if not self._taken_over():
+            self._timed_out()  # (the coordinator's timeout: raises, the session again)
+        self._batch.fenced()
+        self._join_commit()
+        producer, self._producer = self._producer, None
+        if producer is not None and producer is not self._busy:
+            with contextlib.suppress(KafkaException):
+                producer.purge(in_queue=True, in_flight=True)
+            self._fenced_producer = producer  # (destroyed with the process)
+        raise RelayFencedError(
+            f"fenced: another relay took transactional.id of slot {self.settings.slot}"
+            f" ({self._fenced}); this one publishes nothing more and exits"
+        )
+
+
+def _fatal_code(exc: KafkaException) -> int | None:
+    """The code of the fatal error ``exc`` carries, else None."""
+    err = exc.args[0] if exc.args else None
+    if isinstance(err, KafkaError) and err.fatal():
+        return int(err.code())
+    return None

@@ -1,0 +1,430 @@
+"""The relay's reading of pgoutput changes: the fast path from Insert bytes to a Kafka record.
+
+Guarantees: the fast path yields the very record :func:`cdc.router.route_fields`
+would, for the common case only (an outbox row of text values, all required
+columns present, a JSON object payload, a known topic, a UTF-8 database); any
+other row is decoded fully and routed or dead-lettered with the precise reason.
+The payload's bytes are published as PostgreSQL sent them (never re-encoded).
+Columns are found by name after every Relation message: an outbox relation
+lacking a required column (renamed, dropped) or holding one of an unusable type
+is reported once per Relation and its rows are dead-lettered (``missing_field``)
+with that reason; no other column ever stands in for a missing one.
+Outbox updates, deletes and truncates are counted and logged once a session,
+never published; a non-transactional outbox message is dead-lettered. A
+payload nested deeper than :data:`cdc.jsontext.MAX_DEPTH` is dead-lettered on
+every path with the same reason (:func:`cdc.jsontext.too_deep`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from confluent_kafka import KafkaException
+
+from cdc import constants as c
+from cdc import jsontext
+from cdc.constants import PG_EPOCH_OFFSET_US
+from cdc.errors import (
+    DecodeError,
+)
+from cdc.gaps import FORM_MESSAGE
+from cdc.kafka.producer import (
+    TopicManager,
+)
+from cdc.relay.gaps.ledger import SlotLedger
+from cdc.relay.health.metrics import RelayMetrics
+from cdc.relay.health.state import PoisonIds, RefusedStep, SendStep, Session
+from cdc.router import (
+    BrokenOutbox,
+    DeadLetterCode,
+    KafkaRecord,
+    OutboxLayout,
+    RouteError,
+    TxContext,
+    event_identity,
+    outbox_layout,
+    route_fields,
+    route_message,
+)
+from cdc.settings import Settings
+from cdc.wal import pgoutput as pgo
+from cdc.wal.replproto import Keepalive, lsn_to_str, parse_copy_data, xlog_payload
+
+log = logging.getLogger("cdc.relay")
+
+
+_TAG_INSERT, _TAG_BEGIN, _TAG_COMMIT = ord("I"), ord("B"), ord("C")
+
+
+_TAG_RELATION, _TAG_MESSAGE = ord("R"), ord("M")
+
+
+_IGNORED_CHANGES = {ord("U"): "update", ord("D"): "delete", ord("T"): "truncate"}
+
+
+#: Bound of the aggregatetype -> topic cache of the fast path.
+TOPIC_CACHE_MAX = 10_000
+
+
+_loads, _JSONDecodeError = orjson.loads, orjson.JSONDecodeError
+
+
+_MAX_DEPTH, _too_deep = jsontext.MAX_DEPTH, jsontext.too_deep
+
+
+_H_ID, _H_TYPE, _H_AGGTYPE = c.HEADER_ID, c.HEADER_TYPE, c.HEADER_AGGREGATE_TYPE
+
+
+_H_TRACEPARENT = c.HEADER_TRACEPARENT
+
+
+_BEGIN_LEN, _begin_fields = pgo.BEGIN_LEN, pgo.begin_fields
+
+
+_COMMIT_LEN, _commit_fields = pgo.COMMIT_LEN, pgo.commit_fields
+
+
+_UNKNOWN: Any = object()
+
+
+def _not_object(doc: bytes) -> bool:
+    """Whether orjson does not read ``doc`` as a JSON object (the exact check follows)."""
+    try:
+        return _loads(doc).__class__ is not dict
+    except _JSONDecodeError:
+        return True
+
+
+def _malformed(payload: bytes | memoryview) -> DecodeError:
+    """The error :func:`pgo.decode` names for a message the fast path found malformed."""
+    try:
+        pgo.decode(payload)
+    except DecodeError as exc:
+        return exc
+    return DecodeError(f"malformed pgoutput message ({len(payload)} bytes)")
+
+
+def _begin_slowly(data: bytes | memoryview, at: int) -> tuple[int, int, bytes, bytes]:
+    """What :func:`pgo.begin_context` declined: a malformed Begin raises; a commit
+    time it does not format (outside the years 1000-9999) is formatted here."""
+    if len(data) - at != _BEGIN_LEN:
+        raise _malformed(data[at:])
+    final_lsn, commit_ts, _xid = _begin_fields(data, at + 1)
+    ts_us = commit_ts + PG_EPOCH_OFFSET_US
+    tx = TxContext(lsn_to_str(final_lsn), ts_us)
+    return final_lsn, ts_us, tx.lsn_header[1], tx.ts_header[1]
+
+
+def _tx_context(sess: Session) -> TxContext:
+    """The open transaction's context, made at its first record from its Begin."""
+    begin = sess.begin
+    assert begin is not None
+    tx = sess.tx = TxContext.of_texts(begin[2], begin[1], begin[3], sess.origin)
+    return tx
+
+
+def _decode(value: object) -> str | None:
+    """A text value of an Insert tuple as str (None for NULL)."""
+    if value is None:
+        return None
+    if value.__class__ is bytes:
+        return value.decode()
+    raise DecodeError("outbox row has a non-text value: the full row is not in the stream")
+
+
+def _broken_row(broken: BrokenOutbox, values: pgo.TupleData, prefix: str) -> RouteError:
+    """The dead-letter reason of a row of a broken outbox relation, naming the row."""
+    row = {name: _decode(values[at]) for name, at in broken.positions.items()}
+    key, topic = event_identity(row.get("aggregatetype"), row.get("aggregateid"), prefix)
+    return RouteError(
+        broken.problem,
+        code=DeadLetterCode.MISSING_FIELD,
+        event_id=row.get("id") or "",
+        raw=orjson.dumps(row),
+        key=key,
+        topic=topic,
+    )
+
+
+class FastPath:
+    """The relay's part that reads pgoutput changes (a mixin of
+    :class:`~cdc.relay.stream.loop.Relay`)."""
+
+    if TYPE_CHECKING:
+        settings: Settings
+        metrics: RelayMetrics
+        poison: PoisonIds
+        _topics: TopicManager
+        _topic_of: dict[bytes, str]
+        _utf8: bool
+        _table: tuple[str, ...] | tuple[None, str]
+        _ledger: SlotLedger
+
+        def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None: ...
+
+        _send: SendStep
+        _refused: RefusedStep
+
+        def _dead_letter_route(
+            self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError
+        ) -> None: ...
+
+    def _handle(self, sess: Session, data: memoryview | bytes) -> None:
+        """One CopyData message of the replication stream."""
+        payload = xlog_payload(data)
+        if payload is None:
+            msg = parse_copy_data(data)
+            if isinstance(msg, Keepalive):
+                sess.tracker.observe_wal_end(msg.wal_end)
+                if msg.reply_requested:
+                    sess.reply_requested = True
+            return
+        self._on_change(sess, payload)
+
+    def _on_change(self, sess: Session, data: bytes | memoryview, at: int = 0) -> None:
+        """One pgoutput message: ``data[at:]``, e.g. the payload of an XLogData message
+        read where it lies (the loop passes the CopyData message and 25: Insert,
+        Begin and Commit are read in place, never copied out first)."""
+        if len(data) <= at:
+            raise DecodeError("empty pgoutput message")
+        tag = data[at]
+        if tag == _TAG_INSERT:
+            self._on_insert(sess, data, at)
+        elif tag == _TAG_BEGIN:
+            self._on_begin(sess, data, at)
+        elif tag == _TAG_COMMIT:
+            self._on_commit(sess, data, at)
+        elif tag == _TAG_RELATION:
+            rel = pgo.decode(data[at:])
+            assert isinstance(rel, pgo.Relation)
+            sess.relations.update(rel)
+            sess.outbox_oids.pop(rel.oid, None)
+            if self._is_outbox(rel):
+                self._outbox_index(sess, rel.oid)  # checked at once: reported, not only used
+        elif tag == _TAG_MESSAGE:
+            self._on_message(sess, pgo.decode(data[at:]))
+        elif tag in _IGNORED_CHANGES:
+            self._on_ignored(sess, _IGNORED_CHANGES[tag])
+
+    @staticmethod
+    def _on_begin(sess: Session, data: bytes | memoryview, at: int) -> None:
+        """Begin (at ``data[at]``), read in place with its header texts: one per
+        transaction, no message object; its :class:`TxContext` waits for its first record."""
+        begin = pgo.begin_context(data, at)
+        if begin is None:  # malformed (raises), or a commit time beyond the years 1000-9999
+            begin = _begin_slowly(data, at)
+        sess.tx_id = begin[0]
+        sess.begin = begin
+        sess.tracker.open(begin[0])
+
+    @staticmethod
+    def _on_commit(sess: Session, data: bytes | memoryview, at: int) -> None:
+        """Commit (at ``data[at]``), read in place: the transaction's records are all produced."""
+        if len(data) - at != _COMMIT_LEN:
+            raise _malformed(data[at:])
+        if sess.tx_id is None:
+            raise DecodeError("pgoutput Commit outside a transaction")
+        sess.tracker.close(sess.tx_id, _commit_fields(data, at + 1)[2])
+        sess.tx_id = sess.begin = sess.tx = sess.reports = None
+
+    def _on_ignored(self, sess: Session, kind: str) -> None:
+        """Outbox updates/deletes/truncates: counted, logged once a session, never published."""
+        self.metrics.ignored.labels(kind).inc()
+        if kind not in sess.ignored_kinds:
+            sess.ignored_kinds.add(kind)
+            log.info(
+                "publication %s sends outbox %ss: counted, not published",
+                self.settings.publication,
+                kind,
+            )
+
+    def _is_outbox(self, rel: pgo.Relation) -> bool:
+        schema, name = self._table
+        return rel.name == name and (schema is None or rel.namespace == schema)
+
+    def _on_insert(self, sess: Session, data: bytes | memoryview, at: int) -> None:
+        """An Insert: the fast path routes straight from the message bytes.
+
+        It handles the common case - an outbox row of text values, all
+        required columns present, a JSON payload, a known topic, a UTF-8
+        database - and yields the very record :func:`route_fields` would. Any
+        other row goes to :meth:`_on_insert_decoded`, which decodes it fully
+        and dead-letters or raises with the precise reason.
+        """
+        tx_id = sess.tx_id
+        found = pgo.insert_text_values(data, at) if tx_id is not None else None
+        if found is None:
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
+            return
+        oid, found_values = found
+        values: list[Any] = found_values  # (bytes | None: checked below, C-level)
+        index = sess.outbox_oids.get(oid, _UNKNOWN)
+        if index is _UNKNOWN:
+            index = self._outbox_index(sess, oid)
+        if index is None:
+            return
+        if index.__class__ is not OutboxLayout or len(values) != index[0] or not self._utf8:
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
+            return
+        _, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace, jsonb = index
+        event_id = values[i_id]
+        aggtype = values[i_aggtype]
+        topic = self._topic_of.get(aggtype) if aggtype is not None else None
+        key, event_type, value = values[i_agg], values[i_type], values[i_payload]
+        if topic is None or not (event_id and key and event_type and value):
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
+            return
+        # One JSON object, checked, never re-encoded: jsonb text is valid JSON by
+        # construction (an object starts with "{"); other types are parsed once.
+        # Nested too deeply for cdc.jsontext's rule (the full decoder's and the
+        # recovery's), it is theirs to dead-letter.
+        if ((value[0] != 0x7B) if jsonb else _not_object(value)) or (
+            len(value) > _MAX_DEPTH and _too_deep(value)
+        ):
+            self._on_insert_decoded(sess, pgo.decode(data[at:]))
+            return
+        assert tx_id is not None
+        tx = sess.tx or _tx_context(sess)
+        # The headers in the contract's order, as cdc.router builds them.
+        headers = [(_H_ID, event_id), (_H_TYPE, event_type), (_H_AGGTYPE, aggtype), *tx.headers]
+        if i_trace is not None and (trace := values[i_trace]):
+            headers.append((_H_TRACEPARENT, trace))
+        if self.poison and event_id in self.poison:  # (C-level checks: the hot path)
+            self._produce(
+                sess,
+                tx_id,
+                KafkaRecord(topic, key, value, headers, tx.timestamp_ms, event_id.decode()),
+            )
+            return
+        sess.tracker.add(tx_id)
+        try:
+            self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
+        except KafkaException as exc:
+            self._refused(sess, tx_id, exc, topic, key, value, headers, tx.timestamp_ms)
+
+    def _on_insert_decoded(self, sess: Session, ins: Any) -> None:
+        """An Insert the fast path did not take: decoded fully, routed or dead-lettered."""
+        assert isinstance(ins, pgo.Insert)
+        if sess.tx_id is None:
+            raise DecodeError("pgoutput Insert outside a transaction")
+        oid = ins.relation_oid
+        index = sess.outbox_oids.get(oid, _UNKNOWN)
+        if index is _UNKNOWN:
+            index = self._outbox_index(sess, oid)
+        if index is None:
+            return
+        tx = sess.tx or _tx_context(sess)
+        values = ins.new
+        if len(values) != len(sess.relations.get(oid).columns):
+            raise DecodeError(f"row of relation {oid} does not match its Relation message")
+        try:
+            if isinstance(index, BrokenOutbox):
+                raise _broken_row(index, values, self.settings.topic_prefix)
+            assert isinstance(index, OutboxLayout)
+            # Insert tuples hold bytes or None (unchanged-TOAST exists only in updates).
+            record = route_fields(
+                _decode(values[index.id]),
+                _decode(values[index.aggregatetype]),
+                _decode(values[index.aggregateid]),
+                _decode(values[index.type]),
+                _decode(values[index.payload]),
+                _decode(values[index.trace]) if index.trace is not None else None,
+                tx,
+                self.settings.topic_prefix,
+            )
+        except UnicodeDecodeError as exc:
+            self._dead_letter_route(sess, sess.tx_id, tx, self._not_utf8(index, values, exc))
+            return
+        except RouteError as exc:
+            self._dead_letter_route(sess, sess.tx_id, tx, exc)
+            return
+        self._produce(sess, sess.tx_id, record)
+        aggtype = values[index.aggregatetype]
+        if isinstance(aggtype, bytes) and record.topic in self._topics.known:
+            if len(self._topic_of) >= TOPIC_CACHE_MAX:
+                self._topic_of.clear()
+            self._topic_of[aggtype] = record.topic
+
+    def _not_utf8(
+        self, index: OutboxLayout | BrokenOutbox, values: pgo.TupleData, exc: UnicodeDecodeError
+    ) -> RouteError:
+        """The dead-letter reason of a row that is not UTF-8, with the id, the key's raw
+        bytes and the topic as far as they can be read."""
+        at = index._asdict() if isinstance(index, OutboxLayout) else index.positions
+
+        def raw(name: str) -> bytes:
+            i = at.get(name)
+            value = values[i] if isinstance(i, int) else None
+            return value if isinstance(value, bytes) else b""
+
+        try:
+            topic = event_identity(raw("aggregatetype").decode(), "", self.settings.topic_prefix)[1]
+        except UnicodeDecodeError:
+            topic = ""
+        return RouteError(
+            f"outbox row is not valid UTF-8: {exc}",
+            code=DeadLetterCode.NOT_UTF8,
+            event_id=raw("id").decode(errors="replace"),
+            key=raw("aggregateid"),
+            topic=topic,
+        )
+
+    def _outbox_index(self, sess: Session, oid: int) -> OutboxLayout | BrokenOutbox | None:
+        """Where the routed columns sit in relation ``oid``, found by name; None when
+        it is not the outbox. Cached until its next Relation message; a broken
+        outbox relation (a required column missing or unusable) is logged then."""
+        rel = sess.relations.get(oid)
+        index: OutboxLayout | BrokenOutbox | None = None
+        if self._is_outbox(rel):
+            index = outbox_layout(
+                f"{rel.namespace or 'pg_catalog'}.{rel.name}",
+                [(col.name, col.type_oid) for col in rel.columns],
+            )
+            if isinstance(index, BrokenOutbox):
+                log.error("%s: its rows are dead-lettered (missing_field)", index.problem)
+        sess.outbox_oids[oid] = index
+        return index
+
+    def _on_message(self, sess: Session, msg: Any) -> None:
+        assert isinstance(msg, pgo.Message)
+        if msg.prefix != c.OUTBOX_MESSAGE_PREFIX:
+            return
+        if sess.tx_id is None:
+            # A non-transactional outbox message: never atomic with business
+            # data, so it is dead-lettered rather than published.
+            tx = TxContext(lsn_to_str(msg.lsn), int(time.time() * 1_000_000))
+            # msg.lsn is the record's end; a following commit may start there,
+            # so the pseudo-transaction's id sits just below it.
+            sess.tracker.open(msg.lsn - 1)
+            content = bytes(msg.content)
+            try:  # the event's identity, as far as it can be read
+                record = route_message(content, tx, topic_prefix=self.settings.topic_prefix)
+                event_id, key, topic = record.event_id, record.key, record.topic
+            except RouteError as exc:
+                event_id, key, topic = exc.event_id, exc.key, exc.topic
+            self._dead_letter_route(
+                sess,
+                msg.lsn - 1,
+                tx,
+                RouteError(
+                    "non-transactional outbox message (use pg_logical_emit_message(true, ...))",
+                    code=DeadLetterCode.NON_TRANSACTIONAL,
+                    raw=content,
+                    event_id=event_id,
+                    key=key,
+                    topic=topic,
+                ),
+            )
+            sess.tracker.close(msg.lsn - 1, msg.lsn)
+            return
+        tx = sess.tx or _tx_context(sess)
+        try:
+            record = route_message(bytes(msg.content), tx, topic_prefix=self.settings.topic_prefix)
+        except RouteError as exc:
+            self._dead_letter_route(sess, sess.tx_id, tx, exc)
+            return
+        self._ledger.note_form(FORM_MESSAGE)  # (recorded before the first: cdc.relay.gaps.gap)
+        self._produce(sess, sess.tx_id, record)

@@ -1,0 +1,293 @@
+"""The relay's producer: records handed to Kafka, delivery reports, librdkafka's errors.
+
+Guarantees: a record is acknowledged to the LSN tracker only from its delivery
+report (counted per run of a transaction's records by :class:`Reports`, not by a
+Python call per record); a record Kafka refuses for itself (e.g. too large) is remembered in
+:class:`~cdc.relay.health.state.PoisonIds` and dead-lettered; any other error ends the
+session, a librdkafka fatal error with :class:`cdc.errors.ProducerFatalError`
+(the producer is then purged, closed and rebuilt: its records were never
+acknowledged, so they are read again - duplicates, never loss). While the
+local queue is full the relay keeps serving callbacks and answering the
+server. librdkafka's own errors and log lines reach the process's logging and
+``outbox_relay_kafka_errors_total{code}`` through
+:class:`cdc.kafka.log.KafkaClientEvents`; failed delivery reports count there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, NoReturn
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from cdc import constants as c
+from cdc.errors import (
+    KafkaUnavailableError,
+    ProducerFatalError,
+)
+from cdc.health import Liveness
+from cdc.kafka.log import KafkaClientEvents, fatal_error
+from cdc.kafka.producer import (
+    PURGED,
+    IdsInFlight,
+    TopicManager,
+    is_record_error,
+    record_error_code,
+)
+from cdc.relay.health.metrics import RelayMetrics
+from cdc.relay.health.state import PoisonIds, QueueStep, RelayState, Session
+from cdc.router import KafkaRecord
+from cdc.settings import Settings
+from cdc.tracing import DeliveryCallback, RelayTracing
+from cdc.wal.replproto import lsn_to_str
+
+log = logging.getLogger("cdc.relay")
+
+
+class Producing:
+    """The relay's part that owns the producer (a mixin of
+    :class:`~cdc.relay.stream.loop.Relay`)."""
+
+    if TYPE_CHECKING:
+        metrics: RelayMetrics
+        liveness: Liveness
+        poison: PoisonIds
+        _stop: threading.Event
+        _producer: Producer | None
+        _events: KafkaClientEvents
+        _topics: TopicManager
+        _tracing: RelayTracing | None
+        settings: Settings
+
+        def _set_state(self, state: RelayState, reason: str = "") -> None: ...
+
+        def _creating_topic(self, topic: str | None) -> None: ...
+
+        def _send_status(self, sess: Session) -> None: ...
+
+        _queue_dlq: QueueStep
+
+    def _poll(self, timeout_s: float) -> None:
+        """Serve the producer's callbacks; a fatal error it raises ends the session
+        with :class:`ProducerFatalError` (the producer is then rebuilt)."""
+        producer = self._producer
+        assert producer is not None
+        try:
+            producer.poll(timeout_s)
+        except KafkaException as exc:
+            self._raise_kafka(exc, "producer poll failed")
+
+    def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
+        """End the session for ``exc``: ProducerFatalError when it is fatal."""
+        err = fatal_error(exc)
+        if err is None:
+            raise KafkaUnavailableError(f"{what}: {exc}") from exc
+        if not err.fatal():  # produce()'s "_FATAL": the error itself comes from the next poll
+            exc = self._underlying_fatal(exc)
+            err = fatal_error(exc) or err
+        self._events.raised(exc)
+        raise ProducerFatalError(f"producer fatal error {err.name()}: {err.str()}") from exc
+
+    def _underlying_fatal(self, exc: KafkaException) -> KafkaException:
+        """The fatal error behind a ``_FATAL`` from produce(), when poll() raises it."""
+        producer = self._producer
+        assert producer is not None
+        try:
+            producer.poll(0)
+        except KafkaException as raised:
+            err = fatal_error(raised)
+            if err is not None and err.fatal():
+                return raised
+        return exc
+
+    def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
+        """Hand ``record`` to Kafka (or to the dead-letter queue when it is known poison)."""
+        event_id = record.event_id.encode()
+        refused = self.poison.recall(event_id) if self.poison else None
+        if refused is not None:
+            sess.tracker.add(tx_id)
+            self._queue_dlq(
+                sess,
+                tx_id,
+                refused[0],
+                refused[1],
+                record.topic,
+                record.key,
+                record.value,
+                record.headers,
+                record.timestamp_ms,
+            )
+            return
+        if record.topic not in self._topics.known:
+            self._creating_topic(record.topic)  # (/readyz names Kafka's answer meanwhile)
+            try:
+                self._topics.ensure([record.topic])
+            finally:
+                self._creating_topic(None)
+        sess.tracker.add(tx_id)
+        r = record
+        try:
+            self._send(sess, tx_id, r.topic, r.value, r.key, r.headers, r.timestamp_ms, event_id)
+        except KafkaException as exc:
+            self._refused(sess, tx_id, exc, r.topic, r.key, r.value, r.headers, r.timestamp_ms)
+
+    def _refused(
+        self,
+        sess: Session,
+        tx_id: int,
+        exc: KafkaException,
+        topic: str,
+        key: bytes,
+        value: bytes,
+        headers: list[tuple[str, bytes]],
+        timestamp_ms: int,
+    ) -> None:
+        """``produce`` of an added record raised: dead-letter a record Kafka refuses
+        for itself (e.g. too large); any other error ends the session (a fatal one
+        with :class:`ProducerFatalError`)."""
+        err = exc.args[0] if exc.args else None
+        if not (isinstance(err, KafkaError) and is_record_error(err)):
+            self._raise_kafka(exc, "produce failed")
+        code = record_error_code(err)
+        self._queue_dlq(sess, tx_id, code, err.str(), topic, key, value, headers, timestamp_ms)
+
+    def _send(
+        self,
+        sess: Session,
+        tx_id: int,
+        topic: str,
+        value: bytes,
+        key: bytes,
+        headers: list[tuple[str, bytes]],
+        timestamp_ms: int,
+        event_id: bytes,
+    ) -> None:
+        """``produce`` one added record of ``tx_id``, waiting while the local queue is full.
+
+        Positional arguments (topic, value, key, partition, callback, on_delivery,
+        timestamp, headers): keyword parsing cost a tenth of ``produce``. The
+        callback goes in the ``callback`` slot; a None there would not fall back
+        to ``on_delivery``, and the record would never be acknowledged. The
+        callback is the session's current :class:`Reports` of ``(tx_id, topic)``:
+        one object counts the reports of a run of records, no callback per record.
+        """
+        producer = self._producer
+        assert producer is not None
+        reports = sess.reports
+        if reports is None or reports.tx_id != tx_id or reports.topic != topic:
+            # A new run of tx_id's records to topic (attributes set here: no call, no
+            # __init__; a 1-event transaction's run is one per record).
+            reports = sess.reports = Reports()
+            reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
+            reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
+        callback: DeliveryCallback = reports
+        if self._tracing is not None:
+            callback = self._tracing.produce(topic, key, headers, event_id, callback)
+        while True:
+            try:
+                # (the stubs want list[tuple[str, str | bytes | None]]; list is invariant)
+                producer.produce(topic, value, key, -1, callback, None, timestamp_ms, headers)  # type: ignore[arg-type]
+                reports.append((hash((key, value)), event_id))
+                return
+            except BufferError:
+                # Local queue full: Kafka is slow. Serve callbacks and keep the
+                # walsender happy while waiting for room.
+                sess.reports = None  # (what it counted may be acknowledged meanwhile)
+                self._poll(c.BACKPRESSURE_POLL_S)
+                self._set_state(RelayState.BACKPRESSURE)
+                self.liveness.tick()
+                self._send_status(sess)
+                if self._stop.is_set() or sess.fatal is not None or sess.fault is not None:
+                    raise KafkaUnavailableError("stopped while Kafka's queue was full") from None
+
+    def _report_failed(self, reports: Reports, err: KafkaError, msg: Message) -> None:
+        """A failed delivery report: dead-letter a record Kafka refused for itself,
+        end the session for any other error."""
+        sess, tx_id, topic = reports.sess, reports.tx_id, reports.topic
+        self.metrics.kafka_errors.labels(err.name()).inc()
+        event_id = reports.event_id_of(msg) if is_record_error(err) else None
+        if event_id is not None:
+            code = record_error_code(err)
+            self.poison.remember(event_id, code, err.str())
+            self.metrics.poison_ids.set(len(self.poison))
+            self._queue_dlq(
+                sess,
+                tx_id,
+                code,
+                err.str(),
+                topic,
+                msg.key() or b"",
+                msg.value() or b"",
+                [(c.HEADER_ID, event_id)],
+                msg.timestamp()[1],
+            )
+            return
+        if sess.fatal is None and err.code() not in PURGED:  # once a session: they come in bulk
+            log.error(
+                "kafka delivery to %s failed: %s",
+                topic,
+                err,
+                extra={"topic": topic, "lsn": lsn_to_str(tx_id)},
+            )
+        sess.fatal = err
+
+
+class Reports(IdsInFlight):
+    """The delivery reports of a run of one transaction's records to one topic,
+    counted by reference: no Python call per delivered record.
+
+    The relay's producer runs with ``delivery.report.only.error``: a delivered
+    record's report calls nothing; confluent-kafka only releases the reference its
+    ``produce`` took on the record's callback - this object - once the report is
+    served (or at once when ``produce`` raised; the record was then not counted). A
+    failed record's report calls it. The session holds the object while it may add
+    records (it lets go at Commit, after each read batch, before waiting for room);
+    when the last reference is gone every counted record has its report, and
+    :meth:`__del__` acknowledges the delivered ones in one step. So a record is
+    still acknowledged only from its delivery report, never before: an object kept
+    alive longer only delays acknowledgements, and one never finalized (a discarded
+    producer's records) acknowledges nothing, so its records are read again.
+
+    The list holds each record's event id, with the hash of its key and value, in
+    produce order, as long as it is in flight: librdkafka hands no headers to
+    delivery reports, so a refused record's event id is found by its key and value
+    (:meth:`event_id_of`; the hash, not the value, is kept: memory in flight).
+    While tracing asks for every report (a span ends at each), the delivered ones
+    call it too, with ``err`` None: ignored here. The attributes are set by
+    :meth:`Producing._send` (a Python ``__init__`` was a measurable part of a
+    1-event transaction).
+    """
+
+    __slots__ = ("failed", "owner", "sess", "timestamp_ms", "topic", "tx_id")
+
+    owner: Producing
+    sess: Session
+    tx_id: int
+    topic: str
+    timestamp_ms: int
+    #: failed reports so far (each dead-lettered, or the session ended)
+    failed: int
+
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
+        if err is None:
+            return
+        self.failed += 1
+        self.owner._report_failed(self, err, msg)
+
+    def __del__(self) -> None:
+        """Every counted record has its report: acknowledge the delivered ones (the
+        failed ones were dead-lettered, or ended the session)."""
+        delivered = len(self) - self.failed
+        if delivered <= 0:
+            return
+        sess = self.sess
+        try:
+            if not sess.tracker.ack(self.tx_id, delivered):  # its transaction's last one
+                latency_s = time.time() - self.timestamp_ms / 1000.0
+                self.owner.metrics.latency.observe(latency_s if latency_s > 0.0 else 0.0)
+            acked = sess.acked
+            acked[self.topic] = acked.get(self.topic, 0) + delivered
+        except Exception as exc:  # (raised in a finalizer it would only be printed)
+            sess.fault = sess.fault or exc

@@ -1,0 +1,194 @@
+"""``audit --repair`` of a large window deleted from Kafka: rows/s beside the relay's
+streaming rate, in both delivery modes, with the audit's peak RSS.
+
+Per mode, a database of the bench's own: a relay publishes a few warm-up events and
+stops; :data:`EVENTS` events are committed (100-event transactions) while it is down;
+the relay starts again and drains them (``/readyz`` -> all acknowledged: the
+streaming rate), then stops. Every record of the topic is deleted (DeleteRecords, what
+retention does, at once). The audit then runs with ``repair`` in a process of its own
+over the window: its ``repair`` stage (the republishing, in exactly-once mode in
+transactions of at most ``CDC_TX_MAX_RECORDS`` records) gives the repair rows/s, its
+``VmHWM`` the peak RSS; the exactly-once run prints how many Kafka transactions the
+repair committed.
+
+Goal (issue 48): repair rows/s / streaming events/s >= 0.8 in both modes.
+``REPAIR_BENCH_EVENTS`` runs it on another window size (default 10,000,000; e.g.
+200000 to try it). Figures are printed; only correctness is asserted (every row of
+the window repaired; afterwards a read_committed consumer finds each id in the topic
+once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from cdc.migrate import migrate
+from tests.bench.conftest import create_topics
+from tests.bench.report import fmt, print_table, record_goal
+from tests.bench.test_audit_bench import PARTITIONS, WARMUP, _drain, _fill, _load, _relayed
+from tests.conftest import create_database, drop_database
+from tests.harness import ROOT, Proc, RelayConfig, drop_slot, start_relay, wait_until
+from tests.integration.test_audit import _delete_all_records
+
+pytestmark = [pytest.mark.bench, pytest.mark.integration]
+
+EVENTS = int(os.environ.get("REPAIR_BENCH_EVENTS", "10000000"))
+GOAL_RATIO = 0.8
+
+#: Runs one repairing audit in this (fresh) process; prints its figures as one JSON line.
+REPAIR_SCRIPT = """
+import json, sys, time
+from datetime import datetime
+from cdc.audit import Window, run_audit
+from cdc.settings import Settings
+
+since, until = (datetime.fromisoformat(a) for a in sys.argv[1:3])
+settings = Settings.from_env()
+started = time.monotonic()
+report = run_audit(settings, Window.between(since, until), repair=True)
+seconds = time.monotonic() - started
+with open("/proc/self/status") as f:
+    rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(json.dumps({
+    "seconds": seconds, "rss_mb": rss_kb / 1024, "rows": report.table.judged_rows,
+    "missing": report.missing_count, "repaired": report.repaired,
+    "timings": report.timings_s,
+}))
+"""
+
+
+def _repair(cfg: RelayConfig, since: datetime, until: datetime, tmp: Path) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, "-c", REPAIR_SCRIPT, since.isoformat(), until.isoformat()],
+        env={**cfg.env(9), "LOG_LEVEL": "INFO"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=7200,
+        check=False,
+    )
+    (tmp / f"repair-{cfg.unique}.log").write_text(proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["redone"] = proc.stderr.count("redoing it")
+    return result
+
+
+def _run(
+    pg_server: str, kafka: str, unique: str, tmp: Path, delivery: str
+) -> tuple[float, dict[str, object]]:
+    dsn = create_database(pg_server, f"cdc_repair_bench_{delivery.split('-', maxsplit=1)[0]}")
+    migrate(dsn)
+    cfg = RelayConfig(
+        db_dsn=dsn,
+        kafka=kafka,
+        unique=f"{unique}{delivery[0]}",
+        partitions=PARTITIONS,
+        extra={"LOG_LEVEL": "WARNING", "CDC_DELIVERY": delivery},
+    )
+    topic = cfg.topic_prefix + "bench"
+    create_topics(kafka, [cfg.topic_prefix + "warm", topic], partitions=PARTITIONS)
+    try:
+        relay: Proc
+        relay, port = start_relay(cfg, tmp, name=f"first-{delivery}")
+        try:
+            _fill(dsn, "warm", WARMUP)
+            wait_until(lambda: _relayed(port, cfg.topic_prefix + "warm") >= WARMUP, 120, "warm")
+            assert relay.terminate() == 0, relay.log_tail()
+        finally:
+            relay.close()
+        time.sleep(0.01)
+        since = datetime.now(UTC)
+        _fill(dsn, "bench", EVENTS)
+        until = datetime.now(UTC)
+        stream_per_s = _drain(cfg, tmp, topic, EVENTS)
+        _delete_all_records(kafka, topic)
+        result = _repair(cfg, since, until, tmp)
+        result["records"], result["distinct"] = _ids_in(kafka, topic)
+    finally:
+        drop_slot(dsn, cfg.slot)
+        drop_database(pg_server, dsn)
+    assert result["repaired"] == EVENTS, result
+    assert result["records"] == result["distinct"] == EVENTS, result  # (every id once)
+    return stream_per_s, result
+
+
+def _ids_in(kafka: str, topic: str) -> tuple[int, int]:
+    """What a read_committed consumer finds in ``topic``: records, and distinct ``id``s
+    (16 bytes each, :class:`cdc.repair.transactional.PresentIds`: no object per id)."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    from cdc.records import uuid_bytes
+    from cdc.repair.transactional import PresentIds
+
+    client = Consumer(
+        {
+            "bootstrap.servers": kafka,
+            "group.id": f"repair-bench-{topic}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
+    ids, records = PresentIds(), 0
+    try:
+        parts = client.list_topics(topic, timeout=30).topics[topic].partitions
+        todo = set(parts)
+        client.assign([TopicPartition(topic, p, -2) for p in parts])  # (OFFSET_BEGINNING)
+        while todo:
+            for msg in client.consume(10_000, 5.0):
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        todo.discard(msg.partition())
+                    continue
+                records += 1
+                id16 = uuid_bytes(dict(msg.headers() or []).get("id"))
+                if id16 is not None:
+                    ids.add(id16)
+    finally:
+        client.close()
+    return records, len(ids)
+
+
+@pytest.mark.timeout(4 * 3600)
+def test_repair_rows_per_second_beside_the_streaming_rate_in_both_modes(
+    pg_server: str, kafka_bootstrap: str, unique: str, tmp_path: Path
+) -> None:
+    rows = []
+    for delivery in ("at-least-once", "exactly-once"):
+        stream_per_s, result = _run(pg_server, kafka_bootstrap, unique, tmp_path, delivery)
+        timings = result["timings"]
+        assert isinstance(timings, dict)
+        repair_s = float(timings["repair"])
+        repair_per_s = EVENTS / repair_s
+        ratio = repair_per_s / stream_per_s
+        rows += [
+            [f"{delivery}: repair rows/s (the republishing stage)", fmt(repair_per_s)],
+            [f"{delivery}: relay streaming events/s", fmt(stream_per_s)],
+            [f"{delivery}: ratio repair / streaming (goal >= {GOAL_RATIO})", fmt(ratio, 2)],
+            [f"{delivery}: audit with repair, peak RSS MB", fmt(float(result["rss_mb"]), 1)],  # type: ignore[arg-type]
+            [f"{delivery}: whole audit s", fmt(float(result["seconds"]), 1)],  # type: ignore[arg-type]
+            *[[f"  stage {k} s", fmt(float(v), 2)] for k, v in timings.items()],
+            [f"{delivery}: transactions redone", str(result["redone"])],
+            [
+                f"{delivery}: records afterwards / distinct ids",
+                f"{result['records']:,} / {result['distinct']:,}",
+            ],
+        ]
+        record_goal(f"repair / streaming, {EVENTS:,} rows, {delivery}", ratio, at_least=GOAL_RATIO)
+    print_table(
+        f"audit --repair of a {EVENTS:,}-row window deleted from Kafka vs streaming the same"
+        f" events (100-event transactions, {PARTITIONS} partitions; {_load()};"
+        " the machine is shared)",
+        ["figure", "value"],
+        rows,
+    )

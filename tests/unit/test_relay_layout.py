@@ -1,0 +1,166 @@
+"""The relay's house: folders by role, imports downward, the audit and the relay apart.
+
+What it holds (read from the files, every import counted as
+``test_import_graph.py`` counts them; that file already holds that ``cdc`` never
+imports ``sinks``, and ``test_layout.py`` the line bound of every module):
+
+- ``cdc/relay/`` holds folders only (besides ``__init__.py``): a newcomer finds
+  where a rule of the relay lives from the folder names;
+- every module of ``cdc/relay/`` opens with a docstring;
+- the folders of ``cdc/relay/`` import each other in one direction only, the order
+  of :data:`RELAY_LAYERS` (bottom first): no arrow runs back up;
+- the audit imports nothing of the relay (the relay runs the audit and its
+  start-up check; both repair through ``cdc.repair``, below them both), and
+  ``cdc.repair``, ``cdc.kafka`` and ``cdc.settings`` import neither;
+- the old top-level paths the sink still imports (:data:`OLD_PATHS`) only
+  re-export, and nothing of ``cdc`` imports them.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+from tests.unit.test_import_graph import ROOT
+from tests.unit.test_import_graph import _graph as _read_graph
+
+RELAY = ROOT / "cdc" / "relay"
+
+#: The folders of cdc/relay/, from the bottom: each may import only the ones before it.
+RELAY_LAYERS = (
+    "health",  # state, metrics, the watches (silence, stall, Kafka readiness)
+    "standby",  # the standby's wait, standby-safe mode
+    "gaps",  # the gap decision, the guard, recovery, the confirm limit
+    "stream",  # the loop and one record's path to Kafka
+    "delivery",  # exactly-once on top of the stream
+)
+
+#: Packages of cdc below both the relay and the audit.
+BELOW_BOTH = ("cdc.repair", "cdc.kafka", "cdc.settings")
+
+#: Old top-level modules kept for the sink's imports: each re-exports its new home.
+OLD_PATHS: dict[str, str] = {}
+
+
+@functools.cache
+def _graph() -> dict[str, dict[str, int]]:
+    return _read_graph()
+
+
+def _relay_folder(module: str) -> str | None:
+    """``cdc.relay.gaps.guard`` -> ``gaps``; ``cdc.relay`` and other modules -> None."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["cdc", "relay"] and len(parts) > 2 else None
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_the_relay_holds_folders_only_and_every_folder_has_its_place() -> None:
+    loose = sorted(path.name for path in RELAY.glob("*.py") if path.name != "__init__.py")
+    assert not loose, f"modules at the top of cdc/relay/ (give each a folder by its role): {loose}"
+    folders = sorted(path.name for path in RELAY.iterdir() if (path / "__init__.py").is_file())
+    assert sorted(RELAY_LAYERS) == folders, "RELAY_LAYERS must name every folder of cdc/relay/"
+
+
+def test_every_module_of_the_relay_opens_with_a_docstring() -> None:
+    missing = [
+        str(path.relative_to(ROOT))
+        for path in sorted(RELAY.rglob("*.py"))
+        if not ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+    ]
+    assert not missing, f"modules without a docstring: {missing}"
+
+
+def test_the_folders_of_the_relay_import_downward_only() -> None:
+    rank = {folder: index for index, folder in enumerate(RELAY_LAYERS)}
+    upward = sorted(
+        f"{source} (line {line}) imports {target}: {b} is above {a}"
+        for source, arrows in _graph().items()
+        for target, line in arrows.items()
+        if (a := _relay_folder(source)) is not None
+        and (b := _relay_folder(target)) is not None
+        and a != b
+        and rank[b] > rank[a]
+    )
+    assert not upward, "imports that run back up the folders of cdc/relay/:\n" + "\n".join(upward)
+
+
+def test_the_audit_imports_nothing_of_the_relay_and_repair_sits_below_both() -> None:
+    graph = _graph()
+    wrong = sorted(
+        f"{source} (line {line}) imports {target}"
+        for source, arrows in graph.items()
+        for target, line in arrows.items()
+        if (_under(source, "cdc.audit") and _under(target, "cdc.relay"))
+        or (
+            any(_under(source, low) for low in BELOW_BOTH)
+            and (_under(target, "cdc.relay") or _under(target, "cdc.audit"))
+        )
+    )
+    assert not wrong, "imports that run back up from the audit or repair:\n" + "\n".join(wrong)
+
+
+def test_the_old_paths_only_re_export_and_cdc_does_not_use_them() -> None:
+    graph = _graph()
+    for old, new in OLD_PATHS.items():
+        assert set(graph[old]) == {new}, f"{old} should import {new} only"
+        tree = ast.parse((ROOT / Path(*old.split("."))).with_suffix(".py").read_text())
+        kinds = {type(node).__name__ for node in tree.body}
+        assert kinds <= {"Expr", "ImportFrom", "Assign"}, f"{old} defines something: {kinds}"
+    users = sorted(
+        f"{source} imports {target}"
+        for source, arrows in graph.items()
+        if source.startswith("cdc")
+        for target in arrows
+        if target in OLD_PATHS
+    )
+    assert not users, "cdc imports the new paths, not the sink's old ones:\n" + "\n".join(users)
+
+
+def test_the_checks_see_what_they_claim_to() -> None:
+    assert _relay_folder("cdc.relay.gaps.guard") == "gaps"
+    assert _relay_folder("cdc.relay") is None
+    assert _relay_folder("cdc.audit.run") is None
+    graph = _graph()
+    assert "cdc.relay.stream.loop" in graph["cdc.relay.delivery.exactly_once"]
+    assert "cdc.audit.run" in graph["cdc.relay.gaps.start_check"]
+    assert "cdc.repair.republish" in graph["cdc.audit.run"]
+
+
+def _hook_table() -> set[tuple[str, str, str]]:
+    """(hook, defined by, overridden by) rows of the exactly-once module's table."""
+    from cdc.relay.delivery import exactly_once
+
+    rows = set()
+    for line in (exactly_once.__doc__ or "").splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0].startswith("_") and parts[1][0].isupper():
+            rows.add((parts[0], parts[1], parts[2]))
+    return rows
+
+
+def test_every_hook_exactly_once_overrides_is_in_its_table() -> None:
+    """Which part of the exactly-once relay overrides which hook of the at-least-once
+    relay is written down, and the table is the code's (no override unlisted, none
+    listed that is gone)."""
+    from cdc.relay.delivery.exactly_once import ExactlyOnceRelay
+    from cdc.relay.stream.loop import Relay
+
+    found = set()
+    for part in ExactlyOnceRelay.__mro__:
+        if part in Relay.__mro__:
+            continue
+        for name, value in vars(part).items():
+            if name.startswith("__") or not (callable(value) or isinstance(value, property)):
+                continue
+            defined = [base.__name__ for base in Relay.__mro__ if name in vars(base)]
+            if defined:
+                found.add((name, defined[-1], part.__name__))
+    assert found == _hook_table(), (
+        "hooks overridden but not in the table of cdc/relay/delivery/exactly_once.py:"
+        f" {sorted(found - _hook_table())}; listed but not overridden:"
+        f" {sorted(_hook_table() - found)}"
+    )
