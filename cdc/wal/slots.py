@@ -303,21 +303,33 @@ def decoding_held_back(conn: Conn, slot: str, *, failover: bool | None = None) -
     names = standby_slot_names(str(setting[0] if setting else ""))
     if not names or names == ["*"]:
         return []
+    return standby_slots_holding_back(conn, slot, names)
+
+
+def standby_slots_holding_back(conn: Conn, slot: str, names: list[str]) -> list[str]:
+    """One line for each of ``names`` (slots ``synchronized_standby_slots`` names) that
+    holds the failover slot ``slot``'s decoding back, as the server shows it now."""
     held = []
     for name, kind, active, invalid, behind in conn.execute(_STANDBY_SLOTS_SQL, (names,)):
-        if kind is None:
-            why = "does not exist (a promoted standby keeps its primary's setting)"
-        elif kind != "physical":
-            why = f"is a {kind} slot, not a standby's physical slot"
-        elif invalid:
-            why = "is invalidated"
-        elif not active and behind:
-            why = "has no standby streaming from it and is behind the server's WAL"
-        else:
-            continue
-        held.append(
-            f"synchronized_standby_slots names {name}, which {why}: PostgreSQL sends the"
-            f" failover slot {slot} nothing until that slot confirms the WAL - remove it from"
-            " synchronized_standby_slots (and reload) or bring that standby back"
-        )
+        why = why_held_back(kind, active=bool(active), invalid=bool(invalid), behind=bool(behind))
+        if why is not None:
+            held.append(
+                f"synchronized_standby_slots names {name}, which {why}: PostgreSQL sends the"
+                f" failover slot {slot} nothing until that slot confirms the WAL - remove it"
+                " from synchronized_standby_slots (and reload) or bring that standby back"
+            )
     return held
+
+
+def why_held_back(kind: str | None, *, active: bool, invalid: bool, behind: bool) -> str | None:
+    """Why a slot named in ``synchronized_standby_slots`` holds logical decoding back
+    (None: it does not): ``kind`` is its ``slot_type`` (None: no such slot)."""
+    if kind is None:
+        return "does not exist (a promoted standby keeps its primary's setting)"
+    if kind != "physical":
+        return f"is a {kind} slot, not a standby's physical slot"
+    if invalid:
+        return "is invalidated"
+    if not active and behind:
+        return "has no standby streaming from it and is behind the server's WAL"
+    return None

@@ -53,6 +53,7 @@ from pydantic import SecretStr
 
 from cdc.check import Finding, Status, failover_slots
 from cdc.settings import Settings
+from cdc.wal.slots import standby_slots_holding_back
 from tests.bench.report import metric_sum, scrape
 from tests.clusters import STANDBY_SLOT, ClusterPair, server_version_num
 from tests.conftest import IN_CI
@@ -593,3 +594,34 @@ def test_a_standby_host_the_relay_cannot_reach_is_unknown_not_ok(
     finding = _check(cfg)[f"standby {where}"]
     assert finding["status"] == "warn", finding
     assert f"cannot tell whether it carries slot {cfg.slot}: cannot look:" in finding["detail"]
+
+
+@pytest.mark.timeout(120)
+def test_each_kind_of_standby_slot_that_holds_decoding_back_is_named(pair: ClusterPair) -> None:
+    """Edge: every cause PostgreSQL 17+ waits on, read off the server's own rows (issue
+    49, item 2; the missing slot also end to end above): a logical slot named where a
+    physical one belongs, and a physical slot that reserved WAL with no standby
+    streaming from it while the server writes on are named; the standby's own slot,
+    streamed from, is not. (An invalidated slot is the unit test's case: invalidating
+    one here would take pushing WAL past max_slot_wal_keep_size on the shared pair.)"""
+    _needs(PG17)
+    u = uuid.uuid4().hex[:8]
+    physical, logical, missing = f"hb_phys_{u}", f"hb_log_{u}", f"hb_none_{u}"
+    with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
+        conn.execute("SELECT pg_create_physical_replication_slot(%s, true)", (physical,))
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (logical,))
+        try:
+            conn.execute("SELECT pg_logical_emit_message(false, 'held-back-test', 'x')")
+            conn.execute("SELECT pg_switch_wal()")  # the server's WAL moves past both
+            held = standby_slots_holding_back(
+                conn, "the_relays_slot", [physical, logical, missing, STANDBY_SLOT]
+            )
+        finally:
+            for slot in (physical, logical):
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    by_slot = {line.split(", which ")[0].rsplit(" ", 1)[1]: line for line in held}
+    assert set(by_slot) == {physical, logical, missing}, held
+    assert "has no standby streaming from it and is behind" in by_slot[physical]
+    assert "is a logical slot, not a standby's physical slot" in by_slot[logical]
+    assert "does not exist" in by_slot[missing]
+    assert all("failover slot the_relays_slot nothing" in line for line in held), held
