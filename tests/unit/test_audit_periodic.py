@@ -27,7 +27,13 @@ SETTINGS = Settings(pg_dsn="postgresql://u@h/db", kafka_bootstrap_servers="k:909
 
 
 def _report(
-    *, missing: int = 0, expired: int = 0, repaired: int = 0, slot_known: bool = True
+    *,
+    missing: int = 0,
+    expired: int = 0,
+    repaired: int = 0,
+    slot_known: bool = True,
+    in_flight: int = 0,
+    cannot_judge: str | None = None,
 ) -> AuditReport:
     ids = [uuid.uuid4().bytes for _ in range(missing)]
     expired_list = [Expired("t.user", 2, 10, 10 + expired)] if expired else []
@@ -35,7 +41,9 @@ def _report(
         run_id="abc123",
         window=Window(1_700_000_000_000, 1_700_003_600_000),
         time_basis=pg.COMMIT_TIME,
-        comparison=Comparison({"t.user": TopicCounts(missing=missing)}, IdList(ids), IdList(), 0),
+        comparison=Comparison(
+            {"t.user": TopicCounts(missing=missing, in_flight=in_flight)}, IdList(ids), IdList(), 0
+        ),
         table=pg.TableRead(0, pg.COMMIT_TIME, judged_rows=100),
         pending=pg.Pending(IdBuckets() if slot_known else None, 0, "" if slot_known else "gone"),
         kafka=KafkaRead(),
@@ -46,6 +54,7 @@ def _report(
         judge_phantoms=True,
         repaired=repaired,
         repair_mark="audit-abc123" if repaired else None,
+        cannot_judge=cannot_judge,
     )
 
 
@@ -123,6 +132,41 @@ def test_a_run_whose_slot_could_not_be_read_judges_nothing(
     audit.run_once()
     assert _value(audit, "runs", result="skipped") == 1
     assert _value(audit, "missing") == 0  # in flight and missing are one count: not judged
+
+
+def test_rows_still_in_the_slot_are_in_flight_never_clean_and_never_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stuck relay's rows (committed, still in the slot): the run is counted
+    ``in_flight``, the missing gauge says 0, one INFO line names how many."""
+    audit, _ = _audit(monkeypatch, _report(in_flight=12))
+    audit.metrics.missing.set(4)
+    with caplog.at_level(logging.INFO, logger="cdc.audit"):
+        report = audit.run_once()
+    assert report is not None and report.verdict == "in flight" and not report.clean
+    assert _value(audit, "runs", result="in_flight") == 1
+    assert _value(audit, "runs", result="clean") == 0
+    assert _value(audit, "missing") == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("12 rows still in the slot (in flight)" in r.getMessage() for r in caplog.records)
+
+
+def test_an_audit_that_cannot_judge_is_skipped_with_a_warning_and_leaves_the_gauge(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server cannot be identified (no REPLICATION): nothing is judged, so the run
+    is ``skipped``, never ``clean``; the missing gauge keeps its last judged value."""
+    why = "cannot judge: IDENTIFY_SYSTEM failed: must be superuser or replication role"
+    audit, _ = _audit(monkeypatch, _report(cannot_judge=why))
+    audit.metrics.missing.set(2)
+    with caplog.at_level(logging.INFO, logger="cdc.audit"):
+        report = audit.run_once()
+    assert report is not None and report.verdict == "cannot judge" and not report.clean
+    assert _value(audit, "runs", result="skipped") == 1
+    assert _value(audit, "runs", result="clean") == 0
+    assert _value(audit, "missing") == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"audit abc123 not judged: {why}"]
 
 
 def test_a_busy_lock_skips_and_a_failure_is_counted_never_raised(
