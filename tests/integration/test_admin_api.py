@@ -27,6 +27,8 @@ import psycopg
 import pytest
 
 from cdc.migrate import migrate
+from sinks.http.admin import RETRY_DEADLINE_S
+from sinks.stub.faults import USERS_SYNC_PATH
 from sinks.stub.server import StubServer
 from tests.conftest import create_database, drop_database
 from tests.harness import Proc, RelayConfig, SinkConfig, start_sink
@@ -532,6 +534,46 @@ def test_retry_answers_the_reference_envelope_and_the_rows_change_accordingly(
     after = admin_sink.rows()
     assert after[good] == ("DONE", 0)
     assert after[bad] == ("FAILED", before[bad][1] + 1)
+
+
+def test_a_retry_longer_than_its_deadline_answers_in_time_naming_the_rows_not_tried(
+    admin_sink: AdminSink, admin_stub: StubServer
+) -> None:
+    """Edge: a retry whose engine calls outlast the request's deadline (issue 47): the
+    users route answers after 1.5 s each (well within the engine client's 3 s read
+    timeout), 20 rows are asked for - about 30 s of calls against the admin API's 20 s. No row is started after the deadline: the answer comes
+    (200, the reference envelope), says it stopped at its deadline and names the rows it
+    did not try; those are untouched (FAILED, no attempt spent), the others DONE."""
+    with psycopg.connect(admin_sink.dsn) as conn:
+        ids = sorted(
+            _park(
+                conn,
+                sync_type="USER_SYNC",
+                event_type="UserRegistered",
+                payload=json.dumps({"user_id": str(uuid.uuid4())}),
+            )
+            for _ in range(20)
+        )
+    admin_stub.add_faults({"path_latency_ms": {USERS_SYNC_PATH: 1500}})
+    try:
+        response = _post(admin_sink, json.dumps({"event_ids": ids}).encode())
+    finally:
+        admin_stub.add_faults({"path_latency_ms": None})
+    assert response.status_code == 200, response.text[:500]
+    answer = response.json()
+    assert answer["success"] is True
+    message = answer["message"]
+    assert message.startswith(
+        f"Retry failed sync events stopped at its deadline ({RETRY_DEADLINE_S:g} s)"
+    ), message
+    tried = answer["data"]["processed_count"]
+    assert 0 < tried < len(ids), answer
+    assert answer["data"]["done_count"] == tried
+    untried = ids[tried:]  # (rows are tried in id order)
+    assert f"not tried before the deadline: {untried}" in message, message
+    rows = admin_sink.rows()
+    assert all(rows[i] == ("DONE", 0) for i in ids[:tried]), rows
+    assert all(rows[i] == ("FAILED", 0) for i in untried), rows
 
 
 def test_an_integral_number_written_with_a_fraction_is_the_same_id(
