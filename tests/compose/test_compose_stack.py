@@ -360,6 +360,12 @@ def test_kills_and_restarts_through_compose_lose_nothing_and_keep_per_key_order(
             compose.run("restart", "kafka")
             for service in ("kafka", "relay", "sink"):
                 compose.wait_healthy(service, HEALTHY_TIMEOUT_S)
+        with _phase("docker compose stop relay (exit 0 within its grace), start relay"):
+            compose.run("stop", "relay")  # SIGTERM: flush Kafka, confirm the slot, exit 0
+            state = compose.inspect("relay")["State"]
+            assert state["ExitCode"] == 0, (state, compose.logs("relay", tail=80))
+            compose.run("start", "relay")
+            compose.wait_healthy("relay", HEALTHY_TIMEOUT_S)
         with _phase("docker compose stop sink (exit 0 within its grace), start sink"):
             compose.run("stop", "sink")
             state = compose.inspect("sink")["State"]
