@@ -23,7 +23,7 @@ help:
 	@echo "make compose-up | compose-down   the whole pipeline in Docker (compose/docker-compose.yml;"
 	@echo "             installs dockerd, the compose plugin and stand-in images where missing)"
 	@echo "make test-console   the operator console in a real browser (Debian's chromium, Playwright,"
-	@echo "             axe-core) against a pipeline on a stack of its own (not part of make test)"
+	@echo "             axe-core) against a pipeline on a stack of its own (make test's console lane)"
 	@echo "make docs    build the documentation site into site/ (mkdocs --strict: no broken link, no orphan page)"
 	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
 	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
@@ -245,7 +245,8 @@ test-compose-lane: venv
 # (npm, pinned) installed by compose/console-browser.sh when missing, Playwright for Python
 # driving the browser (no browser download), a relay, a sink and the engine stub on a
 # stack of its own (CONSOLE_DEV, its own ports). Screenshots land in .dev/console-shots
-# (docs/operations/console.md shows a set of them). Not part of `make test`.
+# (docs/operations/console.md shows a set of them). `make test` runs it as its console lane
+# (test-console-lane, below).
 CONSOLE_DEV := $(CURDIR)/.dev/console
 CONSOLE_ENV := OUTBOX_DEV_DIR=$(CONSOLE_DEV) OUTBOX_PG_PORT=$(or $(OUTBOX_CONSOLE_PG_PORT),25612) \
 	OUTBOX_KAFKA_PORT=$(or $(OUTBOX_CONSOLE_KAFKA_PORT),29712) \

@@ -70,6 +70,23 @@ def failed_list(
     )
 
 
+@failed.command("reasons")
+@click.option("--limit", default=10, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--json", "as_json", is_flag=True, help="the counts as JSON on stdout")
+def failed_reasons(limit: int, as_json: bool) -> None:
+    """Open parked rows (FAILED, PENDING) per kind of reason, most first.
+
+    A kind is the head of the rows' reason (no record position, no event type, no
+    engine answer); `failed list` and the console's parking page filter by it."""
+    from sinks.ops.parking import parked_reasons, reasons_json
+
+    counts = parked_reasons(load_settings("pg_dsn"), limit=limit)
+    if as_json:
+        echo_json({"reasons": reasons_json(counts)})
+        return
+    out().print(render.reasons_table(counts))
+
+
 @failed.command("accept")
 @click.option("--id", "ids", type=int, multiple=True, help="parked event id; repeatable")
 @click.option("--type", "event_type", help="every open row of this sync type or record type")

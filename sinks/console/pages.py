@@ -63,7 +63,7 @@ def overview_fragment(data: Overview) -> str:
         + section("Replication slot", _slot(data.slot, data.lag.error), ident="slot")
         + section("Slot gaps", _gaps(data.gaps.value, data.gaps.error), ident="gaps")
         + section("Group lag", _lag_summary(data.lag.value, data.lag.error), ident="lag")
-        + section("Parking lot", _parked(data), ident="parked")
+        + section("Parking lot", _parked(data) + _reasons(data), ident="parked")
         + section("Last audit", _audit_summary(data.audit, data.last_console_audit), ident="audit")
         + section("Engine routes", _routes(data.routes, data.sink_state), ident="routes", wide=True)
         + "</div>"
@@ -152,6 +152,29 @@ def _lag_summary(lag: PipelineLag | None, error: str | None) -> str:
             ),
         ]
     ) + (f"<ul>{problems}</ul>" if problems else "")
+
+
+def _reasons(data: Overview) -> str:
+    """Open rows per kind of reason (``outbox-cdc failed reasons``), each a link to the
+    parking page filtered by it."""
+    if data.reasons.value is None:
+        return unknown(data.reasons.error)
+    rows = [
+        [
+            f'<a href="{PREFIX}/parking?{urlencode({"reason": r.reason, "status": r.status})}">'
+            f"{esc(r.reason or '(none recorded)')}</a>",
+            esc(r.status),
+            f'<span data-field="reason-{i}-count">{r.count}</span>',
+        ]
+        for i, r in enumerate(data.reasons.value)
+    ]
+    return table(
+        "Open parked rows by reason (the ten largest: outbox-cdc failed reasons)",
+        ["reason", "status", "rows"],
+        rows,
+        numeric=(2,),
+        empty="no open parked rows",
+    )
 
 
 def _parked(data: Overview) -> str:

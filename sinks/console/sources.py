@@ -49,7 +49,7 @@ from sinks.console.views import (
     route_views,
 )
 from sinks.ops.lag import PipelineLag, pipeline_lag
-from sinks.parking.lot import ParkedEvent, ParkingLot
+from sinks.parking.lot import ParkedEvent, ParkingLot, ReasonCount
 from sinks.parking.retrier import Retrier, RetrySummary
 from sinks.shared.routes import (
     QUIZ_ATTEMPTS_SYNC_PATH,
@@ -180,9 +180,20 @@ class ConsoleSources:
         except Exception as exc:  # the page shows what failed
             return Readout(None, first_line(exc))
 
+    async def parked_reasons(self) -> Readout[list[ReasonCount]]:
+        try:
+            return Readout(await self.lot.counts_by_reason())
+        except Exception as exc:  # the page shows what failed
+            return Readout(None, first_line(exc))
+
     async def overview(self) -> Overview:
-        lag, gaps, parked, audit, (status, body, error) = await asyncio.gather(
-            self.lag(), self.gaps(), self.parked_counts(), self.relay_audit(), self.relay("/readyz")
+        lag, gaps, parked, reasons, audit, (status, body, error) = await asyncio.gather(
+            self.lag(),
+            self.gaps(),
+            self.parked_counts(),
+            self.parked_reasons(),
+            self.relay_audit(),
+            self.relay("/readyz"),
         )
         routed = {
             t: ROUTE_PATHS.get(s, str(s))
@@ -194,6 +205,7 @@ class ConsoleSources:
             lag=lag,
             gaps=gaps,
             parked=parked,
+            reasons=reasons,
             routes=route_views(registry_samples(self.registry), routed),
             sink_state=self.liveness.state,
             audit=audit,

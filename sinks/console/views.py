@@ -28,6 +28,7 @@ from cdc.gaps import HistoryRow
 from cdc.ops import SlotStatus
 from sinks.ops.lag import PipelineLag
 from sinks.ops.offsets import PartitionLag
+from sinks.parking.lot import ReasonCount
 
 #: The suffix the relay's ``/readyz`` body carries in exactly-once mode.
 EXACTLY_ONCE_MARK = "(exactly-once)"
@@ -169,6 +170,8 @@ class Overview:
     lag: Readout[PipelineLag]
     gaps: Readout[list[HistoryRow]]
     parked: Readout[dict[tuple[str, str], int]]
+    #: open rows per kind of reason, most first (``outbox-cdc failed reasons``)
+    reasons: Readout[list[ReasonCount]]
     routes: list[RouteView]
     sink_state: str
     audit: Readout[AuditMetricsView]

@@ -101,6 +101,37 @@ class LotTimeouts:
         return f"-c statement_timeout={self.statement_ms} -c lock_timeout={self.lock_ms}"
 
 
+#: Reasons the by-reason counts show (the rest: ``failed list`` and its filters).
+REASONS_SHOWN = 10
+
+#: A row's reason, as one kind: ``last_error``'s first part (before ``; ``), without
+#: the leading record position (``record ('t', 2, 4711): ``) or event type
+#: (``UserRegistered: ``), up to the first ``: `` or `` (`` (an engine's answer, a
+#: quoted value), at most 64 characters. Always a contiguous piece of ``last_error``.
+REASON_HEAD_SQL = (
+    "left(btrim(regexp_replace(regexp_replace(regexp_replace("
+    "split_part(coalesce(last_error, ''), '; ', 1),"
+    " '^record \\([^)]*\\)(: )?', ''), '^[^ :]+: ', ''), '(: | \\().*$', '')), 64)"
+)
+
+
+REASONS_SQL = (
+    f"SELECT {REASON_HEAD_SQL} AS reason, status, count(*) AS n"  # noqa: S608 - constants only
+    " FROM failed_sync_events WHERE status <> 'DONE'"
+    " GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT %(limit)s"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReasonCount:
+    """Open rows of one status parked for one kind of reason
+    (:meth:`ParkingLot.counts_by_reason`)."""
+
+    reason: str
+    status: str
+    count: int
+
+
 class ParkingLotUnavailable(SinkError):  # noqa: N818 - named after the condition, as its peers
     """The parking lot could not run a statement now; the message is one line.
 
@@ -561,6 +592,14 @@ class ParkingLot:
             " GROUP BY event_type, status ORDER BY event_type, status"
         )
         return {(str(r["event_type"]), str(r["status"])): int(r["n"]) for r in rows}
+
+    async def counts_by_reason(self, *, limit: int = REASONS_SHOWN) -> list[ReasonCount]:
+        """Open rows (FAILED, PENDING) per reason, most first (at most ``limit``): the
+        reason text's head (:data:`REASON_HEAD_SQL`: no record position, no quoted
+        value), always a piece of each row's ``last_error``, so ``reason=`` filters
+        (``strpos``) find exactly its rows' kind again."""
+        rows = await self._fetch(REASONS_SQL, {"limit": limit})
+        return [ReasonCount(str(r["reason"]), str(r["status"]), int(r["n"])) for r in rows]
 
     async def counts(self) -> dict[str, int]:
         rows = await self._fetch(

@@ -4,8 +4,11 @@ sink, the engine stub over HTTP).
 Each test claims what its name says and checks it on what the services hold: the
 overview's numbers against ``outbox-cdc lag --json`` and ``slot status --json`` run
 beside it; a parked record found, retried after the stub's fault is gone and seen
-applied by the stub; an event traced; a discard written into the parking lot; every
-action without its CSRF token refused (403) and nothing done. Every view is
+applied by the stub, and counted by reason as ``outbox-cdc failed reasons`` counts it; a
+selection retried; an event traced by id and every event of a key traced as ``outbox-cdc
+trace --key`` traces them; a discard written into the parking lot; a confirmed repair
+republishing what Kafka lost; every action without its CSRF token refused (403) and
+nothing done. Every view is
 photographed (``shots``) and passed through axe-core (no serious or critical
 violation), and the login is done with the keyboard alone.
 
@@ -30,6 +33,7 @@ import pytest
 from cdc.outbox import OutboxEvent, write_event
 from tests.console.conftest import TOKEN, Pipeline
 from tests.harness import ROOT, wait_until
+from tests.integration.test_audit import _delete_all_records
 
 pytestmark = pytest.mark.integration
 
@@ -237,6 +241,18 @@ def test_a_poison_record_is_found_in_the_parking_lot_retried_and_applied(
     _look(page, shots, "parked-row")
     assert str(poison.event_id) not in _applied(pipeline)
 
+    # the overview counts it by reason, as `outbox-cdc failed reasons` does, and links there
+    reasons = [
+        (r["reason"], r["status"], r["count"])
+        for r in _cli(pipeline, "failed", "reasons")["reasons"]
+    ]
+    at = next(i for i, r in enumerate(reasons) if r[:2] == ("HTTP 400", "FAILED"))
+    page.goto(f"{pipeline.base}/console/")
+    assert _field(page, f"reason-{at}-count") == str(reasons[at][2])
+    page.click('a[href="/console/parking?reason=HTTP+400&status=FAILED"]')
+    assert page.locator(f'a[href="/console/parking/{row[0]}"]').count() == 1
+    page.goto(f"{pipeline.base}/console/parking/{row[0]}")
+
     pipeline.stub.clear_faults()  # the engine fixed
     page.click("text=Retry now")
     assert "1 delivered" in page.locator("[role=status]").inner_text()
@@ -271,6 +287,69 @@ def test_a_selection_is_discarded_with_its_reason_and_never_sent(
         assert "test data, not for the engine" in row[3]
         assert str(p.event_id) not in _applied(pipeline)
     pipeline.stub.clear_faults()
+
+
+def test_a_selection_is_retried_once_the_engine_is_fixed_and_each_applied_once(
+    pipeline: Pipeline, page: Any
+) -> None:
+    poisons = [_user_event() for _ in range(2)]
+    for p in poisons:
+        pipeline.stub.add_faults(
+            {"event_id": str(p.event_id), "status": 409, "times": -1, "body": {"error": "x"}}
+        )
+    _write(pipeline, poisons)
+    for p in poisons:
+        wait_until(lambda p=p: _parked_row(pipeline, p.event_id), PIPELINE_WAIT_S, "parked")
+    page.goto(f"{pipeline.base}/console/parking?status=FAILED&reason=409")
+    for p in poisons:
+        row = _parked_row(pipeline, p.event_id)
+        assert row is not None and row[1] == "FAILED"
+        page.check(f"#sel-{row[0]}")
+    pipeline.stub.clear_faults()  # the engine fixed
+    page.click("text=Retry selected")
+    assert "2 delivered" in page.locator("[role=status]").inner_text()
+    applied = [str(i["event_id"]) for i in pipeline.stub.applied()["items"]]
+    for p in poisons:
+        row = _parked_row(pipeline, p.event_id)
+        assert row is not None and row[1] == "DONE"
+        assert applied.count(str(p.event_id)) == 1
+
+
+def test_every_event_of_a_key_is_traced_as_the_cli_traces_it(pipeline: Pipeline, page: Any) -> None:
+    user = _user_event()
+    again = OutboxEvent(  # a second event of the same key (aggregate id)
+        aggregate_type="user",
+        aggregate_id=user.aggregate_id,
+        event_type="UserRegistered",
+        payload={"user_id": user.aggregate_id},
+    )
+    _write(pipeline, [user, again])
+    wait_until(lambda: _lag(pipeline) == 0, PIPELINE_WAIT_S, "the group committed past them")
+    page.goto(f"{pipeline.base}/console/trace")
+    page.fill("#t-key", user.aggregate_id)
+    page.click("form.filters button[type=submit]")
+    done = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "trace", "--key", user.aggregate_id, "--json"],
+        env=pipeline.cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=ROOT,
+    )
+    cli = json.loads(done.stdout)
+    assert {t["event_id"] for t in cli} == {str(user.event_id), str(again.event_id)}
+    shown = page.locator("article.trace")
+    assert shown.count() == len(cli)
+    states = [str(x).strip() for x in page.locator('[data-field="trace-state"]').all_inner_texts()]
+    assert sorted(states) == sorted(t["state"] for t in cli)
+    kafka = sorted(
+        f"{t['kafka_record']['topic']} partition {t['kafka_record']['partition']}"
+        f" offset {t['kafka_record']['offset']}"
+        for t in cli
+    )
+    texts = [str(x).strip() for x in page.locator('[data-field="trace-kafka"]').all_inner_texts()]
+    assert sorted(texts) == kafka
 
 
 def test_an_event_is_traced_to_the_engines_answer(
@@ -310,6 +389,47 @@ def test_the_lag_and_audit_pages_read_and_a_repair_asks_first(
     page.click("text=Run audit")
     assert page.locator("h1").inner_text() == "Confirm the repair"
     _look(page, shots, "audit-confirm")
+
+
+def test_a_confirmed_repair_republishes_what_kafka_lost_and_the_cli_then_finds_it_complete(
+    pipeline: Pipeline, page: Any
+) -> None:
+    """Every record of the user topic deleted (DeleteRecords: retention at once) after the
+    group processed it: the audit finds them missing; with repair confirmed the console's
+    run republishes them; `outbox-cdc audit --json` over the window then finds nothing
+    missing, and the engine applied the new event once (the sink reads the republished
+    records again; the engine keeps one apply per idempotency key)."""
+    event = _user_event()
+    _write(pipeline, [event])
+    wait_until(lambda: str(event.event_id) in _applied(pipeline), PIPELINE_WAIT_S, "applied")
+    wait_until(lambda: _lag(pipeline) == 0, PIPELINE_WAIT_S, "the group committed past it")
+    _delete_all_records(pipeline.relay_cfg.kafka, pipeline.relay_cfg.topic_prefix + "user")
+    page.goto(f"{pipeline.base}/console/audit")
+    page.fill("#a-since", "1h")
+    page.check("#a-repair")
+    page.click("text=Run audit")
+    assert page.locator("h1").inner_text() == "Confirm the repair"
+    page.click("text=Yes, audit and repair")
+    said = page.locator("[role=status]").inner_text()
+    assert said.startswith("audit ") and said.endswith(": found"), said
+    assert _field(page, "audit-verdict") == "found"
+    missing = int(_field(page, "audit-missing-count"))
+    assert missing >= 1
+    assert int(_field(page, "audit-repaired")) == missing
+    after = subprocess.run(
+        [sys.executable, "-m", "cdc.cli", "audit", "--since", "1h", "--json"],
+        env=pipeline.cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+    )
+    report = json.loads(after.stdout)
+    assert report["missing_count"] == 0, report
+    wait_until(lambda: _lag(pipeline) == 0, PIPELINE_WAIT_S, "the republished records read")
+    applied = [str(i["event_id"]) for i in pipeline.stub.applied()["items"]]
+    assert applied.count(str(event.event_id)) == 1
 
 
 def test_every_action_without_its_csrf_token_is_refused_and_changes_nothing(

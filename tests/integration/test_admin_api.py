@@ -541,9 +541,10 @@ def test_a_retry_longer_than_its_deadline_answers_in_time_naming_the_rows_not_tr
 ) -> None:
     """Edge: a retry whose engine calls outlast the request's deadline (issue 47): the
     users route answers after 1.5 s each (well within the engine client's 3 s read
-    timeout), 20 rows are asked for - about 30 s of calls against the admin API's 20 s. No row is started after the deadline: the answer comes
-    (200, the reference envelope), says it stopped at its deadline and names the rows it
-    did not try; those are untouched (FAILED, no attempt spent), the others DONE."""
+    timeout), 20 rows are asked for - about 30 s of calls against the admin API's 20 s.
+    No row is started after the deadline: the answer comes (200, the reference
+    envelope), says it stopped at its deadline and names the rows it did not try; those
+    are untouched (FAILED, no attempt spent), the others DONE."""
     with psycopg.connect(admin_sink.dsn) as conn:
         ids = sorted(
             _park(

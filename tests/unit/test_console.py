@@ -40,7 +40,7 @@ from sinks.console.views import (
 )
 from sinks.ops.lag import PipelineLag
 from sinks.ops.offsets import OffsetReset, partition_lag
-from sinks.parking.lot import ParkedEvent
+from sinks.parking.lot import ParkedEvent, ReasonCount
 from sinks.parking.retrier import RetrySummary
 from sinks.runtime.metrics import SinkMetrics
 
@@ -230,11 +230,26 @@ def _overview(report: PipelineLag | None, **kw: Any) -> Overview:
         "lag": Readout(report),
         "gaps": Readout([]),
         "parked": Readout({("USER_SYNC", "FAILED"): 2, ("UNROUTABLE", "DONE"): 1}),
+        "reasons": Readout(
+            [ReasonCount("HTTP 422", "FAILED", 2), ReasonCount("no route <x>", "PENDING", 1)]
+        ),
         "routes": [],
         "sink_state": "consuming",
         "audit": Readout(None, "relay /metrics answered HTTP 404"),
     }
     return Overview(**(defaults | kw))
+
+
+def test_the_overview_shows_open_rows_by_reason_each_linked_to_its_filter() -> None:
+    html = overview_fragment(_overview(_report()))
+    assert _field(html, "reason-0-count") == "2"
+    assert _field(html, "reason-1-count") == "1"
+    assert '/console/parking?reason=HTTP+422&status=FAILED">HTTP 422</a>' in html
+    assert "no route &lt;x&gt;</a>" in html  # (escaped, as every value shown)
+    unread = overview_fragment(_overview(_report(), reasons=Readout(None, "busy")))
+    assert "could not be read: busy" in unread
+    empty = overview_fragment(_overview(_report(), reasons=Readout([])))
+    assert "no open parked rows" in empty
 
 
 def test_the_overview_shows_the_numbers_of_the_lag_report_it_was_given() -> None:
