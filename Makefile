@@ -16,14 +16,14 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
 	@echo "make run | stop   engine stub, relay and sink in the background on the stack (.dev/run)"
-	@echo "make test    venv, stack up, ruff + mypy, pytest (unit, integration, fault)"
+	@echo "make test    venv, stack up, ruff + mypy, pytest: the unit lane and eight integration lanes at once (main, B, C, D, pg18, 16/17 smoke, compose, console)"
 	@echo "make bench   benchmarks under tests/bench (print figures); the relay's again on PostgreSQL 18"
 	@echo "make rules   promtool: check the Prometheus config and alert rules, run their unit tests"
 	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/); make up PG=15|16|17|18"
 	@echo "make compose-up | compose-down   the whole pipeline in Docker (compose/docker-compose.yml;"
 	@echo "             installs dockerd, the compose plugin and stand-in images where missing)"
 	@echo "make test-console   the operator console in a real browser (Debian's chromium, Playwright,"
-	@echo "             axe-core) against a pipeline on a stack of its own (make test's console lane)"
+	@echo "             axe-core) against a pipeline on a stack of its own; make test runs it too"
 	@echo "make docs    build the documentation site into site/ (mkdocs --strict: no broken link, no orphan page)"
 	@echo "make lock    re-pin compose/requirements.lock (what the image installs) from pyproject.toml"
 	@echo "make wheel   build dist/outbox_cdc-*.whl (carries the sql/ migrations)"
@@ -245,8 +245,7 @@ test-compose-lane: venv
 # (npm, pinned) installed by compose/console-browser.sh when missing, Playwright for Python
 # driving the browser (no browser download), a relay, a sink and the engine stub on a
 # stack of its own (CONSOLE_DEV, its own ports). Screenshots land in .dev/console-shots
-# (docs/operations/console.md shows a set of them). `make test` runs it as its console lane
-# (test-console-lane, below).
+# (docs/operations/console.md shows a set of them). `make test` runs it (test-console-lane).
 CONSOLE_DEV := $(CURDIR)/.dev/console
 CONSOLE_ENV := OUTBOX_DEV_DIR=$(CONSOLE_DEV) OUTBOX_PG_PORT=$(or $(OUTBOX_CONSOLE_PG_PORT),25612) \
 	OUTBOX_KAFKA_PORT=$(or $(OUTBOX_CONSOLE_KAFKA_PORT),29712) \

@@ -71,13 +71,16 @@ def failed_list(
 
 
 @failed.command("reasons")
-@click.option("--limit", default=10, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--limit", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="the counts as JSON on stdout")
 def failed_reasons(limit: int, as_json: bool) -> None:
-    """Open parked rows (FAILED, PENDING) per kind of reason, most first.
+    """Open parked events (FAILED, PENDING) per reason class, most first.
 
-    A kind is the head of the rows' reason (no record position, no event type, no
-    engine answer); `failed list` and the console's parking page filter by it."""
+    A class is the reason without its free text: an engine's answer is its status
+    (HTTP 400, HTTP 404 user_not_found), anything else the reason's head (unreadable
+    record, payload is not valid JSON, no event id). The console's overview shows the
+    same counts; its parking page lists a class's rows (?reason_class=...).
+    """
     from sinks.ops.parking import parked_reasons, reasons_json
 
     counts = parked_reasons(load_settings("pg_dsn"), limit=limit)

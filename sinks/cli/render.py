@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from sinks.ops.offsets import LagRate
     from sinks.ops.plan import ReplayPlan
     from sinks.ops.redeliver import RedeliveryReport
-    from sinks.parking.lot import ParkedEvent, ReasonCount
+    from sinks.parking.lot import ParkedEvent
+    from sinks.parking.reasons import ReasonCount
     from sinks.parking.retrier import RetrySummary
     from sinks.trace.model import EventTrace, ParkedRow
 
@@ -262,17 +263,16 @@ def parked_table(
 
 
 def reasons_table(counts: Sequence[ReasonCount]) -> Any:
-    """Open parked rows per kind of reason (``failed reasons``), in 80 columns."""
+    """Open parked rows per reason class (``failed reasons``), in 80 columns."""
     from rich.table import Table
 
-    table = Table(title="open parked rows by reason", title_justify="left")
-    table.add_column("rows", justify="right", no_wrap=True)
-    table.add_column("status", no_wrap=True)
+    table = Table(title="open parked events by reason", title_justify="left")
+    table.add_column("events", justify="right", no_wrap=True)
     table.add_column("reason", overflow="fold")
     for c in counts:
-        table.add_row(str(c.count), c.status, c.reason or "(none recorded)")
+        table.add_row(str(c.count), c.reason or "(no reason recorded)")
     if not counts:
-        table.caption = "no open parked rows"
+        table.caption = "no open parked events"
     return table
 
 

@@ -53,6 +53,7 @@ def _filter_form(f: ParkedFilter) -> str:
         f"{options}</select></div>"
         + field("type", "type (sync type or record type)")
         + field("reason", "reason (text in the last error)")
+        + field("reason_class", "reason class (as the overview counts)")
         + field("key", "key")
         + field("since", "parked since", "datetime-local")
         + field("until", "parked before", "datetime-local")

@@ -42,6 +42,7 @@ from sinks.console.views import (
 )
 from sinks.ops.lag import PipelineLag
 from sinks.ops.offsets import PartitionLag
+from sinks.parking.reasons import REASONS_SHOWN
 
 
 # --------------------------------------------------------------------------- overview
@@ -154,29 +155,6 @@ def _lag_summary(lag: PipelineLag | None, error: str | None) -> str:
     ) + (f"<ul>{problems}</ul>" if problems else "")
 
 
-def _reasons(data: Overview) -> str:
-    """Open rows per kind of reason (``outbox-cdc failed reasons``), each a link to the
-    parking page filtered by it."""
-    if data.reasons.value is None:
-        return unknown(data.reasons.error)
-    rows = [
-        [
-            f'<a href="{PREFIX}/parking?{urlencode({"reason": r.reason, "status": r.status})}">'
-            f"{esc(r.reason or '(none recorded)')}</a>",
-            esc(r.status),
-            f'<span data-field="reason-{i}-count">{r.count}</span>',
-        ]
-        for i, r in enumerate(data.reasons.value)
-    ]
-    return table(
-        "Open parked rows by reason (the ten largest: outbox-cdc failed reasons)",
-        ["reason", "status", "rows"],
-        rows,
-        numeric=(2,),
-        empty="no open parked rows",
-    )
-
-
 def _parked(data: Overview) -> str:
     if data.parked.value is None:
         return unknown(data.parked.error)
@@ -193,6 +171,30 @@ def _parked(data: Overview) -> str:
         rows,
         numeric=(1, 2, 3),
         empty="the parking lot is empty",
+    )
+
+
+def _reasons(data: Overview) -> str:
+    """Open rows per reason class, the largest first (``outbox-cdc failed reasons``), each
+    a link to the parking page listing that class's open rows."""
+    if data.reasons.value is None:
+        return unknown(data.reasons.error)
+    rows = [
+        [
+            f'<a href="{PREFIX}/parking?{esc(urlencode({"reason_class": r.reason}))}"'
+            f' data-field="reason-{i}">{esc(r.reason)}</a>'
+            if r.reason  # (no reason written: no class to filter by)
+            else f'<span data-field="reason-{i}">(no reason recorded)</span>',
+            f'<span data-field="reason-{i}-count">{r.count}</span>',
+        ]
+        for i, r in enumerate(data.reasons.value)
+    ]
+    return table(
+        f"Open parked rows by reason (the {REASONS_SHOWN} largest; outbox-cdc failed reasons)",
+        ["reason", "open rows"],
+        rows,
+        numeric=(1,),
+        empty="no open parked rows",
     )
 
 
@@ -350,7 +352,7 @@ def _audit_report(last: Mapping[str, Any] | None) -> str:
         [
             ("run", "audit-run", f"<code>{esc(last.get('run_id'))}</code>"),
             ("verdict", "audit-verdict", f"<strong>{esc(last.get('verdict'))}</strong>"),
-            ("window", "", esc(f"{window.get('since')} .. {window.get('until')}")),
+            ("window", "audit-window", esc(f"{window.get('since')} .. {window.get('until')}")),
             ("rows judged", "audit-rows", esc(last.get("table_rows"))),
             ("in Kafka", "", esc(last.get("in_kafka"))),
             ("in flight", "", esc(last.get("in_flight"))),

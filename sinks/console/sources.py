@@ -49,7 +49,8 @@ from sinks.console.views import (
     route_views,
 )
 from sinks.ops.lag import PipelineLag, pipeline_lag
-from sinks.parking.lot import ParkedEvent, ParkingLot, ReasonCount
+from sinks.parking.lot import ParkedEvent, ParkingLot
+from sinks.parking.reasons import ReasonCount
 from sinks.parking.retrier import Retrier, RetrySummary
 from sinks.shared.routes import (
     QUIZ_ATTEMPTS_SYNC_PATH,
@@ -181,6 +182,7 @@ class ConsoleSources:
             return Readout(None, first_line(exc))
 
     async def parked_reasons(self) -> Readout[list[ReasonCount]]:
+        """What ``outbox-cdc failed reasons`` prints (:meth:`ParkingLot.counts_by_reason`)."""
         try:
             return Readout(await self.lot.counts_by_reason())
         except Exception as exc:  # the page shows what failed
@@ -220,6 +222,7 @@ class ConsoleSources:
                 limit=PARKED_PAGE_ROWS,
                 key=f.key,
                 reason=f.reason,
+                reason_class=f.reason_class,
                 since=f.since,
                 until=f.until,
             )

@@ -28,7 +28,7 @@ from cdc.gaps import HistoryRow
 from cdc.ops import SlotStatus
 from sinks.ops.lag import PipelineLag
 from sinks.ops.offsets import PartitionLag
-from sinks.parking.lot import ReasonCount
+from sinks.parking.reasons import ReasonCount
 
 #: The suffix the relay's ``/readyz`` body carries in exactly-once mode.
 EXACTLY_ONCE_MARK = "(exactly-once)"
@@ -170,7 +170,7 @@ class Overview:
     lag: Readout[PipelineLag]
     gaps: Readout[list[HistoryRow]]
     parked: Readout[dict[tuple[str, str], int]]
-    #: open rows per kind of reason, most first (``outbox-cdc failed reasons``)
+    #: open rows per reason class, the largest first (``outbox-cdc failed reasons``)
     reasons: Readout[list[ReasonCount]]
     routes: list[RouteView]
     sink_state: str
@@ -229,6 +229,8 @@ class ParkedFilter:
     statuses: tuple[str, ...] = ("FAILED", "PENDING")
     event_type: str | None = None
     reason: str | None = None
+    #: a reason class, matched exactly (the overview's by-reason links)
+    reason_class: str | None = None
     key: str | None = None
     since: datetime | None = None
     until: datetime | None = None
@@ -268,11 +270,12 @@ def parked_filter(params: Mapping[str, str]) -> ParkedFilter:
     until = _time("until", params.get("until", "").strip())
     if since is not None and until is not None and until <= since:
         raise FilterError("until: must be after since")
-    names = ("status", "type", "reason", "key", "since", "until")
+    names = ("status", "type", "reason", "reason_class", "key", "since", "until")
     return ParkedFilter(
         statuses=statuses,
         event_type=_text("type", params),
         reason=_text("reason", params),
+        reason_class=_text("reason_class", params),
         key=_text("key", params),
         since=since,
         until=until,

@@ -14,7 +14,8 @@ from typing import TypeVar
 from cdc.settings import Settings
 from sinks.engine.client import EngineClient
 from sinks.ops.errors import OpsUsageError
-from sinks.parking.lot import REASONS_SHOWN, ParkedEvent, ParkingLot, ReasonCount
+from sinks.parking.lot import ParkedEvent, ParkingLot
+from sinks.parking.reasons import REASONS_SHOWN, ReasonCount
 from sinks.parking.retrier import Retrier, RetrySummary
 
 _T = TypeVar("_T")
@@ -100,12 +101,14 @@ def parking_counts(settings: Settings) -> dict[str, int]:
 
 
 def parked_reasons(settings: Settings, *, limit: int = REASONS_SHOWN) -> list[ReasonCount]:
-    """Open rows per kind of reason, most first (what the console's overview shows)."""
+    """Open rows per reason class, the ``limit`` largest, most first: what the console's
+    overview shows (:meth:`ParkingLot.counts_by_reason`)."""
     return asyncio.run(_with_lot(settings, lambda lot: lot.counts_by_reason(limit=limit)))
 
 
 def reasons_json(counts: Sequence[ReasonCount]) -> list[dict[str, object]]:
-    return [{"reason": c.reason, "status": c.status, "count": c.count} for c in counts]
+    """``failed reasons --json``'s rows: ``reason`` (the class) and ``count`` (open rows)."""
+    return [{"reason": c.reason, "count": c.count} for c in counts]
 
 
 def retry_parked(settings: Settings, *, ids: Sequence[int] | None, retry_all: bool) -> RetrySummary:

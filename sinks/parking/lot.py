@@ -61,7 +61,8 @@ from psycopg.rows import dict_row
 from sinks.core.errors import SinkError
 from sinks.core.schedule import retry_delay_s
 from sinks.parking.claims import CLAIM_LEASE_S, AttemptResult, RowStatus
-from sinks.parking.statements import PARK_SQL
+from sinks.parking.reasons import REASONS_SHOWN, REASONS_SQL, ReasonCount
+from sinks.parking.statements import LIST_NARROWING, PARK_SQL
 
 log = logging.getLogger("sinks.parking")
 
@@ -99,37 +100,6 @@ class LotTimeouts:
     def options(self) -> str:
         """The ``options`` of the connection: the server-side timeouts."""
         return f"-c statement_timeout={self.statement_ms} -c lock_timeout={self.lock_ms}"
-
-
-#: Reasons the by-reason counts show (the rest: ``failed list`` and its filters).
-REASONS_SHOWN = 10
-
-#: A row's reason, as one kind: ``last_error``'s first part (before ``; ``), without
-#: the leading record position (``record ('t', 2, 4711): ``) or event type
-#: (``UserRegistered: ``), up to the first ``: `` or `` (`` (an engine's answer, a
-#: quoted value), at most 64 characters. Always a contiguous piece of ``last_error``.
-REASON_HEAD_SQL = (
-    "left(btrim(regexp_replace(regexp_replace(regexp_replace("
-    "split_part(coalesce(last_error, ''), '; ', 1),"
-    " '^record \\([^)]*\\)(: )?', ''), '^[^ :]+: ', ''), '(: | \\().*$', '')), 64)"
-)
-
-
-REASONS_SQL = (
-    f"SELECT {REASON_HEAD_SQL} AS reason, status, count(*) AS n"  # noqa: S608 - constants only
-    " FROM failed_sync_events WHERE status <> 'DONE'"
-    " GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT %(limit)s"
-)
-
-
-@dataclass(frozen=True, slots=True)
-class ReasonCount:
-    """Open rows of one status parked for one kind of reason
-    (:meth:`ParkingLot.counts_by_reason`)."""
-
-    reason: str
-    status: str
-    count: int
 
 
 class ParkingLotUnavailable(SinkError):  # noqa: N818 - named after the condition, as its peers
@@ -284,15 +254,6 @@ def _matching(
     return {"statuses": [str(s) for s in statuses], "type": event_type, "ids": ids}
 
 
-#: More filters of list_rows: the key, a text in last_error (why parked), created since/until.
-_NARROWING = (
-    " AND (%(key)s::text IS NULL OR kafka_key = %(key)s)"
-    " AND (%(reason)s::text IS NULL OR strpos(coalesce(last_error, ''), %(reason)s) > 0)"
-    " AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s)"
-    " AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s)"
-)
-
-
 #: retry_count is an int4: no row reaches this.
 _NO_LIMIT = 2**31 - 1
 _DUE = (
@@ -433,16 +394,18 @@ class ParkingLot:
         reason: str | None = None,
         since: datetime | None = None,
         until: datetime | None = None,
+        reason_class: str | None = None,
     ) -> list[ParkedEvent]:
         """The oldest ``limit`` rows in ``statuses``, of ``event_type`` if given.
 
         ``event_type`` matches the row's sync type (``USER_SYNC``, ``UNROUTABLE``
-        ...) or the record's ``type`` header (``UserEmailChanged``); :data:`_NARROWING`
-        says what ``key``, ``reason``, ``since`` and ``until`` match.
+        ...) or the record's ``type`` header (``UserEmailChanged``); ``LIST_NARROWING``
+        (statements) says what ``key``, ``reason``, ``reason_class``, ``since``, ``until`` match.
         """
         narrowing = {"key": key, "reason": reason, "since": since, "until": until, "limit": limit}
+        narrowing["reason_class"] = reason_class
         rows = await self._fetch(
-            f"SELECT {_COLUMNS} FROM failed_sync_events WHERE {_MATCHING}{_NARROWING}"  # noqa: S608
+            f"SELECT {_COLUMNS} FROM failed_sync_events WHERE {_MATCHING}{LIST_NARROWING}"  # noqa: S608
             " ORDER BY event_id LIMIT %(limit)s",
             _matching(statuses=statuses, event_type=event_type, ids=None) | narrowing,
         )
@@ -594,12 +557,9 @@ class ParkingLot:
         return {(str(r["event_type"]), str(r["status"])): int(r["n"]) for r in rows}
 
     async def counts_by_reason(self, *, limit: int = REASONS_SHOWN) -> list[ReasonCount]:
-        """Open rows (FAILED, PENDING) per reason, most first (at most ``limit``): the
-        reason text's head (:data:`REASON_HEAD_SQL`: no record position, no quoted
-        value), always a piece of each row's ``last_error``, so ``reason=`` filters
-        (``strpos``) find exactly its rows' kind again."""
+        """Open rows per reason class, most first (:mod:`sinks.parking.reasons`)."""
         rows = await self._fetch(REASONS_SQL, {"limit": limit})
-        return [ReasonCount(str(r["reason"]), str(r["status"]), int(r["n"])) for r in rows]
+        return [ReasonCount(str(r["reason"]), int(r["n"])) for r in rows]
 
     async def counts(self) -> dict[str, int]:
         rows = await self._fetch(

@@ -1,4 +1,5 @@
-"""The parking lot's write statement (:meth:`sinks.parking.lot.ParkingLot.park_many`).
+"""The parking lot's write statement (:meth:`sinks.parking.lot.ParkingLot.park_many`) and
+the narrowing filters of its list (``list_rows``).
 
 One statement for a whole batch: the rows come as one ``jsonb`` document read by
 ``jsonb_to_recordset``; a row with an event id is unique by it, a row without one by
@@ -6,6 +7,18 @@ the record's place in Kafka (migration 008).
 """
 
 from __future__ import annotations
+
+from sinks.parking.reasons import REASON_CLASS_SQL
+
+#: More filters of list_rows: the key, a text in last_error (why parked), a reason class
+#: (exactly, :data:`~sinks.parking.reasons.REASON_CLASS_SQL`), created since/until.
+LIST_NARROWING = (
+    " AND (%(key)s::text IS NULL OR kafka_key = %(key)s)"
+    " AND (%(reason)s::text IS NULL OR strpos(coalesce(last_error, ''), %(reason)s) > 0)"
+    f" AND (%(reason_class)s::text IS NULL OR {REASON_CLASS_SQL} = %(reason_class)s)"
+    " AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s)"
+    " AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s)"
+)
 
 #: One statement, two inserts: a row with an event id is unique by it (a redelivered or
 #: replayed event refreshes its row); a row without one by the record's place in Kafka

@@ -5,10 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -435,66 +431,3 @@ def test_the_consoles_filters_and_a_discard_with_a_reason_hold_on_the_real_table
             _delete(db_dsn, ids)
 
     asyncio.run(run())
-
-
-def test_open_rows_counted_by_reason_are_what_the_reason_filter_finds_and_the_cli_prints(
-    db_dsn: str,
-) -> None:
-    """The console overview's "by reason" (issue 53): the head of each reason (no record
-    position, no event type, no engine answer) groups open rows across records; each head
-    is a piece of its rows' reason, so the parking page's reason filter finds exactly
-    them; DONE rows are not counted; ``outbox-cdc failed reasons --json`` prints the same."""
-    marker = uuid.uuid4().hex[:12]
-    bad, other = f"bad thing {marker}", f"other thing {marker}"
-    reasons = [
-        *(f"record ('outbox.event.user', 0, {n}): {bad} ('e-{n}')" for n in range(3)),
-        *(f"UserRegistered: {other}: engine said {n}" for n in range(2)),
-        f"UserRegistered: {other}: closed",
-    ]
-
-    async def run() -> list[tuple[str, str, int]]:
-        lot = ParkingLot(db_dsn)
-        ids: list[int] = []
-        try:
-            ids = await lot.park_many(
-                [dataclasses.replace(_request(str(uuid.uuid4())), reason=r) for r in reasons]
-            )
-            await lot.accept(ids=ids[-1:], event_type=None)  # DONE: no longer counted
-            counts = [
-                (c.reason, c.status, c.count)
-                for c in await lot.counts_by_reason(limit=10_000)
-                if marker in c.reason
-            ]
-            for head, n in ((bad, 3), (other, 2)):
-                found = await lot.list_rows(reason=head)
-                assert len([r for r in found if r.status == "FAILED"]) == n, head
-            cli = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "cdc.cli",
-                    "failed",
-                    "reasons",
-                    "--limit",
-                    "10000",
-                    "--json",
-                ],
-                env={**os.environ, "CDC_PG_DSN": db_dsn},
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-            assert cli.returncode == 0, cli.stderr
-            printed = [
-                (c["reason"], c["status"], c["count"])
-                for c in json.loads(cli.stdout)["reasons"]
-                if marker in c["reason"]
-            ]
-            assert printed == counts
-            return counts
-        finally:
-            await lot.close()
-            _delete(db_dsn, ids)
-
-    assert sorted(asyncio.run(run())) == [(bad, "FAILED", 3), (other, "FAILED", 2)]

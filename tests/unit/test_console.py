@@ -40,7 +40,8 @@ from sinks.console.views import (
 )
 from sinks.ops.lag import PipelineLag
 from sinks.ops.offsets import OffsetReset, partition_lag
-from sinks.parking.lot import ParkedEvent, ReasonCount
+from sinks.parking.lot import ParkedEvent
+from sinks.parking.reasons import ReasonCount
 from sinks.parking.retrier import RetrySummary
 from sinks.runtime.metrics import SinkMetrics
 
@@ -230,9 +231,7 @@ def _overview(report: PipelineLag | None, **kw: Any) -> Overview:
         "lag": Readout(report),
         "gaps": Readout([]),
         "parked": Readout({("USER_SYNC", "FAILED"): 2, ("UNROUTABLE", "DONE"): 1}),
-        "reasons": Readout(
-            [ReasonCount("HTTP 422", "FAILED", 2), ReasonCount("no route <x>", "PENDING", 1)]
-        ),
+        "reasons": Readout([ReasonCount("HTTP 400", 2), ReasonCount("no route for <x>", 1)]),
         "routes": [],
         "sink_state": "consuming",
         "audit": Readout(None, "relay /metrics answered HTTP 404"),
@@ -240,16 +239,31 @@ def _overview(report: PipelineLag | None, **kw: Any) -> Overview:
     return Overview(**(defaults | kw))
 
 
-def test_the_overview_shows_open_rows_by_reason_each_linked_to_its_filter() -> None:
+def test_the_overview_shows_open_rows_by_reason_class_each_linked_to_its_rows() -> None:
+    """What ``failed reasons`` counts, in its order, each class a link to the parking page
+    filtered by that class exactly; a class is text from the rows, escaped as any value."""
     html = overview_fragment(_overview(_report()))
-    assert _field(html, "reason-0-count") == "2"
-    assert _field(html, "reason-1-count") == "1"
-    assert '/console/parking?reason=HTTP+422&status=FAILED">HTTP 422</a>' in html
-    assert "no route &lt;x&gt;</a>" in html  # (escaped, as every value shown)
-    unread = overview_fragment(_overview(_report(), reasons=Readout(None, "busy")))
-    assert "could not be read: busy" in unread
+    assert [_field(html, f"reason-{i}") for i in (0, 1)] == ["HTTP 400", "no route for &lt;x&gt;"]
+    assert [_field(html, f"reason-{i}-count") for i in (0, 1)] == ["2", "1"]
+    assert '<a href="/console/parking?reason_class=HTTP+400" data-field="reason-0">' in html
+    assert 'href="/console/parking?reason_class=no+route+for+%3Cx%3E"' in html
+    unread = overview_fragment(_overview(_report(), reasons=Readout(None, "lot busy")))
+    assert "lot busy" in unread
+    assert 'data-field="reason-0"' not in unread
     empty = overview_fragment(_overview(_report(), reasons=Readout([])))
     assert "no open parked rows" in empty
+    blank = overview_fragment(_overview(_report(), reasons=Readout([ReasonCount("", 3)])))
+    assert _field(blank, "reason-0") == "(no reason recorded)"
+    assert "reason_class=" not in blank  # nothing to filter by
+
+
+def test_the_parking_filter_takes_a_reason_class_and_keeps_it_in_its_form() -> None:
+    f = parked_filter({"reason_class": " HTTP 400 ", "reason": ""})
+    assert f.reason_class == "HTTP 400" and f.reason is None
+    assert f.query == {"reason_class": " HTTP 400 "}
+    assert parked_filter({}).reason_class is None
+    with pytest.raises(FilterError, match="reason_class"):
+        parked_filter({"reason_class": "x" * 201})
 
 
 def test_the_overview_shows_the_numbers_of_the_lag_report_it_was_given() -> None:
