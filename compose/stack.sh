@@ -481,18 +481,28 @@ standby_status() {
 KAFKA_DIR="$DEV/kafka"
 KAFKA_LIBS="$ROOT/.dev/kafka/libs"
 
-kafka_libs() {
+kafka_libs() {  # once per pom, under a lock: make test's lanes share $KAFKA_LIBS and start
+    # together (two resolutions at once emptied each other's folder mid-copy)
     local pom="$ROOT/compose/kafka/pom.xml" stamp="$KAFKA_LIBS/.pom.sha"
     local want
     want=$(sha1sum "$pom" | cut -c1-40)
     if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return; fi
-    command -v java >/dev/null || apt_install openjdk-17-jre-headless
-    command -v mvn >/dev/null || apt_install maven
-    log "resolving Kafka jars from Maven Central (compose/kafka/pom.xml)"
-    rm -rf "$KAFKA_LIBS"
-    mvn_quiet -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
-        -DoutputDirectory="$KAFKA_LIBS" || die "mvn could not resolve the Kafka jars"
-    echo "$want" > "$stamp"
+    mkdir -p "$(dirname "$KAFKA_LIBS")"
+    (
+        flock 9
+        if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+        command -v java >/dev/null || apt_install openjdk-17-jre-headless
+        command -v mvn >/dev/null || apt_install maven
+        log "resolving Kafka jars from Maven Central (compose/kafka/pom.xml)"
+        local tmp="$KAFKA_LIBS.tmp"
+        rm -rf "$tmp"
+        mvn_quiet -f "$pom" dependency:copy-dependencies -DincludeScope=runtime \
+            -DoutputDirectory="$tmp" || die "mvn could not resolve the Kafka jars"
+        echo "$want" > "$tmp/.pom.sha"
+        rm -rf "$KAFKA_LIBS"
+        mv "$tmp" "$KAFKA_LIBS"
+    ) 9>"$(dirname "$KAFKA_LIBS")/.libs.lock" || exit 1
+    [ -f "$stamp" ] || die "the Kafka jars missing after their resolution ($KAFKA_LIBS)"
 }
 
 kafka_pid() {
