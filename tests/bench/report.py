@@ -188,11 +188,17 @@ class CpuMeter:
 
 
 def kafka_pid() -> int | None:
-    """The local stack's Kafka broker, when it runs from ``.dev``."""
-    try:
-        return int((_ROOT / ".dev" / "kafka" / "kafka.pid").read_text().strip())
-    except (OSError, ValueError):
-        return None
+    """The local stack's Kafka broker: the one of ``OUTBOX_DEV_DIR`` (a stack of its own,
+    as compose/stack.sh places it), else of ``.dev`` (``make bench-pg18`` runs a server
+    of its own beside the main stack's broker); None when neither runs one."""
+    for dev in (os.environ.get("OUTBOX_DEV_DIR"), _ROOT / ".dev"):
+        if not dev:
+            continue
+        try:
+            return int((Path(dev) / "kafka" / "kafka.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def fmt(value: float, digits: int = 0) -> str:
