@@ -174,7 +174,10 @@ def decoding_share_chart(docs: dict[str, dict[str, Any]], out: Path) -> Path | N
     ax.invert_yaxis()
     ax.set_xlim(0, max(1.2, max(values) * 1.15))
     ax.set_xlabel("relay events/s ÷ pg_recvlogical events/s (1.0 = the decoding limit)")
-    ax.set_title("The relay as a share of the decoding limit, measured in one run", fontsize=10)
+    ax.set_title(
+        "The relay as a share of the decoding limit (each ratio measured within one run)",
+        fontsize=10,
+    )
     _footer(fig, provenance(used))
     fig.subplots_adjust(left=0.42, bottom=0.5 if len(rows) < 3 else 0.32, top=0.85)
     return _save(fig, out / "decoding-share.png")
