@@ -306,7 +306,8 @@ bench-pg18: venv up
 # Kafka Connect standalone, jars from Maven Central by bench/debezium/fetch.sh, configured
 # by bench/debezium/*.properties: as it comes and tuned) drain one backlog each from a copy
 # of one slot, one after the other, into the stack's broker; 1- and 100-event transactions
-# (BENCH_COMPARE_EVENTS each, 200,000 by default). Then every Debezium record is compared
+# (BENCH_COMPARE_EVENTS each, 200,000 by default; BENCH_COMPARE_REPEATS drains per contender,
+# the order rotated, medians). Then every Debezium record is compared
 # with the relay's: one difference fails the run. Not part of `make test` (about 10 minutes
 # on the 2-core machine). Figures: printed, and JSON in BENCH_JSON_DIR.
 bench-compare: venv up

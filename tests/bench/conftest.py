@@ -38,6 +38,9 @@ PACE_LEAD_S = 0.05
 def create_topics(kafka: str, names: list[str], *, partitions: int) -> None:
     """Create ``names`` (broker auto-creation is off) and wait until they exist."""
     admin = AdminClient({"bootstrap.servers": kafka})
+    # Each name once: a request naming a topic twice crashed the process (confluent-kafka
+    # 2.x, a segmentation fault in create_topics).
+    names = list(dict.fromkeys(names))
     new = [NewTopic(n, num_partitions=partitions, replication_factor=-1) for n in names]
     for future in admin.create_topics(new, request_timeout=30).values():
         try:

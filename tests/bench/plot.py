@@ -124,9 +124,12 @@ def throughput_chart(docs: dict[str, dict[str, Any]], out: Path) -> Path | None:
         ax.yaxis.set_major_formatter(_THOUSANDS)
         ax.grid(axis="y", alpha=0.3)
     events = cases[0]["figures"]["events"]
+    repeats = int(cases[0]["figures"].get("repeats", 1))
     fig.suptitle(
         f"Draining a backlog of {events:,} outbox events into Kafka"
-        f" ({cases[0]['figures'].get('server', '')}, one broker, slots at one LSN)",
+        f" ({cases[0]['figures'].get('server', '')}, one broker, slots at one LSN"
+        + (f"; medians of {repeats} drains each" if repeats > 1 else "")
+        + ")",
         fontsize=11,
     )
     handles, labels = axes[0].get_legend_handles_labels()

@@ -290,7 +290,7 @@ def run_debezium(
     worker_file, connector_file = DEBEZIUM_VARIANTS[variant]
     info = psycopg.conninfo.conninfo_to_dict(dsn)
     run_dir = tmp / variant
-    run_dir.mkdir()
+    run_dir.mkdir(parents=True)
     worker = run_dir / "worker.properties"
     connector = run_dir / "connector.properties"
     worker.write_text(

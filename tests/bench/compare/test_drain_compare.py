@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psycopg
@@ -39,14 +41,49 @@ pytestmark = [pytest.mark.bench, pytest.mark.integration]
 
 #: BENCH_COMPARE_EVENTS: the backlog per case (fewer for a quick proof that it runs).
 EVENTS = int(os.environ.get("BENCH_COMPARE_EVENTS", "200000"))
+#: BENCH_COMPARE_REPEATS: drains per contender and case, the order of the contenders
+#: rotated each time (medians reported); each drain has its own copy of the slot.
+REPEATS = int(os.environ.get("BENCH_COMPARE_REPEATS", "1"))
 #: BENCH_COMPARE_ONLY=relay,pg_recvlogical: a subset of the contenders, in this order.
 ORDER = ("pg_recvlogical", "relay", "debezium", "debezium-tuned")
 ONLY = [c for c in os.environ.get("BENCH_COMPARE_ONLY", ",".join(ORDER)).split(",") if c]
 KAFKA_VERSION = "4.1.1"
 DEBEZIUM_VERSION = "3.6.1.Final"
+#: Topic prefix letter of each contender that writes to Kafka (the relay's is its own).
+PREFIX_LETTER = {"debezium": "d", "debezium-tuned": "e"}
 
 
-@pytest.mark.timeout(1200)
+@dataclass(frozen=True)
+class Drain:
+    """One contender's drain: its repeat, its slot, where it publishes."""
+
+    name: str
+    repeat: int
+    slot: str
+    #: The topic prefix (the relay's is its configuration's) and the case's topic under it.
+    prefix: str
+    topic: str
+    cfg: RelayConfig
+
+
+def _drains(cfg: RelayConfig, names: list[str], aggregate: str) -> list[Drain]:
+    """Every drain of the case, in running order: each repeat rotates the contenders."""
+    out = []
+    for repeat in range(REPEATS):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            run_cfg = replace(cfg, unique=f"{cfg.unique}r{repeat}")
+            prefix = (
+                run_cfg.topic_prefix
+                if name in ("relay", "pg_recvlogical")
+                else f"{PREFIX_LETTER[name]}{run_cfg.unique}.outbox.event."
+            )
+            slot = f"{cfg.slot}_{name.replace('-', '_')}_{repeat}"
+            out.append(Drain(name, repeat, slot, prefix, prefix + aggregate, run_cfg))
+    return out
+
+
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("per_tx", [1, 100], ids=["1-event-tx", "100-event-tx"])
 def test_contenders_drain_one_backlog_and_write_the_same_records(
     per_tx: int,
@@ -57,18 +94,15 @@ def test_contenders_drain_one_backlog_and_write_the_same_records(
 ) -> None:
     unknown = set(ONLY) - set(ORDER)
     assert not unknown, f"BENCH_COMPARE_ONLY: unknown contenders {unknown}"
+    assert REPEATS >= 1, "BENCH_COMPARE_REPEATS must be at least 1"
     load_at_start = load_average()
     aggregate = f"cmp{per_tx}"
-    prefixes = {
-        "relay": cfg.topic_prefix,
-        "debezium": f"d{cfg.unique}.outbox.event.",
-        "debezium-tuned": f"e{cfg.unique}.outbox.event.",
-    }
-    topics = {name: prefix + aggregate for name, prefix in prefixes.items()}
-    create_topics(cfg.kafka, [*topics.values(), cfg.dlq_topic], partitions=PARTITIONS)
-    slots = {name: f"{cfg.slot}_{name.replace('-', '_')}" for name in ORDER}
-    slots_to_drop.extend(slots.values())
-    lsn = copy_slots(cfg.db_dsn, slots["relay"], [s for n, s in slots.items() if n != "relay"])
+    drains = _drains(cfg, [c for c in ORDER if c in ONLY], aggregate)
+    kafka_drains = [d for d in drains if d.name != "pg_recvlogical"]
+    dead_letters = [d.cfg.dlq_topic for d in kafka_drains if d.name == "relay"]
+    create_topics(cfg.kafka, [d.topic for d in kafka_drains] + dead_letters, partitions=PARTITIONS)
+    slots_to_drop.extend(d.slot for d in drains)
+    lsn = copy_slots(cfg.db_dsn, drains[0].slot, [d.slot for d in drains[1:]])
     insert_rate = _fill(cfg.db_dsn, aggregate, EVENTS, per_tx)
     with psycopg.connect(cfg.db_dsn, autocommit=True) as conn:
         row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
@@ -78,73 +112,78 @@ def test_contenders_drain_one_backlog_and_write_the_same_records(
         conn.execute("SELECT pg_logical_emit_message(false, 'bench-end', '')")
 
     jars = request.getfixturevalue("debezium_jars") if "debezium" in " ".join(ONLY) else None
-    ran: dict[str, Figures] = {}
-    for name in [c for c in ORDER if c in ONLY]:
-        if name == "pg_recvlogical":
-            ran[name] = run_pg_recvlogical(
-                _pg_recvlogical(), cfg.db_dsn, tmp_path, slot=slots[name], endpos=endpos,
+    ran: dict[str, list[Figures]] = {name: [] for name in ORDER if name in ONLY}
+    for d in drains:
+        if d.name == "pg_recvlogical":
+            figures = run_pg_recvlogical(
+                _pg_recvlogical(), cfg.db_dsn, tmp_path, slot=d.slot, endpos=endpos,
                 events=EVENTS,
             )  # fmt: skip
-        elif name == "relay":
-            ran[name] = run_relay(
-                cfg, tmp_path, slot=slots[name], topics=[topics[name]], events=EVENTS
-            )
+        elif d.name == "relay":
+            figures = run_relay(d.cfg, tmp_path, slot=d.slot, topics=[d.topic], events=EVENTS)
         else:
-            assert name in DEBEZIUM_VARIANTS and jars is not None
-            ran[name] = run_debezium(
-                name, jars, tmp_path, kafka=cfg.kafka, dsn=cfg.db_dsn, slot=slots[name],
-                topic_prefix=prefixes[name], topics=[topics[name]], events=EVENTS,
+            assert d.name in DEBEZIUM_VARIANTS and jars is not None
+            figures = run_debezium(
+                d.name, jars, tmp_path / f"r{d.repeat}", kafka=cfg.kafka, dsn=cfg.db_dsn,
+                slot=d.slot, topic_prefix=d.prefix, topics=[d.topic], events=EVENTS,
                 rest_port=free_port(),
             )  # fmt: skip
+        ran[d.name].append(figures)
 
-    comparisons: dict[str, records.Comparison] = {}
-    if "relay" in ran:
+    comparisons: dict[str, list[records.Comparison]] = {}
+    relay_topics = [d.topic for d in drains if d.name == "relay"]
+    if relay_topics:
         relay_records, relay_total = records.by_id(
-            records.read(cfg.kafka, [topics["relay"]], expect=EVENTS)
+            records.read(cfg.kafka, relay_topics[:1], expect=EVENTS)
         )
-        for name in DEBEZIUM_VARIANTS:
-            if name in ran:
-                comparisons[name] = records.compare(
-                    relay_records,
-                    records.read(cfg.kafka, [topics[name]], expect=EVENTS),
-                    relay_total=relay_total,
+        for d in drains:
+            if d.name in DEBEZIUM_VARIANTS:
+                comparisons.setdefault(d.name, []).append(
+                    records.compare(
+                        relay_records,
+                        records.read(cfg.kafka, [d.topic], expect=EVENTS),
+                        relay_total=relay_total,
+                    )
                 )
 
     server = _server(cfg.db_dsn)
-    relay = ran.get("relay")
+    medians = {name: _median(runs) for name, runs in ran.items()}
+    relay = medians.get("relay")
     print_table(
         f"make bench-compare: {EVENTS:,} events in {per_tx}-event transactions ({server},"
         f" Kafka {KAFKA_VERSION}, Debezium {DEBEZIUM_VERSION}; inserted at"
-        f" {insert_rate:,.0f}/s; slots copied at {lsn}; load {load_at_start} -> {load_average()})",
+        f" {insert_rate:,.0f}/s; slots copied at {lsn}; {REPEATS} drain(s) per contender,"
+        f" medians; load {load_at_start} -> {load_average()})",
         [
             "contender",
             "drain ev/s",
+            "range",
             "x relay",
             "ev per CPU-s",
             "x relay",
             "peak RSS MB",
             "start-up s",
-            "CPU s total",
             "records vs relay",
         ],
         [
             [
                 name,
-                fmt(f.events_per_s),
-                _times(f.events_per_s, relay.events_per_s if relay else math.nan),
-                fmt(f.events_per_cpu_s),
-                _times(f.events_per_cpu_s, relay.events_per_cpu_s if relay else math.nan),
-                fmt(f.peak_rss_mb, 1),
-                fmt(f.startup_s, 2),
-                fmt(f.cpu_total_s, 1),
+                fmt(m["events_per_s"]),
+                _range([f.events_per_s for f in ran[name]]),
+                _times(m["events_per_s"], relay["events_per_s"] if relay else math.nan),
+                fmt(m["events_per_cpu_s"]),
+                _times(m["events_per_cpu_s"], relay["events_per_cpu_s"] if relay else math.nan),
+                fmt(m["peak_rss_mb"], 1),
+                fmt(m["startup_s"], 2),
                 _verdict(comparisons.get(name), name),
             ]
-            for name, f in ran.items()
+            for name, m in medians.items()
         ],
     )
     print(
         "  (drain = first record -> last record in Kafka, pg_recvlogical: in its file;"
-        " start-up = spawn -> first record; CPU = the contender's process, all threads)"
+        " start-up = spawn -> first record; CPU = the contender's process, all threads;"
+        " peak RSS = the highest of the drains)"
     )
     write_figures(
         f"compare-drain-{per_tx}",
@@ -155,32 +194,55 @@ def test_contenders_drain_one_backlog_and_write_the_same_records(
             "events": EVENTS,
             "events_per_tx": per_tx,
             "partitions": PARTITIONS,
+            "repeats": REPEATS,
+            "running_order": [f"{d.name}#{d.repeat}" for d in drains],
             "slot_lsn": lsn,
             "insert_events_per_s": insert_rate,
             "contenders": [
-                f.as_json()
-                | ({"records_vs_relay": comparisons[name].summary()} if name in comparisons else {})
-                for name, f in ran.items()
+                {"name": name, **m, "runs": [f.as_json() for f in ran[name]]}
+                | (
+                    {"records_vs_relay": [c.summary() for c in comparisons[name]]}
+                    if name in comparisons
+                    else {}
+                )
+                for name, m in medians.items()
             ],
         },
         load_at_start=load_at_start,
     )
-    for name, comparison in comparisons.items():
-        assert comparison.ok, (
-            f"{name}: {comparison.differences:,} records differ from the relay's"
-            f" ({comparison.identical:,} identical); first ones:\n" + "\n".join(comparison.examples)
-        )
+    for name, found in comparisons.items():
+        for comparison in found:
+            assert comparison.ok, (
+                f"{name}: {comparison.differences:,} records differ from the relay's"
+                f" ({comparison.identical:,} identical); first ones:\n"
+                + "\n".join(comparison.examples)
+            )
+
+
+def _median(runs: list[Figures]) -> dict[str, float]:
+    """Medians of a contender's drains (peak RSS: the highest)."""
+    return {
+        "events_per_s": statistics.median(f.events_per_s for f in runs),
+        "events_per_cpu_s": statistics.median(f.events_per_cpu_s for f in runs),
+        "startup_s": statistics.median(f.startup_s for f in runs),
+        "peak_rss_mb": max(f.peak_rss_mb for f in runs),
+    }
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):,.0f}-{max(values):,.0f}" if len(values) > 1 else ""
 
 
 def _times(value: float, relay: float) -> str:
     return "-" if math.isnan(value) or math.isnan(relay) or relay <= 0 else f"{value / relay:.2f}"
 
 
-def _verdict(comparison: records.Comparison | None, name: str) -> str:
+def _verdict(found: list[records.Comparison] | None, name: str) -> str:
     if name == "relay":
         return "(itself)"
-    if comparison is None:
+    if not found:
         return "-"
-    if comparison.ok:
-        return f"{comparison.identical:,} identical"
-    return f"{comparison.differences:,} DIFFER"
+    different = sum(c.differences for c in found)
+    if different == 0 and all(c.ok for c in found):
+        return f"{sum(c.identical for c in found):,} identical"
+    return f"{different:,} DIFFER"
