@@ -26,7 +26,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from cdc.kafka.producer import PRODUCER_DEFAULTS
-from tests.bench.report import GOALS, metric_sum, print_goals, scrape
+from tests.bench.report import GOALS, metric_sum, print_goals, scrape, write_tables
 from tests.harness import Proc, env_without, free_port, wait_until
 from tests.pki import Pki
 
@@ -299,9 +299,11 @@ def walsender_pid(dsn: str, slot: str) -> int | None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The performance goals recorded by this session's benches, met or not."""
+    """The performance goals recorded by this session's benches, met or not; then every
+    table printed, as JSON (tests/bench/report.py, write_tables)."""
     if GOALS:
         print_goals(GOALS)
+    write_tables()
 
 
 # -- a warm broker before the first figure ---------------------------------------

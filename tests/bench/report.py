@@ -14,7 +14,8 @@ Pure helpers plus ``/proc`` readers; nothing here asserts on a figure:
   end of ``make bench``);
 * :func:`write_figures`: a bench's figures as JSON (``BENCH_JSON_DIR``, by default
   ``.dev/bench``) with the machine, its load and the command, for
-  ``tests/bench/plot.py`` to chart.
+  ``tests/bench/plot.py`` to chart; :func:`write_tables` (at the session's end) every
+  table a bench printed, as ``tables-<module>.json``.
 """
 
 from __future__ import annotations
@@ -208,6 +209,19 @@ def fmt(value: float, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
+#: Every table printed in this session, by the bench module that printed it; written as
+#: JSON at the session's end (:func:`write_tables`), so a bench that only prints tables
+#: still leaves its figures for a script to read.
+TABLES: dict[str, list[dict[str, Any]]] = {}
+
+
+def _bench_module() -> str:
+    """The module of the test running now (``PYTEST_CURRENT_TEST``; set during its
+    fixtures too); outside a test, the session's end, where the goals table is printed."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")
+    return Path(current.split("::", 1)[0]).stem if current else "goals"
+
+
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """A fixed-width table; the first column left-aligned, the others right-aligned."""
     cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
@@ -218,6 +232,9 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[obje
         parts += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
         return "  ".join(parts)
 
+    TABLES.setdefault(_bench_module(), []).append(
+        {"title": title, "load": load_average(), "headers": cells[0], "rows": cells[1:]}
+    )
     rule = "-" * len(line(cells[0]))
     print(f"\n== {title}")
     print(line(cells[0]))
@@ -362,3 +379,10 @@ def write_figures(name: str, figures: dict[str, Any], *, load_at_start: str = ""
     path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
     print(f"  (figures written to {path})", flush=True)
     return path
+
+
+def write_tables() -> list[Path]:
+    """Every table of :data:`TABLES` as ``tables-<module>.json`` (cells as printed)."""
+    return [
+        write_figures(f"tables-{module}", {"tables": tables}) for module, tables in TABLES.items()
+    ]
