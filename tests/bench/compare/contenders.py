@@ -58,6 +58,23 @@ class Figures:
     cpu_drain_s: float
     cpu_total_s: float
     peak_rss_mb: float
+    #: The second half of the backlog alone (its middle record -> its last): the drain
+    #: with the start of it left out, where a JVM is still compiling its hot code. NaN
+    #: for pg_recvlogical (its file is not counted in records).
+    late_drain_s: float = math.nan
+    late_cpu_s: float = math.nan
+
+    @property
+    def late_events(self) -> int:
+        return self.events - self.events // 2
+
+    @property
+    def late_events_per_s(self) -> float:
+        return self.late_events / self.late_drain_s if self.late_drain_s > 0 else math.nan
+
+    @property
+    def late_events_per_cpu_s(self) -> float:
+        return self.late_events / self.late_cpu_s if self.late_cpu_s > 0 else math.nan
 
     @property
     def events_per_s(self) -> float:
@@ -78,6 +95,8 @@ class Figures:
             "cpu_drain_s": self.cpu_drain_s,
             "cpu_total_s": self.cpu_total_s,
             "peak_rss_mb": self.peak_rss_mb,
+            "late_events_per_s": self.late_events_per_s,
+            "late_events_per_cpu_s": self.late_events_per_cpu_s,
         }
 
 
@@ -112,13 +131,15 @@ def follow(
     log: Path,
 ) -> Figures:
     """Watch ``count`` from the spawn until it reaches ``events``; the figures of ``pid``."""
-    first_at = cpu_first = None
+    first_at = cpu_first = half_at = cpu_half = None
     deadline = spawned + DRAIN_TIMEOUT_S
     while True:
         n = count()
         now = time.monotonic()
         if n > 0 and first_at is None:
             first_at, cpu_first = now, cpu_seconds(pid)
+        if n >= events // 2 and half_at is None:
+            half_at, cpu_half = now, cpu_seconds(pid)
         if n >= events:
             cpu_last = cpu_seconds(pid)
             rss = peak_rss_mb(pid)
@@ -129,8 +150,17 @@ def follow(
             raise AssertionError(f"{name}: {n:,} of {events:,} records after {DRAIN_TIMEOUT_S} s")
         time.sleep(POLL_S)
     assert first_at is not None and cpu_first is not None
+    assert half_at is not None and cpu_half is not None
     return Figures(
-        name, events, first_at - spawned, now - first_at, cpu_last - cpu_first, cpu_last, rss
+        name,
+        events,
+        first_at - spawned,
+        now - first_at,
+        cpu_last - cpu_first,
+        cpu_last,
+        rss,
+        late_drain_s=now - half_at,
+        late_cpu_s=cpu_last - cpu_half,
     )
 
 

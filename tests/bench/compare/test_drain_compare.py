@@ -163,6 +163,8 @@ def test_contenders_drain_one_backlog_and_write_the_same_records(
             "x relay",
             "peak RSS MB",
             "start-up s",
+            "2nd half ev/s",
+            "2nd half ev/CPU-s",
             "records vs relay",
         ],
         [
@@ -175,6 +177,8 @@ def test_contenders_drain_one_backlog_and_write_the_same_records(
                 _times(m["events_per_cpu_s"], relay["events_per_cpu_s"] if relay else math.nan),
                 fmt(m["peak_rss_mb"], 1),
                 fmt(m["startup_s"], 2),
+                fmt(m["late_events_per_s"]),
+                fmt(m["late_events_per_cpu_s"]),
                 _verdict(comparisons.get(name), name),
             ]
             for name, m in medians.items()
@@ -183,7 +187,8 @@ def test_contenders_drain_one_backlog_and_write_the_same_records(
     print(
         "  (drain = first record -> last record in Kafka, pg_recvlogical: in its file;"
         " start-up = spawn -> first record; CPU = the contender's process, all threads;"
-        " peak RSS = the highest of the drains)"
+        " peak RSS = the highest of the drains; 2nd half = the backlog's middle record to its"
+        " last, without the start of the drain)"
     )
     write_figures(
         f"compare-drain-{per_tx}",
@@ -226,6 +231,8 @@ def _median(runs: list[Figures]) -> dict[str, float]:
         "events_per_cpu_s": statistics.median(f.events_per_cpu_s for f in runs),
         "startup_s": statistics.median(f.startup_s for f in runs),
         "peak_rss_mb": max(f.peak_rss_mb for f in runs),
+        "late_events_per_s": statistics.median(f.late_events_per_s for f in runs),
+        "late_events_per_cpu_s": statistics.median(f.late_events_per_cpu_s for f in runs),
     }
 
 
