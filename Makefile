@@ -11,13 +11,17 @@ PYTEST_ARGS ?=
 
 .PHONY: help venv up down status lint rules docs test test-unit test-unit-lane test-integration-lane \
 	test-integration-lane-b test-integration-lane-c test-integration-lane-d test-pg18-lane test-pg-smoke-lane stack-and-rules bench bench-pg18 \
-	demo run stop clean lock wheel compose-up compose-down test-compose-lane test-console test-console-lane
+	demo run stop clean lock wheel compose-up compose-down test-compose-lane test-console test-console-lane \
+	bench-compare bench-compare-records bench-plots
 
 help:
 	@echo "make demo    stack up, migrate, relay + sink + engine stub, a burst of events, summary"
 	@echo "make run | stop   engine stub, relay and sink in the background on the stack (.dev/run)"
 	@echo "make test    venv, stack up, ruff + mypy, pytest: the unit lane and eight integration lanes at once (main, B, C, D, pg18, 16/17 smoke, compose, console)"
 	@echo "make bench   benchmarks under tests/bench (print figures); the relay's again on PostgreSQL 18"
+	@echo "make bench-compare   relay vs pg_recvlogical vs Debezium (as it comes, tuned) on one backlog,"
+	@echo "             record for record (about 10 min; not part of make test); bench-compare-records alone"
+	@echo "make bench-plots   the benches' JSON figures (.dev/bench) as the PNG charts of docs/performance.md"
 	@echo "make rules   promtool: check the Prometheus config and alert rules, run their unit tests"
 	@echo "make up | down | status   the local PostgreSQL + Kafka stack (.dev/); make up PG=15|16|17|18"
 	@echo "make compose-up | compose-down   the whole pipeline in Docker (compose/docker-compose.yml;"
@@ -33,7 +37,7 @@ help:
 $(STAMP): pyproject.toml setup.py
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[test,docs]"
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install -q -e ".[test,docs,bench]"
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -275,8 +279,14 @@ stack-and-rules:
 	@OUTBOX_PG_VERSION=$(or $(PG),system) bash compose/stack.sh up
 	@bash compose/prometheus/promtool.sh check
 
+# Every bench writes its figures as JSON into BENCH_JSON_DIR (tests/bench/report.py,
+# write_figures) with the machine, its load and the command; `make bench-plots` draws them.
+BENCH_JSON_DIR ?= $(CURDIR)/.dev/bench
+BENCH_PLOTS_DIR ?= $(CURDIR)/docs/assets/performance
+
 bench: venv up
-	. ./.dev/env && $(BIN)/pytest tests/bench -s -p no:randomly $(PYTEST_ARGS)
+	. ./.dev/env && BENCH_JSON_DIR=$(BENCH_JSON_DIR) BENCH_COMMAND="make bench" \
+		$(BIN)/pytest tests/bench --ignore=tests/bench/compare -s -p no:randomly $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory bench-pg18
 
 # The relay's drain bench (relay / pg_recvlogical, 1- and 100-event transactions) again on
@@ -289,8 +299,34 @@ BENCH_PG18_ENV := OUTBOX_DEV_DIR=$(BENCH_PG18_DEV) OUTBOX_PG_VERSION=18 \
 
 bench-pg18: venv up
 	@(export $(BENCH_PG18_ENV) && bash compose/stack.sh up pg && . "$(BENCH_PG18_DEV)/env" && \
-		$(BIN)/pytest tests/bench/test_relay_bench.py -k drains -s -p no:randomly $(PYTEST_ARGS)); \
+		BENCH_JSON_DIR=$(BENCH_JSON_DIR) BENCH_COMMAND="make bench (bench-pg18)" $(BIN)/pytest tests/bench/test_relay_bench.py -k drains -s -p no:randomly $(PYTEST_ARGS)); \
 		rc=$$?; (export $(BENCH_PG18_ENV) && bash compose/stack.sh down pg); exit $$rc
+
+# The relay, pg_recvlogical and Debezium 3.6 (PostgreSQL connector + Outbox Event Router in
+# Kafka Connect standalone, jars from Maven Central by bench/debezium/fetch.sh, configured
+# by bench/debezium/*.properties: as it comes and tuned) drain one backlog each from a copy
+# of one slot, one after the other, into the stack's broker; 1- and 100-event transactions
+# (BENCH_COMPARE_EVENTS each, 200,000 by default; BENCH_COMPARE_REPEATS drains per contender,
+# the order rotated, medians). Then every Debezium record is compared
+# with the relay's: one difference fails the run. Not part of `make test` (about 10 minutes
+# on the 2-core machine). Figures: printed, and JSON in BENCH_JSON_DIR.
+bench-compare: venv up
+	@bash bench/debezium/fetch.sh >/dev/null
+	. ./.dev/env && BENCH_JSON_DIR=$(BENCH_JSON_DIR) BENCH_COMMAND="make bench-compare" \
+		$(BIN)/pytest tests/bench/compare -s -p no:randomly --durations=5 $(PYTEST_ARGS)
+	@echo "[bench-compare] figures in $(BENCH_JSON_DIR); make bench-plots draws the charts"
+
+# The record-for-record test alone (a varied outbox, the relay against Debezium as it
+# comes); no broker warm-up, as it measures nothing.
+bench-compare-records: venv up
+	@bash bench/debezium/fetch.sh >/dev/null
+	. ./.dev/env && BENCH_JSON_DIR=$(BENCH_JSON_DIR) BENCH_WARMUP_MAX_S=0 \
+		BENCH_COMMAND="make bench-compare-records" \
+		$(BIN)/pytest tests/bench/compare/test_records_identical.py -s -p no:randomly $(PYTEST_ARGS)
+
+# The charts of docs/performance.md from the JSON of make bench / make bench-compare.
+bench-plots: venv
+	$(BIN)/python -m tests.bench.plot --json $(BENCH_JSON_DIR) --out $(BENCH_PLOTS_DIR)
 
 demo: venv up
 	. ./.dev/env && $(BIN)/outbox-cdc demo

@@ -26,7 +26,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from cdc.kafka.producer import PRODUCER_DEFAULTS
-from tests.bench.report import GOALS, metric_sum, print_goals, scrape
+from tests.bench.report import GOALS, metric_sum, print_goals, scrape, write_tables
 from tests.harness import Proc, env_without, free_port, wait_until
 from tests.pki import Pki
 
@@ -38,6 +38,9 @@ PACE_LEAD_S = 0.05
 def create_topics(kafka: str, names: list[str], *, partitions: int) -> None:
     """Create ``names`` (broker auto-creation is off) and wait until they exist."""
     admin = AdminClient({"bootstrap.servers": kafka})
+    # Each name once: a request naming a topic twice crashed the process (confluent-kafka
+    # 2.x, a segmentation fault in create_topics).
+    names = list(dict.fromkeys(names))
     new = [NewTopic(n, num_partitions=partitions, replication_factor=-1) for n in names]
     for future in admin.create_topics(new, request_timeout=30).values():
         try:
@@ -296,9 +299,11 @@ def walsender_pid(dsn: str, slot: str) -> int | None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The performance goals recorded by this session's benches, met or not."""
+    """The performance goals recorded by this session's benches, met or not; then every
+    table printed, as JSON (tests/bench/report.py, write_tables)."""
     if GOALS:
         print_goals(GOALS)
+    write_tables()
 
 
 # -- a warm broker before the first figure ---------------------------------------

@@ -11,19 +11,27 @@ Pure helpers plus ``/proc`` readers; nothing here asserts on a figure:
 * :func:`print_table` prints a fixed-width table with a title;
 * :func:`record_goal` / :func:`print_goals`: the issue-25 goals beside the
   figures measured, met or not, with the load average (printed once at the
-  end of ``make bench``).
+  end of ``make bench``);
+* :func:`write_figures`: a bench's figures as JSON (``BENCH_JSON_DIR``, by default
+  ``.dev/bench``) with the machine, its load and the command, for
+  ``tests/bench/plot.py`` to chart; :func:`write_tables` (at the session's end) every
+  table a bench printed, as ``tables-<module>.json``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import platform
 import re
+import sys
 import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[2]
 _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -181,11 +189,17 @@ class CpuMeter:
 
 
 def kafka_pid() -> int | None:
-    """The local stack's Kafka broker, when it runs from ``.dev``."""
-    try:
-        return int((_ROOT / ".dev" / "kafka" / "kafka.pid").read_text().strip())
-    except (OSError, ValueError):
-        return None
+    """The local stack's Kafka broker: the one of ``OUTBOX_DEV_DIR`` (a stack of its own,
+    as compose/stack.sh places it), else of ``.dev`` (``make bench-pg18`` runs a server
+    of its own beside the main stack's broker); None when neither runs one."""
+    for dev in (os.environ.get("OUTBOX_DEV_DIR"), _ROOT / ".dev"):
+        if not dev:
+            continue
+        try:
+            return int((Path(dev) / "kafka" / "kafka.pid").read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def fmt(value: float, digits: int = 0) -> str:
@@ -193,6 +207,19 @@ def fmt(value: float, digits: int = 0) -> str:
     if isinstance(value, float) and math.isnan(value):
         return "-"
     return f"{value:,.{digits}f}"
+
+
+#: Every table printed in this session, by the bench module that printed it; written as
+#: JSON at the session's end (:func:`write_tables`), so a bench that only prints tables
+#: still leaves its figures for a script to read.
+TABLES: dict[str, list[dict[str, Any]]] = {}
+
+
+def _bench_module() -> str:
+    """The module of the test running now (``PYTEST_CURRENT_TEST``; set during its
+    fixtures too); outside a test, the session's end, where the goals table is printed."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")
+    return Path(current.split("::", 1)[0]).stem if current else "goals"
 
 
 def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
@@ -205,6 +232,9 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[obje
         parts += [cell.rjust(width) for cell, width in zip(row[1:], widths[1:], strict=True)]
         return "  ".join(parts)
 
+    TABLES.setdefault(_bench_module(), []).append(
+        {"title": title, "load": load_average(), "headers": cells[0], "rows": cells[1:]}
+    )
     rule = "-" * len(line(cells[0]))
     print(f"\n== {title}")
     print(line(cells[0]))
@@ -266,3 +296,93 @@ def print_goals(goals: Sequence[Goal]) -> None:
             for g in goals
         ],
     )
+
+
+# -- figures as JSON, for the charts of docs/performance.md ------------------------
+
+#: Where :func:`write_figures` puts its files (``make bench`` and ``make bench-compare``).
+JSON_DIR_VAR = "BENCH_JSON_DIR"
+
+
+def json_dir() -> Path:
+    """``BENCH_JSON_DIR``, else ``.dev/bench`` of the repository."""
+    return Path(os.environ.get(JSON_DIR_VAR) or _ROOT / ".dev" / "bench")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 1024 / 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: cores, CPU model, memory, kernel, load now."""
+    return {
+        "cores": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "memory_gib": round(_memory_gib(), 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "load_1_5_15": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def command() -> str:
+    """The command that made the figures: ``BENCH_COMMAND`` (the Makefile sets it), else
+    pytest's own arguments."""
+    return os.environ.get("BENCH_COMMAND") or "pytest " + " ".join(sys.argv[1:])
+
+
+def _finite(value: object) -> object:
+    """NaN and infinities as ``null``: JSON has neither."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_figures(name: str, figures: dict[str, Any], *, load_at_start: str = "") -> Path:
+    """``<BENCH_JSON_DIR>/<name>.json``: ``figures`` with the machine, its load (at the
+    start of the measurement when given, and now) and the command. Overwrites the file
+    of the same name: a run replaces its own figures, never another bench's."""
+    out = json_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    document = {
+        "name": name,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command(),
+        "machine": machine(),
+        "load_at_start": load_at_start or load_average(),
+        "load_at_end": load_average(),
+        "figures": _finite(figures),
+    }
+    path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    print(f"  (figures written to {path})", flush=True)
+    return path
+
+
+def write_tables() -> list[Path]:
+    """Every table of :data:`TABLES` as ``tables-<module>.json`` (cells as printed)."""
+    return [
+        write_figures(f"tables-{module}", {"tables": tables}) for module, tables in TABLES.items()
+    ]

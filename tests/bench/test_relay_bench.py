@@ -55,11 +55,13 @@ from tests.bench.report import (
     histogram_buckets,
     histogram_quantile,
     kafka_pid,
+    load_average,
     peak_rss_mb,
     percentile,
     print_table,
     record_goal,
     scrape,
+    write_figures,
 )
 from tests.clusters import stack_bindir
 from tests.harness import Proc, RelayConfig, headers_of, http_status, start_relay, wait_until
@@ -270,6 +272,7 @@ def test_relay_drains_a_backlog_near_the_pg_recvlogical_ceiling(
     slots_to_drop: list[str],
     summary: RelaySummary,
 ) -> None:
+    load_at_start = load_average()
     aggregate = f"tput{per_tx}"
     topic = cfg.topic_prefix + aggregate
     relay_slots = [f"{cfg.slot}_{run}" for run in range(REPEATS)]
@@ -351,6 +354,34 @@ def test_relay_drains_a_backlog_near_the_pg_recvlogical_ceiling(
         ]
     )
     summary.peak_rss_mb[f"drain, {case}"] = rss_mb
+    server = _server(cfg.db_dsn)
+    write_figures(
+        f"relay-drain-{per_tx}-pg{server.split()[-1].split('.')[0]}",
+        {
+            "server": server,
+            "events": EVENTS_PER_CASE,
+            "events_per_tx": per_tx,
+            "partitions": PARTITIONS,
+            "runs": [
+                {
+                    "pg_recvlogical_events_per_s": r.ceiling_per_s,
+                    "relay_events_per_s": r.relay_per_s,
+                    "ratio": r.ratio,
+                    "relay_events_per_cpu_s": r.relay_per_cpu_s,
+                    "cpu_pct": r.cpu_pct,
+                    "relay_peak_rss_mb": r.rss_mb,
+                }
+                for r in runs
+            ],
+            "median": {
+                "pg_recvlogical_events_per_s": median_ceiling,
+                "relay_events_per_s": median_relay,
+                "ratio": ratio,
+                "relay_events_per_cpu_s": statistics.median(r.relay_per_cpu_s for r in runs),
+            },
+        },
+        load_at_start=load_at_start,
+    )
     record_goal(f"relay / pg_recvlogical, {case}", ratio, at_least=GOAL_RATIO[per_tx])
     record_goal(f"relay peak RSS MB, drain {case}", rss_mb, at_most=TARGET_RSS_MB, digits=1)
     expected = REPEATS * EVENTS_PER_CASE
@@ -405,6 +436,7 @@ def test_relay_commit_to_ack_latency_at_a_fixed_offered_rate(
     slots_to_drop: list[str],
     summary: RelaySummary,
 ) -> None:
+    load_at_start = load_average()
     topic = cfg.topic_prefix + "latency"
     create_topics(cfg.kafka, [topic, cfg.dlq_topic], partitions=PARTITIONS)
     slots_to_drop.append(cfg.slot)
@@ -487,6 +519,25 @@ def test_relay_commit_to_ack_latency_at_a_fixed_offered_rate(
         " histogram figures are interpolated inside the relay's buckets)"
     )
     summary.peak_rss_mb[f"latency, {LATENCY_RATE_PER_S:,}/s"] = rss_mb
+    write_figures(
+        "relay-latency",
+        {
+            "server": _server(cfg.db_dsn),
+            "offered_events_per_s": LATENCY_RATE_PER_S,
+            "achieved_events_per_s": pace.rate_per_s,
+            "duration_s": LATENCY_DURATION_S,
+            "events_per_tx": 1,
+            "events": len(lat_ms),
+            "what": "commit -> Kafka consumer receive (commit_ts header to receipt), ms",
+            "percentiles_ms": {str(q): percentile(lat_ms, q) for q in (50, 90, 99, 99.9)}
+            | {"max": max(lat_ms)},
+            # The distribution as 201 quantiles (0, 0.5, ..., 100 %): enough to draw it.
+            "quantiles_ms": [percentile(lat_ms, q / 2) for q in range(201)],
+            "relay_cpu_pct": cpu_pct["relay"],
+            "relay_peak_rss_mb": rss_mb,
+        },
+        load_at_start=load_at_start,
+    )
     record_goal(
         f"commit->Kafka consumer p99 ms at {LATENCY_RATE_PER_S:,}/s",
         p99,
