@@ -13,7 +13,13 @@ imports ``sinks``, and ``test_layout.py`` the line bound of every module):
   start-up check; both repair through ``cdc.repair``, below them both), and
   ``cdc.repair``, ``cdc.kafka`` and ``cdc.settings`` import neither;
 - the old top-level paths the sink still imports (:data:`OLD_PATHS`) only
-  re-export, and nothing of ``cdc`` imports them.
+  re-export, and nothing of ``cdc`` imports them;
+- the loop hands over to its delivery mode at the points of
+  :class:`cdc.relay.stream.mode.DeliveryMode` only: both tables of them (who calls
+  each; which part of exactly-once implements it) name exactly those, both modes
+  implement every one, and the exactly-once relay overrides nothing of the loop;
+- no class of ``cdc/`` has more than :data:`MAX_BASES` base classes (composition,
+  not mixins).
 """
 
 from __future__ import annotations

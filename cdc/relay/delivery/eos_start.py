@@ -39,6 +39,7 @@ class EosStart:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._origin = ""
+        self._last_record: LastRecord | None = None
         #: why a checkpoint was not trusted (each warned about once)
         self._distrusted: set[str] = set()
 
