@@ -6,8 +6,9 @@ importing only the ones below it (top first):
 - :mod:`.delivery` - what exactly-once adds: Kafka transactions, the pure transaction
   machine (:mod:`.delivery.txbatch`), the checkpoint;
 - :mod:`.stream` - the loop (:class:`~cdc.relay.stream.loop.Relay`: sessions,
-  back-pressure, shutdown) and one record's path: changes to records, the producer,
-  dead letters;
+  back-pressure, shutdown, its collaborators held) and one record's path: changes to
+  records, the producer, dead letters; the delivery mode's points
+  (:mod:`.stream.mode`);
 - :mod:`.gaps` - whether the slot may stream (:mod:`.gaps.gap`, pure), the gap check
   before each session (:mod:`.gaps.guard`), the start-up check
   (:mod:`.gaps.start_check`), closing a gap

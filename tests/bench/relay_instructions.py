@@ -3,7 +3,7 @@
 A synthetic replication stream (a Relation of the outbox table, then transactions of
 ``--per-tx`` Inserts, each wrapped in an XLogData CopyData message as psycopg hands
 it over: a ``memoryview``) is fed to the relay's own stream loop
-(:meth:`Relay._stream_loop`: ``_read_batch``, the fast path, the producer, the
+(:meth:`Relay._stream_loop`: ``_read_batch``, the decoder, the delivery mode, the producer, the
 delivery reports, status updates) with a real producer and the local broker, until
 every record is acknowledged. Only the replication connection is replaced (its
 ``get_nowait`` a C call, as psycopg's is), and the slot ledger's writes (a replay
@@ -187,10 +187,19 @@ def replay_relay(settings: Any) -> Any:
         return replay_relay_eos(settings, ReplayLedger)
 
     class ReplayRelay(Relay):
-        def _init_guard(self) -> None:
+        def _new_ledger(self) -> Any:
+            return ReplayLedger(self.settings)
+
+        def _init_guard(self) -> None:  # (an older checkout's)
             self._ledger = ReplayLedger(self.settings)
 
     return ReplayRelay(settings, serve_http=False)
+
+
+def _new_tracker(relay: Any, start_lsn: int) -> Any:
+    """The session's tracker, made by the delivery mode (an older checkout: the relay)."""
+    mode = getattr(relay, "mode", None)
+    return mode.new_tracker(start_lsn) if mode is not None else relay._new_tracker(start_lsn)
 
 
 def replay(
@@ -236,8 +245,10 @@ def replay(
     )
     settings = settings_eos(**config) if eos else Settings(**config)
     relay = replay_relay(settings)
-    relay._utf8 = True
-    relay._table = ("public", "outbox")
+    if hasattr(relay, "decoder"):
+        relay.decoder.utf8, relay.decoder.table = True, ("public", "outbox")
+    else:  # (an older checkout: the relay's own attributes)
+        relay._utf8, relay._table = True, ("public", "outbox")
     topic = settings.topic_prefix + aggregate
     relay._topics.ensure([topic, settings.dlq_topic])
     origin = origin_eos() if eos else ("origin", b"7412345678901234567/1/outbox_slot")
@@ -250,7 +261,7 @@ def replay(
     )
     sess = Session(
         stream=ReplayStream(parts[0], relay.stop),  # type: ignore[arg-type]
-        tracker=relay._new_tracker(0) if eos else LsnTracker(0),
+        tracker=_new_tracker(relay, 0) if eos else LsnTracker(0),
         origin=origin,
     )
     # (each part's last Commit: its end-LSN, the checkpoint its last Kafka transaction carries)

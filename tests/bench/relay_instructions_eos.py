@@ -2,7 +2,7 @@
 exactly-once``): the same synthetic stream through :class:`ExactlyOnceRelay`'s loop.
 
 What is real: the transactional producer against the local broker (its
-``init_transactions``), the session's start (:meth:`ExactlyOnceRelay._begin_session`:
+``init_transactions``), the session's start (the mode's ``session_begins``:
 the checkpoint topic made, the checkpoint read with ``read_committed``, the machine
 :class:`~cdc.relay.delivery.txbatch.TxBatch` set up), the machine's decisions, the commit on
 its own thread (:mod:`cdc.relay.delivery.overlap`) with records read meanwhile buffered and
@@ -41,7 +41,10 @@ def replay_relay_eos(settings: Any, ledger_of: Any) -> Any:
     from cdc.relay.delivery.exactly_once import ExactlyOnceRelay
 
     class ReplayRelay(ExactlyOnceRelay):
-        def _init_guard(self) -> None:
+        def _new_ledger(self) -> Any:
+            return ledger_of(self.settings)
+
+        def _init_guard(self) -> None:  # (an older checkout's)
             self._ledger = ledger_of(self.settings)
 
     return ReplayRelay(settings, serve_http=False)
@@ -77,7 +80,8 @@ def start_eos(relay: Any, bootstrap: str, origin: tuple[str, bytes]) -> Any:
     # (the session's start asks the server for its timeline history: timeline 1 has none)
     system_id = origin[1].split(b"/", 1)[0].decode()
     eos_start.identify_system = lambda dsn: ServerIdentity(system_id, 1)  # type: ignore[assignment]
-    return relay._new_producer(origin)
+    mode = getattr(relay, "mode", relay)  # (an older checkout: the relay itself)
+    return (mode.new_producer if mode is not relay else relay._new_producer)(origin)
 
 
 def end_part_eos(relay: Any, sess: Any, end_lsn: int) -> None:
@@ -86,14 +90,15 @@ def end_part_eos(relay: Any, sess: Any, end_lsn: int) -> None:
     be the stream's last commit end-LSN."""
     from cdc.relay.delivery.txbatch import TxState
 
-    relay._await_commit(sess)
-    relay._drain_dlq(sess)
-    relay._act(sess, relay._batch.flush(int(time.monotonic() * 1000), waiting=False))
-    relay._await_commit(sess)
+    eos = getattr(relay, "mode", relay)  # (the delivery mode; an older checkout: the relay)
+    eos._await_commit(sess)
+    (eos.drain_dead_letters if eos is not relay else relay._drain_dlq)(sess)
+    eos._act(sess, eos._batch.flush(int(time.monotonic() * 1000), waiting=False))
+    eos._await_commit(sess)
     # (records released into the last transaction: acknowledged once let go, as the
     # loop's next turn or the shutdown would)
     sess.reports = None
-    batch = relay._batch
+    batch = eos._batch
     if batch.state is not TxState.IDLE or batch.committed != end_lsn:
         sys.exit(
             f"replay's transactions not committed: {batch.state.value}, checkpoint"

@@ -313,25 +313,33 @@ def test_the_sink_reads_committed_records_only() -> None:
     assert consumer_config(_settings())["isolation.level"] == "read_committed"
 
 
-def test_the_exactly_once_shell_hands_records_to_the_relays_own_send() -> None:
-    """The shell calls the relay's _send directly (not through super(): the hot path);
-    a mixin that overrode it would be passed by - this notices one."""
-    from cdc.relay.delivery import eos_steps, exactly_once
-    from cdc.relay.stream.fast_path import FastPath
-    from cdc.relay.stream.loop import Relay
+def test_the_exactly_once_mode_hands_records_to_the_producers_own_send() -> None:
+    """The mode calls the producer's send directly (bound once, no wrapper: the hot
+    path), reads Begin and Commit itself (its own wal_begins, wal_ends), and the loop
+    and the decoder call the mode's steps - no part of the relay overrides another's."""
+    from cdc.relay.delivery import eos_steps
+    from cdc.relay.delivery.exactly_once import ExactlyOnce, ExactlyOnceRelay
+    from cdc.relay.stream import at_least_once, fast_path
 
-    assert exactly_once._send_record is Relay._send
-    assert eos_steps._send_record is Relay._send
-    assert exactly_once._tracker_open is exactly_once.LsnTracker.open
-    assert eos_steps._tracker_open is exactly_once.LsnTracker.open
-    assert eos_steps._tracker_close is exactly_once.LsnTracker.close
-    # (eos_steps reads Begin and Commit as FastPath does: no other mixin reads them)
-    assert Relay._on_begin is FastPath._on_begin
-    assert Relay._on_commit is FastPath._on_commit
+    relay = ExactlyOnceRelay(
+        _settings(delivery="exactly-once", pg_dsn="postgresql://x"), serve_http=False
+    )
+    eos = relay.mode
+    assert isinstance(eos, ExactlyOnce)
+    assert eos._send_record == relay.producing.send
+    assert relay.producing.mode is relay.dead_letters.mode is eos
+    assert relay.decoder._send == eos.record
+    assert relay.decoder.on_begin == eos.wal_begins
+    assert relay.decoder.on_commit == eos.wal_ends
+    assert eos_steps._tracker_open is eos_steps.LsnTracker.open
+    assert eos_steps._tracker_close is eos_steps.LsnTracker.close
+    # (at-least-once reads Begin and Commit with the fast path's functions)
+    assert at_least_once.AtLeastOnce.wal_begins is fast_path.read_begin
+    assert at_least_once.AtLeastOnce.wal_ends is fast_path.read_commit
 
 
 def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_machine() -> None:
-    """eos_steps' Begin and Commit leave the session and the tracker as FastPath's do
+    """eos_steps' Begin and Commit leave the session and the tracker as the fast path's do
     (malformed messages refused the same way); the machine learns the WAL transaction
     began (covered or not) and ended, and what is due at its end."""
     import struct
@@ -339,7 +347,7 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
     from cdc.errors import DecodeError
     from cdc.relay.delivery.eos_steps import EosSteps
     from cdc.relay.health.state import Session
-    from cdc.relay.stream.fast_path import FastPath
+    from cdc.relay.stream.fast_path import read_begin, read_commit
     from cdc.wal.lsn import LsnTracker
 
     acted: list[Action] = []
@@ -372,8 +380,8 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
         steps = Steps(checkpoint=0x200)
         ours = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
         theirs = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
-        steps._on_begin(ours, b"x" + begin(final_lsn), 1)
-        FastPath._on_begin(theirs, b"x" + begin(final_lsn), 1)
+        steps.wal_begins(ours, b"x" + begin(final_lsn), 1)
+        read_begin(theirs, b"x" + begin(final_lsn), 1)
         assert (ours.tx_id, ours.begin) == (theirs.tx_id, theirs.begin) == (final_lsn, ours.begin)
         assert steps._batch.wal_open
         assert steps._skip_tx == (final_lsn if covered else -1)
@@ -382,8 +390,8 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
             ours.tracker.add(final_lsn)
             theirs.tracker.add(final_lsn)
         ours.caught_up = True
-        steps._on_commit(ours, commit(final_lsn, final_lsn + 0x28), 0)
-        FastPath._on_commit(theirs, commit(final_lsn, final_lsn + 0x28), 0)
+        steps.wal_ends(ours, commit(final_lsn, final_lsn + 0x28), 0)
+        read_commit(theirs, commit(final_lsn, final_lsn + 0x28), 0)
         assert (ours.tx_id, ours.begin, ours.tx) == (theirs.tx_id, theirs.begin, theirs.tx)
         assert ours.tx_id is None
         assert ours.tracker.end_lsn(final_lsn) == theirs.tracker.end_lsn(final_lsn)
@@ -394,11 +402,11 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
     steps = Steps(checkpoint=0)
     sess = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="outside a transaction"):
-        steps._on_commit(sess, commit(0x100, 0x128), 0)
+        steps.wal_ends(sess, commit(0x100, 0x128), 0)
     with pytest.raises(DecodeError):
-        steps._on_commit(sess, commit(0x100, 0x128)[:-1], 0)
+        steps.wal_ends(sess, commit(0x100, 0x128)[:-1], 0)
     with pytest.raises(DecodeError):
-        steps._on_begin(sess, begin(0x100)[:-1], 0)
+        steps.wal_begins(sess, begin(0x100)[:-1], 0)
 
 
 def test_a_moved_epoch_is_a_takeover_unless_our_own_transaction_outlived_the_timeout() -> None:
@@ -513,11 +521,11 @@ def test_a_session_whose_start_fails_after_init_transactions_lets_its_producer_g
     monkeypatch.setattr(ckpt, "ensure_checkpoint_topic", unreadable)
     sess = Session(
         stream=None,  # type: ignore[arg-type]
-        tracker=relay._new_tracker(0),
+        tracker=relay.mode.new_tracker(0),
         last_confirmed=0,
         origin=("origin", ORIGIN.encode()),
     )
     with pytest.raises(KafkaUnavailableError):
         relay._stream_loop(sess)
-    assert relay._producer is None and relay._initialised is None
+    assert relay._producer is None and relay.mode._initialised is None  # type: ignore[attr-defined]
     assert producer.purged

@@ -65,9 +65,9 @@ def test_fast_path_and_full_decoder_publish_the_same_exact_bytes(payloads: list[
     records = []
     for utf8, payload_oid in ((True, JSONB), (True, TEXT), (False, JSONB)):
         relay = _new_relay()
-        relay._utf8 = utf8
+        relay.decoder.utf8 = utf8
         sess = new_session()
-        relay._on_change(sess, _relation(payload_oid))
+        relay.decoder.on_change(sess, _relation(payload_oid))
         rows = [
             row(event_id=f"{n:08d}-0000-4000-8000-000000000000", payload=p.encode())
             for n, p in enumerate([payloads[0], *payloads])
@@ -122,9 +122,9 @@ def _new_relay() -> Relay:
 def test_dead_letters_carry_the_rows_id_key_and_topic() -> None:
     """Issue 24 item 5: routing errors keep the identity the row holds."""
     relay = _new_relay()
-    relay._utf8 = False
+    relay.decoder.utf8 = False
     sess = new_session()
-    relay._on_change(sess, _relation(JSONB))
+    relay.decoder.on_change(sess, _relation(JSONB))
     bad_key = row(aggregateid=b"k\xff")
     not_object = row(event_id="10000000-0000-4000-8000-000000000000", payload=b"[1]")
     run_tx(relay, sess, [bad_key, not_object], final_lsn=0xA000)
@@ -139,7 +139,7 @@ def test_dead_letters_carry_the_rows_id_key_and_topic() -> None:
         "outbox.event.user",
         "10000000-0000-4000-8000-000000000000",
     )
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     dlq = producer_of(relay).produced[-1]
     assert dlq.key == b"u-1" and dict(dlq.headers)["dlq.original.topic"] == b"outbox.event.user"
 
@@ -206,9 +206,9 @@ def test_one_depth_rule_for_the_fast_path_the_full_decoder_and_the_recovery(
 
     rows = _deep_rows()
     relay = _new_relay()
-    relay._utf8 = utf8
+    relay.decoder.utf8 = utf8
     sess = new_session()
-    relay._on_change(sess, _relation(payload_oid))
+    relay.decoder.on_change(sess, _relation(payload_oid))
     run_tx(relay, sess, rows, final_lsn=0xB000)
     published = [p.value for p in producer_of(relay).produced]
     assert published == [rows[0][4], rows[1][4]]

@@ -129,7 +129,7 @@ def relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Relay]:
         serve_http=False,
     )
     r._producer = ScriptedProducer()  # type: ignore[assignment]
-    r._utf8 = True
+    r.decoder.utf8 = True
     yield r
 
 
@@ -145,11 +145,11 @@ def new_session(stream: object | None = None) -> Session:
 
 def malformed_tx(relay: Relay, sess: Session, final_lsn: int, n: int = 0) -> None:
     """One transaction of one row the router refuses (its aggregatetype makes no topic)."""
-    relay._on_change(sess, begin(final_lsn))
-    relay._on_change(
+    relay.decoder.on_change(sess, begin(final_lsn))
+    relay.decoder.on_change(
         sess, insert(row(event_id=f"{n:08d}-0d55-4b44-8d1e-7f6f8f1a2b3c", aggregatetype=b"a b"))
     )
-    relay._on_change(sess, commit(final_lsn))
+    relay.decoder.on_change(sess, commit(final_lsn))
 
 
 def kafka_error(code: int, *, fatal: bool = False) -> KafkaError:
@@ -186,30 +186,32 @@ def test_distinct_refused_events_beyond_the_bound_keep_poison_ids_and_metric_ser
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
-    relay._topic_of[b"user"] = topic
+    relay.decoder.topic_of[b"user"] = topic
     total, per_tx = 3 * POISON_MAX, 500
     producer.fails[topic] = deque([kafka_error(KafkaError.MSG_SIZE_TOO_LARGE)] * total)
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     lsn = 0x10_0000
     for first in range(0, total, per_tx):
-        relay._on_change(sess, begin(lsn))
+        relay.decoder.on_change(sess, begin(lsn))
         for n in range(first, first + per_tx):
-            relay._on_change(sess, insert(row(event_id=f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10")))
-        relay._on_change(sess, commit(lsn))
+            relay.decoder.on_change(
+                sess, insert(row(event_id=f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10"))
+            )
+        relay.decoder.on_change(sess, commit(lsn))
         lsn += 0x1000
         producer.poll()  # refusals: remembered, dead letters queued
-        relay._drain_dlq(sess)
+        relay.dead_letters.drain(sess)
         producer.poll()  # dead letters written
     for n in range(1_000):
-        relay._on_change(sess, begin(lsn))
-        relay._on_change(
+        relay.decoder.on_change(sess, begin(lsn))
+        relay.decoder.on_change(
             sess,
             insert(row(event_id=f"{n:08d}-aaaa-4f7e-9a53-0e6f3c1d2a10", aggregatetype=b"x %d" % n)),
         )
-        relay._on_change(sess, commit(lsn))
+        relay.decoder.on_change(sess, commit(lsn))
         lsn += 0x1000
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     producer.poll()
 
     assert len(relay.poison) == POISON_MAX
@@ -249,10 +251,10 @@ def test_a_dead_letter_produce_that_raises_holds_the_stream_and_is_retried_after
     producer = producer_of(relay)
     producer.raises[DLQ] = [failure, failure]
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     malformed_tx(relay, sess, 0x1000)
 
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     assert sess.held is not None and cause in sess.held
     assert len(sess.pending_dlq) == 1, "the dead letter stays in line"
     assert sess.tracker.in_flight == 1
@@ -260,16 +262,16 @@ def test_a_dead_letter_produce_that_raises_holds_the_stream_and_is_retried_after
     first_retry_in = sess.dlq_retry_at - time.monotonic()
     assert 0 < first_retry_in <= DLQ_RETRY_MIN_S
 
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     assert producer.attempts[DLQ] == 1, "no retry before the back-off has passed"
 
     sess.dlq_retry_at = 0.0  # the back-off has passed
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     assert producer.attempts[DLQ] == 2
     assert sess.dlq_retry_at - time.monotonic() > first_retry_in, "the back-off grows"
 
     sess.dlq_retry_at = 0.0
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     producer.poll()
     assert len(producer.to(DLQ)) == 1
     assert sess.held is None and not sess.pending_dlq
@@ -285,9 +287,9 @@ def test_a_failed_dead_letter_report_puts_it_back_in_line_and_the_retry_writes_i
     producer = producer_of(relay)
     producer.fails[DLQ] = deque([kafka_error(KafkaError.UNKNOWN_TOPIC_OR_PART)])
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     malformed_tx(relay, sess, 0x1000)
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     producer.poll()
 
     assert sess.held is not None and "UNKNOWN_TOPIC_OR_PART" in sess.held
@@ -296,7 +298,7 @@ def test_a_failed_dead_letter_report_puts_it_back_in_line_and_the_retry_writes_i
     assert sample(relay, "outbox_relay_kafka_errors_total", {"code": "UNKNOWN_TOPIC_OR_PART"}) == 1
 
     sess.dlq_retry_at = 0.0
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     producer.poll()
     assert sess.held is None
     assert sess.tracker.confirmable == 0x1000 + 40
@@ -311,7 +313,7 @@ def test_while_a_dead_letter_fails_the_relay_is_held_not_ready_and_reads_no_wal(
     producer.raises[DLQ] = [failure] * 100
     stream = ReadNothing()
     sess = new_session(stream)
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     malformed_tx(relay, sess, 0x1000)
     states: list[tuple[RelayState, bool, str]] = []
     real_poll = producer.poll
@@ -343,19 +345,21 @@ def test_a_dead_letter_kafka_refuses_for_its_size_is_written_in_minimal_form(
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
-    relay._topic_of[b"user"] = topic
+    relay.decoder.topic_of[b"user"] = topic
     too_large = KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
     producer.raises[topic] = [too_large]
     producer.raises[DLQ] = [too_large, None, too_large, None]  # each: full refused, minimal ok
     sess = new_session()
-    relay._on_change(sess, relation())
-    relay._on_change(sess, begin(0x1000))
-    relay._on_change(sess, insert(row(aggregateid=b"k" * 3_000_000)))
+    relay.decoder.on_change(sess, relation())
+    relay.decoder.on_change(sess, begin(0x1000))
+    relay.decoder.on_change(sess, insert(row(aggregateid=b"k" * 3_000_000)))
     second = "1c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c"
-    relay._on_change(sess, insert(row(event_id=second, aggregatetype=b"t" * 2_000_000 + b" x")))
-    relay._on_change(sess, commit(0x1000))
+    relay.decoder.on_change(
+        sess, insert(row(event_id=second, aggregatetype=b"t" * 2_000_000 + b" x"))
+    )
+    relay.decoder.on_change(sess, commit(0x1000))
 
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     producer.poll()
 
     big_key, big_reason = producer.to(DLQ)
@@ -375,9 +379,9 @@ def test_a_purged_dead_letter_is_not_put_back_in_line(relay: Relay) -> None:
     producer = producer_of(relay)
     producer.fails[DLQ] = deque([kafka_error(KafkaError._PURGE_QUEUE)])
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     malformed_tx(relay, sess, 0x1000)
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     producer.poll()
     assert not sess.pending_dlq and sess.held is None
     assert sess.tracker.in_flight == 1, "never acknowledged: read again by the next session"
@@ -412,14 +416,14 @@ def test_produce_refusing_with_fatal_on_the_hot_path_ends_the_session_as_produce
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
-    relay._topic_of[b"user"] = topic
+    relay.decoder.topic_of[b"user"] = topic
     producer.raises[topic] = [KafkaException(KafkaError(KafkaError._FATAL))]
     producer.poll_raises = poll_raises
     sess = new_session()
-    relay._on_change(sess, relation())
-    relay._on_change(sess, begin(0x1000))
+    relay.decoder.on_change(sess, relation())
+    relay.decoder.on_change(sess, begin(0x1000))
     with pytest.raises(ProducerFatalError, match=named):
-        relay._on_change(sess, insert(row()))
+        relay.decoder.on_change(sess, insert(row()))
     assert sess.tracker.confirmable == 0
     assert relay._events.fatal is not None
 
@@ -427,10 +431,10 @@ def test_produce_refusing_with_fatal_on_the_hot_path_ends_the_session_as_produce
 def test_a_fatal_dead_letter_produce_ends_the_session_as_producer_fatal(relay: Relay) -> None:
     producer_of(relay).raises[DLQ] = [KafkaException(KafkaError(KafkaError._FATAL))]
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     malformed_tx(relay, sess, 0x1000)
     with pytest.raises(ProducerFatalError):
-        relay._drain_dlq(sess)
+        relay.dead_letters.drain(sess)
     assert sess.tracker.confirmable == 0
 
 
@@ -501,7 +505,7 @@ def test_a_standby_serves_a_kept_producer_and_rebuilds_it_after_a_fatal_error(
     discarded: list[object] = []
     monkeypatch.setattr(relay_mod, "discard_producer", discarded.append)
     monkeypatch.setattr(relay, "_wait", lambda delay_s: None)
-    relay._standby("slot busy")
+    relay.standby.wait("slot busy")
     assert producer.polls == 1
     assert discarded == [producer] and relay._producer is None
     assert relay.state is RelayState.REBUILDING
@@ -571,18 +575,18 @@ def test_records_are_acknowledged_only_once_every_report_is_served_and_the_sessi
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
-    relay._topic_of[b"user"] = topic
+    relay.decoder.topic_of[b"user"] = topic
     sess = new_session()
-    relay._on_change(sess, relation())
-    relay._on_change(sess, begin(0x1000))
+    relay.decoder.on_change(sess, relation())
+    relay.decoder.on_change(sess, begin(0x1000))
     for n in range(3):
-        relay._on_change(sess, insert(row(event_id=f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10")))
+        relay.decoder.on_change(sess, insert(row(event_id=f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10")))
     producer.poll()  # all three reported; the transaction is still open
     assert sess.tracker.in_flight == 3, "still countable: the session holds the Reports"
     sess.reports = None  # (the loop lets go after each read batch)
     assert sess.tracker.in_flight == 0
-    relay._on_change(sess, insert(row(event_id="00000009-5d1c-4f7e-9a53-0e6f3c1d2a10")))
-    relay._on_change(sess, commit(0x1000))
+    relay.decoder.on_change(sess, insert(row(event_id="00000009-5d1c-4f7e-9a53-0e6f3c1d2a10")))
+    relay.decoder.on_change(sess, commit(0x1000))
     assert sess.tracker.in_flight == 1, "produced, not yet reported: not acknowledged"
     assert sess.tracker.confirmable == 0
     producer.poll()
@@ -600,20 +604,20 @@ def test_refused_reports_of_alike_records_in_one_transaction_are_matched_to_thei
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
-    relay._topic_of[b"user"] = topic
+    relay.decoder.topic_of[b"user"] = topic
     ids = [f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10" for n in range(4)]
     sess = new_session()
-    relay._on_change(sess, relation())
-    relay._on_change(sess, begin(0x1000))
-    relay._on_change(sess, insert(row(event_id=ids[0], payload=b'{"a":1}')))
+    relay.decoder.on_change(sess, relation())
+    relay.decoder.on_change(sess, begin(0x1000))
+    relay.decoder.on_change(sess, insert(row(event_id=ids[0], payload=b'{"a":1}')))
     for event_id in ids[1:]:
-        relay._on_change(sess, insert(row(event_id=event_id, payload=b'{"a":2}')))
-    relay._on_change(sess, commit(0x1000))
+        relay.decoder.on_change(sess, insert(row(event_id=event_id, payload=b'{"a":2}')))
+    relay.decoder.on_change(sess, commit(0x1000))
     refused = kafka_error(KafkaError.MSG_SIZE_TOO_LARGE)
     # reports in produce order: the first delivered, the next two refused, the last delivered
     producer.fails[topic] = deque([None, refused, refused, None])  # type: ignore[list-item]
     producer.poll()
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     producer.poll()
 
     assert [dict(r.headers)["id"] for r in producer.to(DLQ)] == [ids[1].encode(), ids[2].encode()]

@@ -13,7 +13,13 @@ imports ``sinks``, and ``test_layout.py`` the line bound of every module):
   start-up check; both repair through ``cdc.repair``, below them both), and
   ``cdc.repair``, ``cdc.kafka`` and ``cdc.settings`` import neither;
 - the old top-level paths the sink still imports (:data:`OLD_PATHS`) only
-  re-export, and nothing of ``cdc`` imports them.
+  re-export, and nothing of ``cdc`` imports them;
+- the loop hands over to its delivery mode at the points of
+  :class:`cdc.relay.stream.mode.DeliveryMode` only: both tables of them (who calls
+  each; which part of exactly-once implements it) name exactly those, both modes
+  implement every one, and the exactly-once relay overrides nothing of the loop;
+- no class of ``cdc/`` has more than :data:`MAX_BASES` base classes (composition,
+  not mixins).
 """
 
 from __future__ import annotations
@@ -130,37 +136,78 @@ def test_the_checks_see_what_they_claim_to() -> None:
     assert "cdc.repair.republish" in graph["cdc.audit.run"]
 
 
-def _hook_table() -> set[tuple[str, str, str]]:
-    """(hook, defined by, overridden by) rows of the exactly-once module's table."""
-    from cdc.relay.delivery import exactly_once
-
-    rows = set()
-    for line in (exactly_once.__doc__ or "").splitlines():
-        parts = line.split()
-        if len(parts) >= 3 and parts[0].startswith("_") and parts[1][0].isupper():
-            rows.add((parts[0], parts[1], parts[2]))
+def _table_rows(doc: str | None) -> dict[str, str]:
+    """{point: second column} of the table (between its second and third ``====`` rules)
+    in a module docstring: the delivery mode's points (continuation lines skipped)."""
+    lines = (doc or "").splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("====")]
+    assert len(rules) >= 3, "no table in the docstring"
+    rows = {}
+    for line in lines[rules[1] + 1 : rules[2]]:
+        if line and not line[0].isspace():
+            parts = line.split()
+            rows[parts[0]] = parts[1]
     return rows
 
 
-def test_every_hook_exactly_once_overrides_is_in_its_table() -> None:
-    """Which part of the exactly-once relay overrides which hook of the at-least-once
-    relay is written down, and the table is the code's (no override unlisted, none
-    listed that is gone)."""
+def _protocol_points() -> set[str]:
+    from cdc.relay.stream.mode import DeliveryMode
+
+    return {name for name in vars(DeliveryMode) if not name.startswith("_")}
+
+
+def test_every_point_of_the_delivery_mode_is_in_its_table_and_both_modes_implement_it() -> None:
+    """The loop hands over to the delivery mode at the points of
+    :class:`cdc.relay.stream.mode.DeliveryMode`: both tables (the points and who calls
+    them; the exactly-once parts that implement them) name exactly those, and both modes
+    implement every one."""
+    from cdc.relay.delivery import exactly_once
+    from cdc.relay.delivery.exactly_once import ExactlyOnceRelay
+    from cdc.relay.stream import at_least_once, mode
+    from cdc.relay.stream.loop import Relay
+    from cdc.settings import Settings
+
+    points = _protocol_points()
+    assert {"wal_begins", "record", "wal_ends", "serve", "session_ends"} <= points
+    assert set(_table_rows(mode.__doc__)) == points, "cdc/relay/stream/mode.py's table"
+    assert set(_table_rows(exactly_once.__doc__)) == points, "exactly_once.py's table"
+    settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9")
+    alo = Relay(settings, serve_http=False)
+    eos = ExactlyOnceRelay(
+        settings.model_copy(update={"delivery": "exactly-once"}), serve_http=False
+    )
+    for relay, kind in ((alo, at_least_once.AtLeastOnce), (eos, exactly_once.ExactlyOnce)):
+        assert type(relay.mode) is kind
+        missing = sorted(p for p in points if not callable(getattr(relay.mode, p, None)))
+        assert not missing, f"{kind.__name__} does not implement {missing}"
+
+
+def test_the_exactly_once_relay_overrides_nothing_of_the_loop() -> None:
+    """Exactly-once is a delivery mode the loop calls, not a subclass that overrides
+    the loop's hooks: ExactlyOnceRelay only picks its mode."""
     from cdc.relay.delivery.exactly_once import ExactlyOnceRelay
     from cdc.relay.stream.loop import Relay
 
-    found = set()
-    for part in ExactlyOnceRelay.__mro__:
-        if part in Relay.__mro__:
-            continue
-        for name, value in vars(part).items():
-            if name.startswith("__") or not (callable(value) or isinstance(value, property)):
-                continue
-            defined = [base.__name__ for base in Relay.__mro__ if name in vars(base)]
-            if defined:
-                found.add((name, defined[-1], part.__name__))
-    assert found == _hook_table(), (
-        "hooks overridden but not in the table of cdc/relay/delivery/exactly_once.py:"
-        f" {sorted(found - _hook_table())}; listed but not overridden:"
-        f" {sorted(_hook_table() - found)}"
+    assert ExactlyOnceRelay.__bases__ == (Relay,)
+    overridden = {name for name in vars(ExactlyOnceRelay) if not name.startswith("__")}
+    assert not overridden, f"ExactlyOnceRelay overrides {sorted(overridden)}"
+
+
+#: The most base classes a class of cdc/ may have (composition, not mixins: cdc.relay.stream.mode).
+MAX_BASES = 3
+
+
+def test_no_class_of_cdc_has_more_than_three_base_classes() -> None:
+    wide = sorted(
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({len(node.bases)} bases)"
+        for path in sorted((ROOT / "cdc").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef) and len(node.bases) > MAX_BASES
     )
+    assert not wide, f"classes with more than {MAX_BASES} base classes:\n" + "\n".join(wide)
+
+
+def test_the_base_class_check_sees_a_wide_class() -> None:
+    tree = ast.parse("class A(B, C, D, E):\n    pass\n")
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    assert len(node.bases) == 4 > MAX_BASES

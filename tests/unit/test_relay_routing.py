@@ -176,7 +176,7 @@ def relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Relay]:
         serve_http=False,
     )
     r._producer = RecordingProducer()  # type: ignore[assignment]
-    r._utf8 = True
+    r.decoder.utf8 = True
     yield r
 
 
@@ -184,13 +184,13 @@ def relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Relay]:
 def decoded_calls(relay: Relay, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the inserts that took the full-decoding path."""
     calls: list[int] = []
-    original = relay._on_insert_decoded
+    original = relay.decoder._on_insert_decoded
 
     def spy(sess: Session, ins: Any) -> None:
         calls.append(1)
         original(sess, ins)
 
-    monkeypatch.setattr(relay, "_on_insert_decoded", spy)
+    monkeypatch.setattr(relay.decoder, "_on_insert_decoded", spy)
     return calls
 
 
@@ -199,10 +199,10 @@ def new_session() -> Session:
 
 
 def run_tx(relay: Relay, sess: Session, rows: list[list[bytes | None]], final_lsn: int) -> None:
-    relay._on_change(sess, begin(final_lsn))
+    relay.decoder.on_change(sess, begin(final_lsn))
     for values in rows:
-        relay._on_change(sess, insert(values))
-    relay._on_change(sess, commit(final_lsn))
+        relay.decoder.on_change(sess, insert(values))
+    relay.decoder.on_change(sess, commit(final_lsn))
 
 
 def reference(values: list[bytes | None], final_lsn: int) -> Produced:
@@ -230,7 +230,7 @@ def test_fast_path_records_equal_the_reference_router(
     relay: Relay, decoded_calls: list[int]
 ) -> None:
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     rows = [
         row(),
         row(event_id="1c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c", trace=b"00-abc-def-01"),
@@ -252,7 +252,7 @@ def test_fast_path_records_equal_the_reference_router(
 
 def test_acks_confirm_the_transaction_and_count_per_topic(relay: Relay) -> None:
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     run_tx(relay, sess, [row(), row(event_id="5c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c")], 0x2000)
     assert sess.tracker.in_flight == 2
     assert sess.tracker.confirmable == 0
@@ -280,7 +280,7 @@ def test_rows_the_fast_path_declines_are_dead_lettered_and_the_rest_flow(
     relay: Relay, bad: list[bytes | None], reason: str
 ) -> None:
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     good = [row(), row(event_id="6c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c")]
     run_tx(relay, sess, [good[0], bad, good[1]], final_lsn=0x3000)
 
@@ -289,7 +289,7 @@ def test_rows_the_fast_path_declines_are_dead_lettered_and_the_rest_flow(
     ]
     assert len(sess.pending_dlq) == 1
     assert reason in sess.pending_dlq[0].reason
-    relay._drain_dlq(sess)
+    relay.dead_letters.drain(sess)
     dlq = producer_of(relay).produced[-1]
     assert dlq.topic == relay.settings.dlq_topic
     assert dict(dlq.headers)["id"] == b"0b9f6f2e-5d1c-4f7e-9a53-0e6f3c1d2a10"
@@ -299,9 +299,9 @@ def test_rows_the_fast_path_declines_are_dead_lettered_and_the_rest_flow(
 def test_a_database_that_is_not_utf8_routes_through_the_checking_path(
     relay: Relay, decoded_calls: list[int]
 ) -> None:
-    relay._utf8 = False
+    relay.decoder.utf8 = False
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     good = row()
     run_tx(relay, sess, [good, good, row(aggregateid=b"\xff\xfe")], final_lsn=0x4000)
 
@@ -313,7 +313,7 @@ def test_a_database_that_is_not_utf8_routes_through_the_checking_path(
 
 def test_a_known_poison_event_goes_to_the_dead_letter_queue(relay: Relay) -> None:
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     run_tx(relay, sess, [row()], final_lsn=0x5000)  # warms the topic cache
     poison_id = "7c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c"
     relay.poison.remember(
@@ -329,7 +329,7 @@ def test_a_known_poison_event_goes_to_the_dead_letter_queue(relay: Relay) -> Non
 def test_a_schema_with_columns_in_another_order_routes_the_same(relay: Relay) -> None:
     sess = new_session()
     reordered = ("payload", "created_at", "type", "id", "aggregateid", "aggregatetype")
-    relay._on_change(sess, relation(reordered))
+    relay.decoder.on_change(sess, relation(reordered))
     values = row()
     by_name = dict(zip((*COLUMNS, "tracingspancontext"), values, strict=True))
     run_tx(relay, sess, [[by_name[n] for n in reordered]] * 2, final_lsn=0x7000)
@@ -344,9 +344,9 @@ def test_the_real_producer_hands_every_fast_path_record_to_its_callback(relay: R
     producer = Producer({"bootstrap.servers": "127.0.0.1:9", "log_level": 0})
     relay._producer = producer
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     relay._topics.known.add("outbox.event.user")
-    relay._topic_of[b"user"] = "outbox.event.user"
+    relay.decoder.topic_of[b"user"] = "outbox.event.user"
     ids = [f"{n}c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c" for n in range(3)]
     run_tx(relay, sess, [row(event_id=i) for i in ids], final_lsn=0x8000)
 
@@ -381,15 +381,15 @@ def test_malformed_begin_and_commit_read_in_place_raise_decode_errors(
     """Begin and Commit are read in place, not decoded; a malformed one still names its fault."""
     sess = new_session()
     if message[:1] == b"C":
-        relay._on_change(sess, begin(0x3000))
+        relay.decoder.on_change(sess, begin(0x3000))
     with pytest.raises(DecodeError, match=re.escape(reason)):
-        relay._on_change(sess, message)
+        relay.decoder.on_change(sess, message)
     assert sess.tracker.confirmable == 0
 
 
 def test_a_commit_outside_a_transaction_is_a_decode_error(relay: Relay) -> None:
     with pytest.raises(DecodeError, match="Commit outside a transaction"):
-        relay._on_change(new_session(), commit(0x3000))
+        relay.decoder.on_change(new_session(), commit(0x3000))
 
 
 def test_begin_read_in_place_gives_the_transactions_lsn_and_commit_time(relay: Relay) -> None:
@@ -397,11 +397,11 @@ def test_begin_read_in_place_gives_the_transactions_lsn_and_commit_time(relay: R
     (none for a transaction without one) and equals the one TxContext itself makes."""
     sess = new_session()
     sess.origin = ("origin", b"7412345678901234567/1/outbox_slot")
-    relay._on_change(sess, begin(0x3000))
+    relay.decoder.on_change(sess, begin(0x3000))
     assert sess.tx is None  # lazy: no record yet
     assert sess.tx_id == 0x3000
-    relay._on_change(sess, relation())
-    relay._on_change(sess, insert(row()))
+    relay.decoder.on_change(sess, relation())
+    relay.decoder.on_change(sess, insert(row()))
     assert sess.tx is not None
     expected = TxContext(relay_mod.lsn_to_str(0x3000), COMMIT_TS_US, sess.origin)
     assert (sess.tx.commit_lsn, sess.tx.commit_ts_us, sess.tx.headers, sess.tx.timestamp_ms) == (
@@ -410,11 +410,11 @@ def test_begin_read_in_place_gives_the_transactions_lsn_and_commit_time(relay: R
         expected.headers,
         expected.timestamp_ms,
     )
-    relay._on_change(sess, commit(0x3000))
+    relay.decoder.on_change(sess, commit(0x3000))
     assert sess.tx is None and sess.begin is None
     empty = new_session()
-    relay._on_change(empty, begin(0x4000))
-    relay._on_change(empty, commit(0x4000))
+    relay.decoder.on_change(empty, begin(0x4000))
+    relay.decoder.on_change(empty, commit(0x4000))
     assert empty.tracker.confirmable == 0x4000 + 40  # a transaction without a record
 
 
@@ -424,12 +424,12 @@ def test_a_commit_time_the_fast_parser_does_not_format_is_formatted_the_slow_way
     """begin_context declines a commit time outside the years 1000-9999; the relay
     then formats it as TxContext does, and the record carries it."""
     sess = new_session()
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     year_999_us = -30_641_760_000_000_000  # 0999-01-01 in Unix microseconds
     early = b"B" + struct.pack(">QqI", 0x5000, year_999_us - PG_EPOCH_US, 7)
     assert pgoutput.begin_context(early) is None
-    relay._on_change(sess, early)
-    relay._on_change(sess, insert(row()))
+    relay.decoder.on_change(sess, early)
+    relay.decoder.on_change(sess, insert(row()))
     assert sess.tx is not None
     assert sess.tx.headers == TxContext("0/5000", year_999_us).headers
     assert producer_of(relay).produced[-1].timestamp == year_999_us // 1000
@@ -461,7 +461,7 @@ def test_the_loop_reads_each_xlogdata_in_place_as_the_message_alone_reads(relay:
     rows = [row(), row(event_id="9c0e8e0a-0d55-4b44-8d1e-7f6f8f1a2b3c", trace=b"00-a-b-01")]
     messages = [relation(), begin(0x9000), *map(insert, rows), commit(0x9000)]
     sess = Session(stream=CopyDataStream(messages), tracker=LsnTracker(0))  # type: ignore[arg-type]
-    relay._read_batch(sess)
+    relay.decoder.read_batch(sess)
     in_place = [shape(p) for p in producer_of(relay).produced]
     assert in_place == [shape(reference(v, 0x9000)) for v in rows]
     assert sess.tracker.open_transactions == 0
@@ -469,9 +469,9 @@ def test_the_loop_reads_each_xlogdata_in_place_as_the_message_alone_reads(relay:
     alone = new_session()
     producer_of(relay).produced.clear()
     for message in messages:
-        relay._on_change(alone, message)
+        relay.decoder.on_change(alone, message)
     assert [shape(p) for p in producer_of(relay).produced] == in_place
 
     broken = Session(stream=CopyDataStream([begin(0xA000)[:-1]]), tracker=LsnTracker(0))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match=re.escape("truncated pgoutput Begin message (20 bytes)")):
-        relay._read_batch(broken)
+        relay.decoder.read_batch(broken)

@@ -174,19 +174,21 @@ def relay(monkeypatch: pytest.MonkeyPatch) -> Iterator[Relay]:
         serve_http=False,
     )
     r._producer = RecordingProducer()  # type: ignore[assignment]
-    r._utf8 = True
-    r._topic_of[b"user"] = "outbox.event.user"
-    safe = r._safe
+    r.decoder.utf8 = True
+    r.decoder.topic_of[b"user"] = "outbox.event.user"
+    safe = r.standby_safe._safe
     assert safe is not None
     safe.thread = threading.Thread()  # no poller: the test sets the standby's position
     yield r
 
 
 def _tx(relay: Relay, sess: Session, final_lsn: int, n: int) -> None:
-    relay._on_change(sess, begin(final_lsn))
+    relay.decoder.on_change(sess, begin(final_lsn))
     for i in range(n):
-        relay._on_change(sess, insert(row(event_id=f"{final_lsn:08d}-0000-4000-8000-{i:012d}")))
-    relay._on_change(sess, commit(final_lsn))
+        relay.decoder.on_change(
+            sess, insert(row(event_id=f"{final_lsn:08d}-0000-4000-8000-{i:012d}"))
+        )
+    relay.decoder.on_change(sess, commit(final_lsn))
 
 
 class ServerStream(FakeStream):
@@ -199,13 +201,13 @@ class ServerStream(FakeStream):
 
 def _session(relay: Relay, stream: ServerStream | None = None) -> Session:
     sess = Session(stream=stream or ServerStream(), tracker=LsnTracker(0))  # type: ignore[arg-type]
-    relay._on_change(sess, relation())
+    relay.decoder.on_change(sess, relation())
     return sess
 
 
 def _flushed(relay: Relay, lsn: int | None, *, port: int = 5432, pid: int = 4242) -> None:
     """What the poller would set: the standby's flushed LSN read on that server."""
-    safe = relay._safe
+    safe = relay.standby_safe._safe
     assert safe is not None
     safe.reading = (("127.0.0.1", "127.0.0.1", port, pid), lsn)
 
@@ -213,20 +215,20 @@ def _flushed(relay: Relay, lsn: int | None, *, port: int = 5432, pid: int = 4242
 def test_with_the_mode_on_records_wait_for_the_standby_and_count_in_flight(relay: Relay) -> None:
     producer = relay._producer
     assert isinstance(producer, RecordingProducer)
-    safe = relay._safe
+    safe = relay.standby_safe._safe
     assert safe is not None
     sess = _session(relay)
     _tx(relay, sess, 1_000, 2)
     _tx(relay, sess, 2_000, 1)
-    relay._on_change(sess, begin(3_000))
-    relay._on_change(sess, insert(row(event_id="00003000-0000-4000-8000-000000000000")))
-    relay._release_held(sess)
+    relay.decoder.on_change(sess, begin(3_000))
+    relay.decoder.on_change(sess, insert(row(event_id="00003000-0000-4000-8000-000000000000")))
+    relay.standby_safe.release_held(sess)
     assert producer.produced == []
     assert sess.tracker.in_flight == 4  # held records count against CDC_MAX_IN_FLIGHT
     assert sess.tracker.confirmable == 0
 
     _flushed(relay, 1_000 + 40)  # commit end of the first transaction (commit() adds 40)
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     assert [p.headers[0][1] for p in producer.produced] == [
         b"00001000-0000-4000-8000-000000000000",
         b"00001000-0000-4000-8000-000000000001",
@@ -235,10 +237,10 @@ def test_with_the_mode_on_records_wait_for_the_standby_and_count_in_flight(relay
     assert sess.tracker.confirmable == 1_040
 
     _flushed(relay, 10_000)  # past everything, but the third transaction is still open
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     assert len(producer.produced) == 3
-    relay._on_change(sess, commit(3_000))
-    relay._release_held(sess)
+    relay.decoder.on_change(sess, commit(3_000))
+    relay.standby_safe.release_held(sess)
     producer.poll()
     assert len(producer.produced) == 4
     assert sess.tracker.in_flight == 0 and sess.tracker.confirmable == 3_040
@@ -248,27 +250,27 @@ def test_with_the_mode_on_records_wait_for_the_standby_and_count_in_flight(relay
 def test_a_standby_that_does_not_catch_up_holds_the_relay_until_it_does(
     relay: Relay, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    safe = relay._safe
+    safe = relay.standby_safe._safe
     assert safe is not None
     sess = _session(relay)
     now = [100.0]
     monkeypatch.setattr("cdc.relay.standby.safe.time.monotonic", lambda: now[0])
     _tx(relay, sess, 1_000, 1)
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     assert sess.held is None
     now[0] += 6.0  # beyond standby_safe_max_wait_s
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     assert sess.held is not None and "'sb'" in sess.held and "unknown" in sess.held
     relay._set_state(RelayState.HELD, sess.held)
     assert not relay.liveness.ready and "waiting" in relay.liveness.state
     _flushed(relay, 5_000)
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     assert sess.held is None
     assert relay.registry.get_sample_value("outbox_relay_standby_held_records") == 0
 
 
 def test_a_new_session_forgets_what_the_old_one_held(relay: Relay) -> None:
-    safe = relay._safe
+    safe = relay.standby_safe._safe
     assert safe is not None
     old = _session(relay)
     _tx(relay, old, 1_000, 3)
@@ -282,9 +284,10 @@ def test_with_the_mode_off_the_send_step_is_the_producers_own() -> None:
         Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9"),
         serve_http=False,
     )
-    assert r._safe is None
-    assert "_send" not in vars(r)
-    r._release_held(Session(stream=FakeStream(), tracker=LsnTracker(0)))  # type: ignore[arg-type]
+    assert r.standby_safe._safe is None
+    assert r.mode.record == r.producing.send  # (the delivery mode's record step: no hold)
+    assert r.decoder._send == r.producing.send
+    r.standby_safe.release_held(Session(stream=FakeStream(), tracker=LsnTracker(0)))  # type: ignore[arg-type]
 
 
 def test_shutdown_does_not_wait_for_records_held_for_the_standby(
@@ -292,9 +295,9 @@ def test_shutdown_does_not_wait_for_records_held_for_the_standby(
 ) -> None:
     sess = _session(relay)
     _tx(relay, sess, 1_000, 2)
-    assert relay._held_records(sess) == 2 == sess.tracker.in_flight
+    assert relay.standby_safe.held_records(sess) == 2 == sess.tracker.in_flight
     polls: list[float] = []
-    monkeypatch.setattr(relay, "_poll", polls.append)
+    monkeypatch.setattr(relay.mode, "serve", polls.append)
     relay._shutdown(sess)
     assert polls == []  # no turn of the flush wait
     assert sess.tracker.confirmable == 0  # held, never sent: read again after a restart
@@ -307,30 +310,31 @@ def test_a_reading_of_another_server_releases_nothing(relay: Relay) -> None:
     assert isinstance(producer, RecordingProducer)
     sess = _session(relay, ServerStream(port=5432, backend_pid=4242))
     _tx(relay, sess, 1_000, 1)
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     _flushed(relay, 1 << 40, port=5433, pid=4242)  # another server
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     _flushed(relay, 1 << 40, port=5432, pid=777)  # the same port, not our walsender
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     assert producer.produced == []
     _flushed(relay, 1 << 40)
-    relay._release_held(sess)
+    relay.standby_safe.release_held(sess)
     assert len(producer.produced) == 1
 
 
 def test_the_slot_guard_trusts_a_slot_after_promotion_only_while_the_server_guards(
     relay: Relay,
 ) -> None:
-    safe = relay._safe
+    safe = relay.standby_safe._safe
     assert safe is not None
-    assert relay._slot_survives_failover() is False  # the relay's own gate: recover a gap
+    # (the slot guard asks the standby-safe mode: the relay's own gate - recover a gap)
+    assert relay.guard._slot_survives_failover() is False
     safe.mode = SafeMode.SERVER
-    assert relay._slot_survives_failover() is True
+    assert relay.guard._slot_survives_failover() is True
     off = Relay(
         Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9"),
         serve_http=False,
     )
-    assert off._slot_survives_failover() is False
+    assert off.guard._slot_survives_failover() is False
 
 
 def test_with_the_mode_on_a_real_producer_holds_too(relay: Relay) -> None:
@@ -340,6 +344,6 @@ def test_with_the_mode_on_a_real_producer_holds_too(relay: Relay) -> None:
     relay._producer = producer
     sess = _session(relay)
     _tx(relay, sess, 1_000, 3)
-    relay._release_held(sess)
-    assert relay._held_records(sess) == 3
+    relay.standby_safe.release_held(sess)
+    assert relay.standby_safe.held_records(sess) == 3
     assert sess.reports is None  # no run of records was produced

@@ -1,6 +1,6 @@
 """Exactly-once mode's session start: which checkpoint counts, and how far.
 
-A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnceRelay` (a mixin). Run once per
+A collaborator of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`. Run once per
 session, after ``init_transactions`` fenced the relay before (its checkpoints then all
 lie at or below the server's WAL position). Guarantees (the reads and the rules are
 :mod:`cdc.relay.delivery.checkpoint`'s):
@@ -11,7 +11,8 @@ lie at or below the server's WAL position). Guarantees (the reads and the rules 
   nearest ancestor timeline up to its fork;
 * it counts only as far as the relay's own committed records show it
   (:func:`cdc.relay.delivery.checkpoint.provable`: the session's tail read of its topics -
-  kept by :meth:`EosStart._arm_start_check` - its dead letters, the outbox table);
+  kept by the slot guard, :attr:`cdc.relay.gaps.guard.SlotGuard.last_record` - its dead
+  letters, the outbox table);
 * whatever was found is said once, in the log: not trusted (warned once per
   reason and process), held back by another producer's transaction, inherited,
   read from the shared topic, or counted short of its value.
@@ -20,8 +21,6 @@ lie at or below the server's WAL position). Guarantees (the reads and the rules 
 from __future__ import annotations
 
 import logging
-from datetime import datetime
-from typing import TYPE_CHECKING
 
 from cdc.evidence import Origin, gap_rule
 from cdc.lineage import LastRecord
@@ -34,19 +33,22 @@ log = logging.getLogger("cdc.relay")
 
 
 class EosStart:
-    """The exactly-once relay's checkpoint at a session's start (see the module docstring)."""
+    """The exactly-once mode's checkpoint at a session's start (see the module docstring;
+    a collaborator of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`)."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        _origin: str
-        _distrusted: set[str]
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._origin = ""
+        self._last_record: LastRecord | None = None
+        #: why a checkpoint was not trusted (each warned about once)
+        self._distrusted: set[str] = set()
 
-    #: the relay's newest own record the session's tail read found (the evidence)
-    _last_record: LastRecord | None = None
-
-    def _start_checkpoint(self, start: int) -> int | None:
+    def checkpoint(self, start: int, origin: str, last_record: LastRecord | None) -> int | None:
         """The checkpoint this session skips below (None: none counts); ``start``: the
-        slot's confirmed position."""
+        slot's confirmed position, ``origin`` the session's, ``last_record`` the relay's
+        newest own record the session's tail read found (the slot guard's: the evidence)."""
+        self._origin = origin
+        self._last_record = last_record
         topic = ckpt.ensure_checkpoint_topic(self.settings)
         # (after init_transactions: the relay before is fenced, its checkpoints are all
         # at or below the WAL position now)
@@ -125,23 +127,6 @@ class EosStart:
                 extra={"topic": read.topic},
             )
         return found
-
-    def _arm_start_check(
-        self,
-        last: LastRecord | None,
-        server: ServerIdentity,
-        origin: str,
-        start_lsn: str,
-        start_at: datetime,
-        since: datetime | None,
-    ) -> None:
-        """The session's tail read found ``last`` (the relay's newest own record): kept as
-        the evidence its checkpoint is judged by
-        (:func:`cdc.relay.delivery.checkpoint.provable`)."""
-        self._last_record = last
-        super()._arm_start_check(  # type: ignore[misc]
-            last, server, origin, start_lsn, start_at, since
-        )
 
     def _ancestors(self, server: ServerIdentity) -> list[tuple[str, int]]:
         """The origins of this session's earlier timelines (the server's timeline

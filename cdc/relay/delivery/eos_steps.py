@@ -1,9 +1,11 @@
 """Exactly-once publishing's hot steps: Begin, Commit and a record's hand-over.
 
-A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnceRelay` (a mixin; the decisions
-are :class:`cdc.relay.delivery.txbatch.TxBatch`'s). Begin and Commit are read as
-:class:`cdc.relay.stream.fast_path.FastPath` reads them (the same checks, the same session
-fields, the tracker's own ``open``/``close``), with the machine told in the same
+A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce` (the delivery mode's
+``wal_begins``, ``record`` and ``wal_ends``: :mod:`cdc.relay.stream.mode`; the
+decisions are :class:`cdc.relay.delivery.txbatch.TxBatch`'s). Begin and Commit are
+read as :func:`cdc.relay.stream.fast_path.read_begin` and ``read_commit`` read them
+(the same checks, the same session fields, the tracker's own ``open``/``close``),
+with the machine told in the same
 step: one call at Begin (:meth:`TxBatch.opened`: whether the checkpoint covers the
 transaction) and one at Commit (:meth:`TxBatch.closed`: what is due). They run once
 per WAL transaction: with 1-event transactions, a large part of the relay's cost.
@@ -30,9 +32,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 from cdc.errors import DecodeError, KafkaUnavailableError
 from cdc.relay.delivery.txbatch import Action, TxBatch, TxState
-from cdc.relay.health.state import Headers, Session
+from cdc.relay.health.state import Headers, SendStep, Session
 from cdc.relay.stream.fast_path import _begin_slowly, _malformed
-from cdc.relay.stream.producing import Producing
 from cdc.wal import pgoutput as pgo
 from cdc.wal.lsn import LsnTracker
 
@@ -41,43 +42,71 @@ if TYPE_CHECKING:
 
 _monotonic_ns = time.monotonic_ns
 _tracker_open, _tracker_close = LsnTracker.open, LsnTracker.close
-_send_record = Producing._send  # (the relay's own _send: cdc.relay.stream.producing)
 _begin_context, _COMMIT_LEN, _commit_fields = pgo.begin_context, pgo.COMMIT_LEN, pgo.commit_fields
 _NONE = Action.NONE
-_BEGIN, _BUFFER, _REFUSE = Action.BEGIN, Action.BUFFER, Action.REFUSE
+_BUFFER, _REFUSE = Action.BUFFER, Action.REFUSE
 _OPEN, _COMMITTING = TxState.OPEN, TxState.COMMITTING
 
 
+class CheckpointTracker(LsnTracker):
+    """The session's LSN tracker, capped at the committed checkpoint and telling the
+    Kafka transactions where WAL transactions begin and end."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, start_lsn: int, batch: TxBatch) -> None:
+        super().__init__(start_lsn)
+        self.batch = batch
+
+    @property
+    def confirmable(self) -> int:
+        return self.batch.confirm_bound(self._confirmed)
+
+    # (LsnTracker's methods called directly, not through super(): once per WAL
+    # transaction, measurable in a 1-event transaction's cost)
+    def open(self, tx_id: int) -> None:
+        _tracker_open(self, tx_id)
+        self.batch.wal_opened()
+
+    def close(self, tx_id: int, end_lsn: int) -> None:
+        _tracker_close(self, tx_id, end_lsn)
+        self.batch.wal_closed(end_lsn)
+
+
 class EosSteps:
-    """The exactly-once relay's Begin, Commit and ``_send`` (see the module docstring)."""
+    """The exactly-once mode's Begin, Commit and record steps (see the module docstring;
+    a part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`)."""
 
     if TYPE_CHECKING:
         _batch: TxBatch
         _skip_tx: int
         _job: _CommitJob | None
         _buffer: list[_Held]
+        _send_record: SendStep
 
-        def _poll(self, timeout_s: float) -> None: ...
+        def serve(self, timeout_s: float) -> None: ...
 
         def _act(self, sess: Session, action: Action) -> None: ...
 
-        def _begin(self) -> None: ...
-
-        def _held(self, sess: Session, action: Action, nbytes: int) -> Action: ...
+        def _admit(self, sess: Session, nbytes: int) -> Action: ...
 
         def _refuse(self, sess: Session) -> NoReturn: ...
 
-    def _on_begin(self, sess: Session, data: bytes | memoryview, at: int) -> None:
+    def wal_begins(self, sess: Session, data: bytes | memoryview, at: int) -> None:
+        """Begin, read as :func:`cdc.relay.stream.fast_path.read_begin` reads it, and
+        :meth:`TxBatch.opened` asked (its answer kept for the transaction's records)."""
         begin = _begin_context(data, at)
         if begin is None:  # malformed (raises), or a commit time beyond the years 1000-9999
             begin = _begin_slowly(data, at)
         tx_id = sess.tx_id = begin[0]
         sess.begin = begin
         _tracker_open(sess.tracker, tx_id)
-        # (the machine's answer kept for the transaction's records: _send compares ids)
+        # (the machine's answer kept for the transaction's records: record compares ids)
         self._skip_tx = tx_id if self._batch.opened(tx_id) else -1
 
-    def _on_commit(self, sess: Session, data: bytes | memoryview, at: int) -> None:
+    def wal_ends(self, sess: Session, data: bytes | memoryview, at: int) -> None:
+        """Commit, read as :func:`cdc.relay.stream.fast_path.read_commit` reads it, and
+        :meth:`TxBatch.closed` asked what is due (acted on only when something is)."""
         if len(data) - at != _COMMIT_LEN:
             raise _malformed(data[at:])
         tx_id = sess.tx_id
@@ -91,7 +120,7 @@ class EosSteps:
             batch.wal_closed(end_lsn)  # WAL transactions - its reports served, its outcome
             job = self._job  # taken; nothing to do while commit_transaction runs)
             if job is None or job.done.is_set():
-                self._poll(0)
+                self.serve(0)
                 if sess.fatal is not None:  # (a record of it failed: its abort is due)
                     raise KafkaUnavailableError(f"producer error: {sess.fatal}")
             return
@@ -101,7 +130,7 @@ class EosSteps:
         if action is not _NONE:
             self._act(sess, action)
 
-    def _send(
+    def record(
         self,
         sess: Session,
         tx_id: int,
@@ -112,26 +141,21 @@ class EosSteps:
         timestamp_ms: int,
         event_id: bytes,
     ) -> None:
+        """A record: acknowledged at once in a covered WAL transaction; else admitted
+        (:meth:`ExactlyOnce._admit`: into the open transaction, or buffered during a
+        commit; refused: never produced - the abort is done and the session ends)."""
         if tx_id == self._skip_tx:  # (covered: its Begin asked the machine)
             sess.tracker.ack(tx_id)
             return
         batch = self._batch
-        if batch.state is _OPEN:  # (TxBatch.record's OPEN case, written out: no call, no clock)
-            batch.records += 1
-            _send_record(self, sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)  # type: ignore[arg-type]
+        if batch.state is _OPEN:  # (TxBatch.record's OPEN case, written out: no call, no clock;
+            batch.records += 1  # the model test checks it against the machine)
+            self._send_record(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
             return
-        action = batch.record(_monotonic_ns() // 1_000_000, len(value) + len(key))
-        if action is not _NONE:
-            if action is _BUFFER:  # (a commit under way: held for the next transaction)
-                self._buffer.append((tx_id, topic, value, key, headers, timestamp_ms, event_id))
-                return
-            if action is _BEGIN:
-                self._begin()
-            else:  # WAIT (the buffer full) or REFUSE (aborting, failed, fenced)
-                action = self._held(sess, action, len(value) + len(key))
-                if action is _BUFFER:
-                    self._buffer.append((tx_id, topic, value, key, headers, timestamp_ms, event_id))
-                    return
-                if action is _REFUSE:
-                    self._refuse(sess)
-        _send_record(self, sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)  # type: ignore[arg-type]
+        action = self._admit(sess, len(value) + len(key))
+        if action is _BUFFER:  # (a commit under way: held for the next transaction)
+            self._buffer.append((tx_id, topic, value, key, headers, timestamp_ms, event_id))
+            return
+        if action is _REFUSE:  # (aborting, failed, fenced: it enters no transaction)
+            self._refuse(sess)
+        self._send_record(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)

@@ -1,6 +1,6 @@
 """Exactly-once mode: a producer whose epoch moved on - a takeover, or the coordinator's timeout.
 
-A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnceRelay` (a mixin). Kafka answers a
+A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`, the delivery mode. Kafka answers a
 producer whose epoch moved on the same way whether another producer of its
 ``transactional.id`` took over (``init_transactions`` of a relay that took the slot)
 or the transaction coordinator aborted its transaction at ``transaction.timeout.ms``
@@ -73,7 +73,9 @@ class EpochMoved:
         _batch: TxBatch
         _fenced: str | None
         _transactions: Counter
-        _own_walsender: Walsender | None
+
+        @property
+        def _own_walsender(self) -> Walsender | None: ...
 
         def _drop_producer(self) -> None: ...
 

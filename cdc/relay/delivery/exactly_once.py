@@ -53,30 +53,42 @@ record-handling steps (Begin, Commit and :meth:`_send`: :mod:`cdc.relay.delivery
 * **the commit overlaps the reading** (:mod:`cdc.relay.delivery.overlap`): records routed
   while a commit is under way are buffered, within bounds, for the next transaction.
 
-The points where exactly-once changes the at-least-once relay: each hook of the
-relay it overrides, and who defines it (``tests/unit/test_relay_layout.py`` holds
-this table to the code: an override not listed here fails it).
+How it is built: :class:`ExactlyOnceRelay` is the relay's loop
+(:class:`cdc.relay.stream.loop.Relay`) with :class:`ExactlyOnce` as its delivery mode;
+it overrides nothing of the loop. :class:`ExactlyOnce` implements every point of
+:class:`cdc.relay.stream.mode.DeliveryMode` (the table of points and who calls
+them is that module's); its parts, each a module of this folder:
 
-====================  ====================  ==========================================
-hook                  defined by            overridden by (what it adds)
-====================  ====================  ==========================================
-_new_producer         Relay                 ExactlyOnceRelay (transactional, fenced)
-_new_tracker          Relay                 ExactlyOnceRelay (confirms the checkpoint)
-_stream_loop          Relay                 ExactlyOnceRelay (the session's start)
-_shutdown             Relay                 ExactlyOnceRelay (the last commit)
-_rebuild_producer     Relay                 ExactlyOnceRelay (the machine reset)
-_read_wait_s          Relay                 CommitOverlap (no wait with a commit due)
-_poll                 Producing             ExactlyOnceRelay (the machine's due step)
-_report_failed        Producing             ExactlyOnceRelay (the transaction fails)
-_raise_kafka          Producing             ExactlyOnceRelay (fenced: exit)
-_send                 Producing             EosSteps (admission: TxBatch.record)
-_queue_dlq            DeadLetters           ExactlyOnceRelay (inside the transaction)
-_dlq_report_failed    DeadLetters           ExactlyOnceRelay (the transaction fails)
-_drain_dlq            DeadLetters           CommitOverlap (not while a commit runs)
-_on_begin             FastPath              EosSteps (TxBatch.wal_opened, covered)
-_on_commit            FastPath              EosSteps (TxBatch.wal_closed, due)
-_arm_start_check      SlotGuard             EosStart (keeps the tail's last record)
-====================  ====================  ==========================================
+====================  ==========================  ===================================
+point                 part                        what it does in exactly-once mode
+====================  ==========================  ===================================
+new_producer          ExactlyOnce                 transactional, fenced
+new_tracker           ExactlyOnce                 capped at the checkpoint
+session_begins        ExactlyOnce, EosStart       init_transactions, the checkpoint
+wal_begins            EosSteps                    TxBatch.opened (covered: skipped)
+record                EosSteps                    the admission rule (ExactlyOnce._admit)
+dead_letter           ExactlyOnce                 the admission rule (ExactlyOnce._admit)
+wal_ends              EosSteps                    TxBatch.closed (what is due)
+serve                 ExactlyOnce                 the machine's due step; none while
+                                                  commit_transaction has the producer
+drain_dead_letters    CommitOverlap               only into an open transaction
+read_wait_s           CommitOverlap               no wait with a commit due
+record_failed         ExactlyOnce                 the transaction fails (fenced: noted)
+dead_letter_failed    ExactlyOnce                 the transaction fails (fenced: noted)
+kafka_raised          ExactlyOnce                 fenced: exit
+session_ends          ExactlyOnce                 the last commit
+session_failed        ExactlyOnce                 abort the open transaction
+session_closed        ExactlyOnce, EpochMoved     fenced: exit (or the coordinator's
+                                                  timeout: the session again)
+producer_dropped      ExactlyOnce                 no close(), the commit joined
+====================  ==========================  ===================================
+
+The admission rule - no record or dead letter enters a Kafka transaction that is
+aborting, failed or fenced, and none enters one being committed except through the
+buffer - is :meth:`ExactlyOnce._admit`, asked by ``record`` and ``dead_letter``
+(``record`` takes the machine's OPEN case itself, the model test checking it against
+:meth:`TxBatch.record`); the buffer's release and the dead letters' drain ask the
+machine's :attr:`TxBatch.admits`.
 """
 
 from __future__ import annotations
@@ -86,8 +98,8 @@ import logging
 import time
 from typing import Any, NoReturn
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
-from prometheus_client import Counter, Gauge
+from confluent_kafka import KafkaError, KafkaException, Producer
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from cdc.errors import CdcError, ConfigError, KafkaUnavailableError, ProducerFatalError
 from cdc.evidence import Origin
@@ -95,7 +107,7 @@ from cdc.health import Liveness
 from cdc.kafka.producer import producer_config
 from cdc.relay.delivery import checkpoint as ckpt
 from cdc.relay.delivery.eos_start import EosStart
-from cdc.relay.delivery.eos_steps import EosSteps
+from cdc.relay.delivery.eos_steps import CheckpointTracker, EosSteps
 from cdc.relay.delivery.epoch import EpochMoved
 from cdc.relay.delivery.overlap import (
     BUFFER_MAX_BYTES,
@@ -103,12 +115,12 @@ from cdc.relay.delivery.overlap import (
     CommitOverlap,
 )
 from cdc.relay.delivery.txbatch import Action, TxBatch, TxLimits, TxState
-from cdc.relay.health.state import Headers, Session, _PendingDlq
+from cdc.relay.health.state import Session
 from cdc.relay.stream.loop import Relay
-from cdc.relay.stream.producing import Producing, Reports
-from cdc.router import DeadLetterCode
+from cdc.settings import Settings
 from cdc.wal.lsn import LsnTracker
 from cdc.wal.replproto import lsn_to_str
+from cdc.wal.stream import Walsender
 
 log = logging.getLogger("cdc.relay")
 
@@ -151,10 +163,7 @@ def transactional_id(configured: str, origin: Origin, slot: str) -> str:
 
 
 _monotonic = time.monotonic
-_tracker_open, _tracker_close = LsnTracker.open, LsnTracker.close
-_send_record = Producing._send  # (the relay's own _send: cdc.relay.stream.producing)
-_NONE = Action.NONE
-_BEGIN = Action.BEGIN
+_NONE, _BEGIN, _WAIT, _REFUSE = Action.NONE, Action.BEGIN, Action.WAIT, Action.REFUSE
 _COMMITTING = TxState.COMMITTING
 
 
@@ -169,38 +178,40 @@ class _ModeLiveness(Liveness):
         super().set(f"{state} (exactly-once)", ready=ready)
 
 
-class CheckpointTracker(LsnTracker):
-    """The session's LSN tracker, capped at the committed checkpoint and telling the
-    Kafka transactions where WAL transactions begin and end."""
+class ExactlyOnceRelay(Relay):
+    """The relay of ``CDC_DELIVERY=exactly-once``: the loop with :class:`ExactlyOnce`
+    as its delivery mode (nothing of the loop overridden)."""
 
-    __slots__ = ("batch",)
-
-    def __init__(self, start_lsn: int, batch: TxBatch) -> None:
-        super().__init__(start_lsn)
-        self.batch = batch
-
-    @property
-    def confirmable(self) -> int:
-        return self.batch.confirm_bound(self._confirmed)
-
-    # (LsnTracker's methods called directly, not through super(): once per WAL
-    # transaction, measurable in a 1-event transaction's cost)
-    def open(self, tx_id: int) -> None:
-        _tracker_open(self, tx_id)
-        self.batch.wal_opened()
-
-    def close(self, tx_id: int, end_lsn: int) -> None:
-        _tracker_close(self, tx_id, end_lsn)
-        self.batch.wal_closed(end_lsn)
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        serve_http: bool = True,
+    ) -> None:
+        super().__init__(
+            settings,
+            registry=registry,
+            serve_http=serve_http,
+            mode=ExactlyOnce,
+            liveness=_ModeLiveness(),
+        )
 
 
-# (ignore: CommitOverlap._read_wait_s is a property over Relay's class attribute)
-class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  # type: ignore[override]
-    """The relay of ``CDC_DELIVERY=exactly-once``."""
+class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
+    """The delivery mode of ``CDC_DELIVERY=exactly-once`` (see the module docstring),
+    made of the relay's parts: its producer, dead letters, slot guard and standby wait."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        s = self.settings
+    def __init__(self, relay: Relay) -> None:
+        self.settings = s = relay.settings
+        self.liveness = relay.liveness
+        self._producing = relay.producing
+        self._dead_letters = relay.dead_letters
+        self._guard = relay.guard
+        self._standby = relay.standby
+        # (the producer's steps, bound once: the hot ones are called per record)
+        self._send_record = relay.producing.send
+        self._refused = relay.producing.refused
         budget_ms = int(COMMIT_BUDGET_S * 1000)
         if s.standby_safe:
             # (held records are produced after their WAL transaction ended: a commit
@@ -224,17 +235,17 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
             buffer_max_bytes=BUFFER_MAX_BYTES,
         )
         self._checkpoint_topic = ckpt.checkpoint_topic(s)
-        self.liveness = _ModeLiveness()
+        self._start = EosStart(s)
         self._transactions = Counter(
             "outbox_relay_kafka_transactions_total",
             "Exactly-once: Kafka transactions ended, by outcome (committed, aborted)",
             ["outcome"],
-            registry=self.registry,
+            registry=relay.registry,
         )
         self._checkpoint_lsn = Gauge(
             "outbox_relay_checkpoint_lsn",
             "Exactly-once: the last committed checkpoint (a commit end-LSN, as a number)",
-            registry=self.registry,
+            registry=relay.registry,
         )
         #: the producer whose init_transactions succeeded (None: call it first)
         self._initialised: Producer | None = None
@@ -247,20 +258,32 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
         self._fenced_producer: Producer | None = None
         #: a commit_transaction failed retriably: only commit_transaction may follow
         self._commit_unfinished = False
-        #: why a checkpoint was not trusted (each warned about once)
-        self._distrusted: set[str] = set()
-        self._init_overlap(self.registry)
+        self._init_overlap(relay.registry)
+
+    @property
+    def _producer(self) -> Producer | None:
+        """The session's producer (the relay's :attr:`Producing.producer`)."""
+        return self._producing.producer
+
+    @_producer.setter
+    def _producer(self, producer: Producer | None) -> None:
+        self._producing.producer = producer
+
+    @property
+    def _own_walsender(self) -> Walsender | None:
+        """The walsender of the relay's replication connection (:mod:`.epoch`)."""
+        return self._standby.own_walsender
 
     # -- the session -------------------------------------------------------------
-    def _new_producer(self, origin: tuple[str, bytes]) -> Producer:
+    def new_producer(self, origin: tuple[str, bytes]) -> Producer:
         s = self.settings
         parsed = Origin.parse(origin[1])
         if parsed is None:
             raise KafkaUnavailableError(f"origin {origin[1]!r} does not parse")
         tid = transactional_id(s.transactional_id, parsed, s.slot)
         config: dict[str, Any] = dict(producer_config(s.kafka_bootstrap_servers, s.kafka_config))
-        config.update(self._events.config())
-        config["delivery.report.only.error"] = self._tracing is None
+        config.update(self._producing.events.config())
+        config["delivery.report.only.error"] = self._producing.tracing is None
         config["transactional.id"] = tid
         config["transaction.timeout.ms"] = s.tx_timeout_ms
         # (records never outlive their transaction: at most the transaction timeout)
@@ -273,25 +296,18 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
         )
         return Producer(config)
 
-    def _new_tracker(self, start_lsn: int) -> LsnTracker:
+    def new_tracker(self, start_lsn: int) -> LsnTracker:
         return CheckpointTracker(start_lsn, self._batch)
 
-    def _stream_loop(self, sess: Session) -> None:
-        try:
-            # (a failed start abandons its producer too: one whose init_transactions
-            # succeeded is never kept for a later session)
-            self._begin_session(sess)
-            super()._stream_loop(sess)
-        except BaseException:
-            self._abandon(sess)
-            raise
-        finally:
-            if self._fenced is not None:
-                self._exit_fenced()
+    def session_closed(self) -> None:
+        if self._fenced is not None:
+            self._exit_fenced()
 
-    def _begin_session(self, sess: Session) -> None:
+    def session_begins(self, sess: Session) -> None:
         """Fence the relay before (init_transactions), read the checkpoint, set the
-        session's transactions up (the tracker then answers from them)."""
+        session's transactions up (the tracker then answers from them). A failed start
+        abandons its producer too (``session_failed``: one whose init_transactions
+        succeeded is never kept for a later session)."""
         producer = self._producer
         assert producer is not None and sess.origin is not None
         if self._initialised is not producer:
@@ -302,7 +318,7 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
             self._initialised = producer
         self._origin = sess.origin[1].decode()
         start = sess.tracker._confirmed  # (the slot's confirmed position: the session's start)
-        found = self._start_checkpoint(start)
+        found = self._start.checkpoint(start, self._origin, self._guard.last_record)
         checkpoint = found if found is not None else 0
         self._batch = TxBatch(self._limits, checkpoint)
         self._skip_tx = -1
@@ -320,10 +336,12 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
             extra={"lsn": lsn_to_str(checkpoint)},
         )
 
-    def _poll(self, timeout_s: float) -> None:
+    def serve(self, timeout_s: float) -> None:
+        """The producer served (not while commit_transaction has it: its end awaited
+        instead), then what the machine says is due (the commit under way advanced)."""
         job = self._job
         if job is None:
-            super()._poll(timeout_s)
+            self._producing.poll(timeout_s)
         elif timeout_s > 0:  # (commit_transaction has the producer: wait for it instead)
             job.done.wait(timeout_s)
         if self._fenced is not None:
@@ -334,59 +352,48 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
                 self._act(sess, self._advance(sess))
             self._act(sess, self._due(sess))
 
-    def _shutdown(self, sess: Session) -> None:
+    def session_ends(self, sess: Session) -> None:
         """Finish the commit under way, commit what can be (an open WAL transaction's
-        records are aborted: the slot sends it again), then the relay's own shutdown:
+        records are aborted: the slot sends it again), before the relay's own shutdown:
         the last confirmation goes no further than the committed checkpoint."""
         try:
             self._await_commit(sess)
-            self._drain_dlq(sess)
+            self.drain_dead_letters(sess)
             self._act(sess, self._batch.flush(_now_ms(), waiting=bool(sess.pending_dlq)))
             self._await_commit(sess)
         except KafkaUnavailableError as exc:  # (an abort, or a producer let go; fenced raises)
             log.warning("at shutdown: %s", exc)
         self._sess = None  # (the loop's polls act on transactions no more)
-        if self._producer is not None:
-            super()._shutdown(sess)
 
-    # -- record-handling steps (the hot ones: cdc.relay.delivery.eos_steps) ------------------
-    def _queue_dlq(
-        self,
-        sess: Session,
-        tx_id: int,
-        code: DeadLetterCode,
-        reason: str,
-        topic: str,
-        key: bytes,
-        value: bytes,
-        headers: Headers,
-        timestamp_ms: int,
-    ) -> None:
-        if self._skipped(sess, tx_id):
-            return
-        super()._queue_dlq(sess, tx_id, code, reason, topic, key, value, headers, timestamp_ms)
+    # -- admission (records: cdc.relay.delivery.eos_steps) -----------------------
+    def dead_letter(self, sess: Session, tx_id: int) -> bool:
+        """A dead letter (its record already added to the tracker) of ``tx_id``: not
+        queued (acknowledged at once) when the checkpoint covers its WAL transaction, or
+        when the admission rule refuses it - called from a delivery report too, so
+        nothing is raised here: the abort is the machine's next answer to the loop
+        (its transaction is lost anyway and the record read again, a refused one
+        remembered). Buffered during a commit, it waits in pending_dlq meanwhile,
+        counted in the next transaction."""
+        if self._batch.covered(tx_id) or self._admit(sess, 0) is _REFUSE:
+            sess.tracker.ack(tx_id)
+            return False
+        return True
 
-    def _skipped(self, sess: Session, tx_id: int) -> bool:
-        """A record (already added to the tracker) of ``tx_id``: True when its WAL
-        transaction is covered by the checkpoint (acknowledged at once, not produced);
-        otherwise a Kafka transaction is begun for it if none is open."""
-        batch = self._batch
-        if batch.covered(tx_id):
-            sess.tracker.ack(tx_id)
-            return True
-        action = batch.record(_now_ms())
-        if action is not _NONE:
-            # (buffered during a commit: the dead letter waits in pending_dlq meanwhile,
-            # counted in the next transaction)
-            action = self._held(sess, action, 0)
-        if action is Action.REFUSE:
-            # (aborting, failed or fenced - e.g. a failed report served during the
-            # commit's flush: its transaction is lost anyway and the record read again,
-            # a refused one remembered; called from a delivery report, so nothing is
-            # raised here: the abort is the machine's next answer to the loop)
-            sess.tracker.ack(tx_id)
-            return True
-        return False
+    def _admit(self, sess: Session, nbytes: int) -> Action:
+        """The admission rule, for a record of ``nbytes`` (key and value) or a dead
+        letter (0) not in a covered WAL transaction: the machine's answer
+        (:meth:`TxBatch.record`) acted on. NONE: into the open transaction (begun here
+        when none was); BUFFER: a commit is under way, held for the next one (at the
+        buffer's bound the reading waits for the commit's outcome and asks again);
+        REFUSE: the transaction is aborting, failed or fenced - it enters none."""
+        action = self._batch.record(_now_ms(), nbytes)
+        while action is _WAIT:
+            self._await_commit(sess)
+            action = self._batch.record(_now_ms(), nbytes)
+        if action is _BEGIN:
+            self._begin()
+            return _NONE
+        return action
 
     def _refuse(self, sess: Session) -> NoReturn:
         """A record the machine refused (the transaction is aborting, failed or fenced)
@@ -404,30 +411,25 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
         except KafkaException as exc:
             self._kafka_failed(exc, "begin_transaction")
 
-    def _report_failed(self, reports: Reports, err: KafkaError, msg: Message) -> None:
+    def record_failed(self, sess: Session, err: KafkaError) -> bool:
         """A failed delivery report: the transaction cannot commit (aborted, the session
         ends); fenced: the relay stops. A record Kafka refused for itself is remembered
-        (dead-lettered when it is read again)."""
-        if is_fenced(err):
-            self._fenced = self._fenced or f"{err.name()}: {err.str()}"
-        self._batch.failed()  # (first: no dead letter joins a transaction that must abort)
-        super()._report_failed(reports, err, msg)
-        reports.sess.fatal = reports.sess.fatal or err
-
-    def _dlq_report_failed(self, sess: Session, item: _PendingDlq, err: KafkaError) -> None:
-        """A dead letter's delivery failed: its transaction cannot commit either (aborted,
-        the session ends; the dead letter is made again when its record is read again)."""
+        (dead-lettered when it is read again). The machine is told first: no dead
+        letter joins a transaction that must abort."""
         if is_fenced(err):
             self._fenced = self._fenced or f"{err.name()}: {err.str()}"
         self._batch.failed()
-        super()._dlq_report_failed(sess, item, err)
-        sess.fatal = sess.fatal or err
+        return True
 
-    def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
+    def dead_letter_failed(self, sess: Session, err: KafkaError) -> bool:
+        """A dead letter's delivery failed: its transaction cannot commit either (aborted,
+        the session ends; the dead letter is made again when its record is read again)."""
+        return self.record_failed(sess, err)
+
+    def kafka_raised(self, exc: KafkaException, what: str) -> None:
         if is_fenced(exc) or _fatal_code(exc) in FENCED_CODES:
             self._fenced = self._fenced or f"{what}: {exc}"
             self._exit_fenced()
-        super()._raise_kafka(exc, what)
 
     # -- transactions ------------------------------------------------------------
     def _due(self, sess: Session) -> Action:
@@ -514,7 +516,7 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
             ) from exc
         return self._batch.aborted()
 
-    def _abandon(self, sess: Session) -> None:
+    def session_failed(self, sess: Session) -> None:
         """The session ends with an exception: abort a Kafka transaction left open
         (fenced: the relay stops; a failed abort: the producer is rebuilt)."""
         self._sess = None
@@ -526,9 +528,8 @@ class ExactlyOnceRelay(EosStart, EpochMoved, EosSteps, CommitOverlap, Relay):  #
         # this producer) - a fresh one takes the id back.
         self._drop_producer()
 
-    def _rebuild_producer(self, reason: str) -> None:
+    def producer_dropped(self) -> None:
         self._drop_producer()  # (close() would try to end the transaction once more)
-        super()._rebuild_producer(reason)
 
     def _kafka_failed(self, exc: KafkaException, what: str) -> None:
         """A transactional call failed: fenced stops the relay; anything else ends the

@@ -1,6 +1,6 @@
 """Exactly-once publishing: a Kafka commit that overlaps the reading of the WAL.
 
-A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnceRelay` (a mixin; the decisions
+A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`, the delivery mode (the decisions
 are :class:`cdc.relay.delivery.txbatch.TxBatch`'s). Guarantees:
 
 * a due commit produces the checkpoint and the relay reads on. Once every record
@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, NoReturn, cast
+from typing import TYPE_CHECKING, NoReturn
 
 from confluent_kafka import KafkaException, Producer
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -48,10 +48,11 @@ from cdc.health import Liveness
 from cdc.relay.delivery import checkpoint as ckpt
 from cdc.relay.delivery.txbatch import Action, TxBatch, TxState
 from cdc.relay.health.metrics import OneWriterHistogram
-from cdc.relay.health.state import Headers, Session
-from cdc.relay.stream.dead_letters import DeadLetters
+from cdc.relay.health.state import Headers, RefusedStep, SendStep, Session
 from cdc.relay.stream.loop import ACK_WAIT_S, READ_WAIT_S, WAIT_TICK_S
-from cdc.relay.stream.producing import Producing
+
+if TYPE_CHECKING:
+    from cdc.relay.stream.dead_letters import DeadLetters
 from cdc.wal.replproto import lsn_to_str
 
 log = logging.getLogger("cdc.relay")
@@ -77,12 +78,6 @@ FLUSH_AT_DUE_MAX_S = 0.1
 COMMIT_WAIT_TICK_S = 0.05
 #: One record buffered during a commit: _send's arguments after the session.
 _Held = tuple[int, str, bytes, bytes, Headers, int, bytes]
-_send_record = Producing._send  # (the relay's own _send: cdc.relay.stream.producing)
-_BEGIN, _BUFFER, _WAIT = (
-    Action.BEGIN,
-    Action.BUFFER,
-    Action.WAIT,
-)  # (see cdc.relay.delivery.txbatch)
 _COMMITTING = TxState.COMMITTING
 
 
@@ -129,26 +124,17 @@ class CommitOverlap:
         _checkpoint_lsn: Gauge
         _checkpoint_topic: str
         _origin: str
+        _dead_letters: DeadLetters
+        _send_record: SendStep
+        _refused: RefusedStep
 
-        def _poll(self, timeout_s: float) -> None: ...
+        def serve(self, timeout_s: float) -> None: ...
 
         def _begin(self) -> None: ...
 
         def _refuse(self, sess: Session) -> NoReturn: ...
 
         def _commit_failed(self, sess: Session, exc: KafkaException) -> Action: ...
-
-        def _refused(
-            self,
-            sess: Session,
-            tx_id: int,
-            exc: KafkaException,
-            topic: str,
-            key: bytes,
-            value: bytes,
-            headers: Headers,
-            timestamp_ms: int,
-        ) -> None: ...
 
     def _init_overlap(self, registry: CollectorRegistry) -> None:
         #: records routed while a commit is under way, in the order read
@@ -178,19 +164,18 @@ class CommitOverlap:
             registry,
         )
 
-    @property
-    def _read_wait_s(self) -> float:
+    def read_wait_s(self) -> float:
         """While a Kafka transaction is open or committing, a read turn waits no longer
         than an ack would: its commit is due within CDC_TX_MAX_MS, or its outcome near."""
         state = self._batch.state
         return ACK_WAIT_S if state is TxState.OPEN or state is _COMMITTING else READ_WAIT_S
 
-    def _drain_dlq(self, sess: Session) -> None:
+    def drain_dead_letters(self, sess: Session) -> None:
         """Dead letters go into an open transaction only (:attr:`TxBatch.admits`):
         while a commit is under way they wait (their transaction is the next one);
         while it aborts they are thrown away with it (read again, dead-lettered again)."""
         if self._batch.admits:
-            DeadLetters._drain_dlq(self, sess)  # type: ignore[arg-type]
+            self._dead_letters.drain(sess)
 
     def _commit(self, sess: Session) -> Action:
         """Produce the checkpoint and start the commit (the reading goes on: the
@@ -256,25 +241,12 @@ class CommitOverlap:
         self._checkpoint_lsn.set(batch.committed)
         return action
 
-    def _held(self, sess: Session, action: Action, nbytes: int) -> Action:
-        """A record the machine did not take into the open transaction at once: WAIT
-        (the buffer at its bound): wait for the commit's outcome and ask again. The
-        last answer: BUFFER (held: a commit is under way), NONE or BEGIN (it goes into
-        the open transaction, begun for it here when none was), REFUSE (aborting,
-        failed or fenced: it enters no transaction)."""
-        while action is _WAIT:
-            self._await_commit(sess)
-            action = self._batch.record(_now_ms(), nbytes)
-        if action is _BEGIN:
-            self._begin()
-        return action
-
     def _await_commit(self, sess: Session) -> None:
         """Wait for the commit under way to end (a full buffer, a shutdown), acting on
         its outcome; bounded: the machine aborts a commit at its budget."""
         while self._batch.state is _COMMITTING:
             self.liveness.tick()
-            self._poll(COMMIT_WAIT_TICK_S)
+            self.serve(COMMIT_WAIT_TICK_S)
             if sess.fatal is not None:  # (a record of the transaction failed)
                 raise KafkaUnavailableError(f"producer error: {sess.fatal}")
 
@@ -283,7 +255,7 @@ class CommitOverlap:
         begun, in the order read (no commit is due before the last one is produced)."""
         buffer, self._buffer = self._buffer, []
         self._overlapped.inc(len(buffer))
-        relay = cast("Producing", self)  # (Producing._send: this relay's own would buffer)
+        send = self._send_record  # (Producing.send: the mode's own record step would buffer)
         self._releasing = True
         batch = self._batch
         try:
@@ -291,8 +263,8 @@ class CommitOverlap:
                 if not batch.admits:  # (a failure reported meanwhile: the abort is due)
                     self._refuse(sess)
                 try:
-                    _send_record(relay, sess, tx_id, topic, value, key, headers, ts_ms, event_id)
-                except KafkaException as exc:  # (as Producing._produce: refused, or fatal)
+                    send(sess, tx_id, topic, value, key, headers, ts_ms, event_id)
+                except KafkaException as exc:  # (as Producing.produce: refused, or fatal)
                     self._refused(sess, tx_id, exc, topic, key, value, headers, ts_ms)
         finally:
             self._releasing = False

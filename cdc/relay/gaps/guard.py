@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -82,26 +83,36 @@ class SlotGapError(CdcError):
 
 
 class SlotGuard:
-    """The relay's gap check (a mixin of :class:`~cdc.relay.stream.loop.Relay`)."""
+    """The relay's gap check at each session's start (a collaborator of
+    :class:`~cdc.relay.stream.loop.Relay`)."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        metrics: RelayMetrics
-        _topics: TopicManager
-        _gaps_reported: set[int]
-        _stop: threading.Event
-
-        def _set_state(self, state: RelayState, reason: str = "") -> None: ...
-
-    #: the relay's records of its slot (made in :meth:`_init_guard`)
-    _ledger: SlotLedger
-    #: the start-up check (made in :meth:`_init_guard`; once per process)
-    _start_check: StartCheck
-    _refusal_reported = False
-
-    def _init_guard(self) -> None:
-        self._ledger = SlotLedger(self.settings)
-        self._start_check = StartCheck(self.settings, self.metrics, self._stop)
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: RelayMetrics,
+        stop: threading.Event,
+        *,
+        topics: TopicManager,
+        ledger: SlotLedger,
+        set_state: Callable[[RelayState, str], None],
+        slot_survives_failover: Callable[[], bool],
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._topics = topics
+        #: the relay's records of its slot
+        self._ledger = ledger
+        self._set_state = set_state
+        #: the standby-safe mode's answer (:meth:`StandbySafe.slot_survives_failover`)
+        self._slot_survives_failover = slot_survives_failover
+        #: the start-up check (once per process)
+        self._start_check = StartCheck(settings, metrics, stop)
+        #: slot gaps already logged and counted (each is reported once)
+        self._gaps_reported: set[int] = set()
+        self._refusal_reported = False
+        #: the relay's newest own record the last session's tail read found (the
+        #: evidence an exactly-once checkpoint is judged by)
+        self.last_record: LastRecord | None = None
 
     def _arm_start_check(
         self,
@@ -113,9 +124,10 @@ class SlotGuard:
         since: datetime | None,
     ) -> None:
         """The session's start is known: arm the start-up check (:mod:`.start_check`)."""
+        self.last_record = last
         self._start_check.arm(last, server, origin, start_lsn, start_at, since)
 
-    def _guard_slot(self) -> tuple[str, bytes]:
+    def guard_slot(self) -> tuple[str, bytes]:
         """Check the slot; make it (first start), adopt it or close a gap; the session's
         ``origin`` header. Raises :class:`SlotGapError` while a gap stays open, and
         :class:`cdc.errors.SlotInUseError` when another process streams the slot."""
@@ -214,12 +226,6 @@ class SlotGuard:
             log.warning("slot %s: failover property left %s: %s", s.slot, slot.failover, exc)
             return
         log.info("slot %s is now %sa failover slot", s.slot, "" if wanted else "not ")
-
-    def _slot_survives_failover(self) -> bool:
-        """True when the slot is a failover slot (PostgreSQL 17+, synchronised to the
-        standby): an existing slot under a new timeline is then trusted. Off here; the
-        standby-safe mode decides it."""
-        return False
 
     def _close_gap(self, gap: gaps.HistoryRow, lock: RecoveryLock) -> str:
         s = self.settings

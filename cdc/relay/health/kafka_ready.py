@@ -1,4 +1,4 @@
-"""What the relay's /readyz says while Kafka does not answer (a mixin of the relay loop).
+"""What the relay's /readyz says while Kafka does not answer (a collaborator of the relay loop).
 
 Guarantees:
 
@@ -17,7 +17,7 @@ Guarantees:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from cdc.health import Liveness
 from cdc.kafka.log import CAUSELESS_ERRORS, KafkaClientEvents
@@ -26,23 +26,29 @@ from cdc.relay.health.state import RelayState, Session
 
 
 class KafkaReadiness:
-    """See the module docstring."""
+    """See the module docstring (a collaborator of :class:`~cdc.relay.stream.loop.Relay`)."""
 
-    if TYPE_CHECKING:
-        liveness: Liveness
-        _state: RelayState
-        _reason: str
-        _events: KafkaClientEvents
+    #: the producer's client events (set by the loop: they are made with
+    #: :meth:`on_kafka_error` as their error callback)
+    events: KafkaClientEvents
 
-        def _held_records(self, sess: Session) -> int: ...
+    def __init__(
+        self,
+        liveness: Liveness,
+        *,
+        state: Callable[[], tuple[RelayState, str]],
+        held_records: Callable[[Session], int],
+    ) -> None:
+        self.liveness = liveness
+        self._state_of = state
+        self._held_records = held_records
+        #: a topic the session waits for Kafka to create (mid-stream), else None
+        self._topic_in_creation: str | None = None
 
-    #: a topic the session waits for Kafka to create (mid-stream), else None
-    _topic_in_creation: str | None = None
-
-    def _on_kafka_error(self, code: str, text: str) -> None:
+    def on_kafka_error(self, code: str, text: str) -> None:
         """A Kafka client's error (``on_error``): named by /readyz while a session starts,
         reconnects or waits for a topic (see the module docstring)."""
-        state, topic = self._state, self._topic_in_creation
+        state, topic = self._state_of()[0], self._topic_in_creation
         if code in CAUSELESS_ERRORS:
             return
         if topic is not None:  # a new topic, mid-stream: nothing moves until Kafka answers
@@ -52,26 +58,26 @@ class KafkaReadiness:
         elif state in (RelayState.STARTING, RelayState.RECONNECTING):
             self.liveness.set(f"{state.value}: kafka unreachable: {text}", ready=False)
 
-    def _creating_topic(self, topic: str | None) -> None:
+    def creating_topic(self, topic: str | None) -> None:
         """The session waits for Kafka to create ``topic`` (None: no more): while it
         waits, a Kafka error names the wait in /readyz; after, the state's own text."""
         self._topic_in_creation = topic
         if topic is None:
-            state = self._state
+            state, reason = self._state_of()
             self.liveness.set(
-                f"{state.value}: {self._reason}" if self._reason else state.value,
+                f"{state.value}: {reason}" if reason else state.value,
                 ready=state in (RelayState.STREAMING, RelayState.BACKPRESSURE),
             )
 
-    def _kafka_unreachable(self, sess: Session, stall: StallWatch, now: float) -> str | None:
+    def unreachable(self, sess: Session, stall: StallWatch, now: float) -> str | None:
         """``kafka unreachable: <why>`` while work waits (records in flight or dead letters
         pending) and the producer reaches no broker (:class:`cdc.kafka.log.KafkaReach`,
         overruled by any acknowledgement since): at once, not after the stall threshold.
         A broker away while nothing waits is no outage: nothing is said then."""
-        reach = self._events.reach
+        reach = self.events.reach
         waiting = sess.tracker.in_flight > self._held_records(sess) or bool(sess.pending_dlq)
         if reach is None or not waiting:
             return None
         if reach.unreachable_s(progress_at=now - stall.idle_s(now)) is None:
             return None
-        return f"kafka unreachable: {self._events.why_unreachable()}"
+        return f"kafka unreachable: {self.events.why_unreachable()}"

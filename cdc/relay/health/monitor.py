@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import psycopg
 
@@ -42,20 +41,25 @@ MONITOR_INTERVAL_S = 5.0
 
 
 class SlotMonitor:
-    """The relay's monitor thread (a mixin of :class:`~cdc.relay.stream.loop.Relay`)."""
+    """The relay's monitor thread (a collaborator of :class:`~cdc.relay.stream.loop.Relay`)."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        metrics: RelayMetrics
-        _stop: threading.Event
-        _topics: TopicManager
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: RelayMetrics,
+        stop: threading.Event,
+        topics: TopicManager,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._stop = stop
+        self._topics = topics
+        #: why the server holds the slot's decoding back (None: nothing does)
+        self.held_back: str | None = None
+        #: the slot is a failover slot (17+), as last read: the standby watch looks then
+        self.slot_failover = False
 
-    #: why the server holds the slot's decoding back (None: nothing does)
-    held_back: str | None = None
-    #: the slot is a failover slot (17+), as last read: the standby watch looks then
-    slot_failover: bool = False
-
-    def _monitor(self) -> None:
+    def run(self) -> None:
         """Slot lag gauge and optional heartbeat, on a connection of its own; serves
         the admin client's log lines and errors (queued until served)."""
         s = self.settings

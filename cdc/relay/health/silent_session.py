@@ -1,4 +1,4 @@
-"""The relay's judgement of a silent replication connection (a mixin of the relay).
+"""The relay's judgement of a silent replication connection (a collaborator of the relay).
 
 A session silent for CDC_REPLICATION_SILENCE_S is looked at over an ordinary connection:
 a walsender that works (decoding a large transaction, replaying, writing) is left alone and
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import psycopg
 
@@ -41,28 +40,28 @@ REPLY_REQUEST_AFTER_S = 5.0
 
 
 class SilentSession:
-    """The silence detector's shell (a mixin of :class:`~cdc.relay.stream.loop.Relay`)."""
+    """The silence detector's shell (a collaborator of :class:`~cdc.relay.stream.loop.Relay`)."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        metrics: RelayMetrics
+    def __init__(self, settings: Settings, metrics: RelayMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
 
     @staticmethod
-    def _asking(silence: SilenceWatch, silent_s: float) -> bool:
+    def asking(silence: SilenceWatch, silent_s: float) -> bool:
         """Whether this status update asks the server for a reply (noted by the watch)."""
         ask = silent_s >= silence.ask_after_s(REPLY_REQUEST_AFTER_S)
         if ask:
             silence.asking(time.time_ns() // 1000)
         return ask
 
-    def _silence_watch(self, sess: Session) -> SilenceWatch:
+    def watch(self, sess: Session) -> SilenceWatch:
         """The session's silence detector: it looks after CDC_REPLICATION_SILENCE_S; a
         walsender no look can see is ended after the relay's own bound (that plus the
         look's timeout), whatever the server's wal_sender_timeout."""
         configured_s = self.settings.replication_silence_s
         return SilenceWatch(look_after_s=configured_s, bound_s=silence_bound_s(configured_s))
 
-    def _judge_silence(self, sess: Session, watch: SilenceWatch, silent_s: float) -> None:
+    def judge(self, sess: Session, watch: SilenceWatch, silent_s: float) -> None:
         """Look at the silent session's walsender over an ordinary connection; leave a
         working one alone (and say so, at most once per interval); end the session (and
         its walsender) only when the path to it is dead: raises StreamError then."""

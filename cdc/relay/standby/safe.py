@@ -9,7 +9,7 @@ Guarantees, with ``CDC_STANDBY_SAFE`` naming a physical standby (its
 * the standby's flushed position is read on a PostgreSQL connection of its own,
   on a thread (every ``CDC_STANDBY_SAFE_POLL_S`` while something is held), never
   on the replication connection: the WAL reading loop never waits for it, it
-  looks at the last value once per turn (:meth:`StandbySafe._release_held`);
+  looks at the last value once per turn (:meth:`StandbySafe.release_held`);
 * held records were added to the LSN tracker before they were held, so they
   count in flight: ``CDC_MAX_IN_FLIGHT`` bounds them (back-pressure), and the
   slot is confirmed past them only after Kafka acknowledged them;
@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from confluent_kafka import KafkaException
@@ -130,7 +130,7 @@ class _Safe:
     standby: str
     gate: StandbyGate[HeldRecord]
     metrics: StandbyMetrics
-    #: the producer step the records go to once released (Producing._send)
+    #: the producer step the records go to once released (Producing.send)
     publish: SendStep
     #: the session the gate holds records for (a new session clears it)
     sess: Session | None = None
@@ -148,31 +148,36 @@ class _Safe:
 
 
 class StandbySafe:
-    """The relay's standby-safe part (a mixin of :class:`~cdc.relay.stream.loop.Relay`)."""
+    """The relay's standby-safe mode (a collaborator of
+    :class:`~cdc.relay.stream.loop.Relay`): with ``CDC_STANDBY_SAFE`` set,
+    :meth:`hold` is the at-least-once mode's record step (records wait for the
+    standby, then go to ``publish``: :meth:`Producing.send`); off, it holds nothing."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        registry: CollectorRegistry
-        _stop: threading.Event
-        _send: SendStep
-        _refused: RefusedStep
+    def __init__(
+        self,
+        settings: Settings,
+        registry: CollectorRegistry,
+        stop: threading.Event,
+        *,
+        publish: SendStep,
+        refused: RefusedStep,
+    ) -> None:
+        self.settings = settings
+        self._stop = stop
+        self._refused = refused
+        self._safe: _Safe | None = None
+        standby = settings.standby_safe
+        if standby:
+            metrics = StandbyMetrics(registry)
+            metrics.mode.labels(SafeMode.RELAY.value).set(1)
+            self._safe = _Safe(standby, StandbyGate(), metrics, publish)
 
-    _safe: _Safe | None = None
+    @property
+    def on(self) -> bool:
+        """Whether the mode is on (``CDC_STANDBY_SAFE`` names a standby)."""
+        return self._safe is not None
 
-    def _init_standby_safe(self) -> None:
-        """With ``CDC_STANDBY_SAFE`` set, route records to the gate instead of Kafka."""
-        standby = self.settings.standby_safe
-        if not standby:
-            return
-        metrics = StandbyMetrics(self.registry)
-        metrics.mode.labels(SafeMode.RELAY.value).set(1)
-        self._safe = _Safe(standby, StandbyGate(), metrics, self._send)
-        # The fast path and the producer part call self._send per record: the
-        # instance attribute takes the place of the method, so with the mode off
-        # nothing changes on the hot path.
-        setattr(self, "_send", self._hold)  # noqa: B010
-
-    def _hold(
+    def hold(
         self,
         sess: Session,
         tx_id: int,
@@ -195,7 +200,7 @@ class StandbySafe:
         if gate.records == 1:
             safe.wake.set()
 
-    def _release_held(self, sess: Session) -> None:
+    def release_held(self, sess: Session) -> None:
         """Once per loop turn: hand Kafka the held transactions the standby has made safe."""
         safe = self._safe
         if safe is None:
@@ -225,7 +230,7 @@ class StandbySafe:
         safe.metrics.held_transactions.set(gate.transactions if safe.sess is sess else 0)
         safe.metrics.held_records.set(gate.records if safe.sess is sess else 0)
 
-    def _slot_survives_failover(self) -> bool:
+    def slot_survives_failover(self) -> bool:
         """The slot guard's question (:mod:`cdc.relay.gaps.guard`): True only while the server
         guards (PostgreSQL 17+: the slot is a failover slot, the standby listed in
         ``synchronized_standby_slots``), so the slot found on a promoted standby is trusted.
@@ -233,7 +238,7 @@ class StandbySafe:
         safe = self._safe
         return safe is not None and safe.mode is SafeMode.SERVER
 
-    def _held_records(self, sess: Session) -> int:
+    def held_records(self, sess: Session) -> int:
         """Records of ``sess`` held for the standby (never sent; counted in flight)."""
         safe = self._safe
         return safe.gate.records if safe is not None and safe.sess is sess else 0

@@ -3,7 +3,7 @@
 Guarantees:
 
 * before a session reads anything else (the gap check reads the tails of the
-  outbox topics), :meth:`StandbyWait._claim_slot` asks who holds the slot
+  outbox topics), :meth:`StandbyWait.claim_slot` asks who holds the slot
   (:func:`seat_of`, one catalog query): a slot another relay streams, or
   whose gap another process is recovering (its recovery lock is held), makes
   this relay a hot standby (DESIGN, relay invariant 4) - no gap check, no tail
@@ -15,7 +15,7 @@ Guarantees:
   ended and the slot is free within :data:`cdc.wal.stream.TAKE_BACK_WAIT_S`
   (behind a dead path with ``wal_sender_timeout`` 0 the server would keep it
   for ever); counted in ``outbox_relay_slot_takebacks_total``;
-* the standby (:meth:`StandbyWait._standby`) waits cheaply: one catalog query
+* the standby (:meth:`StandbyWait.wait`) waits cheaply: one catalog query
   every :data:`cdc.constants.STANDBY_RETRY_S` on one connection, and it leaves
   the wait only when the slot is free to take (or its own orphan holds it, or
   that query fails: the session loop then reports it and backs off); it keeps
@@ -34,12 +34,13 @@ import enum
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
 from cdc import constants as c
-from cdc.errors import KafkaUnavailableError, ProducerFatalError, SlotInUseError
+from cdc.errors import SlotInUseError
 from cdc.health import Liveness
 from cdc.pgconn import connect
 from cdc.relay.health.metrics import RelayMetrics
@@ -78,32 +79,37 @@ def seat_of(
 
 
 class StandbyWait:
-    """The seat decision and the standby's wait (a mixin of
+    """The seat decision and the standby's wait (a collaborator of
     :class:`~cdc.relay.stream.loop.Relay`)."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        metrics: RelayMetrics
-        liveness: Liveness
-        _stop: threading.Event
-        _state: RelayState
-        _producer: Any
-
-        def _set_state(self, state: RelayState, reason: str = "") -> None: ...
-        def _poll(self, timeout_s: float) -> None: ...
-        def _rebuild_producer(self, reason: str) -> None: ...
-
-    #: the walsender of the relay's last replication connection (its own orphan, if a
-    #: dead path left it holding the slot)
-    _own_walsender: Walsender | None = None
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: RelayMetrics,
+        liveness: Liveness,
+        stop: threading.Event,
+        *,
+        set_state: Callable[[RelayState, str], None],
+        serve_kept_producer: Callable[[], bool],
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.liveness = liveness
+        self._stop = stop
+        self._set_state = set_state
+        #: serves a producer kept from an earlier session; False: leave the wait
+        self._serve_kept_producer = serve_kept_producer
+        #: the walsender of the relay's last replication connection (its own orphan,
+        #: if a dead path left it holding the slot); set by the loop
+        self.own_walsender: Walsender | None = None
 
     def _seat(self, conn: Conn) -> tuple[Seat, str]:
         slot = self.settings.slot
         holder = slot_holder(conn, slot)
         recovering = holder.walsender is None and recovery_in_progress(conn, slot)
-        return seat_of(slot, holder, self._own_walsender, recovering=recovering)
+        return seat_of(slot, holder, self.own_walsender, recovering=recovering)
 
-    def _claim_slot(self, conn: Conn) -> None:
+    def claim_slot(self, conn: Conn) -> None:
         """Return when the session may go on; raise :class:`SlotInUseError` (wait as a
         standby) when another relay holds the slot; take it back from our own orphan."""
         seat, why = self._seat(conn)
@@ -116,17 +122,17 @@ class StandbyWait:
 
     def _take_back(self, conn: Conn, why: str) -> bool:
         """End our own orphaned walsender; whether the slot is free now."""
-        orphan = self._own_walsender
+        orphan = self.own_walsender
         assert orphan is not None
         log.warning("%s (left behind by a dead path): ending it to take the slot back", why)
         freed = take_back(conn, self.settings.slot, orphan)
         if freed:
             self.metrics.slot_takebacks.inc()
             log.info("slot %s taken back from %s", self.settings.slot, orphan)
-            self._own_walsender = None
+            self.own_walsender = None
         return freed
 
-    def _standby(self, reason: str) -> None:
+    def wait(self, reason: str) -> None:
         """Wait as a hot standby until the slot is free to take (see the module docstring)."""
         self._set_state(RelayState.STANDBY, reason)  # (its one line: "-> standby: waiting ...")
         conn: Conn | None = None
@@ -134,7 +140,7 @@ class StandbyWait:
         try:
             while not self._stop.is_set():
                 self.liveness.tick()
-                if self._producer is not None and not self._serve_kept_producer():
+                if not self._serve_kept_producer():
                     return
                 if time.monotonic() >= next_look:
                     if conn is None:
@@ -152,15 +158,3 @@ class StandbyWait:
         finally:
             if conn is not None:
                 conn.close()
-
-    def _serve_kept_producer(self) -> bool:
-        """Serve a producer kept from an earlier session (librdkafka queues log lines and
-        errors until served); False after a fatal error (it was rebuilt: leave the wait)."""
-        try:
-            self._poll(0)
-        except ProducerFatalError as exc:
-            self._rebuild_producer(str(exc))
-            return False
-        except KafkaUnavailableError as exc:
-            log.warning("standby: %s", exc)
-        return True

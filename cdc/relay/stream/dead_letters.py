@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka import KafkaError, KafkaException, Message
 
 from cdc import constants as c
 from cdc.kafka.log import fatal_error
@@ -39,6 +39,10 @@ from cdc.router import (
 from cdc.settings import Settings
 from cdc.wal.replproto import lsn_to_str
 
+if TYPE_CHECKING:
+    from cdc.relay.stream.mode import DeliveryMode
+    from cdc.relay.stream.producing import Producing
+
 log = logging.getLogger("cdc.relay")
 
 
@@ -57,19 +61,24 @@ DLQ_MAX_VALUE_BYTES = 512 * 1024
 
 
 class DeadLetters:
-    """The relay's part that writes dead letters (a mixin of
-    :class:`~cdc.relay.stream.loop.Relay`)."""
+    """The relay's dead letters (a collaborator of :class:`~cdc.relay.stream.loop.Relay`):
+    queued with their record's place in the tracker, written through the producer
+    :class:`~cdc.relay.stream.producing.Producing` owns. The delivery mode admits each
+    (:meth:`DeliveryMode.dead_letter`) and hears of a failed one
+    (:meth:`DeliveryMode.dead_letter_failed`)."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        metrics: RelayMetrics
-        _producer: Producer | None
+    #: the delivery mode (set by the loop once both exist)
+    mode: DeliveryMode
 
-        def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn: ...
+    def __init__(self, settings: Settings, metrics: RelayMetrics, producing: Producing) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._producing = producing
 
-    def _dead_letter_route(self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError) -> None:
+    def route(self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError) -> None:
+        """The dead letter of a row or message that does not route (``exc`` says why)."""
         sess.tracker.add(tx_id)
-        self._queue_dlq(
+        self.queue(
             sess,
             tx_id,
             exc.code,
@@ -81,7 +90,7 @@ class DeadLetters:
             tx.timestamp_ms,
         )
 
-    def _queue_dlq(
+    def queue(
         self,
         sess: Session,
         tx_id: int,
@@ -93,7 +102,10 @@ class DeadLetters:
         headers: list[tuple[str, bytes]],
         timestamp_ms: int,
     ) -> None:
-        """Queue the dead letter of a record whose add to ``tx_id`` it takes over."""
+        """Queue the dead letter of a record whose add to ``tx_id`` it takes over (unless
+        the delivery mode does not admit it: it acknowledged the record then)."""
+        if not self.mode.dead_letter(sess, tx_id):
+            return
         event_id = dict(headers).get(c.HEADER_ID, b"").decode(errors="replace")
         cut = (
             reason if len(reason) <= LOG_REASON_MAX_CHARS else reason[:LOG_REASON_MAX_CHARS] + "..."
@@ -110,7 +122,7 @@ class DeadLetters:
             _PendingDlq(tx_id, code, reason, topic, key, value, headers, timestamp_ms, event_id)
         )
 
-    def _drain_dlq(self, sess: Session) -> None:
+    def drain(self, sess: Session) -> None:
         """Hand the pending dead letters to Kafka, oldest first.
 
         One that cannot be handed over stays first in line, unacknowledged (so
@@ -121,7 +133,7 @@ class DeadLetters:
         pending = sess.pending_dlq
         if not pending or time.monotonic() < sess.dlq_retry_at:
             return
-        producer = self._producer
+        producer = self._producing.producer
         assert producer is not None
         while pending:
             item = pending[0]
@@ -139,7 +151,7 @@ class DeadLetters:
                 return
             except KafkaException as exc:
                 if fatal_error(exc) is not None:
-                    self._raise_kafka(exc, "dead-letter produce failed")
+                    self._producing.raise_kafka(exc, "dead-letter produce failed")
                 err = exc.args[0] if exc.args else None
                 if isinstance(err, KafkaError) and is_record_error(err) and not item.minimal:
                     item.minimal = True
@@ -177,7 +189,7 @@ class DeadLetters:
             extra={"event_id": item.event_id, "topic": self.settings.dlq_topic},
         )
 
-    def _dlq_delivered(self, sess: Session, item: _PendingDlq) -> None:
+    def delivered(self, sess: Session, item: _PendingDlq) -> None:
         """A dead letter is delivered: ack its record."""
         sess.tracker.ack(item.tx_id)
         self.metrics.dead_lettered.labels(item.code.value).inc()
@@ -187,16 +199,20 @@ class DeadLetters:
         sess.dlq_backoff.reset()
         sess.dlq_retry_at = 0.0
 
-    def _dlq_report_failed(self, sess: Session, item: _PendingDlq, err: KafkaError) -> None:
-        """A dead letter's delivery failed: put it back in line."""
+    def report_failed(self, sess: Session, item: _PendingDlq, err: KafkaError) -> None:
+        """A dead letter's delivery failed: put it back in line (unless the producer is
+        being discarded: so is the session). The delivery mode may fail its
+        transaction with it (:meth:`DeliveryMode.dead_letter_failed`: the session ends)."""
+        fails = self.mode.dead_letter_failed(sess, err)
         self.metrics.kafka_errors.labels(err.name()).inc()
-        if err.code() in PURGED:  # the producer is being discarded: so is the session
-            return
-        sess.pending_dlq.appendleft(item)
-        if is_record_error(err) and not item.minimal:
-            item.minimal = True
-            return
-        self._dlq_failed(sess, item, f"{err.name()}: {err.str()}")
+        if err.code() not in PURGED:
+            sess.pending_dlq.appendleft(item)
+            if is_record_error(err) and not item.minimal:
+                item.minimal = True
+            else:
+                self._dlq_failed(sess, item, f"{err.name()}: {err.str()}")
+        if fails:
+            sess.fatal = sess.fatal or err
 
 
 class DlqReport:
@@ -217,11 +233,11 @@ class DlqReport:
         if err is None:  # (reports of delivered records come only while tracing)
             return
         self.failed = True
-        self.owner._dlq_report_failed(self.sess, self.item, err)
+        self.owner.report_failed(self.sess, self.item, err)
 
     def __del__(self) -> None:
         if self.sent and not self.failed:
             try:
-                self.owner._dlq_delivered(self.sess, self.item)
+                self.owner.delivered(self.sess, self.item)
             except Exception as exc:  # (raised here it would only be printed)
                 self.sess.fault = self.sess.fault or exc

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -53,6 +54,9 @@ from cdc.settings import Settings
 from cdc.wal import pgoutput as pgo
 from cdc.wal.replproto import Keepalive, lsn_to_str, parse_copy_data, xlog_payload
 
+if TYPE_CHECKING:
+    from cdc.relay.stream.mode import DeliveryMode
+
 log = logging.getLogger("cdc.relay")
 
 
@@ -63,6 +67,18 @@ _TAG_RELATION, _TAG_MESSAGE = ord("R"), ord("M")
 
 
 _IGNORED_CHANGES = {ord("U"): "update", ord("D"): "delete", ord("T"): "truncate"}
+
+
+#: CopyData messages handled per loop turn before the producer is polled again.
+READ_BATCH = 2_000
+
+
+#: A read turn's wait for WAL while records are in flight: their delivery reports are
+#: served between waits, so an ack (and the confirmation behind it) is not held back.
+ACK_WAIT_S = 0.005
+
+
+_XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
 
 
 #: Bound of the aggregatetype -> topic cache of the fast path.
@@ -149,30 +165,113 @@ def _broken_row(broken: BrokenOutbox, values: pgo.TupleData, prefix: str) -> Rou
     )
 
 
+def read_begin(sess: Session, data: bytes | memoryview, at: int) -> None:
+    """Begin (at ``data[at]``), read in place with its header texts: one per
+    transaction, no message object; its :class:`TxContext` waits for its first record.
+    (At-least-once's ``wal_begins``: :mod:`cdc.relay.stream.mode`.)"""
+    begin = pgo.begin_context(data, at)
+    if begin is None:  # malformed (raises), or a commit time beyond the years 1000-9999
+        begin = _begin_slowly(data, at)
+    sess.tx_id = begin[0]
+    sess.begin = begin
+    sess.tracker.open(begin[0])
+
+
+def read_commit(sess: Session, data: bytes | memoryview, at: int) -> None:
+    """Commit (at ``data[at]``), read in place: the transaction's records are all
+    produced. (At-least-once's ``wal_ends``: :mod:`cdc.relay.stream.mode`.)"""
+    if len(data) - at != _COMMIT_LEN:
+        raise _malformed(data[at:])
+    if sess.tx_id is None:
+        raise DecodeError("pgoutput Commit outside a transaction")
+    sess.tracker.close(sess.tx_id, _commit_fields(data, at + 1)[2])
+    sess.tx_id = sess.begin = sess.tx = sess.reports = None
+
+
 class FastPath:
-    """The relay's part that reads pgoutput changes (a mixin of
-    :class:`~cdc.relay.stream.loop.Relay`)."""
+    """The relay's decoder (a collaborator of :class:`~cdc.relay.stream.loop.Relay`):
+    pgoutput messages read, Inserts routed to Kafka records. Where a record goes is
+    the delivery mode's (:mod:`cdc.relay.stream.mode`: its ``record`` step, and its
+    ``wal_begins``/``wal_ends`` at Begin and Commit); the slow paths hand over to the
+    producer (:meth:`Producing.produce`) and the dead letters."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        metrics: RelayMetrics
-        poison: PoisonIds
-        _topics: TopicManager
-        _topic_of: dict[bytes, str]
-        _utf8: bool
-        _table: tuple[str, ...] | tuple[None, str]
-        _ledger: SlotLedger
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: RelayMetrics,
+        *,
+        poison: PoisonIds,
+        topics: TopicManager,
+        ledger: SlotLedger,
+        mode: DeliveryMode,
+        produce: Callable[[Session, int, KafkaRecord], None],
+        refused: RefusedStep,
+        dead_letter_route: Callable[[Session, int, TxContext, RouteError], None],
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.poison = poison
+        self._topics = topics
+        self._ledger = ledger
+        table = settings.outbox_table
+        #: (schema, name) of the outbox table (the publication's: set at each session)
+        self.table: tuple[str, ...] | tuple[None, str] = (
+            tuple(table.split(".", 1)) if "." in table else (None, table)
+        )
+        #: aggregatetype as sent -> its topic, validated and created (fast path)
+        self.topic_of: dict[bytes, str] = {}
+        #: the database's text is UTF-8, so the fast path may use raw bytes
+        self.utf8 = False
+        # The delivery mode's steps and the producer's, as instance attributes: one
+        # lookup and one call each per message, as a method of this class would cost.
+        self._send: SendStep = mode.record
+        self.on_begin = mode.wal_begins
+        self.on_commit = mode.wal_ends
+        self._read_wait_s = mode.read_wait_s
+        self._produce = produce
+        self._refused = refused
+        self._dead_letter_route = dead_letter_route
 
-        def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None: ...
+    def read_batch(self, sess: Session) -> bool:
+        """A read turn of the loop: up to :data:`READ_BATCH` messages of the session's
+        stream, each decoded and handed over; whether any arrived."""
+        stream, tracker = sess.stream, sess.tracker
+        get_nowait = stream.get_nowait
+        on_change, handle, on_insert = self.on_change, self.handle, self.on_insert
+        on_begin, on_commit = self.on_begin, self.on_commit
+        limit = self.settings.relay_max_in_flight
+        wait_s = ACK_WAIT_S if tracker.in_flight else self._read_wait_s()
+        data: memoryview | bytes | None
+        for _ in range(READ_BATCH):
+            nbytes, data = get_nowait()
+            if nbytes <= 0:  # nothing buffered (wait for it), or the stream ended (raises)
+                data = stream.read(wait_s)
+                if data is None:
+                    sess.caught_up = True
+                    return wait_s == 0.0
+            wait_s = 0.0
+            if data[0] == 0x77 and len(data) > _XLOG_PAYLOAD_AT:  # XLogData: the hot path
+                # read in place, not copied; Insert, Begin and Commit dispatched here as
+                # on_change would (one Python call less per message)
+                tag = data[_XLOG_PAYLOAD_AT]
+                if tag == 0x49:  # 'I'
+                    on_insert(sess, data, _XLOG_PAYLOAD_AT)
+                elif tag == 0x42:  # 'B'
+                    on_begin(sess, data, _XLOG_PAYLOAD_AT)
+                elif tag == 0x43:  # 'C'
+                    on_commit(sess, data, _XLOG_PAYLOAD_AT)
+                else:
+                    on_change(sess, data, _XLOG_PAYLOAD_AT)
+            else:
+                handle(sess, data)
+            if sess.reply_requested or tracker.in_flight >= limit:
+                if tracker.in_flight >= limit:  # (Kafka is behind the reading: a backlog)
+                    sess.caught_up = False
+                return True
+        sess.caught_up = False  # (READ_BATCH messages and more there: a backlog)
+        return True
 
-        _send: SendStep
-        _refused: RefusedStep
-
-        def _dead_letter_route(
-            self, sess: Session, tx_id: int, tx: TxContext, exc: RouteError
-        ) -> None: ...
-
-    def _handle(self, sess: Session, data: memoryview | bytes) -> None:
+    def handle(self, sess: Session, data: memoryview | bytes) -> None:
         """One CopyData message of the replication stream."""
         payload = xlog_payload(data)
         if payload is None:
@@ -182,9 +281,9 @@ class FastPath:
                 if msg.reply_requested:
                     sess.reply_requested = True
             return
-        self._on_change(sess, payload)
+        self.on_change(sess, payload)
 
-    def _on_change(self, sess: Session, data: bytes | memoryview, at: int = 0) -> None:
+    def on_change(self, sess: Session, data: bytes | memoryview, at: int = 0) -> None:
         """One pgoutput message: ``data[at:]``, e.g. the payload of an XLogData message
         read where it lies (the loop passes the CopyData message and 25: Insert,
         Begin and Commit are read in place, never copied out first)."""
@@ -192,11 +291,11 @@ class FastPath:
             raise DecodeError("empty pgoutput message")
         tag = data[at]
         if tag == _TAG_INSERT:
-            self._on_insert(sess, data, at)
+            self.on_insert(sess, data, at)
         elif tag == _TAG_BEGIN:
-            self._on_begin(sess, data, at)
+            self.on_begin(sess, data, at)
         elif tag == _TAG_COMMIT:
-            self._on_commit(sess, data, at)
+            self.on_commit(sess, data, at)
         elif tag == _TAG_RELATION:
             rel = pgo.decode(data[at:])
             assert isinstance(rel, pgo.Relation)
@@ -208,27 +307,6 @@ class FastPath:
             self._on_message(sess, pgo.decode(data[at:]))
         elif tag in _IGNORED_CHANGES:
             self._on_ignored(sess, _IGNORED_CHANGES[tag])
-
-    @staticmethod
-    def _on_begin(sess: Session, data: bytes | memoryview, at: int) -> None:
-        """Begin (at ``data[at]``), read in place with its header texts: one per
-        transaction, no message object; its :class:`TxContext` waits for its first record."""
-        begin = pgo.begin_context(data, at)
-        if begin is None:  # malformed (raises), or a commit time beyond the years 1000-9999
-            begin = _begin_slowly(data, at)
-        sess.tx_id = begin[0]
-        sess.begin = begin
-        sess.tracker.open(begin[0])
-
-    @staticmethod
-    def _on_commit(sess: Session, data: bytes | memoryview, at: int) -> None:
-        """Commit (at ``data[at]``), read in place: the transaction's records are all produced."""
-        if len(data) - at != _COMMIT_LEN:
-            raise _malformed(data[at:])
-        if sess.tx_id is None:
-            raise DecodeError("pgoutput Commit outside a transaction")
-        sess.tracker.close(sess.tx_id, _commit_fields(data, at + 1)[2])
-        sess.tx_id = sess.begin = sess.tx = sess.reports = None
 
     def _on_ignored(self, sess: Session, kind: str) -> None:
         """Outbox updates/deletes/truncates: counted, logged once a session, never published."""
@@ -242,10 +320,10 @@ class FastPath:
             )
 
     def _is_outbox(self, rel: pgo.Relation) -> bool:
-        schema, name = self._table
+        schema, name = self.table
         return rel.name == name and (schema is None or rel.namespace == schema)
 
-    def _on_insert(self, sess: Session, data: bytes | memoryview, at: int) -> None:
+    def on_insert(self, sess: Session, data: bytes | memoryview, at: int) -> None:
         """An Insert: the fast path routes straight from the message bytes.
 
         It handles the common case - an outbox row of text values, all
@@ -266,13 +344,13 @@ class FastPath:
             index = self._outbox_index(sess, oid)
         if index is None:
             return
-        if index.__class__ is not OutboxLayout or len(values) != index[0] or not self._utf8:
+        if index.__class__ is not OutboxLayout or len(values) != index[0] or not self.utf8:
             self._on_insert_decoded(sess, pgo.decode(data[at:]))
             return
         _, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace, jsonb = index
         event_id = values[i_id]
         aggtype = values[i_aggtype]
-        topic = self._topic_of.get(aggtype) if aggtype is not None else None
+        topic = self.topic_of.get(aggtype) if aggtype is not None else None
         key, event_type, value = values[i_agg], values[i_type], values[i_payload]
         if topic is None or not (event_id and key and event_type and value):
             self._on_insert_decoded(sess, pgo.decode(data[at:]))
@@ -344,9 +422,9 @@ class FastPath:
         self._produce(sess, sess.tx_id, record)
         aggtype = values[index.aggregatetype]
         if isinstance(aggtype, bytes) and record.topic in self._topics.known:
-            if len(self._topic_of) >= TOPIC_CACHE_MAX:
-                self._topic_of.clear()
-            self._topic_of[aggtype] = record.topic
+            if len(self.topic_of) >= TOPIC_CACHE_MAX:
+                self.topic_of.clear()
+            self.topic_of[aggtype] = record.topic
 
     def _not_utf8(
         self, index: OutboxLayout | BrokenOutbox, values: pgo.TupleData, exc: UnicodeDecodeError

@@ -36,6 +36,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import psycopg
 from confluent_kafka import KafkaException, Producer
@@ -52,14 +53,11 @@ from cdc.errors import (
 )
 from cdc.health import HealthServer, Liveness
 from cdc.kafka.log import KafkaClientEvents
-from cdc.kafka.producer import (
-    TopicManager,
-    discard_producer,
-    make_producer,
-)
+from cdc.kafka.producer import TopicManager, discard_producer
 from cdc.migrate import check_wal_level
 from cdc.pgconn import connect
 from cdc.relay.gaps.guard import GAP_RECHECK_S, SlotGapError, SlotGuard
+from cdc.relay.gaps.ledger import SlotLedger
 from cdc.relay.gaps.periodic_audit import ACTIVE_STATES, PeriodicAudit
 from cdc.relay.health.kafka_ready import KafkaReadiness
 from cdc.relay.health.metrics import RelayMetrics
@@ -70,12 +68,13 @@ from cdc.relay.health.state import PoisonIds, RelayState, Session
 from cdc.relay.standby.safe import StandbySafe
 from cdc.relay.standby.wait import StandbyWait
 from cdc.relay.standby.watch import StandbyWatch
+from cdc.relay.stream.at_least_once import AtLeastOnce
 from cdc.relay.stream.dead_letters import DeadLetters
-from cdc.relay.stream.fast_path import FastPath
+from cdc.relay.stream.fast_path import ACK_WAIT_S, READ_BATCH, FastPath
+from cdc.relay.stream.mode import READ_WAIT_S, DeliveryMode
 from cdc.relay.stream.producing import Producing
 from cdc.settings import Settings
 from cdc.tracing import relay_tracing
-from cdc.wal.lsn import LsnTracker
 from cdc.wal.replproto import lsn_to_str
 from cdc.wal.stream import (
     ReplicationStream,
@@ -86,19 +85,6 @@ from cdc.wal.stream import (
 )
 
 log = logging.getLogger("cdc.relay")
-
-
-#: CopyData messages handled per loop turn before the producer is polled again.
-READ_BATCH = 2_000
-
-
-#: Longest a turn blocks waiting for WAL, so status and signals stay timely.
-READ_WAIT_S = 0.1
-
-
-#: The same while records are in flight: their delivery reports are served
-#: between waits, so an ack (and the confirmation behind it) is not held back.
-ACK_WAIT_S = 0.005
 
 
 #: Confirm progress at most this often (fewer duplicates after a crash).
@@ -143,22 +129,22 @@ _TRANSITION_NOTE = {
     RelayState.STANDBY: ": waiting as hot standby ({reason})",
 }
 
-_XLOG_PAYLOAD_AT = 25  # 'w', wal_start, wal_end, send_time
+__all__ = ["ACK_WAIT_S", "READ_BATCH", "READ_WAIT_S", "Relay"]
 
 
-class Relay(
-    FastPath,
-    StandbySafe,
-    Producing,
-    DeadLetters,
-    SlotMonitor,
-    SlotGuard,
-    StandbyWait,
-    KafkaReadiness,
-    SilentSession,
-):
-    #: A read turn waits this long for WAL when nothing is in flight.
-    _read_wait_s: float = READ_WAIT_S
+def _at_least_once(relay: Relay) -> AtLeastOnce:
+    """The default delivery mode, made of the relay's parts."""
+    return AtLeastOnce(relay.settings, relay.producing, relay.dead_letters, relay.standby_safe)
+
+
+class Relay:
+    """The relay's loop: sessions on the slot, each a read loop over its collaborators
+    (held, never inherited): the decoder :attr:`decoder`, the producer :attr:`producing`,
+    :attr:`dead_letters`, the slot :attr:`guard`, the :attr:`standby` wait,
+    :attr:`standby_safe` mode, the :attr:`silence` watch, Kafka's :attr:`readiness` and
+    the slot :attr:`monitor`; and one delivery mode, :attr:`mode`, called at the points
+    :mod:`cdc.relay.stream.mode` names (``mode``: its factory, given the relay's parts;
+    at-least-once by default)."""
 
     def __init__(
         self,
@@ -166,46 +152,113 @@ class Relay(
         *,
         registry: CollectorRegistry | None = None,
         serve_http: bool = True,
+        mode: Callable[[Relay], DeliveryMode] | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
-        self.settings = settings.require("pg_dsn", "kafka_bootstrap_servers")
+        self.settings = s = settings.require("pg_dsn", "kafka_bootstrap_servers")
         self.registry = registry or CollectorRegistry()
         self.metrics = RelayMetrics(self.registry)
-        self.liveness = Liveness()
+        self.liveness = liveness or Liveness()
         self._stop = threading.Event()
         self._state = RelayState.STARTING
         self._reason = ""
         self._serve_http = serve_http
-        self._producer: Producer | None = None
-        #: librdkafka's errors and logs of the producer (the same one across rebuilds)
-        self._events = KafkaClientEvents(
-            "producer", count=self._count_kafka_error, on_error=self._on_kafka_error, reach=True
-        )
         self._rebuild_backoff = Backoff(
             min_s=REBUILD_MIN_S, max_s=REBUILD_MAX_S, calm_s=REBUILD_CALM_S
         )
-        self._init_guard()  # (the slot ledger: records topics, forms, the confirm limit)
+        self.readiness = KafkaReadiness(
+            self.liveness,
+            state=lambda: (self._state, self._reason),
+            held_records=lambda sess: self.standby_safe.held_records(sess),  # noqa: PLW0108 (made below)
+        )
+        #: librdkafka's errors and logs of the producer (the same one across rebuilds)
+        self._events = self.readiness.events = KafkaClientEvents(
+            "producer",
+            count=self._count_kafka_error,
+            on_error=self.readiness.on_kafka_error,
+            reach=True,
+        )
+        #: the relay's records of its slot: topics, forms, the confirm limit
+        self._ledger = self._new_ledger()
         self._topics = TopicManager(
-            bootstrap=settings.kafka_bootstrap_servers,
-            overrides=settings.kafka_config,
-            partitions=settings.topic_partitions,
-            replication_factor=settings.topic_replication_factor,
+            bootstrap=s.kafka_bootstrap_servers,
+            overrides=s.kafka_config,
+            partitions=s.topic_partitions,
+            replication_factor=s.topic_replication_factor,
             events=KafkaClientEvents(
-                "admin", count=self._count_kafka_error, on_error=self._on_kafka_error
+                "admin", count=self._count_kafka_error, on_error=self.readiness.on_kafka_error
             ),
             before_first_use=self._ledger.note_topics,
         )
-        table = settings.outbox_table
-        self._table = tuple(table.split(".", 1)) if "." in table else (None, table)
         self.poison = PoisonIds()
-        #: aggregatetype as sent -> its topic, validated and created (fast path)
-        self._topic_of: dict[bytes, str] = {}
-        #: the database's text is UTF-8, so the fast path may use raw bytes
-        self._utf8 = False
-        #: OpenTelemetry produce spans; None (the default) costs one test per record
-        self._tracing = relay_tracing()
-        #: slot gaps already logged and counted (each is reported once)
-        self._gaps_reported: set[int] = set()
-        self._init_standby_safe()  # CDC_STANDBY_SAFE: records wait for the standby
+        self.producing = Producing(
+            self.metrics,
+            self.liveness,
+            self._stop,
+            events=self._events,
+            topics=self._topics,
+            #: OpenTelemetry produce spans; None (the default) costs one test per record
+            tracing=relay_tracing(),
+            poison=self.poison,
+            set_state=self._set_state,
+            creating_topic=self.readiness.creating_topic,
+            send_status=self._send_status,
+        )
+        self.dead_letters = DeadLetters(s, self.metrics, self.producing)
+        self.producing.queue_dlq = self.dead_letters.queue
+        # CDC_STANDBY_SAFE: records wait for the standby (off: it holds nothing)
+        self.standby_safe = StandbySafe(
+            s,
+            self.registry,
+            self._stop,
+            publish=self.producing.send,
+            refused=self.producing.refused,
+        )
+        self.guard = SlotGuard(
+            s,
+            self.metrics,
+            self._stop,
+            topics=self._topics,
+            ledger=self._ledger,
+            set_state=self._set_state,
+            slot_survives_failover=self.standby_safe.slot_survives_failover,
+        )
+        self.standby = StandbyWait(
+            s,
+            self.metrics,
+            self.liveness,
+            self._stop,
+            set_state=self._set_state,
+            serve_kept_producer=self._serve_kept_producer,
+        )
+        self.silence = SilentSession(s, self.metrics)
+        self.monitor = SlotMonitor(s, self.metrics, self._stop, self._topics)
+        self.mode: DeliveryMode = (mode or _at_least_once)(self)
+        self.producing.mode = self.dead_letters.mode = self.mode
+        self.decoder = FastPath(
+            s,
+            self.metrics,
+            poison=self.poison,
+            topics=self._topics,
+            ledger=self._ledger,
+            mode=self.mode,
+            produce=self.producing.produce,
+            refused=self.producing.refused,
+            dead_letter_route=self.dead_letters.route,
+        )
+
+    def _new_ledger(self) -> SlotLedger:
+        """The slot ledger (a replay replaces it: tests/bench)."""
+        return SlotLedger(self.settings)
+
+    @property
+    def _producer(self) -> Producer | None:
+        """The session's producer (:attr:`Producing.producer`)."""
+        return self.producing.producer
+
+    @_producer.setter
+    def _producer(self, producer: Producer | None) -> None:
+        self.producing.producer = producer
 
     def stop(self) -> None:
         """Ask the relay to stop (from any thread; a signal handler must not call it:
@@ -269,14 +322,14 @@ class Relay(
                 liveness=self.liveness,
                 routes={"/backlog": backlog_route(guard)},
             ).start()
-        monitor = threading.Thread(target=self._monitor, name="slot-monitor", daemon=True)
+        monitor = threading.Thread(target=self.monitor.run, name="slot-monitor", daemon=True)
         monitor.start()
         self._start_audit()
         StandbyWatch(  # /readyz: do the standbys carry the failover slot for good? (17+)
             self.settings,
             gauge=self.metrics.failover_slot_synced,
             liveness=self.liveness,
-            looking=lambda: self.slot_failover and self._state in ACTIVE_STATES,
+            looking=lambda: self.monitor.slot_failover and self._state in ACTIVE_STATES,
             stop=self._stop,
         ).start()
         try:
@@ -318,7 +371,7 @@ class Relay(
                 self._set_state(RelayState.GAP, str(exc))
                 self._wait(GAP_RECHECK_S)
             except SlotInUseError as exc:
-                self._standby(str(exc))
+                self.standby.wait(str(exc))
             except ProducerFatalError as exc:
                 self._rebuild_producer(str(exc))
             except (CdcError, psycopg.OperationalError) as exc:
@@ -338,6 +391,7 @@ class Relay(
         so rebuilds are never closer than :data:`REBUILD_MIN_S`.
         """
         self.metrics.producer_rebuilds.inc()
+        self.mode.producer_dropped()  # (exactly-once: no close(), the machine reset)
         delay_s = self._rebuild_backoff.failed(time.monotonic())
         self._set_state(RelayState.REBUILDING, reason)
         log.error(
@@ -356,16 +410,16 @@ class Relay(
         s = self.settings
         dsn = s.pg_dsn.get_secret_value()
         with connect(dsn) as conn:
-            self._table = ensure_publication(
+            self.decoder.table = ensure_publication(
                 conn, s.publication, s.outbox_table, filtered=s.publication_filtered
             )
             check_wal_level(conn)  # (set-up errors first: the gap check needs both)
             check_replication_privilege(conn)
-            self._claim_slot(conn)  # a standby stops here, before any tail read
-        origin = self._guard_slot()  # first start, a gap, or a slot that holds everything
+            self.standby.claim_slot(conn)  # a standby stops here, before any tail read
+        origin = self.guard.guard_slot()  # first start, a gap, or a slot that holds everything
         with connect(dsn) as conn:
             info = ensure_slot(conn, s.slot, create=False)
-            self._utf8 = server_is_utf8(conn)
+            self.decoder.utf8 = server_is_utf8(conn)
         self._topics.ensure([s.dlq_topic])
         stream = ReplicationStream(
             dsn,
@@ -374,15 +428,15 @@ class Relay(
             limit=self._ledger,  # (no status past the slot's confirm limit)
             messages=s.messages == "on",
         )
-        self._own_walsender = stream.walsender  # (recognised if a dead path orphans it)
+        self.standby.own_walsender = stream.walsender  # (recognised if a dead path orphans it)
         try:
             # (a standby stops here - SlotInUseError - without a producer)
             stream.start(0, confirmed_lsn=info.confirmed_flush_lsn)
             if self._producer is None:
-                self._producer = self._new_producer(origin)
+                self._producer = self.mode.new_producer(origin)
             sess = Session(
                 stream=stream,
-                tracker=self._new_tracker(info.confirmed_flush_lsn),
+                tracker=self.mode.new_tracker(info.confirmed_flush_lsn),
                 last_confirmed=info.confirmed_flush_lsn,
                 origin=origin,
             )
@@ -395,65 +449,85 @@ class Relay(
         finally:
             stream.close()
 
-    def _new_producer(self, origin: tuple[str, bytes]) -> Producer:
-        """The session's producer (cdc.relay.delivery.exactly_once makes a transactional one)."""
-        s = self.settings
-        return make_producer(
-            s.kafka_bootstrap_servers,
-            s.kafka_config,
-            events=self._events,
-            # delivered records call nothing (Reports counts them), unless
-            # tracing ends a span at every report
-            failed_reports_only=self._tracing is None,
-        )
+    def _serve_kept_producer(self) -> bool:
+        """While a standby: serve a producer kept from an earlier session (librdkafka
+        queues log lines and errors until served); False after a fatal error (it was
+        rebuilt: leave the wait)."""
+        if self._producer is None:
+            return True
+        try:
+            self._poll(0)
+        except ProducerFatalError as exc:
+            self._rebuild_producer(str(exc))
+            return False
+        except KafkaUnavailableError as exc:
+            log.warning("standby: %s", exc)
+        return True
 
-    def _new_tracker(self, start_lsn: int) -> LsnTracker:
-        """The session's LSN tracker (cdc.relay.delivery.exactly_once caps it at its checkpoint)."""
-        return LsnTracker(start_lsn)
+    def _poll(self, timeout_s: float) -> None:
+        """Serve the producer (the delivery mode's ``serve``)."""
+        self.mode.serve(timeout_s)
 
     def _stream_loop(self, sess: Session) -> None:
+        """The session's read loop, between the delivery mode's ``session_begins`` and
+        ``session_closed`` (``session_failed`` when it raises)."""
+        mode = self.mode
+        try:
+            mode.session_begins(sess)
+            self._turns(sess)
+        except BaseException:
+            mode.session_failed(sess)
+            raise
+        finally:
+            mode.session_closed()
+
+    def _turns(self, sess: Session) -> None:
         next_status = 0.0
         stall = StallWatch(self.settings.relay_stall_after_s, time.monotonic())
         heard_at = time.monotonic()  # the server's last message (or: we were not listening)
-        silence = self._silence_watch(sess)
+        silence_watch = self.silence
+        silence = silence_watch.watch(sess)
+        mode, readiness = self.mode, self.readiness
+        release_held, read_batch = self.standby_safe.release_held, self.decoder.read_batch
         while not self._stop.is_set():
             self.liveness.tick()
             sess.reports = None  # (what the last batch added may now be acknowledged)
-            self._poll(0)
-            self._drain_dlq(sess)
-            self._release_held(sess)  # standby-safe mode: what the standby has flushed
+            mode.serve(0)
+            mode.drain_dead_letters(sess)
+            release_held(sess)  # standby-safe mode: what the standby has flushed
             if sess.fatal is not None:
                 raise KafkaUnavailableError(f"producer error: {sess.fatal}")
             if sess.fault is not None:
                 raise sess.fault
             if sess.held is not None:
                 state, reason = RelayState.HELD, sess.held
-                self._poll(c.BACKPRESSURE_POLL_S)
+                mode.serve(c.BACKPRESSURE_POLL_S)
                 heard = True  # not listening: the server's silence is ours
             elif sess.tracker.in_flight >= self.settings.relay_max_in_flight:
                 state, reason = RelayState.BACKPRESSURE, ""
-                self._poll(c.BACKPRESSURE_POLL_S)
+                mode.serve(c.BACKPRESSURE_POLL_S)
                 heard = True
             else:
                 state, reason = RelayState.STREAMING, ""
-                heard = self._read_batch(sess)
+                heard = read_batch(sess)
             now = time.monotonic()
             if heard:
                 heard_at = now
                 silence.heard()
-            stalled = self._stalled(sess, stall, now) or self._kafka_unreachable(sess, stall, now)
-            held = self.held_back and f"logical decoding held back: {self.held_back}"
+            stalled = self._stalled(sess, stall, now) or readiness.unreachable(sess, stall, now)
+            held_back = self.monitor.held_back
+            held = held_back and f"logical decoding held back: {held_back}"
             self._set_state(*_turn_state(state, reason, stalled, silence.blind or held))
             silent_s = now - heard_at
             if silence.due(silent_s, now):
-                self._judge_silence(sess, silence, silent_s)
+                silence_watch.judge(sess, silence, silent_s)
             advanced = self._ledger.bound(sess.tracker.confirmable) != sess.last_confirmed
             if (
                 now >= next_status
                 or sess.reply_requested
                 or (advanced and now >= next_status - c.STATUS_INTERVAL_S + STATUS_MIN_INTERVAL_S)
             ):
-                self._send_status(sess, ask_reply=self._asking(silence, silent_s))
+                self._send_status(sess, ask_reply=silence_watch.asking(silence, silent_s))
                 next_status = now + c.STATUS_INTERVAL_S
 
     def _stalled(self, sess: Session, stall: StallWatch, now: float) -> str | None:
@@ -467,44 +541,6 @@ class Relay(
         )
         self.metrics.stalled.set(1 if reason else 0)
         return reason
-
-    def _read_batch(self, sess: Session) -> bool:
-        """Up to :data:`READ_BATCH` messages; whether any arrived."""
-        stream, tracker = sess.stream, sess.tracker
-        get_nowait = stream.get_nowait
-        on_change, handle = self._on_change, self._handle
-        on_insert, on_begin, on_commit = self._on_insert, self._on_begin, self._on_commit
-        limit = self.settings.relay_max_in_flight
-        wait_s = ACK_WAIT_S if tracker.in_flight else self._read_wait_s
-        data: memoryview | bytes | None
-        for _ in range(READ_BATCH):
-            nbytes, data = get_nowait()
-            if nbytes <= 0:  # nothing buffered (wait for it), or the stream ended (raises)
-                data = stream.read(wait_s)
-                if data is None:
-                    sess.caught_up = True
-                    return wait_s == 0.0
-            wait_s = 0.0
-            if data[0] == 0x77 and len(data) > _XLOG_PAYLOAD_AT:  # XLogData: the hot path
-                # read in place, not copied; Insert, Begin and Commit dispatched here as
-                # _on_change would (one Python call less per message)
-                tag = data[_XLOG_PAYLOAD_AT]
-                if tag == 0x49:  # 'I'
-                    on_insert(sess, data, _XLOG_PAYLOAD_AT)
-                elif tag == 0x42:  # 'B'
-                    on_begin(sess, data, _XLOG_PAYLOAD_AT)
-                elif tag == 0x43:  # 'C'
-                    on_commit(sess, data, _XLOG_PAYLOAD_AT)
-                else:
-                    on_change(sess, data, _XLOG_PAYLOAD_AT)
-            else:
-                handle(sess, data)
-            if sess.reply_requested or tracker.in_flight >= limit:
-                if tracker.in_flight >= limit:  # (Kafka is behind the reading: a backlog)
-                    sess.caught_up = False
-                return True
-        sess.caught_up = False  # (READ_BATCH messages and more there: a backlog)
-        return True
 
     def _send_status(self, sess: Session, *, ask_reply: bool = False) -> None:
         for topic, count in sess.acked.items():
@@ -521,14 +557,17 @@ class Relay(
 
     def _shutdown(self, sess: Session) -> None:
         self._set_state(RelayState.STOPPING)
+        self.mode.session_ends(sess)  # (exactly-once: the last commit)
+        if self._producer is None:  # (let go by the mode: nothing more to flush)
+            return
         sess.reports = None  # (so what it counted can be acknowledged)
         deadline = time.monotonic() + SHUTDOWN_FLUSH_S
         # (records held for the standby were never sent: nothing to wait for)
         while time.monotonic() < deadline and (
-            sess.tracker.in_flight > self._held_records(sess) or sess.pending_dlq
+            sess.tracker.in_flight > self.standby_safe.held_records(sess) or sess.pending_dlq
         ):
-            self._poll(0.05)
-            self._drain_dlq(sess)
+            self.mode.serve(0.05)
+            self.mode.drain_dead_letters(sess)
         self._ledger.settle()  # (the last confirmation goes as far as Kafka acknowledged)
         self._send_status(sess)
         log.info(

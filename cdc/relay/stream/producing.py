@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -39,60 +40,80 @@ from cdc.kafka.producer import (
 from cdc.relay.health.metrics import RelayMetrics
 from cdc.relay.health.state import PoisonIds, QueueStep, RelayState, Session
 from cdc.router import KafkaRecord
-from cdc.settings import Settings
 from cdc.tracing import DeliveryCallback, RelayTracing
 from cdc.wal.replproto import lsn_to_str
+
+if TYPE_CHECKING:
+    from cdc.relay.stream.mode import DeliveryMode
 
 log = logging.getLogger("cdc.relay")
 
 
 class Producing:
-    """The relay's part that owns the producer (a mixin of
-    :class:`~cdc.relay.stream.loop.Relay`)."""
+    """The relay's producer and its records (a collaborator of
+    :class:`~cdc.relay.stream.loop.Relay`): it owns :attr:`producer` (made and dropped
+    by the loop and the delivery mode), hands records to it (:meth:`send`, the
+    at-least-once mode's record step) and reads their delivery reports. What the
+    delivery mode adds - its own record step, its answer to a failed report or a
+    raising Kafka call - is asked of :attr:`mode` (:mod:`cdc.relay.stream.mode`)."""
 
-    if TYPE_CHECKING:
-        metrics: RelayMetrics
-        liveness: Liveness
-        poison: PoisonIds
-        _stop: threading.Event
-        _producer: Producer | None
-        _events: KafkaClientEvents
-        _topics: TopicManager
-        _tracing: RelayTracing | None
-        settings: Settings
+    #: the delivery mode (set by the loop once both exist)
+    mode: DeliveryMode
+    #: the dead letters' queue step (set by the loop: :meth:`DeadLetters.queue`)
+    queue_dlq: QueueStep
 
-        def _set_state(self, state: RelayState, reason: str = "") -> None: ...
+    def __init__(
+        self,
+        metrics: RelayMetrics,
+        liveness: Liveness,
+        stop: threading.Event,
+        *,
+        events: KafkaClientEvents,
+        topics: TopicManager,
+        tracing: RelayTracing | None,
+        poison: PoisonIds,
+        set_state: Callable[[RelayState], None],
+        creating_topic: Callable[[str | None], None],
+        send_status: Callable[[Session], None],
+    ) -> None:
+        self.metrics = metrics
+        self.liveness = liveness
+        self.poison = poison
+        self.producer: Producer | None = None
+        self._stop = stop
+        self.events = events
+        self._topics = topics
+        self.tracing = tracing
+        self._set_state = set_state
+        self._creating_topic = creating_topic
+        self._send_status = send_status
 
-        def _creating_topic(self, topic: str | None) -> None: ...
-
-        def _send_status(self, sess: Session) -> None: ...
-
-        _queue_dlq: QueueStep
-
-    def _poll(self, timeout_s: float) -> None:
+    def poll(self, timeout_s: float) -> None:
         """Serve the producer's callbacks; a fatal error it raises ends the session
         with :class:`ProducerFatalError` (the producer is then rebuilt)."""
-        producer = self._producer
+        producer = self.producer
         assert producer is not None
         try:
             producer.poll(timeout_s)
         except KafkaException as exc:
-            self._raise_kafka(exc, "producer poll failed")
+            self.raise_kafka(exc, "producer poll failed")
 
-    def _raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
-        """End the session for ``exc``: ProducerFatalError when it is fatal."""
+    def raise_kafka(self, exc: KafkaException, what: str) -> NoReturn:
+        """End the session for ``exc``: ProducerFatalError when it is fatal (the delivery
+        mode looks first: :meth:`DeliveryMode.kafka_raised`)."""
+        self.mode.kafka_raised(exc, what)
         err = fatal_error(exc)
         if err is None:
             raise KafkaUnavailableError(f"{what}: {exc}") from exc
         if not err.fatal():  # produce()'s "_FATAL": the error itself comes from the next poll
             exc = self._underlying_fatal(exc)
             err = fatal_error(exc) or err
-        self._events.raised(exc)
+        self.events.raised(exc)
         raise ProducerFatalError(f"producer fatal error {err.name()}: {err.str()}") from exc
 
     def _underlying_fatal(self, exc: KafkaException) -> KafkaException:
         """The fatal error behind a ``_FATAL`` from produce(), when poll() raises it."""
-        producer = self._producer
+        producer = self.producer
         assert producer is not None
         try:
             producer.poll(0)
@@ -102,13 +123,14 @@ class Producing:
                 return raised
         return exc
 
-    def _produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
-        """Hand ``record`` to Kafka (or to the dead-letter queue when it is known poison)."""
+    def produce(self, sess: Session, tx_id: int, record: KafkaRecord) -> None:
+        """Hand ``record`` to Kafka through the delivery mode's record step (or to the
+        dead-letter queue when it is known poison)."""
         event_id = record.event_id.encode()
         refused = self.poison.recall(event_id) if self.poison else None
         if refused is not None:
             sess.tracker.add(tx_id)
-            self._queue_dlq(
+            self.queue_dlq(
                 sess,
                 tx_id,
                 refused[0],
@@ -129,11 +151,12 @@ class Producing:
         sess.tracker.add(tx_id)
         r = record
         try:
-            self._send(sess, tx_id, r.topic, r.value, r.key, r.headers, r.timestamp_ms, event_id)
+            step = self.mode.record
+            step(sess, tx_id, r.topic, r.value, r.key, r.headers, r.timestamp_ms, event_id)
         except KafkaException as exc:
-            self._refused(sess, tx_id, exc, r.topic, r.key, r.value, r.headers, r.timestamp_ms)
+            self.refused(sess, tx_id, exc, r.topic, r.key, r.value, r.headers, r.timestamp_ms)
 
-    def _refused(
+    def refused(
         self,
         sess: Session,
         tx_id: int,
@@ -149,11 +172,11 @@ class Producing:
         with :class:`ProducerFatalError`)."""
         err = exc.args[0] if exc.args else None
         if not (isinstance(err, KafkaError) and is_record_error(err)):
-            self._raise_kafka(exc, "produce failed")
+            self.raise_kafka(exc, "produce failed")
         code = record_error_code(err)
-        self._queue_dlq(sess, tx_id, code, err.str(), topic, key, value, headers, timestamp_ms)
+        self.queue_dlq(sess, tx_id, code, err.str(), topic, key, value, headers, timestamp_ms)
 
-    def _send(
+    def send(
         self,
         sess: Session,
         tx_id: int,
@@ -173,7 +196,7 @@ class Producing:
         callback is the session's current :class:`Reports` of ``(tx_id, topic)``:
         one object counts the reports of a run of records, no callback per record.
         """
-        producer = self._producer
+        producer = self.producer
         assert producer is not None
         reports = sess.reports
         if reports is None or reports.tx_id != tx_id or reports.topic != topic:
@@ -183,8 +206,8 @@ class Producing:
             reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
             reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
         callback: DeliveryCallback = reports
-        if self._tracing is not None:
-            callback = self._tracing.produce(topic, key, headers, event_id, callback)
+        if self.tracing is not None:
+            callback = self.tracing.produce(topic, key, headers, event_id, callback)
         while True:
             try:
                 # (the stubs want list[tuple[str, str | bytes | None]]; list is invariant)
@@ -195,24 +218,26 @@ class Producing:
                 # Local queue full: Kafka is slow. Serve callbacks and keep the
                 # walsender happy while waiting for room.
                 sess.reports = None  # (what it counted may be acknowledged meanwhile)
-                self._poll(c.BACKPRESSURE_POLL_S)
+                self.mode.serve(c.BACKPRESSURE_POLL_S)
                 self._set_state(RelayState.BACKPRESSURE)
                 self.liveness.tick()
                 self._send_status(sess)
                 if self._stop.is_set() or sess.fatal is not None or sess.fault is not None:
                     raise KafkaUnavailableError("stopped while Kafka's queue was full") from None
 
-    def _report_failed(self, reports: Reports, err: KafkaError, msg: Message) -> None:
+    def report_failed(self, reports: Reports, err: KafkaError, msg: Message) -> None:
         """A failed delivery report: dead-letter a record Kafka refused for itself,
-        end the session for any other error."""
+        end the session for any other error (or whenever the delivery mode says the
+        record's transaction fails with it: :meth:`DeliveryMode.record_failed`)."""
         sess, tx_id, topic = reports.sess, reports.tx_id, reports.topic
+        fails = self.mode.record_failed(sess, err)
         self.metrics.kafka_errors.labels(err.name()).inc()
         event_id = reports.event_id_of(msg) if is_record_error(err) else None
         if event_id is not None:
             code = record_error_code(err)
             self.poison.remember(event_id, code, err.str())
             self.metrics.poison_ids.set(len(self.poison))
-            self._queue_dlq(
+            self.queue_dlq(
                 sess,
                 tx_id,
                 code,
@@ -223,6 +248,8 @@ class Producing:
                 [(c.HEADER_ID, event_id)],
                 msg.timestamp()[1],
             )
+            if fails:
+                sess.fatal = sess.fatal or err
             return
         if sess.fatal is None and err.code() not in PURGED:  # once a session: they come in bulk
             log.error(
@@ -256,7 +283,7 @@ class Reports(IdsInFlight):
     (:meth:`event_id_of`; the hash, not the value, is kept: memory in flight).
     While tracing asks for every report (a span ends at each), the delivered ones
     call it too, with ``err`` None: ignored here. The attributes are set by
-    :meth:`Producing._send` (a Python ``__init__`` was a measurable part of a
+    :meth:`Producing.send` (a Python ``__init__`` was a measurable part of a
     1-event transaction).
     """
 
@@ -274,7 +301,7 @@ class Reports(IdsInFlight):
         if err is None:
             return
         self.failed += 1
-        self.owner._report_failed(self, err, msg)
+        self.owner.report_failed(self, err, msg)
 
     def __del__(self) -> None:
         """Every counted record has its report: acknowledge the delivered ones (the
