@@ -46,23 +46,6 @@ PAGE_WAIT_MS = 30_000
 FAILING_IMPACTS = ("serious", "critical")
 
 
-def _cli(pipeline: Pipeline, *args: str) -> dict[str, Any]:
-    """``outbox-cdc ARGS --json`` with the sink's environment: its JSON answer."""
-    done = subprocess.run(
-        [sys.executable, "-m", "cdc.cli", *args, "--json"],
-        env=pipeline.cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=ROOT,
-    )
-    if not done.stdout.strip():
-        raise AssertionError(f"outbox-cdc {' '.join(args)}: {done.stderr[-2000:]}")
-    answer: dict[str, Any] = json.loads(done.stdout)
-    return answer
-
-
 def _cli_any(pipeline: Pipeline, *args: str) -> Any:
     """``outbox-cdc ARGS --json``'s answer, whatever its shape (a list for ``trace --key``)."""
     done = subprocess.run(
@@ -77,6 +60,13 @@ def _cli_any(pipeline: Pipeline, *args: str) -> Any:
     if not done.stdout.strip():
         raise AssertionError(f"outbox-cdc {' '.join(args)}: {done.stderr[-2000:]}")
     return json.loads(done.stdout)
+
+
+def _cli(pipeline: Pipeline, *args: str) -> dict[str, Any]:
+    """``outbox-cdc ARGS --json`` with the sink's environment: its JSON object."""
+    answer = _cli_any(pipeline, *args)
+    assert isinstance(answer, dict), answer
+    return answer
 
 
 def _lag(pipeline: Pipeline) -> int | None:
