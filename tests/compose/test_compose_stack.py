@@ -182,8 +182,11 @@ def test_the_image_is_non_root_healthchecked_per_role_and_holds_no_secret(
     for service, probe in ROLE_PROBES.items():
         assert compose.run("exec", "-T", service, "id", "-u").stdout.strip() == "10001"
         compose.wait_healthy(service, HEALTHY_TIMEOUT_S)
-        last = compose.inspect(service)["State"]["Health"]["Log"][-1]
-        assert last["ExitCode"] == 0 and probe in last["Output"], (service, last)
+        # healthy means the probe answered (Docker's retries ride out a slow one on a busy
+        # host): the latest answered probe names the role's own endpoint
+        log = compose.inspect(service)["State"]["Health"]["Log"]
+        answered = [entry for entry in log if entry["ExitCode"] == 0]
+        assert answered and probe in answered[-1]["Output"], (service, log)
     migrate = compose.inspect("migrate")["State"]
     assert (migrate["Status"], migrate["ExitCode"]) == ("exited", 0)
     # no secret in any layer: neither in the build steps nor in the files

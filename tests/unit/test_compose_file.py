@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from cdc import healthcheck
 from cdc.cli import main as cli
 from cdc.relay.stream.loop import SHUTDOWN_FLUSH_S
 from cdc.settings import ENV, Settings
@@ -268,6 +269,24 @@ def test_the_image_runs_as_a_user_with_one_healthcheck_for_every_role() -> None:
     services = _compose()["services"]
     for name in ("relay", "sink", "engine-stub"):
         assert services[name]["healthcheck"]["test"] == ["CMD", "python", "-m", "cdc.healthcheck"]
+
+
+def _seconds(text: str) -> float:
+    assert re.fullmatch(r"\d+s", text), text
+    return float(text[:-1])
+
+
+def test_docker_ends_a_probe_only_well_after_the_probe_bounds_itself() -> None:
+    """The probe's own bound plus the interpreter's start on a busy host (a CI run on a
+    loaded host saw Docker end a probe at 3 s, exit -1, while the relay answered): Docker's
+    timeout is at least twice the probe's, in the image and in every app service."""
+    (line,) = [ln for ln in DOCKERFILE.read_text().splitlines() if ln.startswith("HEALTHCHECK ")]
+    (image_timeout,) = re.findall(r"--timeout=(\S+)", line)
+    assert _seconds(image_timeout) >= 2 * healthcheck.PROBE_TIMEOUT_S
+    services = _compose()["services"]
+    for name in ("relay", "sink", "engine-stub"):
+        timeout_s = _seconds(services[name]["healthcheck"]["timeout"])
+        assert timeout_s >= 2 * healthcheck.PROBE_TIMEOUT_S, name
 
 
 def test_the_build_context_is_an_allow_list_that_leaves_out_dev_and_venv() -> None:
