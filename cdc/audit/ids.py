@@ -199,3 +199,8 @@ class IdList:
     def blob(self) -> bytes:
         """All ids, concatenated."""
         return bytes(self._blob)
+
+    def view(self) -> memoryview:
+        """All ids, concatenated, without a copy (read-only; the list must not grow
+        while the view is in use)."""
+        return memoryview(self._blob).toreadonly()

@@ -361,7 +361,7 @@ def _republish(settings: Settings, missing: IdList, origin: str, found: Compared
     snapshot's position (each row committed at or before it)."""
     return republish(
         settings,
-        missing.blob(),
+        missing.view(),
         origin=origin,
         mark=mark,
         lsn=lsn_to_str(found.table.snapshot_lsn),

@@ -70,6 +70,14 @@ from cdc.outbox import table_identifier
 from cdc.pgconn import Use
 from cdc.pgconn import connect as pg_connect
 from cdc.records import ID_BYTES
+from cdc.repair.rows import (
+    IDS_TABLE,
+    READ_TIMEOUT_MS,
+    REPUBLISH_SQL,
+    Ids,
+    Reader,
+    fill_ids,
+)
 from cdc.repair.transactional import TX_CALL_TIMEOUT_S, Transactions, exactly_once, present_ids
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
@@ -79,8 +87,6 @@ log = logging.getLogger("cdc.relay")
 
 Conn = psycopg.Connection[Any]
 
-#: Rows per chunk of a run's streamed query (a gap recovery's window, a repair's ids).
-FETCH_ROWS = 2_000
 #: Records produced between two polls of the delivery reports (the queue's room is
 #: polled for as well whenever it is full).
 POLL_EVERY = 100
@@ -483,32 +489,22 @@ def outbox_record(
     return record
 
 
-#: The rows of :func:`republish`: ids passed as one ``bytea`` of 16-byte ids, in commit
-#: order as far as the table knows it (one aggregate's rows keep their order).
-_REPUBLISH_SQL = """
-SELECT o.id::text, o.aggregatetype, o.aggregateid, o.type, o.payload::text,
-       o.tracingspancontext, {when} AS ts
-FROM {table} AS o
-JOIN (SELECT encode(substring(%(ids)s::bytea FROM g * {size} + 1 FOR {size}), 'hex')::uuid AS id
-      FROM generate_series(0, %(count)s - 1) AS g) AS m ON o.id::uuid = m.id
-ORDER BY ts, o.created_at, o.id
-"""
-
-
-def republish(settings: Settings, ids: bytes, *, origin: str, mark: str, lsn: str = "") -> int:
+def republish(settings: Settings, ids: Ids, *, origin: str, mark: str, lsn: str = "") -> int:
     """Publish the outbox rows ``ids`` (16-byte uuids, concatenated) again: the record
     the relay would have produced (same topic, key, value bytes and headers, ``origin``
     the given one, ``lsn`` the given position - a row's own commit LSN is not in the
     table - and the timestamp its commit time, else ``created_at``) plus
     ``recovered: mark``. The one re-publish path of chosen rows: the start-up check's
-    (``verify``) and the audit's (``audit-<run>``).
+    (``verify``) and the audit's (``audit-<run id>``).
 
-    Rows are read in one streamed query and published in commit order as far as the table
-    knows it (commit time, else ``created_at``, then id); rows no longer in the table are
-    skipped; a row the router or Kafka refuses is dead-lettered with the reason, never
-    dropped. Returns the records published once Kafka acknowledged every one; any other
-    Kafka error raises :class:`KafkaUnavailableError` (a second run republishes again,
-    which is harmless: consumers dedupe on ``id``)."""
+    The ids go to the server in chunks (a temporary table of the run's transaction:
+    memory stays bounded at any number of ids); the rows are read in one ordered query
+    by a thread of their own (:class:`cdc.repair.rows.Reader`) and published in commit order as far
+    as the table knows it (commit time, else ``created_at``, then id); rows no longer in
+    the table are skipped; a row the router or Kafka refuses is dead-lettered with the
+    reason, never dropped. Returns the records published once Kafka acknowledged every
+    one; any other Kafka error raises :class:`KafkaUnavailableError` (a second run
+    republishes again, which is harmless: consumers dedupe on ``id``)."""
     if len(ids) % ID_BYTES:
         raise ValueError(f"ids must be {ID_BYTES}-byte uuids, concatenated")
     if not ids:
@@ -523,29 +519,41 @@ def republish(settings: Settings, ids: bytes, *, origin: str, mark: str, lsn: st
         settings, producer, topic_manager(settings), Acks(), tx=txs, origin=origin_header
     )
     marked = mark.encode()
+    send = publisher.send
     try:
-        with _connect(settings) as conn:
-            query = sql.SQL(_REPUBLISH_SQL).format(
+        with _connect(settings) as conn, conn.transaction():
+            conn.execute(
+                sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(READ_TIMEOUT_MS))
+            )
+            fill_ids(conn, ids)
+            query = sql.SQL(REPUBLISH_SQL).format(
                 when=order_column(conn, "o"),
                 table=table_identifier(settings.outbox_table),
-                size=sql.Literal(ID_BYTES),
+                ids=sql.Identifier(IDS_TABLE),
             )
             tx: TxContext | None = None
             tx_ts: datetime | None = None
-            params = {"ids": ids, "count": len(ids) // ID_BYTES}
-            with conn.cursor() as cur:
-                for row in cur.stream(query, params, size=FETCH_ROWS):
-                    if tx is None and txs is not None:
-                        # exactly-once: only what Kafka does not hold; the rows come in
-                        # commit order, so the first one's time is the earliest
-                        # (only records of this server's lineage and slot vouch for an id)
-                        server = identify_system(settings.pg_dsn.get_secret_value())
-                        owner = recovery_rule(server, settings.slot)
-                        txs.present = present_ids(settings, epoch_us(row[6]) // 1000, owner)
-                    if tx is None or row[6] != tx_ts:  # rows of one transaction share its time
-                        tx_ts = row[6]
-                        tx = TxContext(lsn, epoch_us(row[6]), origin_header)
-                    publisher.send(outbox_record(row, tx, settings, marked))
+            with conn.cursor(name="outbox_cdc_republish") as cur:
+                cur.execute(query)
+                reader = Reader(conn, cur)
+                try:
+                    for rows in reader:
+                        for row in rows:
+                            if tx is None and txs is not None:
+                                # exactly-once: only what Kafka does not hold; the rows
+                                # come in commit order, so the first one's time is the
+                                # earliest (only records of this server's lineage and
+                                # slot vouch for an id)
+                                server = identify_system(settings.pg_dsn.get_secret_value())
+                                owner = recovery_rule(server, settings.slot)
+                                since_ms = epoch_us(row[6]) // 1000
+                                txs.present = present_ids(settings, since_ms, owner)
+                            if tx is None or row[6] != tx_ts:  # (one transaction: one time)
+                                tx_ts = row[6]
+                                tx = TxContext(lsn, epoch_us(row[6]), origin_header)
+                            send(outbox_record(row, tx, settings, marked))
+                finally:
+                    reader.close()
         publisher.wait_acked()
     finally:
         producer.flush(0)

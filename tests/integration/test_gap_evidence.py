@@ -28,6 +28,7 @@ afterwards. Every one failed on the code before issue 34:
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -51,7 +52,7 @@ from cdc.migrate import migrate
 from cdc.outbox import OutboxEvent, emit_event, write_event
 from cdc.records import read_headers
 from cdc.relay.gaps import recovery
-from cdc.repair import republish
+from cdc.repair import republish, rows
 from cdc.settings import Settings
 from tests.harness import (
     ROOT,
@@ -484,6 +485,50 @@ def test_the_start_check_republishes_rows_missing_from_kafka(
     log = relay.log_path.read_text()
     assert "no recorded identity" in log and "start-up check" in log
     assert [h[:2] for h in _history(cfg.db_dsn, cfg.slot)][-1] == ("adopted", "upgrade")
+
+
+@pytest.mark.parametrize("delivery", ["at-least-once", "exactly-once"])
+def test_republishing_ids_over_many_fills_and_read_chunks_keeps_every_keys_order(
+    cfg: RelayConfig, monkeypatch: pytest.MonkeyPatch, delivery: str
+) -> None:
+    """The republish path (the audit's repair, the start-up check) at the shape of a large
+    window, made small: the ids go to the server in fills of 7 and the rows come back
+    through the reader thread in chunks of 5 (10,000,000 rows are 100 fills of 100,000
+    and 5,000 chunks). Ids handed over shuffled, an id no longer in the table among them:
+    every row present is published once, each key's rows in commit order, marked."""
+    monkeypatch.setattr(rows, "IDS_PER_FILL", 7)
+    monkeypatch.setattr(rows, "FETCH_ROWS", 5)
+    migrate(cfg.db_dsn)
+    written = _write(cfg.db_dsn, 60)  # keys k0..k4, one transaction each
+    gone = str(uuid.uuid4())
+    shuffled = [*written, gone]
+    random.Random(7).shuffle(shuffled)
+    settings = Settings(
+        pg_dsn=cfg.db_dsn,
+        kafka_bootstrap_servers=cfg.kafka,
+        slot=cfg.slot,
+        topic_prefix=cfg.topic_prefix,
+        dlq_topic=cfg.dlq_topic,
+        topic_partitions=cfg.partitions,
+        delivery=delivery,
+        tx_max_records=11,  # (exactly-once: several transactions, cut inside the run)
+    )
+    blob = b"".join(uuid.UUID(i).bytes for i in shuffled)
+    sent = republish.republish(settings, memoryview(blob), origin="test/x", mark="audit-t")
+    assert sent == len(written)
+    msgs = read_topics(
+        cfg.kafka,
+        [_topic(cfg)],
+        expect=len(written),
+        idle_s=1,
+        committed_only=delivery == "exactly-once",
+    )
+    assert sorted(_ids(msgs, recovered=b"audit-t")) == sorted(written)
+    assert len(msgs) == len(written)
+    order = {event_id: n for n, event_id in enumerate(written)}
+    for key in {m.key() for m in msgs}:
+        mine = [_headers(m)["id"].decode() for m in msgs if m.key() == key]
+        assert mine == sorted(mine, key=order.__getitem__), key
 
 
 def test_a_recovery_that_died_half_way_resumes_from_its_recorded_progress(

@@ -252,11 +252,18 @@ def test_a_dead_letter_produce_raising_buffer_error_holds_backs_off_and_retries(
             _bulk(cfg.db_dsn, "qfull", 5, per_tx=5, start=10)
             cause = f"held: dead letter to {cfg.dlq_topic} not written: the producer's local"
 
+            seen: list[tuple[int, str]] = []
+
             def held() -> bool:
                 status, body = readyz(port)
+                if not seen or seen[-1] != (status, body):
+                    seen.append((status, body))
                 return status == 503 and body.startswith(cause)
 
-            wait_until(held, 60, "/readyz to name the held dead letter")
+            try:
+                wait_until(held, 60, "/readyz to name the held dead letter")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; /readyz said {seen}\n{relay.log_tail()}") from None
             wait_until(
                 lambda: metric(port, "outbox_relay_dead_letter_retries_total") >= 3,
                 60,

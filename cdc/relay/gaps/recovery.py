@@ -79,7 +79,6 @@ from cdc.relay.gaps.gap import (
 from cdc.relay.standby.safe import wait_standby_flushed
 from cdc.repair.lock import RecoveryLock
 from cdc.repair.republish import (
-    FETCH_ROWS,
     Acks,
     Publisher,
     epoch_us,
@@ -88,6 +87,7 @@ from cdc.repair.republish import (
     publishing_producer,
     topic_manager,
 )
+from cdc.repair.rows import FETCH_ROWS
 from cdc.repair.transactional import present_ids
 from cdc.router import TxContext
 from cdc.settings import Settings
