@@ -73,6 +73,7 @@ from cdc.records import ID_BYTES
 from cdc.repair.rows import (
     IDS_TABLE,
     READ_TIMEOUT_MS,
+    READ_WORK_MEM,
     REPUBLISH_SQL,
     Ids,
     Reader,
@@ -523,7 +524,9 @@ def republish(settings: Settings, ids: Ids, *, origin: str, mark: str, lsn: str 
     try:
         with _connect(settings) as conn, conn.transaction():
             conn.execute(
-                sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(READ_TIMEOUT_MS))
+                sql.SQL("SET LOCAL statement_timeout = {}; SET LOCAL work_mem = {}").format(
+                    sql.Literal(READ_TIMEOUT_MS), sql.Literal(READ_WORK_MEM)
+                )
             )
             fill_ids(conn, ids)
             query = sql.SQL(REPUBLISH_SQL).format(

@@ -50,6 +50,9 @@ READ_AHEAD_CHUNKS = 4
 #: The longest the run's ordered read may take in the server (its first fetch sorts
 #: the whole run: minutes at tens of millions of rows); past it the run fails.
 READ_TIMEOUT_MS = 30 * 60 * 1000
+#: The server's memory for the read's join and sort (``SET LOCAL``: this run only):
+#: 10,000,000 rows' first row came after 67 s with the default 4 MB, 51 s with this.
+READ_WORK_MEM = "256MB"
 #: How often a wait for the reader looks whether it is still alive.
 READER_CHECK_S = 1.0
 
