@@ -71,12 +71,12 @@ from cdc.pgconn import Use
 from cdc.pgconn import connect as pg_connect
 from cdc.records import ID_BYTES
 from cdc.repair.rows import (
+    FETCH_ROWS,
     IDS_TABLE,
     READ_TIMEOUT_MS,
     READ_WORK_MEM,
     REPUBLISH_SQL,
     Ids,
-    Reader,
     fill_ids,
 )
 from cdc.repair.transactional import TX_CALL_TIMEOUT_S, Transactions, exactly_once, present_ids
@@ -499,12 +499,12 @@ def republish(settings: Settings, ids: Ids, *, origin: str, mark: str, lsn: str 
     (``verify``) and the audit's (``audit-<run id>``).
 
     The ids go to the server in chunks (a temporary table of the run's transaction:
-    memory stays bounded at any number of ids); the rows are read in one ordered query
-    by a thread of their own (:class:`cdc.repair.rows.Reader`) and published in commit order as far
-    as the table knows it (commit time, else ``created_at``, then id); rows no longer in
-    the table are skipped; a row the router or Kafka refuses is dead-lettered with the
-    reason, never dropped. Returns the records published once Kafka acknowledged every
-    one; any other Kafka error raises :class:`KafkaUnavailableError` (a second run
+    memory stays bounded at any number of ids); the rows are streamed from one ordered
+    query and published in commit order as far as the table knows it (commit time,
+    else ``created_at``, then id); rows no longer in the table are skipped; a row the
+    router or Kafka refuses is dead-lettered with the reason, never dropped. Returns
+    the records published once Kafka acknowledged every one; any other Kafka error
+    raises :class:`KafkaUnavailableError` (a second run
     republishes again, which is harmless: consumers dedupe on ``id``)."""
     if len(ids) % ID_BYTES:
         raise ValueError(f"ids must be {ID_BYTES}-byte uuids, concatenated")
@@ -536,27 +536,19 @@ def republish(settings: Settings, ids: Ids, *, origin: str, mark: str, lsn: str 
             )
             tx: TxContext | None = None
             tx_ts: datetime | None = None
-            with conn.cursor(name="outbox_cdc_republish") as cur:
-                cur.execute(query)
-                reader = Reader(conn, cur)
-                try:
-                    for rows in reader:
-                        for row in rows:
-                            if tx is None and txs is not None:
-                                # exactly-once: only what Kafka does not hold; the rows
-                                # come in commit order, so the first one's time is the
-                                # earliest (only records of this server's lineage and
-                                # slot vouch for an id)
-                                server = identify_system(settings.pg_dsn.get_secret_value())
-                                owner = recovery_rule(server, settings.slot)
-                                since_ms = epoch_us(row[6]) // 1000
-                                txs.present = present_ids(settings, since_ms, owner)
-                            if tx is None or row[6] != tx_ts:  # (one transaction: one time)
-                                tx_ts = row[6]
-                                tx = TxContext(lsn, epoch_us(row[6]), origin_header)
-                            send(outbox_record(row, tx, settings, marked))
-                finally:
-                    reader.close()
+            with conn.cursor() as cur:
+                for row in cur.stream(query, size=FETCH_ROWS):
+                    if tx is None and txs is not None:
+                        # exactly-once: only what Kafka does not hold; the rows come in
+                        # commit order, so the first one's time is the earliest
+                        # (only records of this server's lineage and slot vouch for an id)
+                        server = identify_system(settings.pg_dsn.get_secret_value())
+                        owner = recovery_rule(server, settings.slot)
+                        txs.present = present_ids(settings, epoch_us(row[6]) // 1000, owner)
+                    if tx is None or row[6] != tx_ts:  # rows of one transaction share its time
+                        tx_ts = row[6]
+                        tx = TxContext(lsn, epoch_us(row[6]), origin_header)
+                    send(outbox_record(row, tx, settings, marked))
         publisher.wait_acked()
     finally:
         producer.flush(0)

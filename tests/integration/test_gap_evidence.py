@@ -492,10 +492,10 @@ def test_republishing_ids_over_many_fills_and_read_chunks_keeps_every_keys_order
     cfg: RelayConfig, monkeypatch: pytest.MonkeyPatch, delivery: str
 ) -> None:
     """The republish path (the audit's repair, the start-up check) at the shape of a large
-    window, made small: the ids go to the server in fills of 7 and the rows come back
-    through the reader thread in chunks of 5 (10,000,000 rows are 100 fills of 100,000
-    and 5,000 chunks). Ids handed over shuffled, an id no longer in the table among them:
-    every row present is published once, each key's rows in commit order, marked."""
+    window, made small: the ids go to the server in fills of 7 and the rows stream back
+    in chunks of 5 (10,000,000 rows are 100 fills of 100,000 and 5,000 chunks). Ids
+    handed over shuffled, an id no longer in the table among them: every row present
+    is published once, each key's rows in commit order, marked."""
     monkeypatch.setattr(rows, "IDS_PER_FILL", 7)
     monkeypatch.setattr(rows, "FETCH_ROWS", 5)
     migrate(cfg.db_dsn)
