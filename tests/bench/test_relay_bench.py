@@ -65,6 +65,7 @@ from tests.bench.report import (
 )
 from tests.clusters import stack_bindir
 from tests.harness import Proc, RelayConfig, headers_of, http_status, start_relay, wait_until
+from tests.integration.test_relay_errors import readyz
 
 pytestmark = [pytest.mark.bench, pytest.mark.integration]
 
@@ -215,7 +216,11 @@ def _wait_ready_precisely(proc: Proc, port: int) -> float:
             raise AssertionError(f"relay exited early:\n{proc.log_tail()}")
         return http_status(f"http://127.0.0.1:{port}/readyz", timeout_s=1) == 200
 
-    wait_until(ready, 60, "relay /readyz", interval_s=0.01)
+    try:
+        wait_until(ready, 60, "relay /readyz", interval_s=0.01)
+    except AssertionError as exc:  # (what it said, and its log: the log goes with it)
+        said = readyz(port) if proc.alive() else "(exited)"
+        raise AssertionError(f"{exc}; /readyz: {said}\n{proc.log_tail()}") from None
     return time.monotonic()
 
 
