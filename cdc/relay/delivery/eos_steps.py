@@ -88,7 +88,7 @@ class EosSteps:
 
         def _act(self, sess: Session, action: Action) -> None: ...
 
-        def _admit(self, sess: Session, nbytes: int) -> Action: ...
+        def _admit(self, sess: Session, nbytes: int, action: Action) -> Action: ...
 
         def _refuse(self, sess: Session) -> NoReturn: ...
 
@@ -150,9 +150,15 @@ class EosSteps:
         batch = self._batch
         if batch.state is _OPEN:  # (TxBatch.record's OPEN case, written out: no call, no clock;
             batch.records += 1  # the model test checks it against the machine)
-            self._send_record(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
+            send = self._send_record  # (an attribute load, cached: see FastPath.on_insert)
+            send(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
             return
-        action = self._admit(sess, len(value) + len(key))
+        # The machine asked here (the buffered case: one call), its answer acted on
+        # by the admission rule (ExactlyOnce._admit) unless it is BUFFER.
+        nbytes = len(value) + len(key)
+        action = batch.record(_monotonic_ns() // 1_000_000, nbytes)
+        if action is not _BUFFER:
+            action = self._admit(sess, nbytes, action)
         if action is _BUFFER:  # (a commit under way: held for the next transaction)
             self._buffer.append((tx_id, topic, value, key, headers, timestamp_ms, event_id))
             return

@@ -85,10 +85,12 @@ producer_dropped      ExactlyOnce                 no close(), the commit joined
 
 The admission rule - no record or dead letter enters a Kafka transaction that is
 aborting, failed or fenced, and none enters one being committed except through the
-buffer - is :meth:`ExactlyOnce._admit`, asked by ``record`` and ``dead_letter``
-(``record`` takes the machine's OPEN case itself, the model test checking it against
-:meth:`TxBatch.record`); the buffer's release and the dead letters' drain ask the
-machine's :attr:`TxBatch.admits`.
+buffer - is :meth:`ExactlyOnce._admit`, asked by ``record`` and ``dead_letter`` with
+the machine's answer (:meth:`TxBatch.record`, which they call themselves: a record
+buffered during a commit costs one call, not three). ``record`` takes the machine's
+OPEN case itself (no call), the model test checking it against :meth:`TxBatch.record`,
+and holds a BUFFER answer itself; the buffer's release and the dead letters' drain
+ask the machine's :attr:`TxBatch.admits`.
 """
 
 from __future__ import annotations
@@ -162,13 +164,13 @@ def transactional_id(configured: str, origin: Origin, slot: str) -> str:
     return configured or f"outbox-cdc.{origin.system_id}.{slot}"
 
 
-_monotonic = time.monotonic
+_monotonic_ns = time.monotonic_ns
 _NONE, _BEGIN, _WAIT, _REFUSE = Action.NONE, Action.BEGIN, Action.WAIT, Action.REFUSE
 _COMMITTING = TxState.COMMITTING
 
 
 def _now_ms() -> int:
-    return int(_monotonic() * 1000)
+    return _monotonic_ns() // 1_000_000  # (integers only: no float made)
 
 
 class _ModeLiveness(Liveness):
@@ -374,19 +376,20 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
         (its transaction is lost anyway and the record read again, a refused one
         remembered). Buffered during a commit, it waits in pending_dlq meanwhile,
         counted in the next transaction."""
-        if self._batch.covered(tx_id) or self._admit(sess, 0) is _REFUSE:
+        batch = self._batch
+        if batch.covered(tx_id) or self._admit(sess, 0, batch.record(_now_ms(), 0)) is _REFUSE:
             sess.tracker.ack(tx_id)
             return False
         return True
 
-    def _admit(self, sess: Session, nbytes: int) -> Action:
+    def _admit(self, sess: Session, nbytes: int, action: Action) -> Action:
         """The admission rule, for a record of ``nbytes`` (key and value) or a dead
-        letter (0) not in a covered WAL transaction: the machine's answer
-        (:meth:`TxBatch.record`) acted on. NONE: into the open transaction (begun here
-        when none was); BUFFER: a commit is under way, held for the next one (at the
-        buffer's bound the reading waits for the commit's outcome and asks again);
-        REFUSE: the transaction is aborting, failed or fenced - it enters none."""
-        action = self._batch.record(_now_ms(), nbytes)
+        letter (0) not in a covered WAL transaction: ``action``, the machine's answer
+        (:meth:`TxBatch.record`, asked by the caller: one call less on the buffered
+        path), acted on. NONE: into the open transaction (begun here when none was);
+        BUFFER: a commit is under way, held for the next one (at the buffer's bound -
+        WAIT - the reading waits for the commit's outcome and asks again); REFUSE: the
+        transaction is aborting, failed or fenced - it enters none."""
         while action is _WAIT:
             self._await_commit(sess)
             action = self._batch.record(_now_ms(), nbytes)

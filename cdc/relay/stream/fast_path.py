@@ -378,8 +378,12 @@ class FastPath:
             )
             return
         sess.tracker.add(tx_id)
+        # (the step read as an attribute, then called: ``self._send(...)`` would be a
+        # method load CPython 3.11 cannot specialize for an instance's own attribute -
+        # a generic lookup per record; this is one cached load)
+        send = self._send
         try:
-            self._send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
+            send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
         except KafkaException as exc:
             self._refused(sess, tx_id, exc, topic, key, value, headers, tx.timestamp_ms)
 
