@@ -183,6 +183,19 @@ def _topic(cfg: RelayConfig) -> str:
     return cfg.topic_prefix + AGG
 
 
+def _settings(cfg: RelayConfig, **overrides: Any) -> Settings:
+    """The settings of an in-process run against ``cfg``'s database, Kafka and slot."""
+    return Settings(
+        pg_dsn=cfg.db_dsn,
+        kafka_bootstrap_servers=cfg.kafka,
+        slot=cfg.slot,
+        topic_prefix=cfg.topic_prefix,
+        dlq_topic=cfg.dlq_topic,
+        topic_partitions=cfg.partitions,
+        **overrides,
+    )
+
+
 def _first_run(cfg: RelayConfig, tmp: Path, count: int = 3) -> list[str]:
     """A relay's first start, ``count`` events published, the relay stopped."""
     relay, _ = start_relay(cfg, tmp, name="first")
@@ -503,16 +516,8 @@ def test_republishing_ids_over_many_fills_and_read_chunks_keeps_every_keys_order
     gone = str(uuid.uuid4())
     shuffled = [*written, gone]
     random.Random(7).shuffle(shuffled)
-    settings = Settings(
-        pg_dsn=cfg.db_dsn,
-        kafka_bootstrap_servers=cfg.kafka,
-        slot=cfg.slot,
-        topic_prefix=cfg.topic_prefix,
-        dlq_topic=cfg.dlq_topic,
-        topic_partitions=cfg.partitions,
-        delivery=delivery,
-        tx_max_records=11,  # (exactly-once: several transactions, cut inside the run)
-    )
+    # (exactly-once: several transactions, cut inside the run)
+    settings = _settings(cfg, delivery=delivery, tx_max_records=11)
     blob = b"".join(uuid.UUID(i).bytes for i in shuffled)
     sent = republish.republish(settings, memoryview(blob), origin="test/x", mark="audit-t")
     assert sent == len(written)
@@ -543,15 +548,7 @@ def test_a_recovery_that_died_half_way_resumes_from_its_recorded_progress(
     # (an attempt resumes no later than its predecessor's start minus the margin: rows
     # committed after that snapshot may carry a created_at up to the margin earlier)
     time.sleep(MARGIN_S + 1)
-    settings = Settings(
-        pg_dsn=cfg.db_dsn,
-        kafka_bootstrap_servers=cfg.kafka,
-        slot=cfg.slot,
-        topic_prefix=cfg.topic_prefix,
-        dlq_topic=cfg.dlq_topic,
-        topic_partitions=cfg.partitions,
-        gap_margin_s=MARGIN_S,
-    )
+    settings = _settings(cfg, gap_margin_s=MARGIN_S)
     found = recovery.inspect(settings)
     gap = recovery.open_gap(settings, found)
     monkeypatch.setattr(recovery, "PROGRESS_EVERY_ROWS", 3)
