@@ -143,6 +143,9 @@ class RelayConfig:
                 "CDC_TOPIC_PARTITIONS": str(self.partitions),
                 "CDC_RELAY_HTTP_PORT": str(http_port),
                 "LOG_LEVEL": "INFO",
+                # A native crash (a segfault at exit was seen once, -11 after "relay
+                # stopped") prints every thread's stack into the process's log.
+                "PYTHONFAULTHANDLER": "1",
                 # The session's database is shared: a test's first start finds other
                 # tests' rows in the outbox and must not publish them (cdc.relay.gaps.gap).
                 "CDC_SLOT_INIT": "now",

@@ -72,12 +72,12 @@ from cdc.pgconn import connect as pg_connect
 from cdc.records import ID_BYTES
 from cdc.repair.rows import (
     FETCH_ROWS,
-    IDS_TABLE,
+    ORDER_ALIAS,
     READ_TIMEOUT_MS,
     READ_WORK_MEM,
-    REPUBLISH_SQL,
     Ids,
     fill_ids,
+    republish_query,
 )
 from cdc.repair.transactional import TX_CALL_TIMEOUT_S, Transactions, exactly_once, present_ids
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
@@ -108,11 +108,16 @@ def _connect(settings: Settings) -> Conn:
     return pg_connect(settings.pg_dsn.get_secret_value(), Use.WORK)
 
 
+def commit_time_tracked(conn: Conn) -> bool:
+    """Whether the server records its transactions' commit times."""
+    row = conn.execute("SHOW track_commit_timestamp").fetchone()
+    return row is not None and str(row[0]).lower() == "on"
+
+
 def order_column(conn: Conn, alias: str = "") -> sql.Composable:
     """The rows' commit time when the server tracks it, else their transaction's start."""
     prefix = f"{alias}." if alias else ""
-    row = conn.execute("SHOW track_commit_timestamp").fetchone()
-    if row is not None and str(row[0]).lower() == "on":
+    if commit_time_tracked(conn):
         return sql.SQL(f"COALESCE(pg_xact_commit_timestamp({prefix}xmin), {prefix}created_at)")
     return sql.SQL(f"{prefix}created_at")
 
@@ -529,10 +534,10 @@ def republish(settings: Settings, ids: Ids, *, origin: str, mark: str, lsn: str 
                 )
             )
             fill_ids(conn, ids)
-            query = sql.SQL(REPUBLISH_SQL).format(
-                when=order_column(conn, "o"),
-                table=table_identifier(settings.outbox_table),
-                ids=sql.Identifier(IDS_TABLE),
+            query = republish_query(
+                table_identifier(settings.outbox_table),
+                order_column(conn, ORDER_ALIAS),
+                by_commit_time=commit_time_tracked(conn),
             )
             tx: TxContext | None = None
             tx_ts: datetime | None = None

@@ -204,6 +204,17 @@ def test_present_ids_are_16_bytes_each_and_looked_up_exactly() -> None:
         present.add(ids[0])
 
 
+def test_present_ids_decide_by_the_whole_id_when_the_bitmap_says_maybe() -> None:
+    """Ids sharing the bitmap's bytes (its bit set for all of them) or a blob are told
+    apart by all 16 bytes: the bitmap never answers "there"."""
+    base = uuid.uuid4().bytes
+    kept = [bytes([i]) + base[1:] for i in range(0, 256, 2)]  # same last bytes, same blob?
+    present = PresentIds.of(kept)
+    assert all(i in present for i in kept)
+    assert not any(bytes([i]) + base[1:] in present for i in range(1, 256, 2))
+    assert base[:15] + bytes([base[15] ^ 1]) not in present  # (another bit of the map)
+
+
 def _message(topic: str, headers: list[tuple[bytes, bytes]]) -> object:
     from tests.records import RawRecord
     from tests.unit.test_record_reading import FakeMessage
