@@ -37,7 +37,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 import pytest
@@ -87,6 +87,8 @@ class Run:
     cpu_s: float
     #: The broker's CPU over the same time (our path only; NaN for Debezium Server).
     broker_cpu_s: float
+    #: The endpoint's CPU over the same time (the same server for both; in neither figure).
+    endpoint_cpu_s: float
     peak_rss_mb: float
     arrived: int
     duplicates: int
@@ -114,6 +116,7 @@ class Run:
             "events_per_cpu_s": self.events_per_cpu_s,
             "cpu_s": self.cpu_s,
             "broker_cpu_s": self.broker_cpu_s,
+            "endpoint_cpu_s": self.endpoint_cpu_s,
             "peak_rss_mb": self.peak_rss_mb,
             "arrived": self.arrived,
             "duplicates": self.duplicates,
@@ -173,6 +176,17 @@ class Endpoint:
         self._log.close()
 
 
+class Drained(NamedTuple):
+    """A drain as :func:`_follow` saw it."""
+
+    startup_s: float
+    drain_s: float
+    #: CPU seconds over the drain: the contender's processes, the broker, the endpoint.
+    cpu_s: float
+    broker_cpu_s: float
+    endpoint_cpu_s: float
+
+
 def _follow(
     name: str,
     endpoint: Endpoint,
@@ -182,33 +196,37 @@ def _follow(
     spawned: float,
     alive: Any,
     log: Path,
-) -> tuple[float, float, float, float]:
+) -> Drained:
     """Poll the endpoint from the spawn (``spawned``: ``time.time()``, the endpoint's clock)
-    until ``events`` arrived: (start-up s, drain s, CPU s of ``pids`` over the drain, the
-    broker's CPU s over it)."""
+    until ``events`` arrived; CPU read at the first arrival seen and at the last."""
     broker = kafka_pid()
-    cpu_first = broker_first = None
+
+    def cpu() -> tuple[float, float, float]:
+        return (
+            sum(cpu_seconds(p) for p in pids),
+            cpu_seconds(broker) if broker else math.nan,
+            cpu_seconds(endpoint.proc.pid),
+        )
+
+    first: tuple[float, float, float] | None = None
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
         stats = endpoint.stats()
-        if stats["events"] > 0 and cpu_first is None:
-            cpu_first = sum(cpu_seconds(p) for p in pids)
-            broker_first = cpu_seconds(broker) if broker else math.nan
+        if stats["events"] > 0 and first is None:
+            first = cpu()
         if stats["events"] >= events:
-            cpu_last = sum(cpu_seconds(p) for p in pids)
-            broker_last = cpu_seconds(broker) if broker else math.nan
+            last = cpu()
             break
         if not alive():
             raise AssertionError(f"{name} exited after {stats['events']:,} events:\n{_tail(log)}")
         if time.monotonic() > deadline:
             raise AssertionError(f"{name}: {stats['events']:,} of {events:,} after the timeout")
         time.sleep(POLL_S)
-    assert cpu_first is not None and broker_first is not None
-    return (
+    assert first is not None
+    return Drained(
         stats["first_at"] - spawned,
         stats["last_at"] - stats["first_at"],
-        cpu_last - cpu_first,
-        broker_last - broker_first if broker else math.nan,
+        *(b - a for a, b in zip(first, last, strict=True)),
     )
 
 
@@ -259,7 +277,7 @@ def run_outbox_cdc(
         spawned = time.time()
         relay, _ = start_relay(run_cfg, tmp, name=f"relay-e2e-{latency_ms:g}", wait_ready=False)
         procs = (relay, sink)
-        startup_s, drain_s, cpu_s, broker_s = _follow(
+        drained = _follow(
             "outbox-cdc", endpoint, pids=[relay.pid, sink.pid], events=events, spawned=spawned,
             alive=lambda: all(p.alive() for p in procs), log=relay.log_path,
         )  # fmt: skip
@@ -272,7 +290,7 @@ def run_outbox_cdc(
             if proc is not None:
                 proc.close()
         endpoint.close()
-    return Run("outbox-cdc", events, startup_s, drain_s, cpu_s, broker_s, rss, **arrivals)
+    return Run("outbox-cdc", events, *drained, peak_rss_mb=rss, **arrivals)
 
 
 # -- contender B: Debezium Server ---------------------------------------------------
@@ -354,7 +372,7 @@ def run_debezium_server(
         # cwd: Debezium Server reads config/application.properties from there.
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=run_dir)
         try:
-            startup_s, drain_s, cpu_s, _ = _follow(
+            drained = _follow(
                 "debezium-server", endpoint, pids=[proc.pid], events=events, spawned=spawned,
                 alive=lambda: proc.poll() is None, log=log,
             )  # fmt: skip
@@ -371,7 +389,8 @@ def run_debezium_server(
                 proc.kill()
                 proc.wait(10)
             endpoint.close()
-    return Run("debezium-server", events, startup_s, drain_s, cpu_s, math.nan, rss, **arrivals)
+    drained = drained._replace(broker_cpu_s=math.nan)  # not on its path
+    return Run("debezium-server", events, *drained, peak_rss_mb=rss, **arrivals)
 
 
 # -- the test -----------------------------------------------------------------------
@@ -445,6 +464,7 @@ def test_outbox_to_endpoint_our_pipeline_beside_debezium_server(
             "ev/s at endpoint",
             "ev per CPU-s",
             "broker CPU-s",
+            "endpoint CPU-s",
             "peak RSS MB",
             "start-up s",
             "arrived",
@@ -458,6 +478,7 @@ def test_outbox_to_endpoint_our_pipeline_beside_debezium_server(
                 fmt(r.events_per_s),
                 fmt(r.events_per_cpu_s),
                 fmt(r.broker_cpu_s, 1),
+                fmt(r.endpoint_cpu_s, 1),
                 fmt(r.peak_rss_mb, 1),
                 fmt(r.startup_s, 2),
                 fmt(r.arrived),
@@ -469,10 +490,10 @@ def test_outbox_to_endpoint_our_pipeline_beside_debezium_server(
     )
     print(
         "  (ev/s: the endpoint's first answer -> its last; CPU: relay + sink processes /"
-        " Debezium Server's JVM, all threads, over that time - the broker's CPU beside ours,"
-        " not in it; peak RSS: VmHWM, relay + sink summed; start-up: spawn of the relay / the"
-        " JVM -> first answer. Debezium Server has no Kafka in between: nothing to replay"
-        " from, one request at a time)"
+        " Debezium Server's JVM, all threads, over that time - the broker's and the"
+        " endpoint's CPU-s beside them, in neither; peak RSS: VmHWM, relay + sink summed;"
+        " start-up: spawn of the relay / the JVM -> first answer. Debezium Server has no"
+        " Kafka in between: nothing to replay from, one request at a time)"
     )
     write_figures(
         f"compare-e2e-{latency_ms}ms",
