@@ -9,8 +9,9 @@
 #                     only what runs the PostgreSQL connector and the HTTP sink unpacked
 #                     (see fetch_server below); prints that folder.
 #
-# Installs Java 17 and Maven from Debian's packages when missing, as compose/stack.sh
-# does for the Kafka jars.
+# For the connector: installs Java 17 and Maven from Debian's packages when missing, as
+# compose/stack.sh does for the Kafka jars. Debezium Server 3.6 needs Java 21 or later,
+# which Debian 12 does not package: the bench finds one (test_e2e_compare.server_java).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 LIBS="$ROOT/.dev/debezium/libs"
@@ -41,10 +42,6 @@ fetch_server() {
         echo "$dir"
         return 0
     fi
-    command -v java >/dev/null || {
-        echo "[debezium] installing openjdk-17-jre-headless (Debian package)" >&2
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q openjdk-17-jre-headless >&2
-    }
     # DEBEZIUM_SERVER_TARBALL: a copy already on this machine (another worktree's), checked
     # the same way; else a download, kept only until it is unpacked.
     tarball=${DEBEZIUM_SERVER_TARBALL:-$ROOT/.dev/debezium/debezium-server-dist-$SERVER_VERSION.tar.gz}
