@@ -65,7 +65,8 @@ fetch_server() {
     fi
     # Only what runs the PostgreSQL connector and the HTTP sink: the runner jar and lib/
     # (Debezium Server's core, its sinks - http among them - and the connectors, one flat
-    # class path: its Quarkus runner loads every sink's bean, so lib/ stays whole). Left
+    # class path: its Quarkus runner loads every sink's class at start-up - without the
+    # other sinks' jars it stops, ClassNotFoundException - so lib/ stays whole). Left
     # out: connectors/ (Cassandra's, 351 MB), lib_opt/ (scripting, Chronicle Queue), the
     # metrics agents, run.bat. run.sh is kept to show the command the bench runs.
     rm -rf "$dir" "$dir.tmp"
