@@ -15,8 +15,10 @@ so 10 ms each) of 1-event transactions, written after its slot was copied from o
 the engine stub is said there) that waits the latency before each answer.
 
 Per contender: events/s at the endpoint (its first answer to its last), events per CPU
-second of the contender's processes over that time (``/proc/<pid>/stat``: relay + sink;
-Debezium Server's JVM; the broker's CPU beside ours, as it is part of our path), peak RSS
+second of the contender's processes (``/proc/<pid>/stat``: relay + sink; Debezium Server's
+JVM) from the first event out of the source (the relay's first record in Kafka; Debezium
+Server's first POST) to the last answer (the broker's CPU beside ours, as it is part of
+our path), peak RSS
 (``VmHWM``; relay + sink summed), start-up (the spawn of the relay / the JVM to the first
 answer; the sink was started and ready before the relay) and that every event arrived:
 the endpoint's keys are the backlog's outbox ids, each once. Figures are printed and
@@ -35,7 +37,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,7 +46,7 @@ import psycopg
 import pytest
 
 from tests.bench.compare.conftest import PARTITIONS
-from tests.bench.compare.contenders import DEBEZIUM_DIR, copy_slots, properties
+from tests.bench.compare.contenders import DEBEZIUM_DIR, TopicCount, copy_slots, properties
 from tests.bench.conftest import API_KEY, create_topics
 from tests.bench.report import (
     cpu_seconds,
@@ -97,6 +100,14 @@ class Run:
     unexpected: int
     #: The first request as the endpoint received it.
     sample: dict[str, Any]
+    #: ``cpu_s`` per process (relay and sink; the JVM).
+    cpu_by_process: dict[str, float] = field(default_factory=dict)
+    #: Each process's CPU from its spawn to the last answer (start-up included).
+    cpu_total_by_process: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cpu_total_s(self) -> float:
+        return sum(self.cpu_total_by_process.values())
 
     @property
     def events_per_s(self) -> float:
@@ -123,6 +134,9 @@ class Run:
             "bad_requests": self.bad_requests,
             "missing": self.missing,
             "unexpected": self.unexpected,
+            "cpu_by_process_s": self.cpu_by_process,
+            "cpu_total_s": self.cpu_total_s,
+            "cpu_total_by_process_s": self.cpu_total_by_process,
             "first_request": self.sample,
         }
 
@@ -185,34 +199,43 @@ class Drained(NamedTuple):
     cpu_s: float
     broker_cpu_s: float
     endpoint_cpu_s: float
+    cpu_by_process: dict[str, float]
+    #: Each process's CPU from its spawn to the last answer (start-up included).
+    cpu_total_by_process: dict[str, float]
 
 
 def _follow(
     name: str,
     endpoint: Endpoint,
     *,
-    pids: list[int],
+    pids: dict[str, int],
     events: int,
     spawned: float,
     alive: Any,
     log: Path,
+    source_out: Callable[[], int] | None = None,
 ) -> Drained:
     """Poll the endpoint from the spawn (``spawned``: ``time.time()``, the endpoint's clock)
-    until ``events`` arrived; CPU read at the first arrival seen and at the last."""
+    until ``events`` arrived. CPU is read from the first event out of the source to the last
+    answer: ``source_out`` counts what the source sent (our relay: records in Kafka; its CPU
+    from there, not from the endpoint's first answer, when the sink may not even have its
+    partitions yet); without it, the endpoint's first answer (Debezium Server posts each
+    event as it reads it)."""
     broker = kafka_pid()
 
-    def cpu() -> tuple[float, float, float]:
-        return (
-            sum(cpu_seconds(p) for p in pids),
-            cpu_seconds(broker) if broker else math.nan,
-            cpu_seconds(endpoint.proc.pid),
-        )
+    def cpu() -> dict[str, float]:
+        return {name: cpu_seconds(pid) for name, pid in pids.items()} | {
+            " broker": cpu_seconds(broker) if broker else math.nan,
+            " endpoint": cpu_seconds(endpoint.proc.pid),
+        }
 
-    first: tuple[float, float, float] | None = None
+    first: dict[str, float] | None = None
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
+        if first is None and source_out is not None and source_out() > 0:
+            first = cpu()
         stats = endpoint.stats()
-        if stats["events"] > 0 and first is None:
+        if first is None and source_out is None and stats["events"] > 0:
             first = cpu()
         if stats["events"] >= events:
             last = cpu()
@@ -223,10 +246,15 @@ def _follow(
             raise AssertionError(f"{name}: {stats['events']:,} of {events:,} after the timeout")
         time.sleep(POLL_S)
     assert first is not None
+    spent = {name: last[name] - first[name] for name in first}
     return Drained(
         stats["first_at"] - spawned,
         stats["last_at"] - stats["first_at"],
-        *(b - a for a, b in zip(first, last, strict=True)),
+        sum(spent[name] for name in pids),
+        spent[" broker"],
+        spent[" endpoint"],
+        {name: spent[name] for name in pids},
+        {name: last[name] for name in pids},
     )
 
 
@@ -265,6 +293,7 @@ def run_outbox_cdc(
         cfg.kafka, [run_cfg.topic_prefix + aggregate, run_cfg.dlq_topic], partitions=PARTITIONS
     )
     endpoint = Endpoint(tmp, f"endpoint-outbox-cdc-{latency_ms:g}", latency_ms)
+    in_kafka = TopicCount(cfg.kafka, [run_cfg.topic_prefix + aggregate])
     relay = sink = None
     try:
         sink_cfg = SinkConfig(
@@ -278,8 +307,9 @@ def run_outbox_cdc(
         relay, _ = start_relay(run_cfg, tmp, name=f"relay-e2e-{latency_ms:g}", wait_ready=False)
         procs = (relay, sink)
         drained = _follow(
-            "outbox-cdc", endpoint, pids=[relay.pid, sink.pid], events=events, spawned=spawned,
-            alive=lambda: all(p.alive() for p in procs), log=relay.log_path,
+            "outbox-cdc", endpoint, pids={"relay": relay.pid, "sink": sink.pid}, events=events,
+            spawned=spawned, alive=lambda: all(p.alive() for p in procs), log=relay.log_path,
+            source_out=in_kafka,
         )  # fmt: skip
         rss = peak_rss_mb(relay.pid) + peak_rss_mb(sink.pid)
         arrivals = _arrivals(endpoint, expected)
@@ -290,7 +320,8 @@ def run_outbox_cdc(
             if proc is not None:
                 proc.close()
         endpoint.close()
-    return Run("outbox-cdc", events, *drained, peak_rss_mb=rss, **arrivals)
+        in_kafka.close()
+    return Run("outbox-cdc", events, **drained._asdict(), peak_rss_mb=rss, **arrivals)
 
 
 # -- contender B: Debezium Server ---------------------------------------------------
@@ -373,8 +404,8 @@ def run_debezium_server(
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, cwd=run_dir)
         try:
             drained = _follow(
-                "debezium-server", endpoint, pids=[proc.pid], events=events, spawned=spawned,
-                alive=lambda: proc.poll() is None, log=log,
+                "debezium-server", endpoint, pids={"debezium-server": proc.pid}, events=events,
+                spawned=spawned, alive=lambda: proc.poll() is None, log=log,
             )  # fmt: skip
             rss = peak_rss_mb(proc.pid)
             arrivals = _arrivals(endpoint, expected)
@@ -390,7 +421,7 @@ def run_debezium_server(
                 proc.wait(10)
             endpoint.close()
     drained = drained._replace(broker_cpu_s=math.nan)  # not on its path
-    return Run("debezium-server", events, *drained, peak_rss_mb=rss, **arrivals)
+    return Run("debezium-server", events, **drained._asdict(), peak_rss_mb=rss, **arrivals)
 
 
 # -- the test -----------------------------------------------------------------------
@@ -463,6 +494,7 @@ def test_outbox_to_endpoint_our_pipeline_beside_debezium_server(
             "Kafka between",
             "ev/s at endpoint",
             "ev per CPU-s",
+            "CPU-s from spawn",
             "broker CPU-s",
             "endpoint CPU-s",
             "peak RSS MB",
@@ -477,6 +509,7 @@ def test_outbox_to_endpoint_our_pipeline_beside_debezium_server(
                 "yes" if r.name == "outbox-cdc" else "no",
                 fmt(r.events_per_s),
                 fmt(r.events_per_cpu_s),
+                fmt(r.cpu_total_s, 1),
                 fmt(r.broker_cpu_s, 1),
                 fmt(r.endpoint_cpu_s, 1),
                 fmt(r.peak_rss_mb, 1),
@@ -490,9 +523,12 @@ def test_outbox_to_endpoint_our_pipeline_beside_debezium_server(
     )
     print(
         "  (ev/s: the endpoint's first answer -> its last; CPU: relay + sink processes /"
-        " Debezium Server's JVM, all threads, over that time - the broker's and the"
-        " endpoint's CPU-s beside them, in neither; peak RSS: VmHWM, relay + sink summed;"
-        " start-up: spawn of the relay / the JVM -> first answer. Debezium Server has no"
+        " Debezium Server's JVM, all threads, from the first event out of the source (the"
+        " relay's first record in Kafka / the first POST) to the last answer - the broker's"
+        " and the endpoint's CPU-s beside them, in neither; CPU-s from spawn: the same"
+        " processes from their spawn (start-up included) to the last answer; peak RSS:"
+        " VmHWM, relay + sink summed; start-up: spawn of the relay / the JVM -> first"
+        " answer. Debezium Server has no"
         " Kafka in between: nothing to replay from, one request at a time)"
     )
     write_figures(
