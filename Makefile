@@ -308,10 +308,15 @@ bench-pg18: venv up
 # of one slot, one after the other, into the stack's broker; 1- and 100-event transactions
 # (BENCH_COMPARE_EVENTS each, 200,000 by default; BENCH_COMPARE_REPEATS drains per contender,
 # the order rotated, medians). Then every Debezium record is compared
-# with the relay's: one difference fails the run. Not part of `make test` (about 10 minutes
-# on the 2-core machine). Figures: printed, and JSON in BENCH_JSON_DIR.
+# with the relay's: one difference fails the run. Then end to end (test_e2e_compare.py): the
+# relay + Kafka + the sink beside Debezium Server 3.6 (PostgreSQL connector, Outbox Event
+# Router, HTTP sink: fetch.sh server, bench/debezium/server-application.properties) into one
+# HTTP endpoint at 0 and 10 ms of latency (BENCH_E2E_EVENTS 50,000 / BENCH_E2E_EVENTS_10MS
+# 5,000), every event's arrival checked. Not part of `make test` (about 13 minutes on the
+# 2-core machine). Figures: printed, and JSON in BENCH_JSON_DIR.
 bench-compare: venv up
 	@bash bench/debezium/fetch.sh >/dev/null
+	@bash bench/debezium/fetch.sh server >/dev/null
 	. ./.dev/env && BENCH_JSON_DIR=$(BENCH_JSON_DIR) BENCH_COMMAND="make bench-compare" \
 		$(BIN)/pytest tests/bench/compare -s -p no:randomly --durations=5 $(PYTEST_ARGS)
 	@echo "[bench-compare] figures in $(BENCH_JSON_DIR); make bench-plots draws the charts"
