@@ -881,29 +881,32 @@ def test_silence_beyond_the_read_timeout_is_a_read_timeout_and_closes() -> None:
 
 def test_the_read_timeout_outlives_requests_on_a_kept_connection() -> None:
     """One timer serves a connection's requests: a fast exchange leaves it armed, a later
-    request is timed from its own start (not the first's), an idle pause disarms it."""
+    request is timed from its own start (not the first's), an idle pause disarms it.
+    (Times in multiples of READ_S = 1.5 s: request 2's answer comes 0.9 s before its own
+    deadline - with 0.5 s and a 0.25 s margin, a CI machine at load 35 missed it once.)"""
+    read_s = 1.5
 
     async def fast_then_slow_then_mute(request: Received, writer: asyncio.StreamWriter) -> bool:
         if request.index == 2:
-            await asyncio.sleep(0.25)  # past the first request's timer, within read_s
+            await asyncio.sleep(0.4 * read_s)  # past the first request's timer, within read_s
         if request.index == 4:
-            await asyncio.sleep(5)
+            await asyncio.sleep(4 * read_s)
             return False
         return await answer_ok(request, writer)
 
     async def go() -> None:
         async with Server(fast_then_slow_then_mute) as server:
-            pool = pool_for(server, timeouts=PoolTimeouts(read_s=0.5))
-            await post(pool, "0")  # arms the timer (fires 0.5 s after this start)
-            await asyncio.sleep(0.35)
+            pool = pool_for(server, timeouts=PoolTimeouts(read_s=read_s))
+            await post(pool, "0")  # arms the timer (fires read_s after this start)
+            await asyncio.sleep(0.7 * read_s)
             await post(pool, "1")
             assert (await post(pool, "2")).status == 200  # in flight when that timer fires
-            await asyncio.sleep(1.0)  # idle past every timer: it disarms
+            await asyncio.sleep(1.4 * read_s)  # idle past every timer: it disarms
             await post(pool, "3")
             started = time.monotonic()
-            with pytest.raises(ReadTimeout, match=r"nothing received for 0\.5 s"):
+            with pytest.raises(ReadTimeout, match=r"nothing received for 1\.5 s"):
                 await post(pool, "4")
-            assert 0.49 <= time.monotonic() - started < 2.0
+            assert read_s - 0.01 <= time.monotonic() - started < read_s + 3.0
             assert (pool.connects, [r.conn for r in server.requests]) == (1, [0] * 5)
             await pool.aclose()
 
