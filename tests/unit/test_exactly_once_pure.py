@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import NoReturn
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -326,7 +327,9 @@ def test_the_exactly_once_mode_hands_records_to_the_producers_own_send() -> None
     )
     eos = relay.mode
     assert isinstance(eos, ExactlyOnce)
-    assert eos._send_record == relay.producing.send
+    assert eos._steps._send_record == relay.producing.send
+    # (its points are its collaborators' bound methods: the loop calls them directly)
+    assert eos.record == eos._steps.record and eos.read_wait_s == eos._overlap.read_wait_s
     assert relay.producing.mode is relay.dead_letters.mode is eos
     assert relay.decoder._send == eos.record
     assert relay.decoder.on_begin == eos.wal_begins
@@ -352,23 +355,30 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
 
     acted: list[Action] = []
 
-    class Steps(EosSteps):
-        def __init__(self, checkpoint: int) -> None:
-            # (never aborted by age: the record below is "opened" at 0 ms, the commit
-            # asks with the monotonic clock)
-            limits = TxLimits(
-                max_records=10,
-                max_ms=50,
-                backlog_max_ms=500,
-                abort_after_ms=1 << 60,
-                commit_budget_ms=100,
-            )
-            self._batch = TxBatch(limits, checkpoint)
-            self._skip_tx = -1
-            self._job = None
+    def steps_at(checkpoint: int) -> EosSteps:
+        # (never aborted by age: the record below is "opened" at 0 ms, the commit
+        # asks with the monotonic clock)
+        limits = TxLimits(
+            max_records=10,
+            max_ms=50,
+            backlog_max_ms=500,
+            abort_after_ms=1 << 60,
+            commit_budget_ms=100,
+        )
 
-        def _act(self, sess: Session, action: Action) -> None:
-            acted.append(action)
+        def unused(*args: object) -> NoReturn:
+            raise AssertionError(f"not called here: {args}")
+
+        return EosSteps(
+            batch=TxBatch(limits, checkpoint),
+            send_record=unused,
+            hold=unused,
+            commit_thread_running=lambda: False,
+            serve=unused,
+            act=lambda sess, action: acted.append(action),
+            admit=unused,
+            refuse=unused,
+        )
 
     def begin(final_lsn: int) -> bytes:
         return b"B" + struct.pack(">QqI", final_lsn, 800_000_000_000_000, 7)
@@ -377,7 +387,7 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
         return b"C" + struct.pack(">BQQq", 0, final_lsn, end_lsn, 800_000_000_000_000)
 
     for final_lsn, covered in ((0x100, True), (0x300, False)):
-        steps = Steps(checkpoint=0x200)
+        steps = steps_at(0x200)
         ours = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
         theirs = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
         steps.wal_begins(ours, b"x" + begin(final_lsn), 1)
@@ -399,7 +409,7 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
         if not covered:
             assert steps._batch.candidate == final_lsn + 0x28
     assert acted == [Action.COMMIT]  # (the uncovered one's: its Kafka transaction is due)
-    steps = Steps(checkpoint=0)
+    steps = steps_at(0)
     sess = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="outside a transaction"):
         steps.wal_ends(sess, commit(0x100, 0x128), 0)

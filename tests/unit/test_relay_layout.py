@@ -193,6 +193,35 @@ def test_the_exactly_once_relay_overrides_nothing_of_the_loop() -> None:
     assert not overridden, f"ExactlyOnceRelay overrides {sorted(overridden)}"
 
 
+def test_the_exactly_once_mode_holds_its_parts_rather_than_inheriting_them() -> None:
+    """Composition, not mixins (issue 51): the exactly-once mode has no base class; its
+    parts are objects it holds, none sharing state with it through ``self``, and the
+    points they implement are their own bound methods."""
+    from cdc.relay.delivery.eos_steps import EosSteps
+    from cdc.relay.delivery.epoch import EpochMoved
+    from cdc.relay.delivery.exactly_once import ExactlyOnce, ExactlyOnceRelay
+    from cdc.relay.delivery.overlap import CommitOverlap
+    from cdc.settings import Settings
+
+    assert ExactlyOnce.__bases__ == (object,)
+    for part in (EosSteps, CommitOverlap, EpochMoved):
+        assert part.__bases__ == (object,), part
+    settings = Settings(
+        pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9", delivery="exactly-once"
+    )
+    eos = ExactlyOnceRelay(settings, serve_http=False).mode
+    assert isinstance(eos, ExactlyOnce)
+    steps, overlap = eos._steps, eos._overlap
+    for point, owner in (
+        ("wal_begins", steps),
+        ("record", steps),
+        ("wal_ends", steps),
+        ("drain_dead_letters", overlap),
+        ("read_wait_s", overlap),
+    ):
+        assert getattr(eos, point).__self__ is owner, point
+
+
 #: The most base classes a class of cdc/ may have (composition, not mixins: cdc.relay.stream.mode).
 MAX_BASES = 3
 
