@@ -19,7 +19,7 @@ imports ``sinks``, and ``test_layout.py`` the line bound of every module):
   each; which part of exactly-once implements it) name exactly those, both modes
   implement every one, and the exactly-once relay overrides nothing of the loop;
 - no class of ``cdc/`` has more than :data:`MAX_BASES` base classes (composition,
-  not mixins).
+  not mixins), and the exactly-once mode and its parts have none: it holds them.
 """
 
 from __future__ import annotations

@@ -481,10 +481,10 @@ class ExactlyOnce:
         producer = self._producer
         assert producer is not None
         outcome = self._overlap.join_outcome()
-        if outcome is JOINED_COMMITTED:  # (no transaction is open, the buffer in none)
+        if outcome == JOINED_COMMITTED:  # (no transaction is open, the buffer in none)
             self._transactions.labels("committed").inc()
             return self._batch.aborted()
-        if outcome is JOINED_STUCK:  # (abort_transaction would conflict with it)
+        if outcome == JOINED_STUCK:  # (abort_transaction would conflict with it)
             self._transactions.labels("aborted").inc()
             self._batch.aborted()
             self._drop_producer()
