@@ -1,9 +1,11 @@
 """The relay's producer: records handed to Kafka, delivery reports, librdkafka's errors.
 
 Guarantees: a record is acknowledged to the LSN tracker only from its delivery
-report (counted per run of a transaction's records by :class:`Reports`, not by a
-Python call per record); a record Kafka refuses for itself (e.g. too large) is remembered in
-:class:`~cdc.relay.health.state.PoisonIds` and dead-lettered; any other error ends the
+report (counted per run of one topic's records, across WAL transactions, by
+:class:`Reports`: not by a Python call per record, nor per transaction); a record
+Kafka refuses for itself (e.g. too large) is remembered in
+:class:`~cdc.relay.health.state.PoisonIds` and dead-lettered, in its own WAL
+transaction; any other error ends the
 session, a librdkafka fatal error with :class:`cdc.errors.ProducerFatalError`
 (the producer is then purged, closed and rebuilt: its records were never
 acknowledged, so they are read again - duplicates, never loss). While the
