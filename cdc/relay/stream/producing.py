@@ -51,14 +51,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("cdc.relay")
 
 
-#: A run of delivery reports takes in the next WAL transaction's records only while it
-#: holds fewer records than this: 1-event transactions share a run (one finalizer per
-#: hundred), a 100-event transaction keeps one of its own. Runs of a whole read batch
-#: (2,000 records, freed together once the last is reported) cost 100-event transactions
-#: ~1,100 instructions per event more (the allocator: records held longer), measured.
-RUN_RECORDS = 100
-
-
 class Producing:
     """The relay's producer and its records (a collaborator of
     :class:`~cdc.relay.stream.loop.Relay`): it owns :attr:`producer` (made and dropped
@@ -214,11 +206,7 @@ class Producing:
         producer = self.producer
         assert producer is not None
         reports = sess.reports
-        if (
-            reports is None
-            or reports.topic != topic
-            or (reports.tx_id != tx_id and len(reports) >= RUN_RECORDS)
-        ):
+        if reports is None or reports.topic != topic:
             # A new run of records to topic (attributes set here: no call, no __init__).
             reports = sess.reports = Reports()
             reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
