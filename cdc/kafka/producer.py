@@ -156,29 +156,24 @@ class IdsInFlight(list[tuple[int, bytes]]):
 
     __slots__ = ("_unclaimed",)
 
-    #: where the records not yet matched to a failed report sit, by hash: built at
-    #: the first failure, extended as records are added
-    _unclaimed: tuple[int, dict[int, deque[int]]]
+    #: event ids not yet matched to a failed report, by hash: built at the first
+    #: failure, extended as records are added
+    _unclaimed: tuple[int, dict[int, deque[bytes]]]
 
     def __bool__(self) -> bool:  # a callback, even while its list is empty
         return True
 
-    def claim(self, msg: Message) -> int | None:
-        """Where the record a failed report names sits in the list: the first one not
-        yet claimed with its key and value (records alike in both are alike to Kafka;
-        two that differ share the 64-bit hash with odds of about 2^-64 a pair)."""
-        no_index: tuple[int, dict[int, deque[int]]] = (0, {})
-        indexed, unclaimed = getattr(self, "_unclaimed", no_index)
-        for at in range(indexed, len(self)):
-            unclaimed.setdefault(self[at][0], deque()).append(at)
-        self._unclaimed = (len(self), unclaimed)
-        found = unclaimed.get(hash((msg.key() or b"", msg.value() or b"")))
-        return found.popleft() if found else None
-
     def event_id_of(self, msg: Message) -> bytes | None:
-        """The event id of the record a failed report names (:meth:`claim`)."""
-        at = self.claim(msg)
-        return None if at is None else self[at][1]
+        """The event id of the record a failed report names: the first one not yet
+        claimed with its key and value (records alike in both are alike to Kafka;
+        two that differ share the 64-bit hash with odds of about 2^-64 a pair)."""
+        no_index: tuple[int, dict[int, deque[bytes]]] = (0, {})
+        indexed, unclaimed = getattr(self, "_unclaimed", no_index)
+        for digest, event_id in self[indexed:]:
+            unclaimed.setdefault(digest, deque()).append(event_id)
+        self._unclaimed = (len(self), unclaimed)
+        ids = unclaimed.get(hash((msg.key() or b"", msg.value() or b"")))
+        return ids.popleft() if ids else None
 
 
 def discard_producer(producer: Producer, *, drain_s: float = DISCARD_DRAIN_S) -> None:

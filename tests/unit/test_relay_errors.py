@@ -569,10 +569,9 @@ def test_the_producers_and_admin_clients_errors_and_logs_reach_logging_and_the_m
 def test_records_are_acknowledged_only_once_every_report_is_served_and_the_session_let_go(
     relay: Relay,
 ) -> None:
-    """A run's records share one Reports: nothing is acknowledged before their
-    reports are served, nor while the session may still add records to it (the open
-    transaction, and past its Commit until the read batch ends); letting go then
-    acknowledges them in one step."""
+    """A transaction's records share one Reports: nothing is acknowledged before
+    their reports are served, nor while the session may still add records to it
+    (the open transaction); letting go then acknowledges them in one step."""
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
@@ -591,106 +590,9 @@ def test_records_are_acknowledged_only_once_every_report_is_served_and_the_sessi
     assert sess.tracker.in_flight == 1, "produced, not yet reported: not acknowledged"
     assert sess.tracker.confirmable == 0
     producer.poll()
-    assert sess.tracker.in_flight == 1, "reported, but the session still holds the run"
-    assert sess.tracker.confirmable == 0
-    sess.reports = None  # (the read batch's end)
     assert sess.tracker.in_flight == 0
     assert sess.tracker.confirmable == 0x1000 + 40
     assert sess.acked == {topic: 4}
-
-
-def _one_event_transactions(relay: Relay, sess: Session, ids: list[str]) -> list[int]:
-    """A 1-event WAL transaction per id (at 0x1000, 0x2000, ...): their final LSNs."""
-    finals = []
-    for n, event_id in enumerate(ids, start=1):
-        relay.decoder.on_change(sess, begin(0x1000 * n))
-        relay.decoder.on_change(sess, insert(row(event_id=event_id, payload=b'{"n":%d}' % n)))
-        relay.decoder.on_change(sess, commit(0x1000 * n))
-        finals.append(0x1000 * n)
-    return finals
-
-
-def test_one_event_transactions_share_a_run_and_each_is_confirmed_only_when_reported(
-    relay: Relay,
-) -> None:
-    """Consecutive WAL transactions' records to one topic share one Reports (one
-    finalizer for the run, not one per transaction); none is acknowledged before its
-    report is served and the session let go of the run, and then each transaction is
-    acknowledged for its own records: confirmable moves past the last one."""
-    producer = producer_of(relay)
-    topic = "outbox.event.user"
-    relay._topics.known.add(topic)
-    relay.decoder.topic_of[b"user"] = topic
-    sess = new_session()
-    relay.decoder.on_change(sess, relation())
-    ids = [f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10" for n in range(3)]
-    finals = _one_event_transactions(relay, sess, ids)
-    assert len({id(p.callback) for p in producer.sent}) == 1, "one Reports for the run"
-    run = sess.reports
-    assert run is not None and run.earlier is not None and len(run.earlier) == 2
-    assert sess.tracker.in_flight == 3 and sess.tracker.confirmable == 0
-    producer.poll()
-    assert sess.tracker.in_flight == 3, "reported, but the session still holds the run"
-    assert sess.tracker.confirmable == 0
-    del run
-    sess.reports = None  # (the read batch's end)
-    assert sess.tracker.in_flight == 0
-    assert sess.tracker.pending_transactions == 0
-    assert sess.tracker.confirmable == finals[-1] + 40
-    assert sess.acked == {topic: 3}
-
-
-def test_a_refused_record_of_a_run_is_dead_lettered_in_its_own_transaction(
-    relay: Relay,
-) -> None:
-    """A record Kafka refuses in the second WAL transaction of a run is matched to
-    its event id and to that transaction: its dead letter holds that transaction
-    back until it is acknowledged, while the first is confirmed at once."""
-    producer = producer_of(relay)
-    topic = "outbox.event.user"
-    relay._topics.known.add(topic)
-    relay.decoder.topic_of[b"user"] = topic
-    sess = new_session()
-    relay.decoder.on_change(sess, relation())
-    ids = [f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10" for n in range(3)]
-    finals = _one_event_transactions(relay, sess, ids)
-    refused = kafka_error(KafkaError.MSG_SIZE_TOO_LARGE)
-    producer.fails[topic] = deque([None, refused, None])  # type: ignore[list-item]
-    producer.poll()
-    sess.reports = None  # (the read batch's end)
-    assert [p.tx_id for p in sess.pending_dlq] == [finals[1]]
-    assert sess.tracker.in_flight == 1, "the dead letter holds its record's place"
-    assert sess.tracker.confirmable == finals[0] + 40, "not past the refused one's"
-    relay.dead_letters.drain(sess)
-    producer.poll()
-    assert [dict(r.headers)["id"] for r in producer.to(DLQ)] == [ids[1].encode()]
-    assert sess.tracker.in_flight == 0
-    assert sess.tracker.confirmable == finals[-1] + 40
-    assert sess.acked == {topic: 2}
-
-
-def test_a_failure_no_record_of_a_run_is_matched_to_acknowledges_none_of_it(
-    relay: Relay,
-) -> None:
-    """A failed report of a run of several WAL transactions that is not a record's
-    own refusal ends the session; which transaction it failed in is not known, so the
-    run acknowledges nothing (the next session reads them all again)."""
-    producer = producer_of(relay)
-    topic = "outbox.event.user"
-    relay._topics.known.add(topic)
-    relay.decoder.topic_of[b"user"] = topic
-    sess = new_session()
-    relay.decoder.on_change(sess, relation())
-    ids = [f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10" for n in range(3)]
-    _one_event_transactions(relay, sess, ids)
-    broken = kafka_error(KafkaError._MSG_TIMED_OUT)
-    producer.fails[topic] = deque([None, broken, None])  # type: ignore[list-item]
-    producer.poll()
-    sess.reports = None
-    assert sess.fatal is not None
-    assert sess.tracker.in_flight == 3
-    assert sess.tracker.confirmable == 0
-    assert sess.acked == {}
 
 
 def test_refused_reports_of_alike_records_in_one_transaction_are_matched_to_their_ids(
@@ -715,7 +617,6 @@ def test_refused_reports_of_alike_records_in_one_transaction_are_matched_to_thei
     # reports in produce order: the first delivered, the next two refused, the last delivered
     producer.fails[topic] = deque([None, refused, refused, None])  # type: ignore[list-item]
     producer.poll()
-    sess.reports = None  # (the read batch's end)
     relay.dead_letters.drain(sess)
     producer.poll()
 

@@ -46,14 +46,6 @@ class OneWriterHistogram:
         self._counts[bisect_left(self._bounds, value)] += 1
         self._sum += value
 
-    def observe_each(self, values: list[float]) -> None:
-        """One observation of each value (as :meth:`observe`, in one call: a run of
-        delivery reports observes its transactions' latencies together)."""
-        counts, bounds = self._counts, self._bounds
-        for value in values:
-            counts[bisect_left(bounds, value)] += 1
-        self._sum += sum(values)
-
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self._name, self._documentation)
 

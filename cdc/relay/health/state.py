@@ -163,10 +163,8 @@ class Session:
     #: acknowledged records per topic since the last status (metrics are
     #: updated in bulk: a Prometheus inc per record was a tenth of the CPU)
     acked: dict[str, int] = field(default_factory=dict)
-    #: the delivery reports of the records being added (cdc.relay.stream.producing.Reports:
-    #: a run of one topic's records, across WAL transactions); let go after each read batch
-    #: and before waiting for room (exactly-once: at each Commit too), so they can be
-    #: acknowledged
+    #: the delivery reports of the records being added (cdc.relay.stream.producing.Reports);
+    #: let go at Commit and after each read batch, so they can be acknowledged
     reports: Any = None
     #: an error raised where it could only be printed (a Reports' finalizer): the
     #: stream loop raises it, as poll() raised a delivery callback's error before

@@ -182,16 +182,13 @@ def read_begin(sess: Session, data: bytes | memoryview, at: int) -> None:
 
 def read_commit(sess: Session, data: bytes | memoryview, at: int) -> None:
     """Commit (at ``data[at]``), read in place: the transaction's records are all
-    produced. The session keeps its run of delivery reports (the next transaction's
-    records to the same topic join it: one :class:`~cdc.relay.stream.producing.Reports`
-    for many 1-event transactions; the loop lets go of it after each read batch).
-    (At-least-once's ``wal_ends``: :mod:`cdc.relay.stream.mode`.)"""
+    produced. (At-least-once's ``wal_ends``: :mod:`cdc.relay.stream.mode`.)"""
     if len(data) - at != _COMMIT_LEN:
         raise _malformed(data[at:])
     if sess.tx_id is None:
         raise DecodeError("pgoutput Commit outside a transaction")
     sess.tracker.close(sess.tx_id, _commit_end_lsn(data, at + _END_LSN_AT)[0])
-    sess.tx_id = sess.begin = sess.tx = None
+    sess.tx_id = sess.begin = sess.tx = sess.reports = None
 
 
 class FastPath:

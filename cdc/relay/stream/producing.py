@@ -1,11 +1,9 @@
 """The relay's producer: records handed to Kafka, delivery reports, librdkafka's errors.
 
 Guarantees: a record is acknowledged to the LSN tracker only from its delivery
-report (counted per run of one topic's records, across WAL transactions, by
-:class:`Reports`: not by a Python call per record, nor per transaction); a record
-Kafka refuses for itself (e.g. too large) is remembered in
-:class:`~cdc.relay.health.state.PoisonIds` and dead-lettered, in its own WAL
-transaction; any other error ends the
+report (counted per run of a transaction's records by :class:`Reports`, not by a
+Python call per record); a record Kafka refuses for itself (e.g. too large) is remembered in
+:class:`~cdc.relay.health.state.PoisonIds` and dead-lettered; any other error ends the
 session, a librdkafka fatal error with :class:`cdc.errors.ProducerFatalError`
 (the producer is then purged, closed and rebuilt: its records were never
 acknowledged, so they are read again - duplicates, never loss). While the
@@ -21,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
@@ -89,9 +87,6 @@ class Producing:
         self._set_state = set_state
         self._creating_topic = creating_topic
         self._send_status = send_status
-        #: the commit->ack histogram's ``observe_each`` (a :class:`Reports` calls it once,
-        #: with the latency of each transaction it acknowledged in full)
-        self.observe_latencies = metrics.latency.observe_each
 
     def poll(self, timeout_s: float) -> None:
         """Serve the producer's callbacks; a fatal error it raises ends the session
@@ -198,30 +193,18 @@ class Producing:
         timestamp, headers): keyword parsing cost a tenth of ``produce``. The
         callback goes in the ``callback`` slot; a None there would not fall back
         to ``on_delivery``, and the record would never be acknowledged. The
-        callback is the session's current :class:`Reports` of ``topic``: one
-        object counts the reports of a run of records, no callback per record;
-        the run goes on across WAL transactions (each one's records counted apart)
-        until the session lets go of it.
+        callback is the session's current :class:`Reports` of ``(tx_id, topic)``:
+        one object counts the reports of a run of records, no callback per record.
         """
         producer = self.producer
         assert producer is not None
         reports = sess.reports
-        if reports is None or reports.topic != topic:
-            # A new run of records to topic (attributes set here: no call, no __init__).
+        if reports is None or reports.tx_id != tx_id or reports.topic != topic:
+            # A new run of tx_id's records to topic (attributes set here: no call, no
+            # __init__; a 1-event transaction's run is one per record).
             reports = sess.reports = Reports()
             reports.owner, reports.sess, reports.tx_id = self, sess, tx_id
             reports.topic, reports.timestamp_ms, reports.failed = topic, timestamp_ms, 0
-            reports.start, reports.earlier, reports.failed_at = 0, None, None
-        elif reports.tx_id != tx_id:
-            # The next WAL transaction's records join the run (inline: once per
-            # transaction, a 1-event transaction's own cost): the last one's closed.
-            end = len(reports)
-            done = (reports.tx_id, reports.timestamp_ms, reports.start, end)
-            if reports.earlier is None:
-                reports.earlier = [done]
-            else:
-                reports.earlier.append(done)
-            reports.tx_id, reports.timestamp_ms, reports.start = tx_id, timestamp_ms, end
         callback: DeliveryCallback = reports
         if self.tracing is not None:
             callback = self.tracing.produce(topic, key, headers, event_id, callback)
@@ -249,13 +232,8 @@ class Producing:
         sess, tx_id, topic = reports.sess, reports.tx_id, reports.topic
         fails = self.mode.record_failed(sess, err)
         self.metrics.kafka_errors.labels(err.name()).inc()
-        at = reports.claim(msg) if is_record_error(err) else None
-        if at is not None:
-            event_id, tx_id = reports[at][1], reports.tx_of(at)
-            if reports.failed_at is None:
-                reports.failed_at = [at]
-            else:
-                reports.failed_at.append(at)
+        event_id = reports.event_id_of(msg) if is_record_error(err) else None
+        if event_id is not None:
             code = record_error_code(err)
             self.poison.remember(event_id, code, err.str())
             self.metrics.poison_ids.set(len(self.poison))
@@ -284,60 +262,40 @@ class Producing:
 
 
 class Reports(IdsInFlight):
-    """The delivery reports of a run of records to one topic, counted by reference:
-    no Python call per delivered record, nor per WAL transaction.
+    """The delivery reports of a run of one transaction's records to one topic,
+    counted by reference: no Python call per delivered record.
 
     The relay's producer runs with ``delivery.report.only.error``: a delivered
     record's report calls nothing; confluent-kafka only releases the reference its
     ``produce`` took on the record's callback - this object - once the report is
     served (or at once when ``produce`` raised; the record was then not counted). A
     failed record's report calls it. The session holds the object while it may add
-    records (it lets go after each read batch and before waiting for room; exactly-once
-    at each Commit too); when the last reference is gone every counted record has its
-    report, and :meth:`__del__` acknowledges the delivered ones, one
-    :meth:`LsnTracker.ack` per WAL transaction of the run. So a record is still
-    acknowledged only from its delivery report, never before: an object kept alive
-    longer only delays acknowledgements, and one never finalized (a discarded
+    records (it lets go at Commit, after each read batch, before waiting for room);
+    when the last reference is gone every counted record has its report, and
+    :meth:`__del__` acknowledges the delivered ones in one step. So a record is
+    still acknowledged only from its delivery report, never before: an object kept
+    alive longer only delays acknowledgements, and one never finalized (a discarded
     producer's records) acknowledges nothing, so its records are read again.
 
     The list holds each record's event id, with the hash of its key and value, in
     produce order, as long as it is in flight: librdkafka hands no headers to
-    delivery reports, so a refused record is found by its key and value
-    (:meth:`claim`; the hash, not the value, is kept: memory in flight), and its
-    WAL transaction by its place (:meth:`tx_of`). A failed report no record is
-    matched to ends the session; a run of several WAL transactions then
-    acknowledges nothing (which one it failed in is not known; the next session
-    reads them again). While tracing asks for every report (a span ends at each),
-    the delivered ones call it too, with ``err`` None: ignored here. The attributes
-    are set by :meth:`Producing.send` (a Python ``__init__`` was a measurable part
-    of a 1-event transaction).
+    delivery reports, so a refused record's event id is found by its key and value
+    (:meth:`event_id_of`; the hash, not the value, is kept: memory in flight).
+    While tracing asks for every report (a span ends at each), the delivered ones
+    call it too, with ``err`` None: ignored here. The attributes are set by
+    :meth:`Producing.send` (a Python ``__init__`` was a measurable part of a
+    1-event transaction).
     """
 
-    __slots__ = (
-        "earlier",
-        "failed",
-        "failed_at",
-        "owner",
-        "sess",
-        "start",
-        "timestamp_ms",
-        "topic",
-        "tx_id",
-    )
+    __slots__ = ("failed", "owner", "sess", "timestamp_ms", "topic", "tx_id")
 
     owner: Producing
     sess: Session
-    topic: str
-    #: the run's last WAL transaction, its commit time and its first record's place
     tx_id: int
+    topic: str
     timestamp_ms: int
-    start: int
-    #: the run's earlier WAL transactions: (tx_id, timestamp_ms, start, end), or None
-    earlier: list[tuple[int, int, int, int]] | None
     #: failed reports so far (each dead-lettered, or the session ended)
     failed: int
-    #: the places of the failed records matched to their report (dead-lettered)
-    failed_at: list[int] | None
 
     def __call__(self, err: KafkaError | None, msg: Message) -> None:
         if err is None:
@@ -345,47 +303,18 @@ class Reports(IdsInFlight):
         self.failed += 1
         self.owner.report_failed(self, err, msg)
 
-    def tx_of(self, at: int) -> int:
-        """The WAL transaction of the record at place ``at``."""
-        for tx_id, _ts, start, end in self.earlier or ():
-            if start <= at < end:
-                return tx_id
-        return self.tx_id
-
     def __del__(self) -> None:
         """Every counted record has its report: acknowledge the delivered ones (the
         failed ones were dead-lettered, or ended the session)."""
+        delivered = len(self) - self.failed
+        if delivered <= 0:
+            return
         sess = self.sess
         try:
-            self._acknowledge(sess)
+            if not sess.tracker.ack(self.tx_id, delivered):  # its transaction's last one
+                latency_s = time.time() - self.timestamp_ms / 1000.0
+                self.owner.metrics.latency.observe(latency_s if latency_s > 0.0 else 0.0)
+            acked = sess.acked
+            acked[self.topic] = acked.get(self.topic, 0) + delivered
         except Exception as exc:  # (raised in a finalizer it would only be printed)
             sess.fault = sess.fault or exc
-
-    def _acknowledge(self, sess: Session) -> None:
-        """Each WAL transaction's delivered records in one ack; the commit->ack
-        latency of each one whose last records they were, all observed in one call."""
-        runs: Any
-        failed_at = self.failed_at
-        if self.earlier is None:  # (one WAL transaction's: all failed ones are its own)
-            runs, failed_at = ((self.tx_id, self.timestamp_ms, self.failed, len(self)),), None
-        elif self.failed and (failed_at is None or len(failed_at) != self.failed):
-            return  # (a failure not matched to a record: acknowledge nothing)
-        else:
-            runs = (*self.earlier, (self.tx_id, self.timestamp_ms, self.start, len(self)))
-        ack, now, total = sess.tracker.ack, time.time(), 0
-        latencies: list[float] = []
-        for tx_id, ts_ms, start, end in runs:
-            delivered = end - start
-            if failed_at is not None:
-                delivered -= sum(1 for at in failed_at if start <= at < end)
-            if delivered > 0:
-                total += delivered
-                if not ack(tx_id, delivered):  # its transaction's last one
-                    latency_s = now - ts_ms / 1000.0
-                    latencies.append(latency_s if latency_s > 0.0 else 0.0)
-        if latencies:
-            observe = self.owner.observe_latencies  # (read, then called: a cached load)
-            observe(latencies)
-        if total:
-            acked = sess.acked
-            acked[self.topic] = acked.get(self.topic, 0) + total
