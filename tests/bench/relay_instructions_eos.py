@@ -91,10 +91,13 @@ def end_part_eos(relay: Any, sess: Any, end_lsn: int) -> None:
     from cdc.relay.delivery.txbatch import TxState
 
     eos = getattr(relay, "mode", relay)  # (the delivery mode; an older checkout: the relay)
-    eos._await_commit(sess)
+    # (the commit's collaborator; an older checkout: the mode's own step, a mixin's)
+    overlap = getattr(eos, "_overlap", None)
+    await_commit = overlap.await_commit if overlap is not None else eos._await_commit
+    await_commit(sess)
     (eos.drain_dead_letters if eos is not relay else relay._drain_dlq)(sess)
     eos._act(sess, eos._batch.flush(int(time.monotonic() * 1000), waiting=False))
-    eos._await_commit(sess)
+    await_commit(sess)
     # (records released into the last transaction: acknowledged once let go, as the
     # loop's next turn or the shutdown would)
     sess.reports = None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
+from typing import NoReturn
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -337,7 +339,9 @@ def test_the_exactly_once_mode_hands_records_to_the_producers_own_send() -> None
     )
     eos = relay.mode
     assert isinstance(eos, ExactlyOnce)
-    assert eos._send_record == relay.producing.send
+    assert eos._steps._send_record == relay.producing.send
+    # (its points are its collaborators' bound methods: the loop calls them directly)
+    assert eos.record == eos._steps.record and eos.read_wait_s == eos._overlap.read_wait_s
     assert relay.producing.mode is relay.dead_letters.mode is eos
     assert relay.decoder._send == eos.record
     assert relay.decoder.on_begin == eos.wal_begins
@@ -347,6 +351,149 @@ def test_the_exactly_once_mode_hands_records_to_the_producers_own_send() -> None
     # (at-least-once reads Begin and Commit with the fast path's functions)
     assert at_least_once.AtLeastOnce.wal_begins is fast_path.read_begin
     assert at_least_once.AtLeastOnce.wal_ends is fast_path.read_commit
+
+
+def _machine_in(state: str, limits: TxLimits, *, buffered: int = 0, nbytes: int = 0) -> TxBatch:
+    """A machine driven into ``state`` (COMMITTING with ``buffered`` records of
+    ``nbytes`` each held already) by its own steps."""
+    batch = TxBatch(limits, 0x200)
+    if state == "idle":
+        return batch
+    batch.wal_opened()
+    assert batch.record(10) is Action.BEGIN
+    batch.wal_closed(0x300)
+    if state == "open":
+        return batch
+    if state in ("committing", "aborting", "failed"):
+        assert batch.flush(20) is Action.COMMIT
+        for _ in range(buffered):
+            assert batch.record(30, nbytes) is Action.BUFFER
+        if state == "committing":
+            return batch
+        assert batch.failed() is Action.ABORT
+        if state == "aborting":
+            return batch
+        assert batch.aborted() is Action.RESTART
+        return batch
+    assert batch.fenced() is Action.EXIT
+    return batch
+
+
+_RECORD_CASES = [
+    ("idle", 0, 0, 5),
+    ("open", 0, 0, 5),
+    ("committing", 0, 0, 5),  # the buffer's first record: the machine's (its clock)
+    ("committing", 1, 5, 5),
+    ("committing", 2, 5, 90),  # exactly at the bytes bound: still buffered
+    ("committing", 2, 5, 91),  # past the bytes bound: WAIT
+    ("committing", 3, 1, 1),  # at the records bound: WAIT
+    ("aborting", 0, 0, 5),
+    ("failed", 0, 0, 5),
+    ("fenced", 0, 0, 5),
+]
+
+
+@pytest.mark.parametrize(("state", "buffered", "held_bytes", "nbytes"), _RECORD_CASES)
+def test_the_record_step_leaves_the_machine_as_its_record_call_would(
+    monkeypatch: pytest.MonkeyPatch, state: str, buffered: int, held_bytes: int, nbytes: int
+) -> None:
+    """EosSteps.record writes two of TxBatch.record's cases out (OPEN; a commit under
+    way with records held and room for one more): in every state the machine ends as
+    the call would leave it, the answer acted on the same way - sent, held, or handed
+    to the admission rule (BEGIN, WAIT, REFUSE: ExactlyOnce._admit)."""
+    from cdc.relay.delivery import eos_steps
+    from cdc.relay.health.state import Session
+    from cdc.wal.lsn import LsnTracker
+
+    limits = TxLimits(
+        max_records=10,
+        max_ms=50,
+        backlog_max_ms=500,
+        abort_after_ms=1 << 60,
+        commit_budget_ms=1 << 60,
+        buffer_max_records=3,
+        buffer_max_bytes=100,
+    )
+    monkeypatch.setattr(eos_steps, "_monotonic_ns", lambda: 40_000_000)  # (40 ms)
+    did: list[object] = []
+
+    def admit(sess: Session, n: int, action: Action) -> Action:
+        did.append(("admit", action))
+        # (as ExactlyOnce._admit: BEGIN begun, then into it; WAIT waited out - here the
+        # commit still under way, and the record buffered when asked again)
+        return {Action.BEGIN: Action.NONE, Action.WAIT: Action.BUFFER}.get(action, action)
+
+    def refuse(sess: Session) -> NoReturn:
+        did.append("refused")
+        raise RuntimeError("refused")
+
+    def unused(*args: object) -> NoReturn:
+        raise AssertionError(f"not called here: {args}")
+
+    ours = _machine_in(state, limits, buffered=buffered, nbytes=held_bytes)
+    steps = eos_steps.EosSteps(
+        batch=ours,
+        send_record=lambda *args: did.append("sent"),
+        hold=lambda held: did.append("held"),
+        commit_thread_running=lambda: False,
+        serve=unused,
+        act=unused,
+        admit=admit,
+        refuse=refuse,
+    )
+    sess = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
+    value = b"v" * (nbytes - 1)
+    with contextlib.suppress(RuntimeError):  # (refused: the stub raises, as _refuse does)
+        steps.record(sess, 0x400, "t", value, b"k", [], 0, b"id")
+    twin = _machine_in(state, limits, buffered=buffered, nbytes=held_bytes)
+    answer = twin.record(40, nbytes)
+    assert {slot: getattr(ours, slot) for slot in TxBatch.__slots__} == {
+        slot: getattr(twin, slot) for slot in TxBatch.__slots__
+    }
+    expected = {
+        Action.NONE: ["sent"],
+        Action.BUFFER: ["held"],
+        Action.BEGIN: [("admit", Action.BEGIN), "sent"],
+        Action.REFUSE: [("admit", Action.REFUSE), "refused"],
+        Action.WAIT: [("admit", Action.WAIT), "held"],
+    }[answer]
+    assert did == expected, (answer, did)
+
+
+def test_the_begin_step_skips_exactly_what_the_machine_covers() -> None:
+    """EosSteps.wal_begins writes TxBatch.opened out: the WAL transaction open, and its
+    records skipped exactly when covered() says so (strictly below the checkpoint)."""
+    import struct
+
+    from cdc.relay.delivery.eos_steps import EosSteps
+    from cdc.relay.health.state import Session
+    from cdc.wal.lsn import LsnTracker
+
+    limits = TxLimits(
+        max_records=10, max_ms=50, backlog_max_ms=500, abort_after_ms=1000, commit_budget_ms=100
+    )
+
+    def unused(*args: object) -> NoReturn:
+        raise AssertionError(f"not called here: {args}")
+
+    for final_lsn in (0x1FF, 0x200, 0x201, 0x100, 0x300):
+        batch = TxBatch(limits, 0x200)
+        steps = EosSteps(
+            batch=batch,
+            send_record=unused,
+            hold=unused,
+            commit_thread_running=lambda: False,
+            serve=unused,
+            act=unused,
+            admit=unused,
+            refuse=unused,
+        )
+        sess = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
+        begin = b"B" + struct.pack(">QqI", final_lsn, 800_000_000_000_000, 7)
+        steps.wal_begins(sess, begin, 0)
+        twin = TxBatch(limits, 0x200)
+        covered = twin.opened(final_lsn)
+        assert (batch.wal_open, steps._skip_tx == final_lsn) == (twin.wal_open, covered)
 
 
 def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_machine() -> None:
@@ -363,23 +510,30 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
 
     acted: list[Action] = []
 
-    class Steps(EosSteps):
-        def __init__(self, checkpoint: int) -> None:
-            # (never aborted by age: the record below is "opened" at 0 ms, the commit
-            # asks with the monotonic clock)
-            limits = TxLimits(
-                max_records=10,
-                max_ms=50,
-                backlog_max_ms=500,
-                abort_after_ms=1 << 60,
-                commit_budget_ms=100,
-            )
-            self._batch = TxBatch(limits, checkpoint)
-            self._skip_tx = -1
-            self._job = None
+    def steps_at(checkpoint: int) -> EosSteps:
+        # (never aborted by age: the record below is "opened" at 0 ms, the commit
+        # asks with the monotonic clock)
+        limits = TxLimits(
+            max_records=10,
+            max_ms=50,
+            backlog_max_ms=500,
+            abort_after_ms=1 << 60,
+            commit_budget_ms=100,
+        )
 
-        def _act(self, sess: Session, action: Action) -> None:
-            acted.append(action)
+        def unused(*args: object) -> NoReturn:
+            raise AssertionError(f"not called here: {args}")
+
+        return EosSteps(
+            batch=TxBatch(limits, checkpoint),
+            send_record=unused,
+            hold=unused,
+            commit_thread_running=lambda: False,
+            serve=unused,
+            act=lambda sess, action: acted.append(action),
+            admit=unused,
+            refuse=unused,
+        )
 
     def begin(final_lsn: int) -> bytes:
         return b"B" + struct.pack(">QqI", final_lsn, 800_000_000_000_000, 7)
@@ -388,7 +542,7 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
         return b"C" + struct.pack(">BQQq", 0, final_lsn, end_lsn, 800_000_000_000_000)
 
     for final_lsn, covered in ((0x100, True), (0x300, False)):
-        steps = Steps(checkpoint=0x200)
+        steps = steps_at(0x200)
         ours = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
         theirs = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
         steps.wal_begins(ours, b"x" + begin(final_lsn), 1)
@@ -410,7 +564,7 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
         if not covered:
             assert steps._batch.candidate == final_lsn + 0x28
     assert acted == [Action.COMMIT]  # (the uncovered one's: its Kafka transaction is due)
-    steps = Steps(checkpoint=0)
+    steps = steps_at(0)
     sess = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
     with pytest.raises(DecodeError, match="outside a transaction"):
         steps.wal_ends(sess, commit(0x100, 0x128), 0)

@@ -450,8 +450,8 @@ class _ConfirmsTheHighestAckedCommit(LsnTracker):
     def ack(self, tx_id: int, count: int = 1) -> int:
         tx = self._txs[tx_id]
         left = super().ack(tx_id, count)
-        if left == 0 and tx.end_lsn is not None:
-            self._confirmed = max(self._confirmed, tx.end_lsn)
+        if left == 0 and tx[1] is not None:  # (its end_lsn: closed)
+            self._confirmed = max(self._confirmed, tx[1])
         return left
 
 

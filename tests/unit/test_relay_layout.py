@@ -19,7 +19,7 @@ imports ``sinks``, and ``test_layout.py`` the line bound of every module):
   each; which part of exactly-once implements it) name exactly those, both modes
   implement every one, and the exactly-once relay overrides nothing of the loop;
 - no class of ``cdc/`` has more than :data:`MAX_BASES` base classes (composition,
-  not mixins).
+  not mixins), and the exactly-once mode and its parts have none: it holds them.
 """
 
 from __future__ import annotations
@@ -191,6 +191,35 @@ def test_the_exactly_once_relay_overrides_nothing_of_the_loop() -> None:
     assert ExactlyOnceRelay.__bases__ == (Relay,)
     overridden = {name for name in vars(ExactlyOnceRelay) if not name.startswith("__")}
     assert not overridden, f"ExactlyOnceRelay overrides {sorted(overridden)}"
+
+
+def test_the_exactly_once_mode_holds_its_parts_rather_than_inheriting_them() -> None:
+    """Composition, not mixins (issue 51): the exactly-once mode has no base class; its
+    parts are objects it holds, none sharing state with it through ``self``, and the
+    points they implement are their own bound methods."""
+    from cdc.relay.delivery.eos_steps import EosSteps
+    from cdc.relay.delivery.epoch import EpochMoved
+    from cdc.relay.delivery.exactly_once import ExactlyOnce, ExactlyOnceRelay
+    from cdc.relay.delivery.overlap import CommitOverlap
+    from cdc.settings import Settings
+
+    assert ExactlyOnce.__bases__ == (object,)
+    for part in (EosSteps, CommitOverlap, EpochMoved):
+        assert part.__bases__ == (object,), part
+    settings = Settings(
+        pg_dsn="postgresql://x", kafka_bootstrap_servers="127.0.0.1:9", delivery="exactly-once"
+    )
+    eos = ExactlyOnceRelay(settings, serve_http=False).mode
+    assert isinstance(eos, ExactlyOnce)
+    steps, overlap = eos._steps, eos._overlap
+    for point, owner in (
+        ("wal_begins", steps),
+        ("record", steps),
+        ("wal_ends", steps),
+        ("drain_dead_letters", overlap),
+        ("read_wait_s", overlap),
+    ):
+        assert getattr(eos, point).__self__ is owner, point
 
 
 #: The most base classes a class of cdc/ may have (composition, not mixins: cdc.relay.stream.mode).

@@ -496,18 +496,40 @@ class TxBatchModel(RuleBasedStateMachine):
     @invariant()
     def a_record_in_open_only_counts(self) -> None:
         """In OPEN, record() adds one to ``records`` and answers NONE - nothing else (the
-        relay's ``_send`` writes that case out, without the call: cdc.relay.delivery.eos_steps)."""
+        relay's record step writes that case out, without the call:
+        cdc.relay.delivery.eos_steps.EosSteps.record)."""
         sess = self.sess
         if sess is None or sess.batch.state is not TxState.OPEN:
             return
         batch = sess.batch
-        twin = TxBatch(batch.limits, 0)
-        for slot in TxBatch.__slots__:
-            setattr(twin, slot, getattr(batch, slot))
-        assert twin.record(self.now_ms + 1, 100) is Action.NONE
-        after = {slot: getattr(twin, slot) for slot in TxBatch.__slots__}
-        before = {slot: getattr(batch, slot) for slot in TxBatch.__slots__}
-        assert after == {**before, "records": batch.records + 1}
+        assert _record_on_a_twin(batch, self.now_ms + 1, 100) == (
+            Action.NONE,
+            _changes(batch, records=batch.records + 1),
+        )
+
+    @invariant()
+    def a_record_buffered_behind_the_first_only_counts(self) -> None:
+        """While a commit is under way with records buffered already, record() of one
+        the buffer has room for adds one to ``buffered`` and its bytes to
+        ``buffered_bytes`` and answers BUFFER - nothing else (the record step writes
+        that case out too, without the call or the clock; the buffer's first record
+        and one at a bound ask the machine)."""
+        sess = self.sess
+        if sess is None or sess.batch.state is not TxState.COMMITTING:
+            return
+        batch = sess.batch
+        if not 0 < batch.buffered < LIMITS.buffer_max_records:
+            return
+        room = LIMITS.buffer_max_bytes - batch.buffered_bytes
+        for nbytes in {0, min(7, room), room}:  # (no more than the room: that is WAIT)
+            assert _record_on_a_twin(batch, self.now_ms + 1, nbytes) == (
+                Action.BUFFER,
+                _changes(
+                    batch,
+                    buffered=batch.buffered + 1,
+                    buffered_bytes=batch.buffered_bytes + nbytes,
+                ),
+            )
 
     def teardown(self) -> None:
         """Faults stop; the relay runs until it has read everything: every record once."""
@@ -530,6 +552,26 @@ class TxBatchModel(RuleBasedStateMachine):
                 self.read()
         all_ids = [rid for tx in self.wal for rid in tx.records]
         assert sorted(self.kafka.log) == sorted(all_ids)
+
+
+def _record_on_a_twin(batch: TxBatch, now_ms: int, nbytes: int) -> tuple[Action, dict[str, object]]:
+    """record() asked of a copy of ``batch``: its answer, and the slots it changed (with
+    their new values; any slot, whether ``batch``'s value was set again or not)."""
+    twin = TxBatch(batch.limits, 0)
+    for slot in TxBatch.__slots__:
+        setattr(twin, slot, getattr(batch, slot))
+    action = twin.record(now_ms, nbytes)
+    changed = {
+        slot: getattr(twin, slot)
+        for slot in TxBatch.__slots__
+        if getattr(twin, slot) != getattr(batch, slot)
+    }
+    return action, changed
+
+
+def _changes(batch: TxBatch, **after: object) -> dict[str, object]:
+    """The slots of ``after`` whose values differ from ``batch``'s."""
+    return {slot: value for slot, value in after.items() if getattr(batch, slot) != value}
 
 
 TestTxBatchModel = TxBatchModel.TestCase
@@ -852,6 +894,7 @@ def _check(model: TxBatchModel) -> None:
     model.the_buffer_is_bounded()
     model.a_commit_is_bounded()
     model.a_record_in_open_only_counts()
+    model.a_record_buffered_behind_the_first_only_counts()
 
 
 #: Per mutant, the interleaving that shows its bug (steps: rule name and arguments); the

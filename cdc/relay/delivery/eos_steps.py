@@ -1,14 +1,17 @@
 """Exactly-once publishing's hot steps: Begin, Commit and a record's hand-over.
 
-A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce` (the delivery mode's
-``wal_begins``, ``record`` and ``wal_ends``: :mod:`cdc.relay.stream.mode`; the
-decisions are :class:`cdc.relay.delivery.txbatch.TxBatch`'s). Begin and Commit are
+A collaborator of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce` (:class:`EosSteps`:
+the delivery mode's ``wal_begins``, ``record`` and ``wal_ends``, :mod:`cdc.relay.stream.mode`;
+the decisions are :class:`cdc.relay.delivery.txbatch.TxBatch`'s). Begin and Commit are
 read as :func:`cdc.relay.stream.fast_path.read_begin` and ``read_commit`` read them
 (the same checks, the same session fields, the tracker's own ``open``/``close``),
-with the machine told in the same
-step: one call at Begin (:meth:`TxBatch.opened`: whether the checkpoint covers the
-transaction) and one at Commit (:meth:`TxBatch.closed`: what is due). They run once
-per WAL transaction: with 1-event transactions, a large part of the relay's cost.
+with the machine told in the same step: at Begin :meth:`TxBatch.opened` written out
+(no call: a WAL transaction is open, and whether the checkpoint covers it), at Commit
+one call (:meth:`TxBatch.closed`: what is due). They run once per WAL transaction:
+with 1-event transactions, a large part of the relay's cost. A record meets the
+machine's :meth:`TxBatch.record` written out in its two common cases - OPEN (counted)
+and a commit under way with room in the buffer (buffered, counted) - and calls it
+otherwise; the unit tests hold the written-out forms to the machine's.
 Guarantees, beyond the fast path's:
 
 * a record of a WAL transaction the checkpoint covers is acknowledged at once and
@@ -28,6 +31,7 @@ Guarantees, beyond the fast path's:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from cdc.errors import DecodeError, KafkaUnavailableError
@@ -38,7 +42,7 @@ from cdc.wal import pgoutput as pgo
 from cdc.wal.lsn import LsnTracker
 
 if TYPE_CHECKING:
-    from cdc.relay.delivery.overlap import _CommitJob, _Held
+    from cdc.relay.delivery.overlap import _Held
 
 _monotonic_ns = time.monotonic_ns
 _tracker_open, _tracker_close = LsnTracker.open, LsnTracker.close
@@ -74,23 +78,48 @@ class CheckpointTracker(LsnTracker):
 
 
 class EosSteps:
-    """The exactly-once mode's Begin, Commit and record steps (see the module docstring;
-    a part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`)."""
+    """The exactly-once mode's Begin, Commit and record steps (see the module docstring):
+    a collaborator of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`, whose points
+    ``wal_begins``, ``record`` and ``wal_ends`` are these methods (bound: no call between).
+    It owns the session's skip answer; it is told the session's machine (:meth:`start`)
+    and hands every decision but the OPEN case back to the mode: ``admit`` (the admission
+    rule), ``refuse``, ``act`` (what the machine asked), ``serve``; a buffered record goes
+    to the commit's buffer (``hold``)."""
 
-    if TYPE_CHECKING:
-        _batch: TxBatch
-        _skip_tx: int
-        _job: _CommitJob | None
-        _buffer: list[_Held]
-        _send_record: SendStep
+    def __init__(
+        self,
+        *,
+        batch: TxBatch,
+        send_record: SendStep,
+        hold: Callable[[_Held], None],
+        commit_thread_running: Callable[[], bool],
+        serve: Callable[[float], None],
+        act: Callable[[Session, Action], None],
+        admit: Callable[[Session, int, Action], Action],
+        refuse: Callable[[Session], NoReturn],
+    ) -> None:
+        #: the session's transactions (:meth:`start`)
+        self._batch = batch
+        #: the WAL transaction being read, when the checkpoint covers it (else -1)
+        self._skip_tx = -1
+        #: the buffer's bounds (the machine's: its written-out BUFFER case reads them)
+        self._buffer_max_records = batch.limits.buffer_max_records
+        self._buffer_max_bytes = batch.limits.buffer_max_bytes
+        # (the producer's step and the mode's, bound once: the first is called per record)
+        self._send_record = send_record
+        self._hold = hold
+        self._commit_thread_running = commit_thread_running
+        self._serve = serve
+        self._act = act
+        self._admit = admit
+        self._refuse = refuse
 
-        def serve(self, timeout_s: float) -> None: ...
-
-        def _act(self, sess: Session, action: Action) -> None: ...
-
-        def _admit(self, sess: Session, nbytes: int, action: Action) -> Action: ...
-
-        def _refuse(self, sess: Session) -> NoReturn: ...
+    def start(self, batch: TxBatch) -> None:
+        """A session's transactions (its checkpoint read): no WAL transaction skipped yet."""
+        self._batch = batch
+        self._skip_tx = -1
+        self._buffer_max_records = batch.limits.buffer_max_records
+        self._buffer_max_bytes = batch.limits.buffer_max_bytes
 
     def wal_begins(self, sess: Session, data: bytes | memoryview, at: int) -> None:
         """Begin, read as :func:`cdc.relay.stream.fast_path.read_begin` reads it, and
@@ -101,8 +130,13 @@ class EosSteps:
         tx_id = sess.tx_id = begin[0]
         sess.begin = begin
         _tracker_open(sess.tracker, tx_id)
-        # (the machine's answer kept for the transaction's records: record compares ids)
-        self._skip_tx = tx_id if self._batch.opened(tx_id) else -1
+        # TxBatch.opened written out (no call: once a WAL transaction, a measurable part
+        # of a 1-event one; the unit test holds it to the machine's): a WAL transaction
+        # is open, and whether the checkpoint covers it - kept for its records, which
+        # compare ids.
+        batch = self._batch
+        batch.wal_open = True
+        self._skip_tx = tx_id if tx_id < batch.skip_below else -1
 
     def wal_ends(self, sess: Session, data: bytes | memoryview, at: int) -> None:
         """Commit, read as :func:`cdc.relay.stream.fast_path.read_commit` reads it, and
@@ -118,9 +152,11 @@ class EosSteps:
         batch = self._batch
         if batch.state is _COMMITTING:  # (the commit under way: its progress, between
             batch.wal_closed(end_lsn)  # WAL transactions - its reports served, its outcome
-            job = self._job  # taken; nothing to do while commit_transaction runs)
-            if job is None or job.done.is_set():
-                self.serve(0)
+            # taken; nothing to do while commit_transaction runs)
+            running = self._commit_thread_running  # (instance attributes read first,
+            if not running():  # then called: a specialized load - see record)
+                serve = self._serve
+                serve(0)
                 if sess.fatal is not None:  # (a record of it failed: its abort is due)
                     raise KafkaUnavailableError(f"producer error: {sess.fatal}")
             return
@@ -148,19 +184,37 @@ class EosSteps:
             sess.tracker.ack(tx_id)
             return
         batch = self._batch
-        if batch.state is _OPEN:  # (TxBatch.record's OPEN case, written out: no call, no clock;
+        state = batch.state
+        if state is _OPEN:  # (TxBatch.record's OPEN case, written out: no call, no clock;
             batch.records += 1  # the model test checks it against the machine)
             send = self._send_record  # (an attribute load, cached: see FastPath.on_insert)
             send(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
             return
-        # The machine asked here (the buffered case: one call), its answer acted on
-        # by the admission rule (ExactlyOnce._admit) unless it is BUFFER.
         nbytes = len(value) + len(key)
+        buffered = batch.buffered
+        # TxBatch.record's BUFFER case, written out as its OPEN case is (no call, no
+        # clock: a backlog reads hundreds of records during each commit), but for the
+        # buffer's first record (its clock and candidate are the machine's) and one at
+        # a bound (WAIT); the model test and the unit test hold it to the machine's.
+        if (
+            state is _COMMITTING
+            and buffered
+            and buffered < self._buffer_max_records
+            and batch.buffered_bytes + nbytes <= self._buffer_max_bytes
+        ):
+            batch.buffered = buffered + 1
+            batch.buffered_bytes += nbytes
+            hold = self._hold  # (the buffer's append, read first as send is)
+            hold((tx_id, topic, value, key, headers, timestamp_ms, event_id))
+            return
+        # The machine asked here (the other cases: one call), its answer acted on by the
+        # admission rule (ExactlyOnce._admit) unless it is BUFFER.
         action = batch.record(_monotonic_ns() // 1_000_000, nbytes)
         if action is not _BUFFER:
             action = self._admit(sess, nbytes, action)
         if action is _BUFFER:  # (a commit under way: held for the next transaction)
-            self._buffer.append((tx_id, topic, value, key, headers, timestamp_ms, event_id))
+            hold = self._hold
+            hold((tx_id, topic, value, key, headers, timestamp_ms, event_id))
             return
         if action is _REFUSE:  # (aborting, failed, fenced: it enters no transaction)
             self._refuse(sess)

@@ -1,6 +1,7 @@
 """Exactly-once mode: a producer whose epoch moved on - a takeover, or the coordinator's timeout.
 
-A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`, the delivery mode. Kafka answers a
+A collaborator of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`, the delivery mode
+(:class:`EpochMoved`: it owns the question of who holds the slot). Kafka answers a
 producer whose epoch moved on the same way whether another producer of its
 ``transactional.id`` took over (``init_transactions`` of a relay that took the slot)
 or the transaction coordinator aborted its transaction at ``transaction.timeout.ms``
@@ -22,21 +23,44 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import psycopg
-from prometheus_client import Counter
+from confluent_kafka import KafkaError, KafkaException
 
 from cdc.errors import KafkaUnavailableError
 from cdc.pgconn import Use
 from cdc.pgconn import connect as pg_connect
 from cdc.relay.delivery.txbatch import TxBatch, TxState
 from cdc.settings import Settings
-from cdc.wal.stream import Walsender, slot_holder
+from cdc.wal.stream import slot_holder
+
+if TYPE_CHECKING:
+    from cdc.relay.standby.wait import StandbyWait
 
 log = logging.getLogger("cdc.relay")
 
 _OPEN_STATES = (TxState.OPEN, TxState.COMMITTING, TxState.ABORTING)
+#: Error codes that mean another producer took the transactional.id (or the
+#: coordinator bumped the epoch: :func:`is_takeover` tells which).
+FENCED_CODES = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+)
+
+
+def is_fenced(err: object) -> bool:
+    """Whether a KafkaError (or a KafkaException carrying one) says this producer was fenced."""
+    if isinstance(err, KafkaException):
+        err = err.args[0] if err.args else None
+    return isinstance(err, KafkaError) and err.code() in FENCED_CODES
+
+
+def fatal_code(exc: KafkaException) -> int | None:
+    """The code of the fatal error ``exc`` carries, else None."""
+    err = exc.args[0] if exc.args else None
+    if isinstance(err, KafkaError) and err.fatal():
+        return int(err.code())
+    return None
 
 
 class TransactionTimedOutError(KafkaUnavailableError):
@@ -66,52 +90,30 @@ def _now_ms() -> int:
 
 
 class EpochMoved:
-    """The exactly-once relay's judgement of a moved epoch (see the module docstring)."""
+    """The exactly-once mode's judgement of a moved epoch (see the module docstring): a
+    collaborator of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`, which tells it
+    the session's machine and acts on its answer (the abort counted, the producer let go)."""
 
-    if TYPE_CHECKING:
-        settings: Settings
-        _batch: TxBatch
-        _fenced: str | None
-        _transactions: Counter
+    def __init__(self, settings: Settings, standby: StandbyWait) -> None:
+        self._settings = settings
+        #: the relay's standby wait: the walsender of its replication connection
+        self._standby = standby
 
-        @property
-        def _own_walsender(self) -> Walsender | None: ...
-
-        def _drop_producer(self) -> None: ...
-
-    def _tx_age_ms(self) -> int | None:
-        """How long the session's Kafka transaction has been open (None: none is)."""
-        batch = self._batch
-        if batch.state in _OPEN_STATES:
-            return _now_ms() - batch.opened_ms
-        return None
-
-    def _slot_taken(self) -> bool | None:
-        """Whether another session holds the slot (None: it could not be read)."""
-        try:
-            with pg_connect(self.settings.pg_dsn.get_secret_value(), Use.QUERY) as conn:
-                holder = slot_holder(conn, self.settings.slot)
-        except psycopg.Error as exc:
-            log.warning("reading who holds slot %s: %s", self.settings.slot, exc)
-            return None
-        own = self._own_walsender
-        walsender = holder.walsender
-        return walsender is not None and not (own is not None and walsender.same_as(own))
-
-    def _taken_over(self) -> bool:
-        """Whether the moved epoch is a takeover (:func:`is_takeover`)."""
+    def taken_over(self, batch: TxBatch) -> bool:
+        """Whether the moved epoch is a takeover (:func:`is_takeover`), ``batch`` the
+        session's transactions (how long the open one has been open)."""
         return is_takeover(
             slot_taken=self._slot_taken(),
-            tx_age_ms=self._tx_age_ms(),
-            timeout_ms=self.settings.tx_timeout_ms,
+            tx_age_ms=_tx_age_ms(batch),
+            timeout_ms=self._settings.tx_timeout_ms,
         )
 
-    def _timed_out(self) -> NoReturn:
-        """The coordinator aborted the transaction at its timeout: one WARNING, the
-        producer let go, the session ends (the next one reads from the checkpoint)."""
-        age_ms = self._tx_age_ms()
-        timeout_ms = self.settings.tx_timeout_ms
-        why, self._fenced = self._fenced, None
+    def timed_out(self, batch: TxBatch, why: str | None) -> TransactionTimedOutError:
+        """The coordinator aborted the transaction at its timeout: its one WARNING, and
+        the error that ends the session (raised by the caller once it counted the abort
+        and let the producer go: the next session reads from the checkpoint)."""
+        age_ms = _tx_age_ms(batch)
+        timeout_ms = self._settings.tx_timeout_ms
         log.warning(
             "Kafka transaction aborted by the transaction coordinator: open %.1fs, past"
             " CDC_TX_TIMEOUT_MS (%d ms) - the relay was paused, or a WAL transaction"
@@ -120,11 +122,28 @@ class EpochMoved:
             (age_ms or 0) / 1000,
             timeout_ms,
             why,
-            self.settings.slot,
+            self._settings.slot,
         )
-        self._transactions.labels("aborted").inc()
-        self._batch.aborted()
-        self._drop_producer()
-        raise TransactionTimedOutError(
+        return TransactionTimedOutError(
             f"Kafka transaction timed out (CDC_TX_TIMEOUT_MS={timeout_ms}): a new producer"
         )
+
+    def _slot_taken(self) -> bool | None:
+        """Whether another session holds the slot (None: it could not be read)."""
+        settings = self._settings
+        try:
+            with pg_connect(settings.pg_dsn.get_secret_value(), Use.QUERY) as conn:
+                holder = slot_holder(conn, settings.slot)
+        except psycopg.Error as exc:
+            log.warning("reading who holds slot %s: %s", settings.slot, exc)
+            return None
+        own = self._standby.own_walsender
+        walsender = holder.walsender
+        return walsender is not None and not (own is not None and walsender.same_as(own))
+
+
+def _tx_age_ms(batch: TxBatch) -> int | None:
+    """How long the session's Kafka transaction has been open (None: none is)."""
+    if batch.state in _OPEN_STATES:
+        return _now_ms() - batch.opened_ms
+    return None

@@ -2,8 +2,8 @@
 
 A thin shell around :class:`cdc.relay.delivery.txbatch.TxBatch` (the decisions) on top of the
 at-least-once relay, whose hot path it leaves as it is: it only adds to the
-record-handling steps (Begin, Commit and :meth:`_send`: :mod:`cdc.relay.delivery.eos_steps`;
-:meth:`_queue_dlq`) and to the loop's poll. Guarantees (DESIGN.md, relay invariant 13):
+record-handling steps (Begin, Commit and a record: :mod:`cdc.relay.delivery.eos_steps`;
+a dead letter) and to the loop's poll. Guarantees (DESIGN.md, relay invariant 13):
 
 * the producer is transactional; its ``transactional.id`` is
   ``CDC_TRANSACTIONAL_ID`` or ``outbox-cdc.<system identifier>.<slot>``: the
@@ -57,7 +57,14 @@ How it is built: :class:`ExactlyOnceRelay` is the relay's loop
 (:class:`cdc.relay.stream.loop.Relay`) with :class:`ExactlyOnce` as its delivery mode;
 it overrides nothing of the loop. :class:`ExactlyOnce` implements every point of
 :class:`cdc.relay.stream.mode.DeliveryMode` (the table of points and who calls
-them is that module's); its parts, each a module of this folder:
+them is that module's). Its parts are collaborators it holds - composition, not
+base classes - each a module of this folder owning its own state:
+:class:`EosSteps` (the hot steps), :class:`CommitOverlap` (the commit under way and
+its buffer), :class:`EpochMoved` (a moved epoch judged) and :class:`EosStart` (the
+checkpoint read). The mode holds the session's machine (:class:`TxBatch`, a new
+one at each session's start, handed to the parts that read it) and calls the parts;
+they call back only the mode's steps named at their construction. A point a part
+implements is that part's bound method, set on the mode (no call in between):
 
 ====================  ==========================  ===================================
 point                 part                        what it does in exactly-once mode
@@ -89,8 +96,9 @@ buffer - is :meth:`ExactlyOnce._admit`, asked by ``record`` and ``dead_letter`` 
 the machine's answer (:meth:`TxBatch.record`, which they call themselves: a record
 buffered during a commit costs one call, not three). ``record`` takes the machine's
 OPEN case itself (no call), the model test checking it against :meth:`TxBatch.record`,
-and holds a BUFFER answer itself; the buffer's release and the dead letters' drain
-ask the machine's :attr:`TxBatch.admits`.
+and hands a BUFFER answer to the commit's buffer (:attr:`CommitOverlap.hold`); the
+buffer's release and the dead letters' drain ask the machine's :attr:`TxBatch.admits`
+(the release reads it written out, per record).
 """
 
 from __future__ import annotations
@@ -101,7 +109,7 @@ import time
 from typing import Any, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter
 
 from cdc.errors import CdcError, ConfigError, KafkaUnavailableError, ProducerFatalError
 from cdc.evidence import Origin
@@ -110,11 +118,14 @@ from cdc.kafka.producer import producer_config
 from cdc.relay.delivery import checkpoint as ckpt
 from cdc.relay.delivery.eos_start import EosStart
 from cdc.relay.delivery.eos_steps import CheckpointTracker, EosSteps
-from cdc.relay.delivery.epoch import EpochMoved
+from cdc.relay.delivery.epoch import FENCED_CODES, EpochMoved, fatal_code, is_fenced
 from cdc.relay.delivery.overlap import (
     BUFFER_MAX_BYTES,
     BUFFER_MAX_RECORDS,
+    JOINED_COMMITTED,
+    JOINED_STUCK,
     CommitOverlap,
+    serve_reports,
 )
 from cdc.relay.delivery.txbatch import Action, TxBatch, TxLimits, TxState
 from cdc.relay.health.state import Session
@@ -122,7 +133,6 @@ from cdc.relay.stream.loop import Relay
 from cdc.settings import Settings
 from cdc.wal.lsn import LsnTracker
 from cdc.wal.replproto import lsn_to_str
-from cdc.wal.stream import Walsender
 
 log = logging.getLogger("cdc.relay")
 
@@ -140,23 +150,12 @@ INIT_TIMEOUT_S = 30.0
 #: to the coordinator and markers in every partition leader. A second bounds the
 #: work an abort throws away and the wait of the first events of a backlog.
 BACKLOG_TX_MAX_MS = 1_000
-#: Error codes that mean another producer took the transactional.id.
-FENCED_CODES = frozenset(
-    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
-)
 
 
 class RelayFencedError(CdcError):
     """A newer relay took the transactional.id: this one publishes nothing more."""
 
     retriable = False
-
-
-def is_fenced(err: object) -> bool:
-    """Whether a KafkaError (or a KafkaException carrying one) says this producer was fenced."""
-    if isinstance(err, KafkaException):
-        err = err.args[0] if err.args else None
-    return isinstance(err, KafkaError) and err.code() in FENCED_CODES
 
 
 def transactional_id(configured: str, origin: Origin, slot: str) -> str:
@@ -200,9 +199,15 @@ class ExactlyOnceRelay(Relay):
         )
 
 
-class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
+class ExactlyOnce:
     """The delivery mode of ``CDC_DELIVERY=exactly-once`` (see the module docstring),
-    made of the relay's parts: its producer, dead letters, slot guard and standby wait."""
+    made of the relay's parts - its producer, dead letters, slot guard and standby wait -
+    and its own collaborators, each owning its state: :class:`EosSteps` (the hot steps:
+    the points ``wal_begins``, ``record`` and ``wal_ends`` are its bound methods),
+    :class:`CommitOverlap` (the commit under way, the buffer; ``drain_dead_letters`` and
+    ``read_wait_s`` are its) and :class:`EpochMoved` (a moved epoch judged). This object
+    holds the session's machine (:class:`TxBatch`, told to each at the session's start),
+    the admission rule (:meth:`_admit`) and what the machine asks done (:meth:`_act`)."""
 
     def __init__(self, relay: Relay) -> None:
         self.settings = s = relay.settings
@@ -210,10 +215,6 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
         self._producing = relay.producing
         self._dead_letters = relay.dead_letters
         self._guard = relay.guard
-        self._standby = relay.standby
-        # (the producer's steps, bound once: the hot ones are called per record)
-        self._send_record = relay.producing.send
-        self._refused = relay.producing.refused
         budget_ms = int(COMMIT_BUDGET_S * 1000)
         if s.standby_safe:
             # (held records are produced after their WAL transaction ended: a commit
@@ -244,23 +245,43 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
             ["outcome"],
             registry=relay.registry,
         )
-        self._checkpoint_lsn = Gauge(
-            "outbox_relay_checkpoint_lsn",
-            "Exactly-once: the last committed checkpoint (a commit end-LSN, as a number)",
-            registry=relay.registry,
-        )
         #: the producer whose init_transactions succeeded (None: call it first)
         self._initialised: Producer | None = None
+        #: the session's transactions (a new machine at each session's start)
         self._batch = TxBatch(self._limits, 0)
-        #: the WAL transaction being read, when the checkpoint covers it (else -1)
-        self._skip_tx = -1
         self._sess: Session | None = None
-        self._origin = ""
         self._fenced: str | None = None
         self._fenced_producer: Producer | None = None
-        #: a commit_transaction failed retriably: only commit_transaction may follow
-        self._commit_unfinished = False
-        self._init_overlap(relay.registry)
+        self._overlap = overlap = CommitOverlap(
+            producing=relay.producing,
+            dead_letters=relay.dead_letters,
+            liveness=relay.liveness,
+            checkpoint_topic=self._checkpoint_topic,
+            transactions=self._transactions,
+            batch=self._batch,
+            registry=relay.registry,
+            serve=self.serve,
+            refuse=self._refuse,
+            kafka_failed=self._kafka_failed,
+        )
+        self._steps = steps = EosSteps(
+            batch=self._batch,
+            send_record=relay.producing.send,
+            hold=overlap.hold,
+            commit_thread_running=overlap.thread_running,
+            serve=self.serve,
+            act=self._act,
+            admit=self._admit,
+            refuse=self._refuse,
+        )
+        self._epoch = EpochMoved(s, relay.standby)
+        # The points its collaborators implement, bound here: the loop's call goes
+        # straight to theirs (the hot ones once per message: no call in between).
+        self.wal_begins = steps.wal_begins
+        self.record = steps.record
+        self.wal_ends = steps.wal_ends
+        self.drain_dead_letters = overlap.drain_dead_letters
+        self.read_wait_s = overlap.read_wait_s
 
     @property
     def _producer(self) -> Producer | None:
@@ -270,11 +291,6 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
     @_producer.setter
     def _producer(self, producer: Producer | None) -> None:
         self._producing.producer = producer
-
-    @property
-    def _own_walsender(self) -> Walsender | None:
-        """The walsender of the relay's replication connection (:mod:`.epoch`)."""
-        return self._standby.own_walsender
 
     # -- the session -------------------------------------------------------------
     def new_producer(self, origin: tuple[str, bytes]) -> Producer:
@@ -318,22 +334,21 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
             except KafkaException as exc:
                 self._kafka_failed(exc, "init_transactions")
             self._initialised = producer
-        self._origin = sess.origin[1].decode()
+        origin = sess.origin[1].decode()
         start = sess.tracker._confirmed  # (the slot's confirmed position: the session's start)
-        found = self._start.checkpoint(start, self._origin, self._guard.last_record)
+        found = self._start.checkpoint(start, origin, self._guard.last_record)
         checkpoint = found if found is not None else 0
-        self._batch = TxBatch(self._limits, checkpoint)
-        self._skip_tx = -1
-        self._buffer, self._flushing, self._releasing = [], False, False
-        self._checkpoint_lsn.set(checkpoint)
+        self._batch = batch = TxBatch(self._limits, checkpoint)
+        self._steps.start(batch)
+        self._overlap.start(batch, origin)
         assert isinstance(sess.tracker, CheckpointTracker)
-        sess.tracker.batch = self._batch
+        sess.tracker.batch = batch
         self._sess = sess
         log.info(
             "checkpoint %s of %s; slot confirmed %s: WAL transactions below the checkpoint"
             " are skipped",
             lsn_to_str(checkpoint) if found is not None else "none",
-            self._origin,
+            origin,
             lsn_to_str(start),
             extra={"lsn": lsn_to_str(checkpoint)},
         )
@@ -341,33 +356,32 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
     def serve(self, timeout_s: float) -> None:
         """The producer served (not while commit_transaction has it: its end awaited
         instead), then what the machine says is due (the commit under way advanced)."""
-        job = self._job
-        if job is None:
+        overlap = self._overlap
+        if not overlap.wait(timeout_s):  # (commit_transaction has the producer: waited for)
             self._producing.poll(timeout_s)
-        elif timeout_s > 0:  # (commit_transaction has the producer: wait for it instead)
-            job.done.wait(timeout_s)
         if self._fenced is not None:
             self._exit_fenced()
         sess = self._sess
         if sess is not None:
             if self._batch.state is _COMMITTING:
-                self._act(sess, self._advance(sess))
+                self._act(sess, overlap.advance(sess))
             self._act(sess, self._due(sess))
 
     def session_ends(self, sess: Session) -> None:
         """Finish the commit under way, commit what can be (an open WAL transaction's
         records are aborted: the slot sends it again), before the relay's own shutdown:
         the last confirmation goes no further than the committed checkpoint."""
+        overlap = self._overlap
         try:
-            self._await_commit(sess)
-            self.drain_dead_letters(sess)
+            overlap.await_commit(sess)
+            overlap.drain_dead_letters(sess)
             self._act(sess, self._batch.flush(_now_ms(), waiting=bool(sess.pending_dlq)))
-            self._await_commit(sess)
+            overlap.await_commit(sess)
         except KafkaUnavailableError as exc:  # (an abort, or a producer let go; fenced raises)
             log.warning("at shutdown: %s", exc)
         self._sess = None  # (the loop's polls act on transactions no more)
 
-    # -- admission (records: cdc.relay.delivery.eos_steps) -----------------------
+    # -- admission (records: EosSteps.record asks it) ---------------------------
     def dead_letter(self, sess: Session, tx_id: int) -> bool:
         """A dead letter (its record already added to the tracker) of ``tx_id``: not
         queued (acknowledged at once) when the checkpoint covers its WAL transaction, or
@@ -391,7 +405,7 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
         WAIT - the reading waits for the commit's outcome and asks again); REFUSE: the
         transaction is aborting, failed or fenced - it enters none."""
         while action is _WAIT:
-            self._await_commit(sess)
+            self._overlap.await_commit(sess)
             action = self._batch.record(_now_ms(), nbytes)
         if action is _BEGIN:
             self._begin()
@@ -430,7 +444,7 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
         return self.record_failed(sess, err)
 
     def kafka_raised(self, exc: KafkaException, what: str) -> None:
-        if is_fenced(exc) or _fatal_code(exc) in FENCED_CODES:
+        if is_fenced(exc) or fatal_code(exc) in FENCED_CODES:
             self._fenced = self._fenced or f"{what}: {exc}"
             self._exit_fenced()
 
@@ -440,14 +454,14 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
         turn found more WAL than it read - lets the transaction grow longer; records of
         the buffer not yet produced wait like dead letters)."""
         return self._batch.due(
-            _now_ms(), bool(sess.pending_dlq) or self._releasing, not sess.caught_up
+            _now_ms(), bool(sess.pending_dlq) or self._overlap.releasing, not sess.caught_up
         )
 
     def _act(self, sess: Session, action: Action) -> None:
         """Do what the transactions' machine asked (COMMIT, ABORT, RESTART, EXIT)."""
         while action is not Action.NONE:
             if action is Action.COMMIT:
-                action = self._commit(sess)
+                action = self._overlap.commit(sess)
             elif action is Action.ABORT:
                 action = self._abort(sess, "a record of it failed, or it grew too old")
             elif action is Action.RESTART:
@@ -458,44 +472,19 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
                 self._exit_fenced()
             elif action is _BEGIN:  # (commit_ok: records were buffered during the commit)
                 self._begin()
-                self._release(sess)
+                self._overlap.release(sess)
                 action = self._due(sess)
             else:  # BUFFER, WAIT and REFUSE come only from record(), WAIT from flush() too
                 raise AssertionError(action)
 
-    def _commit_failed(self, sess: Session, exc: KafkaException) -> Action:
-        """The checkpoint's produce or commit_transaction failed: fenced or fatal ends
-        it; otherwise COMMIT again (retriable, within the budget) or ABORT."""
-        producer = self._producer
-        assert producer is not None
-        err = exc.args[0] if exc.args else None
-        if is_fenced(exc) or _fatal_code(exc) is not None:
-            self._kafka_failed(exc, "commit_transaction")
-        # A record that failed during the commit has its report queued: served now,
-        # it is remembered (a refused one is dead-lettered when read again) and the
-        # transaction marked failed - never a retry of a commit that cannot succeed.
-        self._serve_reports(producer)
-        retriable = isinstance(err, KafkaError) and err.retriable()
-        # (after a retriable failure librdkafka takes only commit_transaction again)
-        self._commit_unfinished = self._commit_unfinished or retriable
-        log.warning("Kafka transaction commit failed: %s", exc)
-        sess.stream.send_status(sess.tracker.confirmable, ask_raise=False)
-        return self._batch.commit_failed(retriable=retriable, now_ms=_now_ms())
-
     def _abort(self, sess: Session, why: str) -> Action:
         producer = self._producer
         assert producer is not None
-        job = self._job
-        running = not self._join_commit()
-        if job is not None and not running:
-            if job.error is None:  # (it committed: no transaction is open, the buffer in none)
-                self._transactions.labels("committed").inc()
-                self._commit_unfinished = False
-                return self._batch.aborted()
-            err = job.error.args[0] if job.error.args else None
-            if isinstance(err, KafkaError) and err.retriable():  # (only a commit may follow)
-                self._commit_unfinished = True
-        if self._commit_unfinished or running:  # (abort_transaction would conflict with it)
+        outcome = self._overlap.join_outcome()
+        if outcome == JOINED_COMMITTED:  # (no transaction is open, the buffer in none)
+            self._transactions.labels("committed").inc()
+            return self._batch.aborted()
+        if outcome == JOINED_STUCK:  # (abort_transaction would conflict with it)
             self._transactions.labels("aborted").inc()
             self._batch.aborted()
             self._drop_producer()
@@ -508,7 +497,7 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
         try:
             producer.abort_transaction(ABORT_TIMEOUT_S)
         except KafkaException as exc:
-            if is_fenced(exc) or _fatal_code(exc) in FENCED_CODES:
+            if is_fenced(exc) or fatal_code(exc) in FENCED_CODES:
                 self._fenced = self._fenced or f"abort_transaction: {exc}"
                 self._exit_fenced()
             self._batch.aborted()
@@ -537,33 +526,28 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
     def _kafka_failed(self, exc: KafkaException, what: str) -> None:
         """A transactional call failed: fenced stops the relay; anything else ends the
         session (a fatal error rebuilds the producer)."""
-        if is_fenced(exc) or _fatal_code(exc) in FENCED_CODES:
+        if is_fenced(exc) or fatal_code(exc) in FENCED_CODES:
             self._fenced = self._fenced or f"{what}: {exc}"
             self._exit_fenced()
         err = exc.args[0] if exc.args else None
         if isinstance(err, KafkaError) and err.txn_requires_abort():
             self._batch.failed()
             raise KafkaUnavailableError(f"{what} failed: {exc}") from exc
-        if _fatal_code(exc) is not None:
+        if fatal_code(exc) is not None:
             self._drop_producer()
             raise ProducerFatalError(f"{what} failed: {exc}") from exc
         raise KafkaUnavailableError(f"{what} failed: {exc}") from exc
-
-    def _serve_reports(self, producer: Producer) -> None:
-        """Serve the delivery reports already queued (failed ones are remembered)."""
-        with contextlib.suppress(KafkaException):
-            producer.poll(0)
 
     def _drop_producer(self) -> None:
         """Serve the reports already there (a refused record is remembered), purge and
         let go of the producer without close() (which would try to end the transaction
         once more); the next session makes a new one."""
-        self._join_commit()
+        overlap = self._overlap
+        overlap.forget()
         producer, self._producer = self._producer, None
         self._initialised = None
-        self._commit_unfinished = False
-        if producer is not None and producer is not self._busy:  # (see _join_commit)
-            self._serve_reports(producer)
+        if producer is not None and not overlap.left_to_thread(producer):
+            serve_reports(producer)
             with contextlib.suppress(KafkaException):
                 producer.purge(in_queue=True, in_flight=True)
 
@@ -574,12 +558,18 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
         would try to abort the transaction the broker already ended). The coordinator's
         transaction timeout instead: one WARNING, a new producer, the session again
         (:class:`cdc.relay.delivery.epoch.TransactionTimedOutError`)."""
-        if not self._taken_over():
-            self._timed_out()  # (the coordinator's timeout: raises, the session again)
+        if not self._epoch.taken_over(self._batch):  # (the coordinator's timeout)
+            why, self._fenced = self._fenced, None
+            timed_out = self._epoch.timed_out(self._batch, why)
+            self._transactions.labels("aborted").inc()
+            self._batch.aborted()
+            self._drop_producer()
+            raise timed_out  # (the session again, a new producer)
         self._batch.fenced()
-        self._join_commit()
+        overlap = self._overlap
+        overlap.join()
         producer, self._producer = self._producer, None
-        if producer is not None and producer is not self._busy:
+        if producer is not None and not overlap.left_to_thread(producer):
             with contextlib.suppress(KafkaException):
                 producer.purge(in_queue=True, in_flight=True)
             self._fenced_producer = producer  # (destroyed with the process)
@@ -587,11 +577,3 @@ class ExactlyOnce(EosSteps, CommitOverlap, EpochMoved):
             f"fenced: another relay took transactional.id of slot {self.settings.slot}"
             f" ({self._fenced}); this one publishes nothing more and exits"
         )
-
-
-def _fatal_code(exc: KafkaException) -> int | None:
-    """The code of the fatal error ``exc`` carries, else None."""
-    err = exc.args[0] if exc.args else None
-    if isinstance(err, KafkaError) and err.fatal():
-        return int(err.code())
-    return None

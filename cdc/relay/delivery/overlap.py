@@ -1,7 +1,8 @@
 """Exactly-once publishing: a Kafka commit that overlaps the reading of the WAL.
 
-A part of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`, the delivery mode (the decisions
-are :class:`cdc.relay.delivery.txbatch.TxBatch`'s). Guarantees:
+A collaborator of :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`, the delivery mode
+(:class:`CommitOverlap`: it owns the commit under way; the decisions are
+:class:`cdc.relay.delivery.txbatch.TxBatch`'s). Guarantees:
 
 * a due commit produces the checkpoint and the relay reads on. Once every record
   of the transaction is acknowledged - the producer holds nothing, its delivery
@@ -35,25 +36,29 @@ are :class:`cdc.relay.delivery.txbatch.TxBatch`'s). Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from cdc.errors import KafkaUnavailableError
 from cdc.health import Liveness
 from cdc.relay.delivery import checkpoint as ckpt
+from cdc.relay.delivery.epoch import fatal_code, is_fenced
 from cdc.relay.delivery.txbatch import Action, TxBatch, TxState
 from cdc.relay.health.metrics import OneWriterHistogram
 from cdc.relay.health.state import Headers, RefusedStep, SendStep, Session
 from cdc.relay.stream.loop import ACK_WAIT_S, READ_WAIT_S, WAIT_TICK_S
+from cdc.wal.replproto import lsn_to_str
 
 if TYPE_CHECKING:
     from cdc.relay.stream.dead_letters import DeadLetters
-from cdc.wal.replproto import lsn_to_str
+    from cdc.relay.stream.producing import Producing
 
 log = logging.getLogger("cdc.relay")
 
@@ -78,7 +83,7 @@ FLUSH_AT_DUE_MAX_S = 0.1
 COMMIT_WAIT_TICK_S = 0.05
 #: One record buffered during a commit: _send's arguments after the session.
 _Held = tuple[int, str, bytes, bytes, Headers, int, bytes]
-_COMMITTING = TxState.COMMITTING
+_OPEN, _COMMITTING = TxState.OPEN, TxState.COMMITTING
 
 
 def _now_ms() -> int:
@@ -112,35 +117,61 @@ class _CommitJob:
             self.done.set()
 
 
+#: What :meth:`CommitOverlap.join_outcome` found of the commit under way.
+JOINED_COMMITTED = "committed"  # it committed: no transaction is open
+JOINED_STUCK = "stuck"  # still running, or only commit_transaction may follow
+JOINED_OPEN = "open"  # none runs: the transaction may be aborted
+
+
+def serve_reports(producer: Producer) -> None:
+    """Serve the delivery reports already queued (failed ones are remembered)."""
+    with contextlib.suppress(KafkaException):
+        producer.poll(0)
+
+
 class CommitOverlap:
-    """The overlapped commit's part of the exactly-once relay (see the module docstring)."""
+    """The overlapped commit (see the module docstring): a collaborator of
+    :class:`cdc.relay.delivery.exactly_once.ExactlyOnce`. It owns the commit under way -
+    its thread, its flush, the buffer of records read meanwhile and their release, a
+    retriable failure's "only commit_transaction may follow" - and asks the mode only
+    what the mode decides: ``serve`` (a wait for the outcome), ``refuse`` (a record the
+    machine refused) and ``kafka_failed`` (a transactional call failed)."""
 
-    if TYPE_CHECKING:
-        liveness: Liveness
-        _producer: Producer | None
-        _batch: TxBatch
-        _commit_unfinished: bool
-        _transactions: Counter
-        _checkpoint_lsn: Gauge
-        _checkpoint_topic: str
-        _origin: str
-        _dead_letters: DeadLetters
-        _send_record: SendStep
-        _refused: RefusedStep
-
-        def serve(self, timeout_s: float) -> None: ...
-
-        def _begin(self) -> None: ...
-
-        def _refuse(self, sess: Session) -> NoReturn: ...
-
-        def _commit_failed(self, sess: Session, exc: KafkaException) -> Action: ...
-
-    def _init_overlap(self, registry: CollectorRegistry) -> None:
-        #: records routed while a commit is under way, in the order read
+    def __init__(
+        self,
+        *,
+        producing: Producing,
+        dead_letters: DeadLetters,
+        liveness: Liveness,
+        checkpoint_topic: str,
+        transactions: Counter,
+        batch: TxBatch,
+        registry: CollectorRegistry,
+        serve: Callable[[float], None],
+        refuse: Callable[[Session], NoReturn],
+        kafka_failed: Callable[[KafkaException, str], None],
+    ) -> None:
+        self._producing = producing
+        self._dead_letters = dead_letters
+        self._liveness = liveness
+        self._checkpoint_topic = checkpoint_topic
+        self._transactions = transactions
+        self._serve = serve
+        self._refuse = refuse
+        self._kafka_failed = kafka_failed
+        # (the producer's steps, bound once: the release calls them per record)
+        self._send_record: SendStep = producing.send
+        self._refused: RefusedStep = producing.refused
+        #: the session's transactions and origin (:meth:`start`)
+        self._batch = batch
+        self._origin = ""
+        #: records routed while a commit is under way, in the order read (one list
+        #: for the mode's life: its record step holds :attr:`hold`, its append)
         self._buffer: list[_Held] = []
+        #: hold a record for the next transaction (the record step's, per buffered record)
+        self.hold = self._buffer.append
         #: the buffer is being produced into the next transaction: no commit meanwhile
-        self._releasing = False
+        self.releasing = False
         #: a commit's checkpoint is produced; commit_transaction starts once the
         #: producer holds no record
         self._flushing = False
@@ -148,10 +179,17 @@ class CommitOverlap:
         self._job: _CommitJob | None = None
         #: the producer a commit_transaction thread did not return from in time
         self._busy: Producer | None = None
+        #: a commit_transaction failed retriably: only commit_transaction may follow
+        self._unfinished = False
         self._overlapped = Counter(
             "outbox_relay_kafka_commit_overlap_records_total",
             "Exactly-once: records read while a Kafka commit was under way (buffered, then"
             " produced into the next transaction)",
+            registry=registry,
+        )
+        self._checkpoint_lsn = Gauge(
+            "outbox_relay_checkpoint_lsn",
+            "Exactly-once: the last committed checkpoint (a commit end-LSN, as a number)",
             registry=registry,
         )
         #: when the commit under way was due (its first attempt)
@@ -163,6 +201,15 @@ class CommitOverlap:
             COMMIT_SECONDS_BUCKETS,
             registry,
         )
+
+    def start(self, batch: TxBatch, origin: str) -> None:
+        """A session's transactions (``batch``, its checkpoint read) and its ``origin``
+        (the checkpoint's key): no commit under way, nothing buffered."""
+        self._batch = batch
+        self._origin = origin
+        self._buffer.clear()
+        self._flushing = self.releasing = False
+        self._checkpoint_lsn.set(batch.committed)
 
     def read_wait_s(self) -> float:
         """While a Kafka transaction is open or committing, a read turn waits no longer
@@ -177,14 +224,29 @@ class CommitOverlap:
         if self._batch.admits:
             self._dead_letters.drain(sess)
 
-    def _commit(self, sess: Session) -> Action:
+    def wait(self, timeout_s: float) -> bool:
+        """While commit_transaction has the producer (on its thread): wait at most
+        ``timeout_s`` for it to return, and True; else False (the producer is free)."""
+        job = self._job
+        if job is None:
+            return False
+        if timeout_s > 0:
+            job.done.wait(timeout_s)
+        return True
+
+    def thread_running(self) -> bool:
+        """Whether commit_transaction runs on its thread now (nothing to do meanwhile)."""
+        job = self._job
+        return job is not None and not job.done.is_set()
+
+    def commit(self, sess: Session) -> Action:
         """Produce the checkpoint and start the commit (the reading goes on: the
-        outcome is taken by :meth:`_advance`); a retry only calls commit_transaction
+        outcome is taken by :meth:`advance`); a retry only calls commit_transaction
         again."""
-        producer = self._producer
+        producer = self._producing.producer
         batch = self._batch
         assert producer is not None and batch.candidate is not None
-        if not self._commit_unfinished:
+        if not self._unfinished:
             self._commit_due_at = time.monotonic()
             try:
                 producer.produce(
@@ -195,7 +257,7 @@ class CommitOverlap:
                     headers=ckpt.checkpoint_headers(self._origin),  # type: ignore[arg-type]
                 )
             except KafkaException as exc:
-                return self._commit_failed(sess, exc)
+                return self._failed(sess, exc)
         self._flushing = True
         if not sess.caught_up:
             return Action.NONE
@@ -206,18 +268,18 @@ class CommitOverlap:
         try:
             producer.flush(FLUSH_AT_DUE_MAX_S)  # (reports served here, on the relay's thread)
         except KafkaException as exc:
-            return self._commit_failed(sess, exc)
-        if self._batch.state is not _COMMITTING:
+            return self._failed(sess, exc)
+        if batch.state is not _COMMITTING:
             # (a record's delivery failed during the flush: the machine says ABORT -
             # the transaction is aborted and the session reads again from the checkpoint)
-            return self._batch.due(_now_ms())
-        return self._advance(sess)
+            return batch.due(_now_ms())
+        return self.advance(sess)
 
-    def _advance(self, sess: Session) -> Action:
+    def advance(self, sess: Session) -> Action:
         """The commit under way: commit_transaction started once the producer holds
         no record (its delivery reports all served), its outcome taken once it
         returned; what is due next (BEGIN: records were buffered meanwhile)."""
-        producer = self._producer
+        producer = self._producing.producer
         assert producer is not None
         if self._flushing:
             if len(producer):
@@ -232,8 +294,8 @@ class CommitOverlap:
         if job.error is not None:
             if not isinstance(job.error, KafkaException):
                 raise KafkaUnavailableError(f"commit_transaction failed: {job.error}")
-            return self._commit_failed(sess, job.error)
-        self._commit_unfinished = False
+            return self._failed(sess, job.error)
+        self._unfinished = False
         self._commit_seconds.observe(time.monotonic() - self._commit_due_at)
         batch = self._batch
         action = batch.commit_ok()
@@ -241,47 +303,95 @@ class CommitOverlap:
         self._checkpoint_lsn.set(batch.committed)
         return action
 
-    def _await_commit(self, sess: Session) -> None:
+    def _failed(self, sess: Session, exc: KafkaException) -> Action:
+        """The checkpoint's produce or commit_transaction failed: fenced or fatal ends
+        it (the mode's ``kafka_failed``); otherwise COMMIT again (retriable, within the
+        budget) or ABORT."""
+        producer = self._producing.producer
+        assert producer is not None
+        err = exc.args[0] if exc.args else None
+        if is_fenced(exc) or fatal_code(exc) is not None:
+            self._kafka_failed(exc, "commit_transaction")
+        # A record that failed during the commit has its report queued: served now,
+        # it is remembered (a refused one is dead-lettered when read again) and the
+        # transaction marked failed - never a retry of a commit that cannot succeed.
+        serve_reports(producer)
+        retriable = isinstance(err, KafkaError) and err.retriable()
+        # (after a retriable failure librdkafka takes only commit_transaction again)
+        self._unfinished = self._unfinished or retriable
+        log.warning("Kafka transaction commit failed: %s", exc)
+        sess.stream.send_status(sess.tracker.confirmable, ask_raise=False)
+        return self._batch.commit_failed(retriable=retriable, now_ms=_now_ms())
+
+    def await_commit(self, sess: Session) -> None:
         """Wait for the commit under way to end (a full buffer, a shutdown), acting on
         its outcome; bounded: the machine aborts a commit at its budget."""
         while self._batch.state is _COMMITTING:
-            self.liveness.tick()
-            self.serve(COMMIT_WAIT_TICK_S)
+            self._liveness.tick()
+            self._serve(COMMIT_WAIT_TICK_S)
             if sess.fatal is not None:  # (a record of the transaction failed)
                 raise KafkaUnavailableError(f"producer error: {sess.fatal}")
 
-    def _release(self, sess: Session) -> None:
+    def release(self, sess: Session) -> None:
         """Produce the records buffered during the commit into the transaction just
         begun, in the order read (no commit is due before the last one is produced)."""
-        buffer, self._buffer = self._buffer, []
+        buffer = self._buffer
         self._overlapped.inc(len(buffer))
         send = self._send_record  # (Producing.send: the mode's own record step would buffer)
-        self._releasing = True
+        self.releasing = True
         batch = self._batch
         try:
             for tx_id, topic, value, key, headers, ts_ms, event_id in buffer:
-                if not batch.admits:  # (a failure reported meanwhile: the abort is due)
-                    self._refuse(sess)
+                if batch.state is not _OPEN:  # (TxBatch.admits: a failure reported
+                    self._refuse(sess)  # meanwhile - the abort is due)
                 try:
                     send(sess, tx_id, topic, value, key, headers, ts_ms, event_id)
                 except KafkaException as exc:  # (as Producing.produce: refused, or fatal)
                     self._refused(sess, tx_id, exc, topic, key, value, headers, ts_ms)
         finally:
-            self._releasing = False
+            buffer.clear()  # (nothing is buffered meanwhile: the transaction is OPEN)
+            self.releasing = False
 
-    def _join_commit(self) -> bool:
+    def join(self) -> bool:
         """Wait (bounded) for a commit_transaction thread to return; whether none runs
         now. The commit's state goes: its outcome no longer matters (the session ends)."""
         job, self._job = self._job, None
         self._flushing = False
-        self._buffer = []
+        self._buffer.clear()
         if job is None:
             return True
         if not job.done.wait(COMMIT_TIMEOUT_S + WAIT_TICK_S):
-            self._busy = self._producer  # (never purged nor destroyed under the thread)
+            self._busy = self._producing.producer  # (never purged nor destroyed under it)
             log.warning(
                 "commit_transaction did not return within %.0fs: its producer is left to it",
                 COMMIT_TIMEOUT_S + WAIT_TICK_S,
             )
             return False
         return True
+
+    def join_outcome(self) -> str:
+        """Before an abort: :meth:`join`, and what the commit under way came to -
+        :data:`JOINED_COMMITTED` (it committed after all: no transaction is open),
+        :data:`JOINED_STUCK` (its thread did not return, or it failed retriably:
+        abort_transaction would conflict - only a new producer ends it) or
+        :data:`JOINED_OPEN` (the transaction may be aborted)."""
+        job = self._job
+        running = not self.join()
+        if job is not None and not running:
+            if job.error is None:
+                self._unfinished = False
+                return JOINED_COMMITTED
+            err = job.error.args[0] if job.error.args else None
+            if isinstance(err, KafkaError) and err.retriable():  # (only a commit may follow)
+                self._unfinished = True
+        return JOINED_STUCK if self._unfinished or running else JOINED_OPEN
+
+    def forget(self) -> None:
+        """The producer is let go: :meth:`join`, and no commit left unfinished."""
+        self.join()
+        self._unfinished = False
+
+    def left_to_thread(self, producer: Producer) -> bool:
+        """Whether ``producer`` was left to a commit_transaction thread that did not
+        return in time (never purged nor destroyed under it)."""
+        return producer is self._busy

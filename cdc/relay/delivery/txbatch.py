@@ -227,9 +227,11 @@ class TxBatch:
         self.wal_open = True
 
     def opened(self, final_lsn: int) -> bool:
-        """:meth:`wal_opened` and :meth:`covered` in one step (the shell's Begin: one
-        call a WAL transaction): a WAL transaction committed at ``final_lsn`` began;
-        whether it is in Kafka already (its records are skipped)."""
+        """:meth:`wal_opened` and :meth:`covered` in one step (the shell's Begin,
+        :meth:`cdc.relay.delivery.eos_steps.EosSteps.wal_begins`, writes it out - no call
+        a WAL transaction - and its unit test holds it to this): a WAL transaction
+        committed at ``final_lsn`` began; whether it is in Kafka already (its records
+        are skipped)."""
         self.wal_open = True
         return final_lsn < self.skip_below
 
@@ -276,9 +278,12 @@ class TxBatch:
         or fenced (nothing counted: the record enters no transaction; :meth:`due`
         says what to do).
 
-        In OPEN it only counts the record (``records += 1``, NONE) - the exactly-once
-        relay's ``_send`` writes that case out (no call per record: most records
-        meet it); the model test checks after every step that it is all it does."""
+        In OPEN it only counts the record (``records += 1``, NONE), and while a commit
+        is under way with records buffered already and room for this one it only
+        counts it there (``buffered``, ``buffered_bytes``; BUFFER): the exactly-once
+        record step (:meth:`cdc.relay.delivery.eos_steps.EosSteps.record`) writes these
+        two cases out (no call per record: most records meet one); the model test
+        checks after every step that they are all this does."""
         state = self.state
         if state is _OPEN:
             self.records += 1

@@ -100,7 +100,10 @@ _H_TRACEPARENT = c.HEADER_TRACEPARENT
 _BEGIN_LEN, _begin_fields = pgo.BEGIN_LEN, pgo.begin_fields
 
 
-_COMMIT_LEN, _commit_fields = pgo.COMMIT_LEN, pgo.commit_fields
+_COMMIT_LEN, _commit_end_lsn = pgo.COMMIT_LEN, pgo.commit_end_lsn
+
+
+_END_LSN_AT = pgo.COMMIT_END_LSN_AT
 
 
 _UNKNOWN: Any = object()
@@ -184,7 +187,7 @@ def read_commit(sess: Session, data: bytes | memoryview, at: int) -> None:
         raise _malformed(data[at:])
     if sess.tx_id is None:
         raise DecodeError("pgoutput Commit outside a transaction")
-    sess.tracker.close(sess.tx_id, _commit_fields(data, at + 1)[2])
+    sess.tracker.close(sess.tx_id, _commit_end_lsn(data, at + _END_LSN_AT)[0])
     sess.tx_id = sess.begin = sess.tx = sess.reports = None
 
 
@@ -329,13 +332,13 @@ class FastPath:
         It handles the common case - an outbox row of text values, all
         required columns present, a JSON payload, a known topic, a UTF-8
         database - and yields the very record :func:`route_fields` would. Any
-        other row goes to :meth:`_on_insert_decoded`, which decodes it fully
+        other row goes to :meth:`_on_insert_slowly`, which decodes it fully
         and dead-letters or raises with the precise reason.
         """
         tx_id = sess.tx_id
         found = pgo.insert_text_values(data, at) if tx_id is not None else None
         if found is None:
-            self._on_insert_decoded(sess, pgo.decode(data[at:]))
+            self._on_insert_slowly(sess, data, at)
             return
         oid, found_values = found
         values: list[Any] = found_values  # (bytes | None: checked below, C-level)
@@ -345,7 +348,7 @@ class FastPath:
         if index is None:
             return
         if index.__class__ is not OutboxLayout or len(values) != index[0] or not self.utf8:
-            self._on_insert_decoded(sess, pgo.decode(data[at:]))
+            self._on_insert_slowly(sess, data, at)
             return
         _, i_id, i_aggtype, i_agg, i_type, i_payload, i_trace, jsonb = index
         event_id = values[i_id]
@@ -353,7 +356,7 @@ class FastPath:
         topic = self.topic_of.get(aggtype) if aggtype is not None else None
         key, event_type, value = values[i_agg], values[i_type], values[i_payload]
         if topic is None or not (event_id and key and event_type and value):
-            self._on_insert_decoded(sess, pgo.decode(data[at:]))
+            self._on_insert_slowly(sess, data, at)
             return
         # One JSON object, checked, never re-encoded: jsonb text is valid JSON by
         # construction (an object starts with "{"); other types are parsed once.
@@ -362,7 +365,7 @@ class FastPath:
         if ((value[0] != 0x7B) if jsonb else _not_object(value)) or (
             len(value) > _MAX_DEPTH and _too_deep(value)
         ):
-            self._on_insert_decoded(sess, pgo.decode(data[at:]))
+            self._on_insert_slowly(sess, data, at)
             return
         assert tx_id is not None
         tx = sess.tx or _tx_context(sess)
@@ -386,6 +389,11 @@ class FastPath:
             send(sess, tx_id, topic, value, key, headers, tx.timestamp_ms, event_id)
         except KafkaException as exc:
             self._refused(sess, tx_id, exc, topic, key, value, headers, tx.timestamp_ms)
+
+    def _on_insert_slowly(self, sess: Session, data: bytes | memoryview, at: int) -> None:
+        """An Insert the fast path declined, whatever the reason: the one way from the
+        fast path to the full decoder (:func:`pgo.decode`, then :meth:`_on_insert_decoded`)."""
+        self._on_insert_decoded(sess, pgo.decode(data[at:]))
 
     def _on_insert_decoded(self, sess: Session, ins: Any) -> None:
         """An Insert the fast path did not take: decoded fully, routed or dead-lettered."""
