@@ -79,6 +79,8 @@ CLOSE_POLL_S = 0.005
 #: The longest an outage waits for the serving ``Server`` to close its listener before
 #: its window starts anyway (uvicorn's tick is 0.1 s; a loop starved for seconds is slower).
 CLOSE_WAIT_S = 10.0
+#: How often :meth:`StubServer.end_outage` looks whether the stub listens again.
+END_OUTAGE_POLL_S = 0.01
 
 
 class ListenerState(Enum):
@@ -511,10 +513,31 @@ class StubServer:
         """The server's thread has ended (stopped, or failed: the control helpers say why)."""
         return self._thread.ident is not None and not self._thread.is_alive()
 
-    def end_outage(self) -> None:
-        """Accept connections again now (the control API is unreachable while refusing)."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._listener.reopen_now)
+    def end_outage(self, *, wait: bool = True) -> None:
+        """Accept connections again now (the control API is unreachable while refusing);
+        returns once the stub listens again (``wait=False``: at once) - the window's
+        close and the rebind are bounded (:data:`CLOSE_WAIT_S`, :data:`REBIND_TIMEOUT_S`),
+        so is this wait. (It returned at once: a control call right after it - a test's
+        next wait - met the listener still closed, ``connection refused``, on a loaded CI
+        machine.)"""
+        loop = self._loop
+        if loop is None:
+            return
+        if not wait:
+            loop.call_soon_threadsafe(self._listener.reopen_now)
+            return
+        ran = threading.Event()
+        loop.call_soon_threadsafe(self._listener.reopen_now)
+        loop.call_soon_threadsafe(ran.set)  # (callbacks run in order: reopen_now has run)
+        deadline = time.monotonic() + CLOSE_WAIT_S + REBIND_TIMEOUT_S + STARTUP_TIMEOUT_S
+        ran.wait(STARTUP_TIMEOUT_S)
+        while self._listener.refusing and not self.stopped:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"engine stub on port {self.port} still refuses connections after its"
+                    " outage was ended"
+                )
+            time.sleep(END_OUTAGE_POLL_S)
 
     def _run(self) -> None:
         try:
