@@ -8,7 +8,8 @@ what the engine knows and its rules (idempotency per ``Idempotency-Key``,
 extra headers, latency), :mod:`.app` the Starlette routes of the engine
 endpoints and the ``/_stub`` control API, :mod:`.server` uvicorn (its public
 API), outage windows that really close the listening socket, TLS and the
-:class:`~sinks.stub.server.StubServer` test helper. What it may import:
+:class:`~sinks.stub.server.StubServer` test helper, :mod:`.connections` the open
+connections (``reset_after_response``). What it may import:
 :mod:`sinks.shared.routes` (the engine's paths), Starlette, uvicorn, httpx; nothing of
 the sink's delivery. Invariants: the idempotency and ``user_not_found`` rules
 are the stub's own, pure, in :mod:`.engine`; every answer is JSON; state lives

@@ -71,7 +71,7 @@ class Listener(Protocol):
 
 class Connections(Protocol):
     """What the engine endpoints ask of the open connections
-    (:class:`sinks.stub.server.Connections`): reset one after an answer."""
+    (:class:`sinks.stub.connections.Connections`): reset one after an answer."""
 
     resets: int
 
