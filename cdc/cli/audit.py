@@ -93,9 +93,11 @@ def audit(
     """
     from datetime import UTC, datetime
 
+    from cdc import collector
     from cdc.audit import BeforeFirstStartError, WindowError, run_audit, window_for
 
     settings = load_settings("pg_dsn", "kafka_bootstrap_servers")
+    collector.for_bulk_work()  # (millions of ids read, rows republished: cdc.collector)
     try:
         window = window_for(
             now=datetime.now(UTC),

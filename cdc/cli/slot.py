@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from cdc import collector
 from cdc.cli import render
 from cdc.cli.app import fail, load_settings
 
@@ -117,6 +118,7 @@ def slot_recover_cmd(execute: bool, as_json: bool) -> None:
         _answer(as_json, plan, _plan_text(plan))
         return
     gap = recovery.open_gap(settings, found)
+    collector.for_bulk_work()  # (a window's rows republished: cdc.collector)
     done = recovery.recover(settings, gap)
     result = {"gap": True, "executed": True, "gap_id": gap.id, **_recovered_json(done)}
     _answer(
@@ -216,6 +218,7 @@ def slot_init_cmd(source: str, as_json: bool) -> None:
         _answer(as_json, doc, f"slot {settings.slot} made the relay's at {made.lsn}")
         return
     gap = recovery.open_gap(settings, found) if resuming else recovery.open_first_start(settings)
+    collector.for_bulk_work()  # (the table's rows published: cdc.collector)
     done = recovery.recover(settings, gap)
     result = {"from": "table", "slot": settings.slot, "gap_id": gap.id, **_recovered_json(done)}
     _answer(

@@ -36,8 +36,10 @@ Guarantees:
   ``commit_transaction`` - runs on a thread of its own (:class:`_Commit`) while the
   run goes on reading rows and making their records, held (at most
   ``CDC_TX_MAX_RECORDS``) and produced into the next transaction once the commit
-  returned (librdkafka takes no record into a new transaction before): one
-  producer, the records in the order read;
+  returned (librdkafka takes no record into a new transaction before) - up to
+  its bound, whose commit then starts on its thread in turn: one producer, the
+  records in the order read; a transaction opens at its first record (a window
+  Kafka holds whole opens none);
 * **an aborted transaction is redone, not the window**: a transaction whose record
   Kafka refused (dead-lettered in the redo), whose record failed otherwise or whose
   commit failed is aborted and its records - held in memory, at most
@@ -237,31 +239,40 @@ class Publisher:
             return
         job = self.job
         if job is not None:  # (a commit under way: held for the next transaction)
-            self.held.append(record)
-            if len(self.held) >= tx.max_records or job.done.is_set():
+            held = self.held
+            held.append(record)
+            if len(held) >= tx.max_records or job.done.is_set():
                 self._next_transaction()
             return
-        self.chunk.append(self._produce(record))
-        if tx.full(len(self.chunk)):
-            # (its acknowledgements and commit on a thread; the reading and the records'
-            # making go on meanwhile, into ``held``)
+        self._add(record, tx)
+
+    def _add(self, record: KafkaRecord, tx: Transactions) -> None:
+        """Produce ``record`` into the open transaction (opened for it if none is); a
+        transaction at its bound ends on a thread (:class:`_Commit`: its acknowledgements
+        and commit) while the reading and the records' making go on, into ``held``."""
+        chunk = self.chunk
+        if not chunk:
+            tx.begin()
+        chunk.append(self._produce(record))
+        if tx.full(len(chunk)):
             self.run = None
             self.job = _Commit(self.producer, tx, self.acks)
 
     def _next_transaction(self) -> None:
         """The commit under way ends (a failed one is redone), then the records held
-        meanwhile go into the next transaction."""
+        meanwhile go into the next transaction - up to its bound: the rest stay held
+        while that one's commit is under way."""
         job, self.job = self.job, None
         if job is not None:
             self._end(job)
         held, self.held = self.held, []
         tx = self.tx
         assert tx is not None
-        for record in held:
-            tx.begin()
-            self.chunk.append(self._produce(record))
-            if tx.full(len(self.chunk)):
-                self._settle()
+        for at, record in enumerate(held):
+            if self.job is not None:
+                self.held = held[at:]
+                return
+            self._add(record, tx)
 
     def _end(self, job: _Commit) -> None:
         """Wait for ``job`` (its calls are bounded: so is the wait); a transaction it did
@@ -319,7 +330,7 @@ class Publisher:
         the commit under way ends first, the records held meanwhile are produced, and
         the open transaction is committed; one that cannot be (a record of it failed,
         or the commit) is aborted and redone."""
-        if self.job is not None or self.held:
+        while self.job is not None or self.held:
             self._next_transaction()
         self._settle()
 

@@ -190,12 +190,11 @@ class Transactions:
         _call("init_transactions", lambda: self.producer.init_transactions(TX_CALL_TIMEOUT_S))
 
     def skip(self, event_id: str) -> bool:
-        """Whether ``event_id`` is in Kafka already (counted); else a transaction is open."""
+        """Whether ``event_id`` is in Kafka already (counted)."""
         present = self.present
         if present.count and uuid_bytes(event_id.encode()) in present:
             self.skipped += 1
             return True
-        self.begin()
         return False
 
     def begin(self) -> None:

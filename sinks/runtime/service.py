@@ -18,7 +18,6 @@ uvicorn's own log lines go through the process's logging set-up
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -27,6 +26,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp
 
+from cdc import collector
 from cdc.health import Liveness
 from cdc.settings import Settings
 from sinks.engine.client import EngineClient
@@ -38,10 +38,6 @@ from sinks.runtime.sink import Sink
 
 log = logging.getLogger("sinks.service")  # the name operators filter on: kept across moves
 
-#: Cyclic-GC thresholds of the sink process: a delivery allocates dozens of
-#: short-lived objects, and the default gen-0 threshold (700) spent ~13% of the
-#: event loop's CPU in collections (profile in docs/performance.md).
-GC_THRESHOLDS = (50_000, 20, 50)
 #: After the consumer stopped, the admin server and the scheduler get this long to end.
 SERVICE_STOP_S = 3.0
 
@@ -66,8 +62,9 @@ async def run_sink(
     new-group guard, :func:`sinks.ops.new_group.guard_new_group`) is awaited with the HTTP
     server up, before the scheduler starts and the consumer joins its group."""
     settings.require("pg_dsn", "kafka_bootstrap_servers")
-    gc.freeze()  # start-up objects (imports, settings) out of every later collection
-    gc.set_threshold(*GC_THRESHOLDS)
+    # (a delivery allocates dozens of short-lived objects: with the default thresholds
+    # collections took ~13% of the event loop's CPU, docs/performance.md)
+    collector.for_bulk_work()
     registry = CollectorRegistry()
     liveness = Liveness()
     engine = EngineClient.from_settings(settings)

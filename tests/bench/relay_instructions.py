@@ -213,9 +213,9 @@ def replay(
     it (one during the imports walked every message object: an artefact that grew
     with the stream and moved with the imported code)."""
     if not build_only:
+        from cdc.collector import THRESHOLDS as GC_THRESHOLDS
         from cdc.kafka.producer import make_producer
         from cdc.relay.health.state import Session
-        from cdc.relay.stream.loop import GC_THRESHOLDS
         from cdc.settings import Settings
         from cdc.wal.lsn import LsnTracker
         from tests.bench.relay_instructions_eos import (

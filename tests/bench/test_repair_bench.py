@@ -5,11 +5,12 @@ Per mode, a database of the bench's own: a relay publishes a few warm-up events 
 stops; :data:`EVENTS` events are committed (100-event transactions) while it is down;
 the relay starts again and drains them (``/readyz`` -> all acknowledged: the
 streaming rate), then stops. Every record of the topic is deleted (DeleteRecords, what
-retention does, at once). The audit then runs with ``repair`` in a process of its own
-over the window: its ``repair`` stage (the republishing, in exactly-once mode in
-transactions of at most ``CDC_TX_MAX_RECORDS`` records) gives the repair rows/s, its
-``VmHWM`` the peak RSS; the exactly-once run prints how many Kafka transactions the
-repair committed.
+retention does, at once). The audit then runs as an operator runs it, ``outbox-cdc
+audit --repair --json`` over the window (the command's process, its garbage-collector
+set-up included: :mod:`cdc.collector`): its ``repair`` stage (the republishing, in
+exactly-once mode in transactions of at most ``CDC_TX_MAX_RECORDS`` records) gives the
+repair rows/s, its ``VmHWM`` the peak RSS; the exactly-once run prints how many Kafka
+transactions the repair committed.
 
 The streaming rate is measured on both sides of the repair, so that the ratio compares
 figures of one machine state: a twin relay (its own slot, made with the first one's
@@ -51,43 +52,54 @@ pytestmark = [pytest.mark.bench, pytest.mark.integration]
 EVENTS = int(os.environ.get("REPAIR_BENCH_EVENTS", "10000000"))
 GOAL_RATIO = 0.8
 
-#: Runs one repairing audit in this (fresh) process; prints its figures as one JSON line.
-REPAIR_SCRIPT = """
-import json, sys, time
-from datetime import datetime
-from cdc.audit import Window, run_audit
-from cdc.settings import Settings
-
-since, until = (datetime.fromisoformat(a) for a in sys.argv[1:3])
-settings = Settings.from_env()
-started = time.monotonic()
-report = run_audit(settings, Window.between(since, until), repair=True)
-seconds = time.monotonic() - started
-with open("/proc/self/status") as f:
-    rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-print(json.dumps({
-    "seconds": seconds, "rss_mb": rss_kb / 1024, "rows": report.table.judged_rows,
-    "missing": report.missing_count, "repaired": report.repaired,
-    "timings": report.timings_s,
-}))
+#: ``python -m cdc.cli`` (the ``outbox-cdc`` command), its peak RSS written to stderr at exit.
+CLI_WITH_PEAK_RSS = """
+import atexit, sys
+def peak():
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    print(f"peak-rss-kb {kb}", file=sys.stderr)
+atexit.register(peak)
+sys.argv[0] = "outbox-cdc"
+from cdc.cli import run
+run()
 """
 
 
+def _peak_rss_mb(log_text: str) -> float:
+    kb = [line.split()[1] for line in log_text.splitlines() if line.startswith("peak-rss-kb ")]
+    assert kb, "the command printed no peak RSS"
+    return int(kb[-1]) / 1024
+
+
 def _repair(cfg: RelayConfig, since: datetime, until: datetime, tmp: Path) -> dict[str, object]:
-    proc = subprocess.run(
-        [sys.executable, "-c", REPAIR_SCRIPT, since.isoformat(), until.isoformat()],
-        env={**cfg.env(9), "LOG_LEVEL": "INFO"},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=7200,
-        check=False,
-    )
-    (tmp / f"repair-{cfg.unique}.log").write_text(proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["redone"] = proc.stderr.count("redoing it")
-    return result
+    """``outbox-cdc audit --repair --json`` over the window, as an operator runs it (the
+    command's own process set-up included: cdc.collector), with its peak RSS."""
+    window = ["--since", since.isoformat(), "--until", until.isoformat()]
+    started = time.monotonic()
+    with (tmp / f"repair-{cfg.unique}.log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CLI_WITH_PEAK_RSS, "audit", "--repair", "--json", *window],
+            env={**cfg.env(9), "LOG_LEVEL": "INFO"},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        out = proc.communicate(timeout=7200)[0]
+    seconds = time.monotonic() - started
+    log_text = (tmp / f"repair-{cfg.unique}.log").read_text()
+    assert proc.returncode in (0, 1), log_text[-4000:]  # (1: something was missing - repaired)
+    report = json.loads(out)
+    return {
+        "seconds": seconds,
+        "rss_mb": _peak_rss_mb(log_text),
+        "rows": report["table_rows"],
+        "missing": report["missing_count"],
+        "repaired": report["repaired"],
+        "timings": report["timings_s"],
+        "redone": log_text.count("redoing it"),
+    }
 
 
 def _run(

@@ -2,7 +2,7 @@
 
 A paused sink whose PostgreSQL is away retries its parks for as long as the outage
 lasts. Each failure must free its batch by reference counting: the sink raises the
-cyclic GC's gen-0 threshold (``sinks.runtime.service.GC_THRESHOLDS``), so garbage in a
+cyclic GC's gen-0 threshold (``cdc.collector.THRESHOLDS``), so garbage in a
 reference cycle waits long - psycopg's connect keeps the error it raises in its own
 frame (a cycle through the traceback), which once held every failed batch's JSON
 document (~250 KiB) until a collection: the paused sink's memory rose by one

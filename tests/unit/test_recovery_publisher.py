@@ -117,8 +117,16 @@ class FakeTransactions:
     """:class:`cdc.repair.transactional.Transactions` over a :class:`ReportingProducer`:
     what each committed transaction held; ``fail_commits`` commits fail (abortable)."""
 
-    def __init__(self, producer: ReportingProducer, max_records: int, fail_commits: int = 0):
+    def __init__(
+        self,
+        producer: ReportingProducer,
+        max_records: int,
+        fail_commits: int = 0,
+        present: frozenset[str] = frozenset(),
+    ):
         self.producer = producer
+        self.present = present
+        self.begun = 0
         self.max_records = max_records
         self.fail_commits = fail_commits
         self.skipped = 0
@@ -128,18 +136,22 @@ class FakeTransactions:
         self.aborted = 0
 
     def skip(self, event_id: str) -> bool:
-        self.begin()
+        if event_id in self.present:
+            self.skipped += 1
+            return True
         return False
 
     def begin(self) -> None:
         if not self.open:
             self.open, self.start = True, len(self.producer.produced)
+            self.begun += 1
 
     def full(self, records: int) -> bool:
         return self.open and records >= self.max_records
 
     def commit(self) -> None:
-        assert self.open
+        if not self.open:  # (as Transactions.commit: nothing open, nothing to commit)
+            return
         if self.fail_commits:
             self.fail_commits -= 1
             raise KafkaUnavailableError("commit_transaction failed: an abortable error")
@@ -152,11 +164,14 @@ class FakeTransactions:
 
 
 def _eos_publisher(
-    refuse: set[bytes], max_records: int, fail_commits: int = 0
+    refuse: set[bytes],
+    max_records: int,
+    fail_commits: int = 0,
+    present: frozenset[str] = frozenset(),
 ) -> tuple[Publisher, FakeTransactions]:
     producer = ReportingProducer(refuse=refuse)
     settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="x:1", dlq_topic=DLQ)
-    tx = FakeTransactions(producer, max_records, fail_commits)
+    tx = FakeTransactions(producer, max_records, fail_commits, present)
     publisher = Publisher(settings, producer, FakeTopics(), Acks(), tx=tx)  # type: ignore[arg-type]
     return publisher, tx
 
@@ -243,6 +258,51 @@ def test_records_made_while_a_commit_is_under_way_wait_for_the_next_transaction(
     publisher.wait_acked()
     assert [len(t) for t in tx.committed] == [5, 3]
     assert [i for t in tx.committed for i in _ids(t)] == [r.event_id.encode() for r in records]
+
+
+def test_held_records_that_fill_a_transaction_start_its_commit_and_the_rest_wait() -> None:
+    """Commits slower than the reading: the records held while one commits fill the next
+    transaction, whose commit then starts on its thread at once (not inline, holding the
+    reading up) while the records after it are held in turn; every transaction at most
+    ``max_records``, every record once, in the order sent."""
+    import time
+
+    publisher, tx = _eos_publisher(set(), max_records=5)
+    commit = tx.commit
+
+    def slow_commit() -> None:
+        time.sleep(0.2)
+        commit()
+
+    tx.commit = slow_commit  # type: ignore[method-assign]
+    records = [_record(n) for n in range(17)]
+    for record in records[:10]:
+        publisher.send(record)
+    # (the tenth filled the held records: the first commit ended, the second is under way)
+    assert publisher.job is not None and not publisher.held and len(tx.committed) == 1
+    for record in records[10:]:
+        publisher.send(record)
+    publisher.wait_acked()
+    assert [len(t) for t in tx.committed] == [5, 5, 5, 2]
+    assert [i for t in tx.committed for i in _ids(t)] == [r.event_id.encode() for r in records]
+    assert publisher.job is None and not publisher.held and not tx.open
+
+
+def test_a_window_kafka_holds_already_opens_no_transaction() -> None:
+    """Edge: every row present in Kafka - nothing produced, no transaction begun (an empty
+    Kafka transaction still costs the coordinator its round trips); one missing row among
+    them opens exactly one."""
+    records = [_record(n) for n in range(6)]
+    publisher, tx = _eos_publisher(set(), 5, present=frozenset(r.event_id for r in records))
+    for record in records:
+        publisher.send(record)
+    publisher.wait_acked()
+    assert tx.begun == 0 and not tx.committed and tx.skipped == 6 and publisher.sent == 0
+    publisher, tx = _eos_publisher(set(), 5, present=frozenset(r.event_id for r in records[1:]))
+    for record in records:
+        publisher.send(record)
+    publisher.wait_acked()
+    assert tx.begun == 1 and [_ids(t) for t in tx.committed] == [[records[0].event_id.encode()]]
 
 
 ORIGIN = (c.HEADER_ORIGIN, b"7301/2/outbox_slot")

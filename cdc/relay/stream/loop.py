@@ -32,7 +32,6 @@ counts rebuilds and ``/readyz`` answers 503 ``rebuilding: <error>`` meanwhile.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -42,6 +41,7 @@ import psycopg
 from confluent_kafka import KafkaException, Producer
 from prometheus_client import CollectorRegistry
 
+from cdc import collector
 from cdc import constants as c
 from cdc.backlog import BacklogGuard, backlog_route
 from cdc.backoff import Backoff
@@ -89,10 +89,6 @@ log = logging.getLogger("cdc.relay")
 
 #: Confirm progress at most this often (fewer duplicates after a crash).
 STATUS_MIN_INTERVAL_S = 0.02
-
-
-#: Cyclic-GC thresholds for the relay process (see Relay.run).
-GC_THRESHOLDS = (50_000, 20, 50)
 
 
 #: Reconnect backoff after stream or Kafka trouble (back to the minimum after
@@ -307,11 +303,7 @@ class Relay:
 
     def run(self) -> int:
         """Stream until :meth:`stop`; return the process exit code."""
-        # The hot path allocates ~30 short-lived, acyclic objects per event; the
-        # default gen-0 threshold (700) ran the cyclic GC every ~25 events for
-        # ~8% of the CPU. Collect less often; move start-up objects out of reach.
-        gc.freeze()
-        gc.set_threshold(*GC_THRESHOLDS)
+        collector.for_bulk_work()  # (~30 short-lived objects per event: cdc.collector)
         server = None
         guard = BacklogGuard(self.settings)  # GET /backlog: measured from PG and Kafka
         if self._serve_http:
