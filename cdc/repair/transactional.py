@@ -16,7 +16,7 @@ Guarantees (``CDC_DELIVERY=exactly-once`` only; at-least-once publishing is unch
   letter by its ``id`` alone (as the audit counts it). Everything passed by is
   counted by reason and logged once per read. Ids are kept as their 16 bytes
   (:class:`PresentIds`: no Python object per id);
-* a publisher (:class:`cdc.repair.republish.Publisher`) given a
+* a publisher (:class:`cdc.repair.publisher.Publisher`) given a
   :class:`Transactions` skips every row whose id is present, and publishes the rest
   inside Kafka transactions of its own ``transactional.id`` (the relay's plus
   ``.recovery`` or ``.repair``: a second run of the same kind fences the first;

@@ -52,7 +52,7 @@ from cdc.migrate import migrate
 from cdc.outbox import OutboxEvent, emit_event, write_event
 from cdc.records import read_headers
 from cdc.relay.gaps import recovery
-from cdc.repair import republish, rows
+from cdc.repair import publisher, republish, rows
 from cdc.settings import Settings
 from tests.harness import (
     ROOT,
@@ -552,15 +552,15 @@ def test_a_recovery_that_died_half_way_resumes_from_its_recorded_progress(
     found = recovery.inspect(settings)
     gap = recovery.open_gap(settings, found)
     monkeypatch.setattr(recovery, "PROGRESS_EVERY_ROWS", 3)
-    send = republish.Publisher.send
+    send = publisher.Publisher.send
     mine = set(stranded)
 
-    def failing_send(self: republish.Publisher, record: Any) -> None:
+    def failing_send(self: publisher.Publisher, record: Any) -> None:
         if record.event_id == stranded[8]:
             raise recovery.KafkaUnavailableError("Kafka went away (test)")
         send(self, record)
 
-    monkeypatch.setattr(republish.Publisher, "send", failing_send)
+    monkeypatch.setattr(publisher.Publisher, "send", failing_send)
     with pytest.raises(recovery.KafkaUnavailableError):
         recovery.recover(settings, gap)
     monkeypatch.undo()

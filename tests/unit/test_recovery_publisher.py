@@ -1,4 +1,4 @@
-"""The gap recovery's publisher (cdc.repair.republish.Publisher) against a producer
+"""The gap recovery's publisher (cdc.repair.publisher.Publisher) against a producer
 that reports like confluent-kafka with ``delivery.report.only.error``: a delivered
 record calls nothing, a refused one calls its callback; reports carry no headers.
 
@@ -16,7 +16,8 @@ from confluent_kafka import KafkaError
 
 from cdc import constants as c
 from cdc.errors import KafkaUnavailableError
-from cdc.repair.republish import Acks, Publisher, outbox_record
+from cdc.repair.publisher import Acks, Publisher
+from cdc.repair.republish import outbox_record
 from cdc.router import KafkaRecord, TxContext
 from cdc.settings import Settings
 from tests.unit.test_relay_routing import FakeTopics
@@ -216,7 +217,7 @@ def test_a_transaction_with_a_refused_record_is_aborted_and_redone_alone() -> No
 
 
 def test_a_failed_commit_redoes_the_transaction_and_gives_up_after_its_attempts() -> None:
-    from cdc.repair.republish import TX_ATTEMPTS
+    from cdc.repair.publisher import TX_ATTEMPTS
 
     publisher, tx = _eos_publisher(set(), max_records=4, fail_commits=2)
     for record in [_record(n) for n in range(6)]:
@@ -328,3 +329,25 @@ def test_a_republished_dead_letter_carries_the_republishers_origin() -> None:
     assert headers[c.HEADER_ORIGIN] == ORIGIN[1]
     assert c.HEADER_LSN not in headers  # (no commit LSN is made up)
     assert headers[c.HEADER_RECOVERED] == b"verify"
+
+
+def test_a_chunk_gives_back_its_records_as_they_were() -> None:
+    """The open transaction's records, kept for a redo as one buffer of their parts
+    (cdc.repair.publisher.Chunk), come back equal and in order - edges: an empty key, a
+    non-ASCII topic and id, a 1 MiB value, a header with an empty value, a timestamp
+    past 2**32 ms."""
+    from cdc.repair.publisher import Chunk
+
+    records = [
+        _record(0),
+        KafkaRecord("outbox.Ärger", b"", b"{}", [("id", b"\xc3\xa9"), ("x", b"")], 2**40, "é"),
+        KafkaRecord("outbox.big", b"k", b"{" + b" " * (1 << 20) + b"}", [], 0, "big"),
+        _record(3),
+    ]
+    chunk = Chunk()
+    for record in records:
+        chunk.add(record)
+    assert chunk.count == 4
+    assert list(chunk.records()) == records
+    assert list(chunk.records()) == records, "read again: the same"
+    assert list(Chunk().records()) == []

@@ -78,15 +78,8 @@ from cdc.relay.gaps.gap import (
 )
 from cdc.relay.standby.safe import wait_standby_flushed
 from cdc.repair.lock import RecoveryLock
-from cdc.repair.republish import (
-    Acks,
-    Publisher,
-    epoch_us,
-    order_column,
-    outbox_record,
-    publishing_producer,
-    topic_manager,
-)
+from cdc.repair.publisher import Acks, Publisher, publishing_producer
+from cdc.repair.republish import epoch_us, order_column, outbox_record, topic_manager
 from cdc.repair.rows import FETCH_ROWS
 from cdc.repair.transactional import present_ids
 from cdc.router import TxContext
