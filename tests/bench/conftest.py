@@ -51,6 +51,16 @@ def create_topics(kafka: str, names: list[str], *, partitions: int) -> None:
     wait_until(lambda: all(n in admin.list_topics(timeout=10).topics for n in names), 30, "topics")
 
 
+def delete_topics_naming(kafka: str, marker: str) -> None:
+    """Delete every topic whose name holds ``marker`` (a run's unique id): a bench of
+    millions of records leaves gigabytes behind otherwise (a full disk ended a later
+    run's PostgreSQL in recovery)."""
+    admin = AdminClient({"bootstrap.servers": kafka})
+    names = [t for t in admin.list_topics(timeout=30).topics if marker in t]
+    for future in (admin.delete_topics(names, request_timeout=60) if names else {}).values():
+        future.result(timeout=60)
+
+
 def topic_record_count(kafka: str, topic: str) -> int:
     """Records in ``topic`` (sum of high watermarks; the topic is never compacted)."""
     from confluent_kafka import Consumer, TopicPartition

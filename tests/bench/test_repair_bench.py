@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 
 from cdc.migrate import migrate
-from tests.bench.conftest import create_topics
+from tests.bench.conftest import create_topics, delete_topics_naming
 from tests.bench.report import fmt, print_table, record_goal
 from tests.bench.test_audit_bench import PARTITIONS, WARMUP, _drain, _fill, _load, _relayed
 from tests.conftest import create_database, drop_database
@@ -152,6 +152,7 @@ def _run(
         for c in (cfg, twin):
             drop_slot(dsn, c.slot)
         drop_database(pg_server, dsn)
+        delete_topics_naming(kafka, cfg.unique)  # (the twin's names hold it too)
     assert result["repaired"] == EVENTS, result
     assert result["records"] == result["distinct"] == EVENTS, result  # (every id once)
     return (before + after) / 2, result
