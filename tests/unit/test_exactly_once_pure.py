@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -393,6 +393,22 @@ _RECORD_CASES = [
 ]
 
 
+def _unused(*args: object) -> NoReturn:
+    raise AssertionError(f"not called here: {args}")
+
+
+def _steps(batch: TxBatch, **given: Any) -> Any:
+    """EosSteps over ``batch``: every collaborator not ``given`` fails the test if called
+    (the commit thread: not running)."""
+    from cdc.relay.delivery.eos_steps import EosSteps
+
+    parts: dict[str, Any] = dict.fromkeys(
+        ("send_record", "hold", "serve", "act", "admit", "refuse"), _unused
+    )
+    parts["commit_thread_running"] = lambda: False
+    return EosSteps(batch=batch, **{**parts, **given})
+
+
 @pytest.mark.parametrize(("state", "buffered", "held_bytes", "nbytes"), _RECORD_CASES)
 def test_the_record_step_leaves_the_machine_as_its_record_call_would(
     monkeypatch: pytest.MonkeyPatch, state: str, buffered: int, held_bytes: int, nbytes: int
@@ -427,17 +443,11 @@ def test_the_record_step_leaves_the_machine_as_its_record_call_would(
         did.append("refused")
         raise RuntimeError("refused")
 
-    def unused(*args: object) -> NoReturn:
-        raise AssertionError(f"not called here: {args}")
-
     ours = _machine_in(state, limits, buffered=buffered, nbytes=held_bytes)
-    steps = eos_steps.EosSteps(
-        batch=ours,
+    steps = _steps(
+        ours,
         send_record=lambda *args: did.append("sent"),
         hold=lambda held: did.append("held"),
-        commit_thread_running=lambda: False,
-        serve=unused,
-        act=unused,
         admit=admit,
         refuse=refuse,
     )
@@ -465,7 +475,6 @@ def test_the_begin_step_skips_exactly_what_the_machine_covers() -> None:
     records skipped exactly when covered() says so (strictly below the checkpoint)."""
     import struct
 
-    from cdc.relay.delivery.eos_steps import EosSteps
     from cdc.relay.health.state import Session
     from cdc.wal.lsn import LsnTracker
 
@@ -473,21 +482,9 @@ def test_the_begin_step_skips_exactly_what_the_machine_covers() -> None:
         max_records=10, max_ms=50, backlog_max_ms=500, abort_after_ms=1000, commit_budget_ms=100
     )
 
-    def unused(*args: object) -> NoReturn:
-        raise AssertionError(f"not called here: {args}")
-
     for final_lsn in (0x1FF, 0x200, 0x201, 0x100, 0x300):
         batch = TxBatch(limits, 0x200)
-        steps = EosSteps(
-            batch=batch,
-            send_record=unused,
-            hold=unused,
-            commit_thread_running=lambda: False,
-            serve=unused,
-            act=unused,
-            admit=unused,
-            refuse=unused,
-        )
+        steps = _steps(batch)
         sess = Session(stream=None, tracker=LsnTracker(0))  # type: ignore[arg-type]
         begin = b"B" + struct.pack(">QqI", final_lsn, 800_000_000_000_000, 7)
         steps.wal_begins(sess, begin, 0)
@@ -521,19 +518,7 @@ def test_the_exactly_once_begin_and_commit_read_as_the_fast_path_and_ask_the_mac
             commit_budget_ms=100,
         )
 
-        def unused(*args: object) -> NoReturn:
-            raise AssertionError(f"not called here: {args}")
-
-        return EosSteps(
-            batch=TxBatch(limits, checkpoint),
-            send_record=unused,
-            hold=unused,
-            commit_thread_running=lambda: False,
-            serve=unused,
-            act=lambda sess, action: acted.append(action),
-            admit=unused,
-            refuse=unused,
-        )
+        return _steps(TxBatch(limits, checkpoint), act=lambda sess, action: acted.append(action))
 
     def begin(final_lsn: int) -> bytes:
         return b"B" + struct.pack(">QqI", final_lsn, 800_000_000_000_000, 7)

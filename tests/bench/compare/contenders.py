@@ -373,18 +373,27 @@ def run_debezium(
                 events=events,
                 log=log,
             )
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc, grace_s=60)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc, grace_s=0)
             count.close()
     return figures
+
+
+def stop_process(proc: subprocess.Popen[bytes], *, grace_s: float) -> None:
+    """End a contender: SIGTERM and ``grace_s`` to exit, then SIGKILL (0: SIGKILL at
+    once); one already gone: nothing."""
+    if proc.poll() is not None:
+        return
+    if grace_s > 0:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait(10)
 
 
 def copy_slots(dsn: str, source: str, targets: list[str]) -> str:

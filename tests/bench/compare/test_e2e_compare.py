@@ -32,7 +32,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -46,7 +45,13 @@ import psycopg
 import pytest
 
 from tests.bench.compare.conftest import PARTITIONS
-from tests.bench.compare.contenders import DEBEZIUM_DIR, TopicCount, copy_slots, properties
+from tests.bench.compare.contenders import (
+    DEBEZIUM_DIR,
+    TopicCount,
+    copy_slots,
+    properties,
+    stop_process,
+)
 from tests.bench.conftest import API_KEY, create_topics
 from tests.bench.report import (
     cpu_seconds,
@@ -409,16 +414,9 @@ def run_debezium_server(
             )  # fmt: skip
             rss = peak_rss_mb(proc.pid)
             arrivals = _arrivals(endpoint, expected)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc, grace_s=60)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc, grace_s=0)
             endpoint.close()
     drained = drained._replace(broker_cpu_s=math.nan)  # not on its path
     return Run("debezium-server", events, **drained._asdict(), peak_rss_mb=rss, **arrivals)
