@@ -356,15 +356,20 @@ def _identity(settings: Settings) -> tuple[ServerIdentity | None, str]:
         )
 
 
-def _republish(settings: Settings, missing: IdList, origin: str, found: Compared, mark: str) -> int:
+def _republish(
+    settings: Settings, missing: IdList, origin: str, found: Compared, mark: str, window: Window
+) -> int:
     """The one re-publish path (:func:`cdc.repair.republish.republish`), ``lsn`` the
-    snapshot's position (each row committed at or before it)."""
+    snapshot's position (each row committed at or before it); every missing row was
+    created in the table read's bounds (the window, from its margin before:
+    :func:`cdc.audit.table.read_window`)."""
     return republish(
         settings,
         missing.view(),
         origin=origin,
         mark=mark,
         lsn=lsn_to_str(found.table.snapshot_lsn),
+        created=(window.since - timedelta(seconds=settings.gap_margin_s), window.until),
     )
 
 
@@ -467,7 +472,7 @@ def _run(
             report.repair_mark = f"audit-{run_id}"
             origin = origin_value(identity, settings.slot)
             report.repaired = _republish(
-                settings, comparison.missing, origin, found, report.repair_mark
+                settings, comparison.missing, origin, found, report.repair_mark, window
             )
     return report
 
@@ -558,5 +563,7 @@ def verify_since(
                     " check's repair: checking again"
                 )
             origin = origin or origin_value(server, settings.slot)
-            result.republished = _republish(settings, cmp.missing, origin, found, VERIFY_MARK)
+            result.republished = _republish(
+                settings, cmp.missing, origin, found, VERIFY_MARK, window
+            )
     return result

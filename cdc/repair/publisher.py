@@ -19,9 +19,9 @@ Guarantees:
   publishes in Kafka transactions (:class:`cdc.repair.transactional.Transactions`),
   skipping every id ``read_committed`` consumers already hold; each transaction is
   committed once every record of it is acknowledged, and **bounded**: once it holds
-  ``CDC_TX_MAX_RECORDS`` records or has been open a share of ``CDC_TX_TIMEOUT_MS``
+  ``CDC_REPUBLISH_TX_MAX_RECORDS`` records or has been open a share of ``CDC_TX_TIMEOUT_MS``
   (:meth:`Transactions.full`) it is committed and the next one opened - a window of
-  ten million rows is thousands of transactions, none near the timeout, none
+  ten million rows is hundreds of transactions, none near the timeout, none
   holding a partition's last stable offset (what read_committed consumers of the
   streamed records can see) longer than one of them. A transaction is cut anywhere,
   inside the rows of one WAL transaction too: a row is known by its id, not its
@@ -29,27 +29,29 @@ Guarantees:
 * the end of a full transaction - its records' acknowledgements, then
   ``commit_transaction`` - runs on a thread of its own (:class:`_Commit`) while the
   run goes on reading rows and making their records, held (at most
-  ``CDC_TX_MAX_RECORDS``) and produced into the next transaction once the commit
+  ``CDC_REPUBLISH_TX_MAX_RECORDS``) and produced into the next transaction once the commit
   returned (librdkafka takes no record into a new transaction before) - up to
   its bound, whose commit then starts on its thread in turn: one producer, the
   records in the order read; a transaction opens at its first record (a window
   Kafka holds whole opens none);
 * **an aborted transaction is redone, not the window**: a transaction whose record
   Kafka refused (dead-lettered in the redo), whose record failed otherwise or whose
-  commit failed is aborted and its records - kept in memory (:class:`Chunk`), at
-  most ``CDC_TX_MAX_RECORDS`` - are produced again in a new transaction, at most
-  :data:`TX_ATTEMPTS` times; then the run fails (the next run skips what was
-  committed).
+  commit failed is aborted and its records are produced again in a new transaction,
+  at most :data:`TX_ATTEMPTS` times; then the run fails (the next run skips what was
+  committed). What is kept for a redo is the event ids of the open transaction's
+  records (at most ``CDC_REPUBLISH_TX_MAX_RECORDS``), not the records: the redo makes
+  them again from their rows (``again``: the run's rows as the run read them - the
+  outbox table is the truth). Kept whole, a copy of every record cost the reading a
+  sixth of its time (at 10,000,000 rows: a ``marshal`` copy per record, 17% of the
+  main thread's samples; as objects, before that, more).
 """
 
 from __future__ import annotations
 
-import io
 import logging
-import marshal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -155,45 +157,10 @@ def _dead_letter_of(
     )
 
 
-class Chunk:
-    """Exactly-once: the records of the open transaction, kept for its redo, in order -
-    as one buffer of their parts (``marshal``, bytes this process wrote), not as the
-    records: a record is freed once produced and the next one takes its memory. Kept
-    as objects, a transaction's records (thousands, each its own allocations) made
-    every new record's memory cold: a million-row run cost 8.7-9.5 s of the main
-    thread's CPU against at-least-once's 5.4-6.2 (2.6 s of it in the same
-    at-least-once run made to keep its last 10,000 records; 0.9 s kept this way)."""
-
-    __slots__ = ("_parts", "count")
-
-    def __init__(self) -> None:
-        self._parts = bytearray()
-        #: records kept
-        self.count = 0
-
-    def add(self, record: KafkaRecord) -> None:
-        self._parts += _dumps(  # (version 2: no table of shared objects, a third cheaper)
-            (
-                record.topic,
-                record.key,
-                record.value,
-                record.headers,
-                record.timestamp_ms,
-                record.event_id,
-            ),
-            2,
-        )
-        self.count += 1
-
-    def records(self) -> Iterator[KafkaRecord]:
-        """The records kept, in the order added."""
-        parts = io.BytesIO(self._parts)
-        for _ in range(self.count):
-            topic, key, value, headers, timestamp_ms, event_id = marshal.load(parts)  # noqa: S302  (our own bytes)
-            yield KafkaRecord(topic, key, value, headers, timestamp_ms, event_id)
-
-
-_dumps = marshal.dumps
+#: Exactly-once: the records of the given event ids made again from their rows, in the
+#: order given (a row gone from the table is passed by): what a redo produces. The run's
+#: own reader (:func:`cdc.repair.republish.rows_again`: its rows as the run read them).
+Again = Callable[[list[str]], Iterable[KafkaRecord]]
 
 
 @dataclass
@@ -213,8 +180,11 @@ class Publisher:
     tx: Transactions | None = None
     #: the ``origin`` header of the run's records: its dead letters carry it too
     origin: tuple[str, bytes] | None = None
-    #: exactly-once: the records of the open transaction, in order (redone if it aborts)
-    chunk: Chunk = field(default_factory=Chunk)
+    #: exactly-once: the records of a redone transaction, made again from their rows
+    again: Again | None = None
+    #: exactly-once: the event ids of the open transaction's records, in order - what is
+    #: kept for its redo (its records are made again from their rows: see the module)
+    kept: list[str] = field(default_factory=list)
     #: exactly-once: aborts of the open transaction so far (reset at its commit)
     attempts: int = 0
     #: exactly-once: transactions redone after an abort
@@ -245,11 +215,11 @@ class Publisher:
         """Produce ``record`` into the open transaction (opened for it if none is); a
         transaction at its bound ends on a thread (:class:`_Commit`: its acknowledgements
         and commit) while the reading and the records' making go on, into ``held``."""
-        chunk = self.chunk
-        if not chunk.count:
+        kept = self.kept
+        if not kept:
             tx.begin()
-        chunk.add(self._produce(record))
-        if tx.full(chunk.count):
+        kept.append(self._produce(record).event_id)
+        if tx.full(len(kept)):
             self.run = None
             self.job = _Commit(self.producer, tx, self.acks)
 
@@ -279,7 +249,7 @@ class Publisher:
         if job.failed is not None or self.acks.error is not None or self.acks.refused:
             self._settle(redo=job.failed or "a record failed")  # (redone, committed)
         else:
-            self.chunk, self.attempts = Chunk(), 0
+            self.kept, self.attempts = [], 0
 
     def _produce(self, record: KafkaRecord) -> KafkaRecord:
         """Produce ``record`` (its dead letter when the producer refuses it); what was
@@ -356,7 +326,7 @@ class Publisher:
                         self._redo(str(exc))
                         deadline = time.monotonic() + ACK_TIMEOUT_S
                         continue
-                    self.chunk, self.attempts = Chunk(), 0
+                    self.kept, self.attempts = [], 0
                 return
             if time.monotonic() > deadline:
                 raise KafkaUnavailableError(f"recovery: {left} records not acknowledged")
@@ -365,32 +335,31 @@ class Publisher:
         """Exactly-once: abort the open transaction and produce its records again in a
         new one (a refused record replaced by its dead letter); the run fails after
         :data:`TX_ATTEMPTS` aborts of one transaction, or when the abort fails."""
-        tx = self.tx
-        assert tx is not None
+        tx, again = self.tx, self.again
+        assert tx is not None and again is not None, "exactly-once publishes with a redo source"
         self.attempts += 1
         if self.attempts > TX_ATTEMPTS:
             raise KafkaUnavailableError(
-                f"republishing: a Kafka transaction of {self.chunk.count} records aborted"
+                f"republishing: a Kafka transaction of {len(self.kept)} records aborted"
                 f" {TX_ATTEMPTS} times: {why}"
             )
         log.warning(
             "republishing: aborting a Kafka transaction of %d records (%s): redoing it",
-            self.chunk.count,
+            len(self.kept),
             why,
         )
         refused = {record.event_id: err for err, record in self.acks.refused}
-        tx.abort(strict=True)
-        self.producer.poll(0)  # (the purged records' reports: ignored)
+        self.producer = tx.renew()  # (the failed transaction aborted, a new producer)
         self.acks.refused, self.acks.error, self.run = [], None, None
-        chunk, self.chunk = self.chunk, Chunk()
-        self.sent -= chunk.count
+        kept, self.kept = self.kept, []
+        self.sent -= len(kept)
         tx.begin()
-        for record in chunk.records():
+        for record in again(kept):
             err = refused.get(record.event_id)
-            again = (
+            redo = (
                 record if err is None else _dead_letter_of(err, record, self.settings, self.origin)
             )
-            self.chunk.add(self._produce(again))
+            self.kept.append(self._produce(redo).event_id)
         self.redone += 1
 
     def _dead_letter_refused(self) -> None:

@@ -22,11 +22,12 @@ redone - are :mod:`cdc.repair.publisher`'s):
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import IsolationLevel, sql
 
 from cdc import constants as c
 from cdc import gaps
@@ -36,24 +37,39 @@ from cdc.outbox import table_identifier
 from cdc.pgconn import Use
 from cdc.pgconn import connect as pg_connect
 from cdc.records import ID_BYTES
-from cdc.repair.publisher import DLQ_MAX_VALUE_BYTES, Acks, Publisher, publishing_producer
+from cdc.repair.publisher import (
+    DLQ_MAX_VALUE_BYTES,
+    Acks,
+    Again,
+    Publisher,
+    publishing_producer,
+)
 from cdc.repair.rows import (
     FETCH_ROWS,
     ORDER_ALIAS,
-    READ_TIMEOUT_MS,
-    READ_WORK_MEM,
+    WINDOW_PLAN,
     Ids,
+    enough_for_window,
     fill_ids,
     republish_query,
+    session_settings,
+    window_query,
 )
 from cdc.repair.transactional import present_ids
 from cdc.router import KafkaRecord, RouteError, TxContext, dead_letter, route_fields
 from cdc.settings import Settings
-from cdc.wal.slots import identify_system
+from cdc.wal.slots import identify_system, in_snapshot
 
 log = logging.getLogger("cdc.relay")
 
 Conn = psycopg.Connection[Any]
+
+
+def _one(conn: Conn, query: str) -> Any:
+    """The one value ``query`` returns."""
+    row = conn.execute(query).fetchone()
+    assert row is not None
+    return row[0]
 
 
 def _connect(settings: Settings) -> Conn:
@@ -69,8 +85,13 @@ def commit_time_tracked(conn: Conn) -> bool:
 
 def order_column(conn: Conn, alias: str = "") -> sql.Composable:
     """The rows' commit time when the server tracks it, else their transaction's start."""
+    return order_expression(commit_time_tracked(conn), alias)
+
+
+def order_expression(tracked: bool, alias: str = "") -> sql.Composable:
+    """:func:`order_column` when the server does (``tracked``) or does not track commit times."""
     prefix = f"{alias}." if alias else ""
-    if commit_time_tracked(conn):
+    if tracked:
         return sql.SQL(f"COALESCE(pg_xact_commit_timestamp({prefix}xmin), {prefix}created_at)")
     return sql.SQL(f"{prefix}created_at")
 
@@ -132,7 +153,57 @@ def outbox_record(
     return record
 
 
-def republish(settings: Settings, ids: Ids, *, origin: str, mark: str, lsn: str = "") -> int:
+#: A redo's rows by id: :data:`cdc.repair.rows.REPUBLISH_SQL`'s columns (and a gap
+#: recovery's window query's), the order column ``{when}`` last.
+_AGAIN_SQL = """
+SELECT x.id::text, x.aggregatetype, x.aggregateid, x.type, x.payload::text,
+       x.tracingspancontext, {when}
+FROM {table} AS x WHERE x.id::uuid = ANY(%(ids)s::uuid[])
+"""
+
+
+def rows_again(
+    settings: Settings,
+    snapshot: str,
+    *,
+    tracked: bool,
+    lsn: str,
+    origin: tuple[str, bytes],
+    mark: bytes,
+) -> Again:
+    """A run's redo source (:data:`cdc.repair.publisher.Again`): the records of the given
+    event ids made again from their rows as the run read them - in the run's snapshot
+    (``snapshot``: exported by the run's reading transaction, open while the run
+    publishes), by id, as :func:`outbox_record` made them (``lsn``, ``origin``,
+    ``mark`` the run's; ``tracked``: the server records commit times) - in the order
+    given; a row the snapshot does not hold is passed by."""
+    query = sql.SQL(_AGAIN_SQL).format(
+        when=order_expression(tracked, "x"), table=table_identifier(settings.outbox_table)
+    )
+
+    def again(ids: list[str]) -> Iterator[KafkaRecord]:
+        with _connect(settings) as conn:
+            in_snapshot(conn, snapshot)
+            rows = {row[0]: row for row in conn.execute(query, {"ids": ids})}
+            conn.execute("COMMIT")
+        for event_id in ids:
+            row = rows.get(event_id)
+            if row is not None:
+                tx = TxContext(lsn, epoch_us(row[6]), origin)
+                yield outbox_record(row, tx, settings, mark)
+
+    return again
+
+
+def republish(
+    settings: Settings,
+    ids: Ids,
+    *,
+    origin: str,
+    mark: str,
+    lsn: str = "",
+    created: tuple[datetime, datetime] | None = None,
+) -> int:
     """Publish the outbox rows ``ids`` (16-byte uuids, concatenated) again: the record
     the relay would have produced (same topic, key, value bytes and headers, ``origin``
     the given one, ``lsn`` the given position - a row's own commit LSN is not in the
@@ -140,10 +211,12 @@ def republish(settings: Settings, ids: Ids, *, origin: str, mark: str, lsn: str 
     ``recovered: mark``. The one re-publish path of chosen rows: the start-up check's
     (``verify``) and the audit's (``audit-<run id>``).
 
-    The ids go to the server in chunks (a temporary table of the run's transaction:
+    The ids go to the server in chunks (a temporary table of the run's connection:
     memory stays bounded at any number of ids); the rows are streamed from one ordered
     query and published in commit order as far as the table knows it (commit time,
-    else ``created_at``, then id); rows no longer in the table are skipped; a row the
+    else ``created_at``, then id) - ``created``: every id's row was created in
+    ``[since, until)`` (the audit's window: the window's order may be taken,
+    :mod:`cdc.repair.rows`); rows no longer in the table are skipped; a row the
     router or Kafka refuses is dead-lettered with the reason, never dropped. Returns
     the records published once Kafka acknowledged every one; any other Kafka error
     raises :class:`KafkaUnavailableError` (a second run
@@ -164,36 +237,61 @@ def republish(settings: Settings, ids: Ids, *, origin: str, mark: str, lsn: str 
     marked = mark.encode()
     send = publisher.send
     try:
-        with _connect(settings) as conn, conn.transaction():
-            conn.execute(
-                sql.SQL("SET LOCAL statement_timeout = {}; SET LOCAL work_mem = {}").format(
-                    sql.Literal(READ_TIMEOUT_MS), sql.Literal(READ_WORK_MEM)
-                )
+        with _connect(settings) as conn:
+            session_settings(conn)
+            tracked = commit_time_tracked(conn)
+            table = table_identifier(settings.outbox_table)
+            count = len(ids) // ID_BYTES
+            by_window = created is not None and not tracked and enough_for_window(count)
+            fill_ids(conn, ids, indexed=by_window)
+            query = None
+            if by_window:  # (the window's order when it fits: cdc.repair.rows)
+                assert created is not None
+                query = window_query(conn, table, created, count)
+            log.info(
+                "republishing %d rows, %s",
+                count,
+                "read in the window's order (an index on created_at)"
+                if query is not None
+                else "their places sorted by the server first",
             )
-            fill_ids(conn, ids)
-            query = republish_query(
-                table_identifier(settings.outbox_table),
-                order_column(conn, ORDER_ALIAS),
-                by_commit_time=commit_time_tracked(conn),
-            )
-            tx: TxContext | None = None
-            tx_ts: datetime | None = None
-            with conn.cursor() as cur:
-                for row in cur.stream(query, size=FETCH_ROWS):
-                    if tx is None and txs is not None:
-                        # exactly-once: only what Kafka does not hold; the rows come in
-                        # commit order, so the first one's time is the earliest
-                        # (only records of this server's lineage and slot vouch for an id)
-                        server = identify_system(settings.pg_dsn.get_secret_value())
-                        owner = recovery_rule(server, settings.slot)
-                        txs.present = present_ids(settings, epoch_us(row[6]) // 1000, owner)
-                    if tx is None or row[6] != tx_ts:  # rows of one transaction share its time
-                        tx_ts = row[6]
-                        tx = TxContext(lsn, epoch_us(row[6]), origin_header)
-                    send(outbox_record(row, tx, settings, marked))
-        publisher.wait_acked()
+            conn.isolation_level = IsolationLevel.REPEATABLE_READ  # (a redo reads its snapshot)
+            with conn.transaction():
+                if query is not None:
+                    conn.execute(WINDOW_PLAN)
+                else:
+                    query = republish_query(
+                        table, order_expression(tracked, ORDER_ALIAS), by_commit_time=tracked
+                    )
+                if txs is not None:
+                    snapshot = str(_one(conn, "SELECT pg_export_snapshot()"))
+                    publisher.again = rows_again(
+                        settings,
+                        snapshot,
+                        tracked=tracked,
+                        lsn=lsn,
+                        origin=origin_header,
+                        mark=marked,
+                    )
+                tx: TxContext | None = None
+                tx_ts: datetime | None = None
+                with conn.cursor() as cur:
+                    for row in cur.stream(query, size=FETCH_ROWS):
+                        if tx is None and txs is not None:
+                            # exactly-once: only what Kafka does not hold; the rows come in
+                            # commit order, so the first one's time is the earliest
+                            # (only records of this server's lineage and slot vouch for an id)
+                            server = identify_system(settings.pg_dsn.get_secret_value())
+                            owner = recovery_rule(server, settings.slot)
+                            txs.present = present_ids(settings, epoch_us(row[6]) // 1000, owner)
+                        if tx is None or row[6] != tx_ts:  # (one transaction's rows: one time)
+                            tx_ts = row[6]
+                            tx = TxContext(lsn, epoch_us(row[6]), origin_header)
+                        send(outbox_record(row, tx, settings, marked))
+                # (inside the reading transaction: a redo reads the rows in its snapshot)
+                publisher.wait_acked()
     finally:
-        producer.flush(0)
+        publisher.producer.flush(0)  # (a redo may have renewed it)
     if txs is not None:
         log.info(
             "republished %d records (%d rows already in Kafka skipped) in %d Kafka"

@@ -25,7 +25,7 @@ Guarantees (``CDC_DELIVERY=exactly-once`` only; at-least-once publishing is unch
   consumer sees a republished row once, or - after a failure - not at all, and
   the next run publishes it;
 * **every transaction is bounded** (:meth:`Transactions.full`): at most
-  ``CDC_TX_MAX_RECORDS`` records, and open at most :data:`TX_TIMEOUT_SHARE` of
+  ``CDC_REPUBLISH_TX_MAX_RECORDS`` records, and open at most :data:`TX_TIMEOUT_SHARE` of
   ``CDC_TX_TIMEOUT_MS`` (then the publisher commits it and opens the next): a
   window of any size never makes one transaction that could outlive the
   transaction timeout, and never holds a partition's last stable offset -
@@ -61,7 +61,7 @@ TX_CALL_TIMEOUT_S = 30.0
 #: :class:`PresentIds` spreads ids over this many sorted blobs (a lookup bisects one).
 ID_BUCKETS = 256
 #: A republishing transaction is committed once it has been open this share of
-#: CDC_TX_TIMEOUT_MS (or holds CDC_TX_MAX_RECORDS records): its commit - the
+#: CDC_TX_TIMEOUT_MS (or holds CDC_REPUBLISH_TX_MAX_RECORDS records): its commit - the
 #: acknowledgements of its records, then EndTxn - fits in the rest.
 TX_TIMEOUT_SHARE = 0.25
 #: :class:`PresentIds`' bitmap: at least this many bits per id (an absent id finds its
@@ -177,11 +177,12 @@ class Transactions:
         config["transactional.id"] = transactional_id(settings, system_id, purpose)
         config["transaction.timeout.ms"] = settings.tx_timeout_ms
         config["message.timeout.ms"] = settings.tx_timeout_ms
+        self._config = config
         self.producer = Producer(config)
         self.present = PresentIds()
         self.skipped = 0
         #: the bounds of one transaction: records, and seconds open
-        self.max_records = settings.tx_max_records
+        self.max_records = settings.republish_tx_max_records
         self.max_open_s = settings.tx_timeout_ms * TX_TIMEOUT_SHARE / 1000
         #: transactions committed
         self.committed = 0
@@ -216,6 +217,21 @@ class Transactions:
             _call("commit_transaction", lambda: self.producer.commit_transaction(TX_CALL_TIMEOUT_S))
             self._open = False
             self.committed += 1
+
+    def renew(self) -> Producer:
+        """After a failed transaction: abort it (a failure only logged), then a new
+        producer of the same ``transactional.id`` in place of this one - its
+        ``init_transactions`` fences the old one and aborts whatever it left open. A
+        producer whose transaction failed on a record Kafka refused answered the next
+        transaction with ``OUT_OF_ORDER_SEQUENCE_NUMBER`` (its sequence numbers skipped:
+        "requires epoch bump") and refused every record after it (``_STATE``)."""
+        self.abort()
+        old = self.producer
+        old.purge()
+        old.flush(0)  # (the purged records' reports: ignored by the run)
+        self.producer = Producer(self._config)
+        _call("init_transactions", lambda: self.producer.init_transactions(TX_CALL_TIMEOUT_S))
+        return self.producer
 
     def abort(self, *, strict: bool = False) -> None:
         """Abort an open transaction (after a failure); its failure is logged only, or

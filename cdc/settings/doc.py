@@ -82,7 +82,13 @@ GROUPS: tuple[Group, ...] = (
     ),
     Group(
         "Relay: exactly-once delivery",
-        ("CDC_DELIVERY", "CDC_TRANSACTIONAL_ID", "CDC_CHECKPOINT_TOPIC", "CDC_TX_"),
+        (
+            "CDC_DELIVERY",
+            "CDC_TRANSACTIONAL_ID",
+            "CDC_CHECKPOINT_TOPIC",
+            "CDC_TX_",
+            "CDC_REPUBLISH_TX_",
+        ),
         "Kafka transactions that carry the relay's checkpoint: every event once to a consumer"
         " reading with `isolation.level=read_committed` ([Exactly-once delivery]"
         "(../relay/exactly-once.md)).",

@@ -56,6 +56,7 @@ POSITIVE = frozenset(
         "gap_tail_max_records",
         "audit_window_s",
         "tx_max_records",
+        "republish_tx_max_records",
         "tx_max_ms",
         "tx_timeout_ms",
     }

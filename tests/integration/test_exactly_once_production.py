@@ -18,7 +18,7 @@
 * a Kafka transaction outliving ``CDC_TX_TIMEOUT_MS`` (the relay SIGSTOPped past it,
   no standby): the transaction coordinator aborts it; the relay resumes - not
   "fenced", no exit - and nothing is lost or published twice;
-* ``audit --repair`` of a window many times ``CDC_TX_MAX_RECORDS`` deleted from Kafka
+* ``audit --repair`` of a window many times ``CDC_REPUBLISH_TX_MAX_RECORDS`` deleted from Kafka
   (DeleteRecords), while the relay streams a writer's events into the same
   partitions: the repair commits in bounded transactions - a read_committed consumer
   sees the writer's new events between the repair's first and last records (the
@@ -394,7 +394,7 @@ def test_a_repair_of_a_large_window_commits_in_bounded_transactions_while_stream
 ) -> None:
     """20,000 rows published, then deleted from Kafka (DeleteRecords); a writer goes on
     (50 events/s into the same topic's partitions) while ``audit --repair`` republishes
-    the window with CDC_TX_MAX_RECORDS=500. A read_committed consumer reading throughout
+    the window with CDC_REPUBLISH_TX_MAX_RECORDS=500. A read_committed consumer reading throughout
     sees the writer's new events arrive between the repair's first and last records:
     the repair never holds the partitions' last stable offset for its whole length (in
     one transaction every repaired record would appear at once, and the new events
@@ -404,7 +404,7 @@ def test_a_repair_of_a_large_window_commits_in_bounded_transactions_while_stream
 
     from tests.integration.test_audit import _delete_all_records
 
-    cfg.extra["CDC_TX_MAX_RECORDS"] = str(REPAIR_TX_RECORDS)
+    cfg.extra["CDC_REPUBLISH_TX_MAX_RECORDS"] = str(REPAIR_TX_RECORDS)
     aggregate = "repaired"
     topic = cfg.topic_prefix + aggregate
     relay, _ = start_relay(cfg, tmp_path, name="relay")

@@ -517,7 +517,7 @@ def test_republishing_ids_over_many_fills_and_read_chunks_keeps_every_keys_order
     shuffled = [*written, gone]
     random.Random(7).shuffle(shuffled)
     # (exactly-once: several transactions, cut inside the run)
-    settings = _settings(cfg, delivery=delivery, tx_max_records=11)
+    settings = _settings(cfg, delivery=delivery, republish_tx_max_records=11)
     blob = b"".join(uuid.UUID(i).bytes for i in shuffled)
     sent = republish.republish(settings, memoryview(blob), origin="test/x", mark="audit-t")
     assert sent == len(written)

@@ -163,6 +163,11 @@ class FakeTransactions:
         self.open = False
         self.aborted += 1
 
+    def renew(self) -> ReportingProducer:
+        """The failed transaction aborted; the same stand-in producer (its reports kept)."""
+        self.abort()
+        return self.producer
+
 
 def _eos_publisher(
     refuse: set[bytes],
@@ -173,8 +178,13 @@ def _eos_publisher(
     producer = ReportingProducer(refuse=refuse)
     settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="x:1", dlq_topic=DLQ)
     tx = FakeTransactions(producer, max_records, fail_commits, present)
-    publisher = Publisher(settings, producer, FakeTopics(), Acks(), tx=tx)  # type: ignore[arg-type]
+    publisher = Publisher(settings, producer, FakeTopics(), Acks(), tx=tx, again=_again)  # type: ignore[arg-type]
     return publisher, tx
+
+
+def _again(ids: list[str]) -> list[KafkaRecord]:
+    """The redo source of :func:`_record`'s records (the table's rows, made again)."""
+    return [_record(int(event_id[:8])) for event_id in ids]
 
 
 def _ids(records: list[tuple[str, bytes, list[tuple[str, bytes]]]]) -> list[bytes]:
@@ -329,25 +339,3 @@ def test_a_republished_dead_letter_carries_the_republishers_origin() -> None:
     assert headers[c.HEADER_ORIGIN] == ORIGIN[1]
     assert c.HEADER_LSN not in headers  # (no commit LSN is made up)
     assert headers[c.HEADER_RECOVERED] == b"verify"
-
-
-def test_a_chunk_gives_back_its_records_as_they_were() -> None:
-    """The open transaction's records, kept for a redo as one buffer of their parts
-    (cdc.repair.publisher.Chunk), come back equal and in order - edges: an empty key, a
-    non-ASCII topic and id, a 1 MiB value, a header with an empty value, a timestamp
-    past 2**32 ms."""
-    from cdc.repair.publisher import Chunk
-
-    records = [
-        _record(0),
-        KafkaRecord("outbox.Ärger", b"", b"{}", [("id", b"\xc3\xa9"), ("x", b"")], 2**40, "é"),
-        KafkaRecord("outbox.big", b"k", b"{" + b" " * (1 << 20) + b"}", [], 0, "big"),
-        _record(3),
-    ]
-    chunk = Chunk()
-    for record in records:
-        chunk.add(record)
-    assert chunk.count == 4
-    assert list(chunk.records()) == records
-    assert list(chunk.records()) == records, "read again: the same"
-    assert list(Chunk().records()) == []

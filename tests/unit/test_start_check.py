@@ -176,3 +176,24 @@ def test_a_window_too_large_is_skipped_with_the_setting_named(
         SETTINGS, WINDOW.since, until=WINDOW.until, server=SERVER, topics=["t.user"], max_rows=10
     )
     assert "CDC_START_VERIFY_MAX_ROWS" in found.skipped and not len(found.missing)
+
+
+def test_a_repair_tells_republish_where_its_rows_were_created(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The audit's and the start-up check's repair hand their table read's bounds (the
+    window, from its margin before: every missing row was read there) to republish, so a
+    large repair may read the window in its order (cdc.repair.rows)."""
+    seen: dict[str, Any] = {}
+
+    def republish(settings: Settings, ids: Any, **kwargs: Any) -> int:
+        seen.update(kwargs, ids=bytes(ids))
+        return 1
+
+    monkeypatch.setattr(run, "republish", republish)
+    found = SimpleNamespace(table=SimpleNamespace(snapshot_lsn=0x16B3748))
+    missing = IdList([uuid.UUID(int=7).bytes])
+    assert run._republish(SETTINGS, missing, "o", found, "audit-1", WINDOW) == 1  # type: ignore[arg-type]
+    margin = timedelta(seconds=SETTINGS.gap_margin_s)
+    assert seen["created"] == (WINDOW.since - margin, WINDOW.until)
+    assert seen["ids"] == uuid.UUID(int=7).bytes and seen["lsn"] == "0/16B3748"

@@ -79,7 +79,14 @@ from cdc.relay.gaps.gap import (
 from cdc.relay.standby.safe import wait_standby_flushed
 from cdc.repair.lock import RecoveryLock
 from cdc.repair.publisher import Acks, Publisher, publishing_producer
-from cdc.repair.republish import epoch_us, order_column, outbox_record, topic_manager
+from cdc.repair.republish import (
+    commit_time_tracked,
+    epoch_us,
+    order_column,
+    outbox_record,
+    rows_again,
+    topic_manager,
+)
 from cdc.repair.rows import FETCH_ROWS
 from cdc.repair.transactional import present_ids
 from cdc.router import TxContext
@@ -469,6 +476,15 @@ def _recover(
             window_end = datetime.now(UTC)
             lsn = lsn_to_str(made.consistent_lsn)
             query = _window_query(conn, settings, since)
+            if txs is not None:  # (a redone transaction's rows: read in the slot's snapshot)
+                publisher.again = rows_again(
+                    settings,
+                    made.snapshot,
+                    tracked=commit_time_tracked(conn),
+                    lsn=lsn,
+                    origin=origin_header,
+                    mark=mark,
+                )
             # Streamed (chunks of FETCH_ROWS as the server sends them): the server
             # keeps sending while the rows are published; a server-side cursor waited
             # for a round trip per FETCH (half the loop's time, docs/performance.md).
@@ -481,10 +497,10 @@ def _recover(
                         tx = TxContext(lsn, epoch_us(tx_ts), origin_header)
                     assert tx is not None
                     publisher.send(outbox_record(row, tx, settings, mark))
+            publisher.wait_acked()  # (while the snapshot lives: a redo reads in it)
             conn.execute("COMMIT")
-        publisher.wait_acked()
     finally:
-        producer.flush(0)
+        publisher.producer.flush(0)  # (a redo may have renewed it)
     if txs is not None:
         log.info(
             "gap %d: exactly-once: %d rows of the window already in Kafka (read_committed)"
