@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType  # type: ignore[attr-defined]
 from confluent_kafka.admin import OffsetSpec as _OffsetSpec  # type: ignore[attr-defined]
 from confluent_kafka.cimpl import NewTopic
 
@@ -201,6 +201,17 @@ def discard_producer(producer: Producer, *, drain_s: float = DISCARD_DRAIN_S) ->
     producer.close()
 
 
+def batch_bytes(overrides: Mapping[str, str]) -> int:
+    """The most bytes one produce request's batch for a partition holds: librdkafka's
+    ``batch.size`` and ``message.max.bytes``, the smaller (:data:`PRODUCER_DEFAULTS`
+    unless ``KAFKA_CONFIG_*`` says otherwise)."""
+    sizes = []
+    for name in ("batch.size", "message.max.bytes"):
+        value = str(overrides.get(name, PRODUCER_DEFAULTS[name]))
+        sizes.append(int(value) if value.isdigit() else int(PRODUCER_DEFAULTS[name]))
+    return min(sizes)
+
+
 class TopicManager:
     """Creates topics once, explicitly; remembers which exist."""
 
@@ -227,6 +238,7 @@ class TopicManager:
         self._replication_factor = replication_factor
         self._timeout_s = timeout_s
         self._before_first_use = before_first_use
+        self._batch_bytes = batch_bytes(overrides)
         self.known: set[str] = set()
 
     def serve(self) -> None:
@@ -255,7 +267,45 @@ class TopicManager:
         if missing:
             self._create(missing)
         self._await_served(wanted)
+        self._check_batches_fit(wanted)
         self.known.update(wanted)
+
+    def _check_batches_fit(self, topics: list[str]) -> None:
+        """One WARNING per topic whose ``max.message.bytes`` is below the producer's
+        batch bound (:func:`batch_bytes`): Kafka refuses a whole batch over it, and
+        librdkafka fails every record of it with ``MSG_SIZE_TOO_LARGE`` (it does not
+        split the batch, as the Java producer does) - so every record of that batch is
+        dead-lettered, the ones that fit too (one 16 KiB row among twenty small ones of
+        one key, to a topic of 4,096 bytes: all twenty-one). Read once, when the topic
+        is first used; a limit that cannot be read (no ``DescribeConfigs`` right) is
+        said at INFO and nothing else happens."""
+        resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
+        try:
+            futures = self._admin.describe_configs(resources, request_timeout=self._timeout_s)
+            limits = {
+                res.name: (entries.get("max.message.bytes"))
+                for res, future in futures.items()
+                for entries in (future.result(timeout=self._timeout_s),)
+            }
+        except KafkaException as exc:
+            log.info("topics %s: max.message.bytes not read (%s)", ", ".join(topics), exc)
+            return
+        for topic, entry in sorted(limits.items()):
+            value = getattr(entry, "value", None)
+            if value is None or not str(value).isdigit() or int(value) >= self._batch_bytes:
+                continue
+            log.warning(
+                "topic %s: max.message.bytes %s is below the producer's batch size (%d"
+                " bytes): Kafka refuses a whole batch over it and every record of a refused"
+                " batch is dead-lettered, the ones that fit too - set"
+                " KAFKA_CONFIG_BATCH_SIZE to %s or less, or raise the topic's"
+                " max.message.bytes",
+                topic,
+                value,
+                self._batch_bytes,
+                value,
+                extra={"topic": topic},
+            )
 
     def _await_served(self, topics: list[str]) -> None:
         """Return once every partition of ``topics`` answers ListOffsets at its leader."""
