@@ -220,7 +220,9 @@ def read_topics(
             interval_s=0.3,
         )
         meta = consumer.list_topics(timeout=15)
-        parts = [TopicPartition(t, p, 0) for t in topics for p in meta.topics[t].partitions]
+        # (OFFSET_BEGINNING: the log's start - past records deleted by retention or
+        # DeleteRecords, where offset 0 would be out of range and read nothing)
+        parts = [TopicPartition(t, p, -2) for t in topics for p in meta.topics[t].partitions]
         consumer.assign(parts)
         out = []
         deadline = time.monotonic() + timeout_s

@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 
 from cdc.outbox import OutboxEvent, write_event
-from tests.harness import RelayConfig, drop_slot, headers_of, read_topics, start_relay
+from tests.harness import RelayConfig, drop_slot, free_port, headers_of, read_topics, start_relay
 
 pytestmark = pytest.mark.integration
 
@@ -178,3 +178,56 @@ def test_a_shards_gap_recovery_republishes_only_the_rows_of_its_own_row_filter(
     seen = {headers_of(m)["id"].decode() for m in msgs}
     mine = {i for i, k in zip(first + second, keys + keys, strict=True) if k in shard0}
     assert mine <= seen, "every event of the shard reached Kafka"
+
+
+@pytest.mark.timeout(600)
+def test_a_shards_large_repair_reads_the_window_and_republishes_only_its_own_rows(
+    shards: list[RelayConfig], tmp_path: Path, unique: str
+) -> None:
+    """Shape: a sharded relay's `audit --repair` at the size that reads the window in its
+    index's order (cdc.repair.rows: 50,000 ids and more). 110,000 rows over both shards
+    in 110 transactions; shard 0's relay publishes its half, its records are deleted
+    from Kafka (DeleteRecords), and `outbox-cdc audit --repair` of shard 0 republishes
+    them. The window holds both shards' rows; only the shard's missing ids are kept:
+    each of its events once, marked, no key of shard 1."""
+    from datetime import UTC, datetime
+
+    from tests.integration.test_audit import _audit, _delete_all_records
+
+    cfg_a, _ = shards
+    aggregate = f"bulk{unique}"
+    topic = cfg_a.topic_prefix + aggregate
+    relay, _ = start_relay(cfg_a, tmp_path, name="relay-s0")  # (its first start: before)
+    try:
+        since = datetime.now(UTC).isoformat()
+        with psycopg.connect(cfg_a.db_dsn, autocommit=True) as conn:
+            for part in range(110):
+                conn.execute(
+                    "INSERT INTO outbox (aggregatetype, aggregateid, type, payload)"
+                    " SELECT %s, 'k' || g, 'Bulk', jsonb_build_object('n', g)"
+                    " FROM generate_series(%s::int, %s::int) AS g",
+                    (aggregate, part * 1000, part * 1000 + 999),
+                )
+            mine = {
+                str(row[0])
+                for row in conn.execute(
+                    "SELECT id FROM outbox"
+                    " WHERE aggregatetype = %s AND (hashtext(aggregateid) & 1) = 0",
+                    (aggregate,),
+                )
+            }
+        assert len(mine) >= 50_000, len(mine)
+        read_topics(cfg_a.kafka, [topic], expect=len(mine), idle_s=1)
+    finally:
+        relay.close()
+    _delete_all_records(cfg_a.kafka, topic)
+    until = datetime.now(UTC).isoformat()
+    env = {**cfg_a.env(free_port()), "LOG_LEVEL": "INFO"}
+    code, doc, stderr = _audit(env, "--repair", "--since", since, "--until", until)
+    assert code == 1, stderr[-3000:]  # (something was missing: repaired)
+    assert doc["missing_count"] == doc["repaired"] == len(mine), doc["missing_count"]
+    assert "read in the window's order" in stderr, stderr[-3000:]
+    msgs = read_topics(cfg_a.kafka, [topic], expect=len(mine), idle_s=1)
+    ids = [headers_of(m)["id"].decode() for m in msgs]
+    assert len(ids) == len(set(ids)) and set(ids) == mine, "each of the shard's events once"
+    assert all(headers_of(m).get("recovered", b"").startswith(b"audit-") for m in msgs)
