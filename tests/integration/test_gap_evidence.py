@@ -76,16 +76,18 @@ FOREIGN_PER_KIND = 15
 MARGIN_S = 2
 
 
-@pytest.fixture
-def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
+def gap_config(db_dsn: str, kafka: str, unique: str) -> Iterator[RelayConfig]:
+    """A gap test's relay configuration (a short gap margin); its slot dropped after."""
     config = RelayConfig(
-        db_dsn=db_dsn,
-        kafka=kafka_bootstrap,
-        unique=unique,
-        extra={"CDC_GAP_MARGIN_S": str(MARGIN_S)},
+        db_dsn=db_dsn, kafka=kafka, unique=unique, extra={"CDC_GAP_MARGIN_S": str(MARGIN_S)}
     )
     yield config
     drop_slot(db_dsn, config.slot)
+
+
+@pytest.fixture
+def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
+    yield from gap_config(db_dsn, kafka_bootstrap, unique)
 
 
 def _cli(cfg: RelayConfig, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

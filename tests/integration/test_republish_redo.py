@@ -34,7 +34,6 @@ from cdc.repair import publisher, republish
 from tests.harness import RelayConfig, drop_slot, read_topics
 from tests.integration.test_exactly_once import _create_topic
 from tests.integration.test_gap_evidence import (
-    MARGIN_S,
     _event,
     _first_run,
     _headers,
@@ -42,6 +41,7 @@ from tests.integration.test_gap_evidence import (
     _settings,
     _topic,
     _write,
+    gap_config,
 )
 
 pytestmark = pytest.mark.integration
@@ -49,14 +49,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
-    config = RelayConfig(
-        db_dsn=db_dsn,
-        kafka=kafka_bootstrap,
-        unique=unique,
-        extra={"CDC_GAP_MARGIN_S": str(MARGIN_S)},
-    )
-    yield config
-    drop_slot(db_dsn, config.slot)
+    yield from gap_config(db_dsn, kafka_bootstrap, unique)
 
 
 #: The topic's max.message.bytes, and a payload over it (its record is refused) that no

@@ -34,25 +34,25 @@ from psycopg import sql
 from cdc.migrate import migrate
 from cdc.outbox import write_event
 from cdc.repair import republish, rows
-from tests.harness import RelayConfig, drop_slot, read_topics
-from tests.integration.test_gap_evidence import MARGIN_S, _event, _headers, _settings, _topic
+from tests.harness import RelayConfig, read_topics
+from tests.integration.test_gap_evidence import (
+    _event,
+    _headers,
+    _settings,
+    _topic,
+    gap_config,
+)
 
 pytestmark = pytest.mark.integration
-
-WINDOW = "read in the window's order"
-PLACES = "their places sorted by the server first"
 
 
 @pytest.fixture
 def cfg(db_dsn: str, kafka_bootstrap: str, unique: str) -> Iterator[RelayConfig]:
-    config = RelayConfig(
-        db_dsn=db_dsn,
-        kafka=kafka_bootstrap,
-        unique=unique,
-        extra={"CDC_GAP_MARGIN_S": str(MARGIN_S)},
-    )
-    yield config
-    drop_slot(db_dsn, config.slot)
+    yield from gap_config(db_dsn, kafka_bootstrap, unique)
+
+
+WINDOW = "read in the window's order"
+PLACES = "their places sorted by the server first"
 
 
 def _write(dsn: str, count: int, per_tx: int = 1, key: str | None = None) -> list[str]:
