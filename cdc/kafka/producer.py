@@ -275,8 +275,8 @@ class TopicManager:
         batch bound (:func:`batch_bytes`): Kafka refuses a whole batch over it, and
         librdkafka fails every record of it with ``MSG_SIZE_TOO_LARGE`` (it does not
         split the batch, as the Java producer does) - so every record of that batch is
-        dead-lettered, the ones that fit too (one 16 KiB row among twenty small ones of
-        one key, to a topic of 4,096 bytes: all twenty-one). Read once, when the topic
+        then produced alone to be judged (:class:`cdc.relay.health.state.PoisonIds`):
+        correct, a round trip per record. Read once, when the topic
         is first used; a limit that cannot be read (no ``DescribeConfigs`` right) is
         said at INFO and nothing else happens."""
         resources = [ConfigResource(ResourceType.TOPIC, t) for t in topics]
@@ -296,8 +296,8 @@ class TopicManager:
                 continue
             log.warning(
                 "topic %s: max.message.bytes %s is below the producer's batch size (%d"
-                " bytes): Kafka refuses a whole batch over it and every record of a refused"
-                " batch is dead-lettered, the ones that fit too - set"
+                " bytes): Kafka refuses a whole batch over it, and each record of a refused"
+                " batch is then produced alone to be judged (slow: a round trip each) - set"
                 " KAFKA_CONFIG_BATCH_SIZE to %s or less, or raise the topic's"
                 " max.message.bytes",
                 topic,

@@ -14,7 +14,11 @@ Guarantees:
 * a record refused for itself - by Kafka (too large, invalid) - is dead-lettered
   with the reason, never dropped; a dead letter Kafka refuses is sent again in its
   minimal form (every field cut to :data:`DLQ_MINIMAL_FIELD_BYTES`), and one
-  refused in that form raises;
+  refused in that form raises. Kafka judges a batch, not a record (a topic's
+  ``max.message.bytes`` against the whole batch; librdkafka fails each of its
+  records): a record refused with its batch is made again from its row and
+  produced alone, and only a refusal of it alone makes its dead letter - its
+  batch-mates reach their topic;
 * in exactly-once mode (:func:`cdc.repair.transactional.exactly_once`) the run
   publishes in Kafka transactions (:class:`cdc.repair.transactional.Transactions`),
   skipping every id ``read_committed`` consumers already hold; each transaction is
@@ -112,6 +116,9 @@ class _Run(IdsInFlight):
             self.acks.failed(err, msg, self.event_id_of(msg) if is_record_error(err) else None)
 
 
+#: librdkafka's "erroneous state": produce() into a transaction that failed already.
+_STATE = KafkaError._STATE
+
 #: Records that share one :class:`_Run` (it is freed once all their reports are served).
 RUN_RECORDS = 1_000
 
@@ -157,9 +164,10 @@ def _dead_letter_of(
     )
 
 
-#: Exactly-once: the records of the given event ids made again from their rows, in the
-#: order given (a row gone from the table is passed by): what a redo produces. The run's
-#: own reader (:func:`cdc.repair.republish.rows_again`: its rows as the run read them).
+#: The records of the given event ids made again from their rows, in the order given (a
+#: row gone from the table is passed by): what a redo produces, and a record refused with
+#: its batch, produced alone. The run's own reader
+#: (:func:`cdc.repair.republish.rows_again`: its rows as the run read them).
 Again = Callable[[list[str]], Iterable[KafkaRecord]]
 
 
@@ -180,7 +188,8 @@ class Publisher:
     tx: Transactions | None = None
     #: the ``origin`` header of the run's records: its dead letters carry it too
     origin: tuple[str, bytes] | None = None
-    #: exactly-once: the records of a redone transaction, made again from their rows
+    #: the records of a redone transaction, or of ones refused with their batch, made
+    #: again from their rows
     again: Again | None = None
     #: exactly-once: the event ids of the open transaction's records, in order - what is
     #: kept for its redo (its records are made again from their rows: see the module)
@@ -194,6 +203,10 @@ class Publisher:
     job: _Commit | None = None
     #: exactly-once: records built meanwhile, produced into the next transaction
     held: list[KafkaRecord] = field(default_factory=list)
+    #: the event ids produced alone (:meth:`_produce_alone`): a refusal judges the record
+    alone: set[str] = field(default_factory=set)
+    #: exactly-once: records kept for a redo but not produced (their transaction had failed)
+    unproduced: int = 0
 
     def send(self, record: KafkaRecord) -> None:
         tx = self.tx
@@ -282,6 +295,13 @@ class Publisher:
                 if isinstance(err, KafkaError) and is_record_error(err):
                     record = _dead_letter_of(err, record, self.settings, self.origin)
                     continue
+                if self.tx is not None and isinstance(err, KafkaError) and err.code() == _STATE:
+                    # The open transaction failed already (a record of it refused: librdkafka
+                    # takes no record into it after that): this one is kept, not produced -
+                    # the transaction cannot commit, and its redo produces every kept id.
+                    self.unproduced += 1
+                    self.sent += 1
+                    return record
                 raise KafkaUnavailableError(f"recovery produce failed: {exc}") from exc
         run.append((hash((record.key, record.value)), record.event_id.encode()))
         self.sent += 1
@@ -353,20 +373,71 @@ class Publisher:
         self.acks.refused, self.acks.error, self.run = [], None, None
         kept, self.kept = self.kept, []
         self.sent -= len(kept)
+        suspects = sum(1 for i in refused if i and i not in self.alone)
+        if suspects:
+            _refused_with_batch(suspects)
         tx.begin()
         for record in again(kept):
             err = refused.get(record.event_id)
-            redo = (
-                record if err is None else _dead_letter_of(err, record, self.settings, self.origin)
-            )
-            self.kept.append(self._produce(redo).event_id)
+            if err is None:
+                self.kept.append(self._produce(record).event_id)
+            elif record.event_id in self.alone:  # refused alone: its dead letter
+                dead = _dead_letter_of(err, record, self.settings, self.origin)
+                self.kept.append(self._produce(dead).event_id)
+            else:  # refused with its batch: judged alone (refused again, redone again)
+                self.kept.append(self._produce_alone(record).event_id)
         self.redone += 1
 
     def _dead_letter_refused(self) -> None:
+        """At-least-once: the refused records' dead letters - of those refused alone
+        (:meth:`_produce_alone`); the others, refused with their batch (Kafka judges a
+        batch: they may be innocent batch-mates), are made again from their rows and
+        produced alone, their reports served before the next record goes."""
         refused, self.acks.refused = self.acks.refused, []
+        suspects: list[str] = []
         for err, record in refused:
-            self.sent -= 1  # the refused record is replaced by its dead letter
-            self.send(_dead_letter_of(err, record, self.settings, self.origin))
+            self.sent -= 1  # the refused record is replaced by its dead letter, or again
+            if record.event_id and record.event_id not in self.alone and self.again:
+                suspects.append(record.event_id)
+            else:
+                self.send(_dead_letter_of(err, record, self.settings, self.origin))
+        if suspects and self.again is not None:
+            _refused_with_batch(len(suspects))
+            for record in self.again(suspects):
+                self._produce_alone(record)
+
+    def _produce_alone(self, record: KafkaRecord) -> KafkaRecord:
+        """Produce ``record`` with no other in its batch: every report before it served,
+        then it, then its own report (each wait bounded by :data:`ACK_TIMEOUT_S`); a
+        refusal then judges the record itself (dead-lettered: :meth:`_dead_letter_refused`,
+        or the redo). Exactly-once, in a transaction failed already, it is only kept
+        (judged in the redo)."""
+        self._flush_all()
+        if self.tx is not None and (self.acks.refused or self.acks.error is not None):
+            self.sent += 1
+            return record
+        unproduced = self.unproduced
+        produced = self._produce(record)
+        if produced is record and self.unproduced == unproduced:  # (not its dead letter)
+            self.alone.add(record.event_id)
+        self._flush_all()
+        return produced
+
+    def _flush_all(self) -> None:
+        self.run = None  # (its reports can free it)
+        left = self.producer.flush(ACK_TIMEOUT_S)
+        if left:
+            raise KafkaUnavailableError(
+                f"republishing: {left} records not acknowledged within {ACK_TIMEOUT_S:g}s"
+            )
+
+
+def _refused_with_batch(count: int) -> None:
+    log.warning(
+        "republishing: Kafka refused %d records with their batch (it judges a batch):"
+        " each is produced alone, and only one refused alone is dead-lettered",
+        count,
+    )
 
 
 class _Commit:

@@ -263,16 +263,11 @@ def republish(
                     query = republish_query(
                         table, order_expression(tracked, ORDER_ALIAS), by_commit_time=tracked
                     )
-                if txs is not None:
-                    snapshot = str(_one(conn, "SELECT pg_export_snapshot()"))
-                    publisher.again = rows_again(
-                        settings,
-                        snapshot,
-                        tracked=tracked,
-                        lsn=lsn,
-                        origin=origin_header,
-                        mark=marked,
-                    )
+                # (a redo, and a record refused with its batch, read their rows in it)
+                snapshot = str(_one(conn, "SELECT pg_export_snapshot()"))
+                publisher.again = rows_again(
+                    settings, snapshot, tracked=tracked, lsn=lsn, origin=origin_header, mark=marked
+                )
                 tx: TxContext | None = None
                 tx_ts: datetime | None = None
                 with conn.cursor() as cur:

@@ -206,14 +206,17 @@ def test_a_window_is_published_in_transactions_of_at_most_max_records_each_once(
 
 def test_a_transaction_with_a_refused_record_is_aborted_and_redone_alone() -> None:
     """A record Kafka refuses in its report makes its transaction fail: that one is
-    aborted and redone with the record's dead letter; the transactions before and after
-    it are committed once, untouched."""
+    aborted and redone with the record produced alone (Kafka judges a batch: it may
+    have been an innocent batch-mate); refused alone, it is aborted and redone again,
+    with the record's dead letter; the transactions before and after it are committed
+    once, untouched."""
     publisher, tx = _eos_publisher({b"k7"}, max_records=5)
     records = [_record(n) for n in range(12)]
     for record in records:
         publisher.send(record)
     publisher.wait_acked()
-    assert tx.aborted == 1 and publisher.redone == 1
+    assert tx.aborted == 2 and publisher.redone == 2
+    assert publisher.alone == {records[7].event_id}
     assert [len(t) for t in tx.committed] == [5, 5, 2]
     second = tx.committed[1]
     assert [topic for topic, _, _ in second] == [records[5].topic] * 2 + [DLQ] + [

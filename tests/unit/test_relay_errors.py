@@ -96,6 +96,13 @@ class ScriptedProducer:
             record.callback = None  # (confluent-kafka lets go of it once reported)
         return len(pending)
 
+    def __len__(self) -> int:  # (records waiting for their reports)
+        return len(self.pending)
+
+    def flush(self, timeout: float = 0) -> int:
+        self.poll(timeout)
+        return len(self.pending)
+
     def to(self, topic: str) -> list[Produced]:
         return [s for s in self.sent if s.topic == topic]
 
@@ -168,7 +175,8 @@ def test_poison_ids_forget_the_least_recently_used_beyond_their_bound() -> None:
     for n in range(4):
         poison.remember(b"e%d" % n, DeadLetterCode.TOO_LARGE, "Broker: Message size too large")
     assert list(poison) == [b"e1", b"e2", b"e3"]
-    assert poison.recall(b"e1") == (DeadLetterCode.TOO_LARGE, "Broker: Message size too large")
+    too_large = (DeadLetterCode.TOO_LARGE, "Broker: Message size too large", True)
+    assert poison.recall(b"e1") == too_large
     poison.remember(b"e4", DeadLetterCode.INVALID_RECORD, "Broker: Invalid record")
     assert list(poison) == [b"e3", b"e1", b"e4"], "a recalled id is kept over older ones"
     assert poison.recall(b"e0") is None
@@ -177,30 +185,51 @@ def test_poison_ids_forget_the_least_recently_used_beyond_their_bound() -> None:
 def test_distinct_refused_events_beyond_the_bound_keep_poison_ids_and_metric_series_bounded(
     relay: Relay, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Three times POISON_MAX records the broker refuses (their reports fail)
-    are remembered and dead-lettered; so are 1,000 rows with distinct
-    unroutable aggregatetypes (distinct reason texts). Every one is written and
-    confirmed. (tests/integration/test_relay_errors.py does 100,000 against
-    the real broker.)"""
+    """More records than the poison ids' bound (POISON_MAX plus CDC_MAX_IN_FLIGHT)
+    whose batches the broker refuses (their reports fail) are remembered as suspects
+    - at most the bound, the session ended, none
+    dead-lettered yet; read again in a new session, the suspects still remembered are
+    each produced alone and, refused alone, dead-lettered. 1,000 rows with distinct
+    unroutable aggregatetypes (distinct reason texts) are dead-lettered at once. Every
+    one is written and confirmed. (tests/integration/test_relay_errors.py does 100,000
+    against the real broker.)"""
     caplog.set_level(logging.ERROR, logger="cdc.relay")  # one warning per dead letter
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
     relay.decoder.topic_of[b"user"] = topic
-    total, per_tx = 3 * POISON_MAX, 500
+    bound = relay.poison.max_entries
+    assert bound == POISON_MAX + relay.settings.relay_max_in_flight
+    total, per_tx = bound + 5_000, 500
     producer.fails[topic] = deque([kafka_error(KafkaError.MSG_SIZE_TOO_LARGE)] * total)
+    refused_id = "{:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10".format
     sess = new_session()
     relay.decoder.on_change(sess, relation())
     lsn = 0x10_0000
     for first in range(0, total, per_tx):
         relay.decoder.on_change(sess, begin(lsn))
         for n in range(first, first + per_tx):
-            relay.decoder.on_change(
-                sess, insert(row(event_id=f"{n:08d}-5d1c-4f7e-9a53-0e6f3c1d2a10"))
-            )
+            relay.decoder.on_change(sess, insert(row(event_id=refused_id(n))))
         relay.decoder.on_change(sess, commit(lsn))
         lsn += 0x1000
-        producer.poll()  # refusals: remembered, dead letters queued
+        producer.poll()  # refusals of batches: suspects
+    assert isinstance(sess.fatal, KafkaError), "a refused batch ends the session"
+    assert not sess.pending_dlq and not producer.to(DLQ), "no batch-mate dead-lettered"
+    assert len(relay.poison) == bound
+    assert sample(relay, "outbox_relay_poison_ids") == bound
+    assert {alone for _, _, alone in relay.poison.values()} == {False}
+
+    # Read again: the suspects still remembered go alone, each refused alone.
+    producer.fails[topic] = deque([kafka_error(KafkaError.MSG_SIZE_TOO_LARGE)] * bound)
+    sess = new_session()
+    relay.decoder.on_change(sess, relation())
+    lsn = 0x100_0000
+    for first in range(total - bound, total, per_tx):
+        relay.decoder.on_change(sess, begin(lsn))
+        for n in range(first, first + per_tx):
+            relay.decoder.on_change(sess, insert(row(event_id=refused_id(n))))
+        relay.decoder.on_change(sess, commit(lsn))
+        lsn += 0x1000
         relay.dead_letters.drain(sess)
         producer.poll()  # dead letters written
     for n in range(1_000):
@@ -214,9 +243,10 @@ def test_distinct_refused_events_beyond_the_bound_keep_poison_ids_and_metric_ser
     relay.dead_letters.drain(sess)
     producer.poll()
 
-    assert len(relay.poison) == POISON_MAX
-    assert sample(relay, "outbox_relay_poison_ids") == POISON_MAX
-    assert len(producer.to(DLQ)) == total + 1_000
+    assert sess.fatal is None
+    assert len(relay.poison) == bound
+    assert {alone for _, _, alone in relay.poison.values()} == {True}
+    assert len(producer.to(DLQ)) == bound + 1_000
     series = {
         s.labels["reason"]
         for metric in relay.registry.collect()
@@ -225,7 +255,7 @@ def test_distinct_refused_events_beyond_the_bound_keep_poison_ids_and_metric_ser
         if s.name.endswith("_total")
     }
     assert series == {"too_large", "invalid_topic"}
-    assert sample(relay, "outbox_relay_dead_lettered_total", {"reason": "too_large"}) == total
+    assert sample(relay, "outbox_relay_dead_lettered_total", {"reason": "too_large"}) == bound
     assert sess.tracker.in_flight == 0
     assert sess.tracker.confirmable == lsn - 0x1000 + 40
     reasons = {dict(s.headers)["dlq.reason"] for s in producer.to(DLQ)}
@@ -600,7 +630,10 @@ def test_refused_reports_of_alike_records_in_one_transaction_are_matched_to_thei
 ) -> None:
     """Reports carry no headers: a refused record's event id is found by its key
     and value among the records its Reports counted, each id claimed once, even
-    when several records are alike in both; the others are acknowledged."""
+    when several records are alike in both; the others are acknowledged. Refused
+    with their batch, the two are suspects (the session ends); read again, each is
+    produced alone: the one refused alone is dead-lettered, the other delivered and
+    forgotten."""
     producer = producer_of(relay)
     topic = "outbox.event.user"
     relay._topics.known.add(topic)
@@ -620,8 +653,30 @@ def test_refused_reports_of_alike_records_in_one_transaction_are_matched_to_thei
     relay.dead_letters.drain(sess)
     producer.poll()
 
-    assert [dict(r.headers)["id"] for r in producer.to(DLQ)] == [ids[1].encode(), ids[2].encode()]
+    assert not producer.to(DLQ) and sess.fatal is refused
     assert sorted(relay.poison) == sorted([ids[1].encode(), ids[2].encode()])
+    assert sess.tracker.in_flight == 2 and sess.acked == {topic: 2}
+
+    sess = new_session()  # read again: ids[1] refused alone, ids[2] delivered alone
+    producer.fails[topic] = deque([None, refused, None, None])  # type: ignore[list-item]
+    relay.decoder.on_change(sess, relation())
+    relay.decoder.on_change(sess, begin(0x1000))
+    relay.decoder.on_change(sess, insert(row(event_id=ids[0], payload=b'{"a":1}')))
+    for event_id in ids[1:]:
+        relay.decoder.on_change(sess, insert(row(event_id=event_id, payload=b'{"a":2}')))
+    relay.decoder.on_change(sess, commit(0x1000))
+    producer.poll()
+    relay.dead_letters.drain(sess)
+    producer.poll()
+
+    assert sess.fatal is None
+    assert [dict(r.headers)["id"] for r in producer.to(DLQ)] == [ids[1].encode()]
+    assert list(relay.poison.items()) == [
+        (ids[1].encode(), (DeadLetterCode.TOO_LARGE, "Broker: Message size too large", True))
+    ]
     assert sess.tracker.in_flight == 0
     assert sess.tracker.confirmable == 0x1000 + 40
-    assert sess.acked == {topic: 2}
+    # (counted: ids[0] before ids[1] went alone - the wait for its report answered the
+    # server and moved the count to the metric - then ids[2] and ids[3])
+    relayed = sample(relay, "outbox_relay_events_total", {"topic": topic})
+    assert relayed + sess.acked.get(topic, 0) == 3

@@ -78,6 +78,8 @@ dead_letter           ExactlyOnce                 the admission rule (ExactlyOnc
 wal_ends              EosSteps                    TxBatch.closed (what is due)
 serve                 ExactlyOnce                 the machine's due step; none while
                                                   commit_transaction has the producer
+quiesce               ExactlyOnce                 the commit under way awaited (a
+                                                  record produced alone goes in at once)
 drain_dead_letters    CommitOverlap               only into an open transaction
 read_wait_s           CommitOverlap               no wait with a commit due
 record_failed         ExactlyOnce                 the transaction fails (fenced: noted)
@@ -366,6 +368,11 @@ class ExactlyOnce:
             if self._batch.state is _COMMITTING:
                 self._act(sess, overlap.advance(sess))
             self._act(sess, self._due(sess))
+
+    def quiesce(self, sess: Session) -> None:
+        """The commit under way ended (:meth:`CommitOverlap.await_commit`): the records
+        buffered meanwhile are in the next transaction, the next record goes in at once."""
+        self._overlap.await_commit(sess)
 
     def session_ends(self, sess: Session) -> None:
         """Finish the commit under way, commit what can be (an open WAL transaction's

@@ -476,15 +476,16 @@ def _recover(
             window_end = datetime.now(UTC)
             lsn = lsn_to_str(made.consistent_lsn)
             query = _window_query(conn, settings, since)
-            if txs is not None:  # (a redone transaction's rows: read in the slot's snapshot)
-                publisher.again = rows_again(
-                    settings,
-                    made.snapshot,
-                    tracked=commit_time_tracked(conn),
-                    lsn=lsn,
-                    origin=origin_header,
-                    mark=mark,
-                )
+            # (a redone transaction's rows, and a record refused with its batch: read in
+            # the slot's snapshot)
+            publisher.again = rows_again(
+                settings,
+                made.snapshot,
+                tracked=commit_time_tracked(conn),
+                lsn=lsn,
+                origin=origin_header,
+                mark=mark,
+            )
             # Streamed (chunks of FETCH_ROWS as the server sends them): the server
             # keeps sending while the rows are published; a server-side cursor waited
             # for a round trip per FETCH (half the loop's time, docs/performance.md).

@@ -77,19 +77,30 @@ class RelayState(enum.Enum):
     STOPPED = "stopped"  # done; the process exits 0
 
 
-class PoisonIds(OrderedDict[bytes, tuple[DeadLetterCode, str]]):
-    """Event ids Kafka refused for themselves -> (code, reason); least recently used first.
+class PoisonIds(OrderedDict[bytes, tuple[DeadLetterCode, str, bool]]):
+    """Event ids Kafka refused -> (code, reason, alone); least recently used first.
 
-    Purpose: a record the broker refuses is dead-lettered from its failed
-    delivery report, but its transaction is confirmed only once the dead letter
-    is acknowledged; after a reconnect or a producer rebuild the same event is
-    read again. Found here, it goes straight to the dead-letter topic instead of
-    being offered to Kafka again (a second refusal - and, with
-    ``enable.gapless.guarantee``, a second fatal error).
+    Purpose: a record the broker refuses is dead-lettered, but its transaction is
+    confirmed only once the dead letter is acknowledged; after a reconnect or a
+    producer rebuild the same event is read again. Found here, it goes straight to
+    the dead-letter topic instead of being offered to Kafka again (a second refusal -
+    and, with ``enable.gapless.guarantee``, a second fatal error).
 
-    Bounded: at most ``max_entries`` ids, the least recently used forgotten
+    Kafka judges a batch, not a record: a topic's ``max.message.bytes`` is checked
+    against the whole batch, and librdkafka fails every record of a refused batch.
+    So a refusal of a record that shared its batch names a **suspect**
+    (:meth:`suspect`, ``alone`` False): read again, it is produced alone - nothing
+    else in flight, nothing produced after it before its report - and only a
+    refusal of the record alone (:meth:`remember`, ``alone`` True) makes its
+    dead letter. Innocent batch-mates reach their topic.
+
+    Bounded: at most ``max_entries`` ids (the relay's: :data:`POISON_MAX` plus
+    ``CDC_MAX_IN_FLIGHT`` - every record one session can have in flight, so its refused
+    batches never push out its own suspects), the least recently used forgotten
     first. Forgetting loses nothing: an event read again after its id was
-    forgotten is refused by Kafka again and dead-lettered by the same path.
+    forgotten is offered to Kafka again and judged by the same path. A session ended
+    by a refused batch is followed at once by the next (no back-off: progress - the
+    first record it has not confirmed is a suspect still remembered, judged alone).
     """
 
     def __init__(self, max_entries: int = POISON_MAX) -> None:
@@ -97,14 +108,25 @@ class PoisonIds(OrderedDict[bytes, tuple[DeadLetterCode, str]]):
         self.max_entries = max_entries
 
     def remember(self, event_id: bytes, code: DeadLetterCode, reason: str) -> None:
-        """Kafka refused ``event_id`` for ``reason``; forget the oldest beyond the bound."""
-        self[event_id] = (code, reason)
+        """Kafka refused ``event_id`` produced alone, for ``reason``: its dead letter is
+        due; forget the oldest beyond the bound."""
+        self._put(event_id, (code, reason, True))
+
+    def suspect(self, event_id: bytes, code: DeadLetterCode, reason: str) -> None:
+        """Kafka refused the batch ``event_id`` was in: produce it alone when it is read
+        again (a refusal remembered already stays as it is)."""
+        known = self.get(event_id)
+        self._put(event_id, known if known is not None and known[2] else (code, reason, False))
+
+    def _put(self, event_id: bytes, entry: tuple[DeadLetterCode, str, bool]) -> None:
+        self[event_id] = entry
         self.move_to_end(event_id)
         while len(self) > self.max_entries:
             self.popitem(last=False)
 
-    def recall(self, event_id: bytes) -> tuple[DeadLetterCode, str] | None:
-        """The refusal of ``event_id`` if remembered (it becomes the most recent)."""
+    def recall(self, event_id: bytes) -> tuple[DeadLetterCode, str, bool] | None:
+        """The refusal of ``event_id`` if remembered (it becomes the most recent):
+        ``(code, reason, alone)``."""
         found = self.get(event_id)
         if found is not None:
             self.move_to_end(event_id)

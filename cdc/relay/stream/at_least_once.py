@@ -72,6 +72,9 @@ class AtLeastOnce:
     def read_wait_s(self) -> float:
         return READ_WAIT_S
 
+    def quiesce(self, sess: Session) -> None:
+        return None
+
     def record_failed(self, sess: Session, err: KafkaError) -> bool:
         return False
 

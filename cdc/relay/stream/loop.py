@@ -64,7 +64,7 @@ from cdc.relay.health.metrics import RelayMetrics
 from cdc.relay.health.monitor import SlotMonitor
 from cdc.relay.health.silent_session import SilentSession
 from cdc.relay.health.stall import StallWatch
-from cdc.relay.health.state import PoisonIds, RelayState, Session
+from cdc.relay.health.state import POISON_MAX, PoisonIds, RelayState, Session
 from cdc.relay.standby.safe import StandbySafe
 from cdc.relay.standby.wait import StandbyWait
 from cdc.relay.standby.watch import StandbyWatch
@@ -186,7 +186,9 @@ class Relay:
             ),
             before_first_use=self._ledger.note_topics,
         )
-        self.poison = PoisonIds()
+        # (room for every record in flight besides: one session's refused batches never
+        # push out its own suspects, so each new session judges its first one alone)
+        self.poison = PoisonIds(POISON_MAX + settings.relay_max_in_flight)
         self.producing = Producing(
             self.metrics,
             self.liveness,
@@ -369,6 +371,11 @@ class Relay:
             except (CdcError, psycopg.OperationalError) as exc:
                 if isinstance(exc, CdcError) and not exc.retriable:
                     raise
+                if self.producing.judged:  # (progress: Producing.judged)
+                    self.producing.judged = False
+                    log.info("relay session ended: %s; reading its records again at once", exc)
+                    self._set_state(RelayState.RECONNECTING, str(exc))
+                    continue
                 delay_s = reconnect.failed(time.monotonic())
                 log.warning("relay session ended: %s; reconnecting in %.1fs", exc, delay_s)
                 self._set_state(RelayState.RECONNECTING, str(exc))

@@ -24,6 +24,7 @@ dead_letter         DeadLetters.queue    admitted / the admission rule (covered,
                                          refused: acknowledged, not queued)
 wal_ends            FastPath, read loop  read Commit / and TxBatch.closed (due)
 serve               the loop's waits     Producing.poll / and the machine's due step
+quiesce             Producing._settle    nothing / the commit under way awaited
 drain_dead_letters  Relay (each turn)    DeadLetters.drain / only into an open
                                          transaction (TxBatch.admits)
 read_wait_s         Relay._read_batch    READ_WAIT_S / no wait with a commit due
@@ -97,6 +98,11 @@ class DeliveryMode(Protocol):
 
     def serve(self, timeout_s: float) -> None:
         """Serve the producer (its callbacks), waiting at most ``timeout_s``."""
+        ...
+
+    def quiesce(self, sess: Session) -> None:
+        """No commit under way once this returns (waited for, bounded by its budget): the
+        next record step hands its record to Kafka at once (a record produced alone)."""
         ...
 
     def drain_dead_letters(self, sess: Session) -> None:

@@ -3,7 +3,9 @@
 Guarantees: a record is acknowledged to the LSN tracker only from its delivery
 report (counted per run of a transaction's records by :class:`Reports`, not by a
 Python call per record); a record Kafka refuses for itself (e.g. too large) is remembered in
-:class:`~cdc.relay.health.state.PoisonIds` and dead-lettered; any other error ends the
+:class:`~cdc.relay.health.state.PoisonIds` and dead-lettered - judged alone: Kafka refuses
+a whole batch, so a refused record that shared its batch ends the session and is produced
+alone when read again (its innocent batch-mates reach their topic); any other error ends the
 session, a librdkafka fatal error with :class:`cdc.errors.ProducerFatalError`
 (the producer is then purged, closed and rebuilt: its records were never
 acknowledged, so they are read again - duplicates, never loss). While the
@@ -87,6 +89,11 @@ class Producing:
         self._set_state = set_state
         self._creating_topic = creating_topic
         self._send_status = send_status
+        #: Kafka refused a record this session, and the session ends for it: a refused
+        #: batch (its records are suspects, produced alone when read again), or exactly-once
+        #: a record refused alone (dead-lettered when read again). Progress, not trouble:
+        #: the next session reads them again at once, no back-off
+        self.judged = False
 
     def poll(self, timeout_s: float) -> None:
         """Serve the producer's callbacks; a fatal error it raises ends the session
@@ -128,6 +135,9 @@ class Producing:
         dead-letter queue when it is known poison)."""
         event_id = record.event_id.encode()
         refused = self.poison.recall(event_id) if self.poison else None
+        if refused is not None and not refused[2]:  # refused with its batch: alone now
+            self._alone(sess, tx_id, record, event_id)
+            return
         if refused is not None:
             sess.tracker.add(tx_id)
             self.queue_dlq(
@@ -142,6 +152,10 @@ class Producing:
                 record.timestamp_ms,
             )
             return
+        self._record(sess, tx_id, record, event_id)
+
+    def _record(self, sess: Session, tx_id: int, record: KafkaRecord, event_id: bytes) -> None:
+        """The delivery mode's record step for ``record`` (its topic made first if new)."""
         if record.topic not in self._topics.known:
             self._creating_topic(record.topic)  # (/readyz names Kafka's answer meanwhile)
             try:
@@ -155,6 +169,48 @@ class Producing:
             step(sess, tx_id, r.topic, r.value, r.key, r.headers, r.timestamp_ms, event_id)
         except KafkaException as exc:
             self.refused(sess, tx_id, exc, r.topic, r.key, r.value, r.headers, r.timestamp_ms)
+
+    def _alone(self, sess: Session, tx_id: int, record: KafkaRecord, event_id: bytes) -> None:
+        """A suspect (Kafka refused the batch it was in: :class:`PoisonIds`) produced
+        alone: every record before it reported, then it, then its own report waited
+        for - its batch holds nothing else, so Kafka judges the record itself. Refused
+        again, it is remembered as refused alone (:meth:`report_failed`); its dead letter
+        is made there (at-least-once) or when it is read again (exactly-once: the
+        refusal aborts the transaction)."""
+        self._settle(sess)
+        sess.reports = None
+        self._record(sess, tx_id, record, event_id)
+        reports = sess.reports
+        if reports is not None:  # (None: not produced - covered, or refused locally)
+            reports.alone = True
+        sess.reports = None
+        self._settle(sess)
+        found = self.poison.get(event_id)
+        if found is not None and not found[2]:  # delivered alone: innocent
+            del self.poison[event_id]
+            self.metrics.poison_ids.set(len(self.poison))
+
+    def _settle(self, sess: Session) -> None:
+        """Wait until no commit is under way and every record handed to Kafka has its
+        delivery report (bounded: each record by ``delivery.timeout.ms``, a commit by
+        its budget), serving the producer and answering the server meanwhile."""
+        producer = self.producer
+        assert producer is not None
+        mode = self.mode
+        while True:
+            mode.quiesce(sess)
+            if not len(producer):
+                return
+            try:  # (flush, not poll: it sends what lingers at once, and returns when done)
+                producer.flush(c.BACKPRESSURE_POLL_S)
+            except KafkaException as exc:
+                self.raise_kafka(exc, "producer flush failed")
+            self.liveness.tick()
+            self._send_status(sess)
+            if self._stop.is_set() or sess.fatal is not None or sess.fault is not None:
+                raise KafkaUnavailableError(
+                    f"producing a record alone: {sess.fatal or sess.fault or 'stopping'}"
+                )
 
     def refused(
         self,
@@ -233,6 +289,22 @@ class Producing:
         fails = self.mode.record_failed(sess, err)
         self.metrics.kafka_errors.labels(err.name()).inc()
         event_id = reports.event_id_of(msg) if is_record_error(err) else None
+        if event_id is not None and not getattr(reports, "alone", False):
+            # Kafka judges a batch: the record may be an innocent batch-mate of the one
+            # it refused. The session ends; read again, the record is produced alone.
+            self.poison.suspect(event_id, record_error_code(err), err.str())
+            self.metrics.poison_ids.set(len(self.poison))
+            if sess.fatal is None:
+                log.warning(
+                    "kafka refused a batch of records to %s (%s): the session ends, and"
+                    " each of its records is produced alone when read again",
+                    topic,
+                    err,
+                    extra={"topic": topic, "lsn": lsn_to_str(tx_id)},
+                )
+            sess.fatal = sess.fatal or err
+            self.judged = True
+            return
         if event_id is not None:
             code = record_error_code(err)
             self.poison.remember(event_id, code, err.str())
@@ -248,8 +320,9 @@ class Producing:
                 [(c.HEADER_ID, event_id)],
                 msg.timestamp()[1],
             )
-            if fails:
+            if fails:  # (exactly-once: read again, its dead letter is made)
                 sess.fatal = sess.fatal or err
+                self.judged = True
             return
         if sess.fatal is None and err.code() not in PURGED:  # once a session: they come in bulk
             log.error(
@@ -287,7 +360,7 @@ class Reports(IdsInFlight):
     1-event transaction).
     """
 
-    __slots__ = ("failed", "owner", "sess", "timestamp_ms", "topic", "tx_id")
+    __slots__ = ("alone", "failed", "owner", "sess", "timestamp_ms", "topic", "tx_id")
 
     owner: Producing
     sess: Session
@@ -296,6 +369,9 @@ class Reports(IdsInFlight):
     timestamp_ms: int
     #: failed reports so far (each dead-lettered, or the session ended)
     failed: int
+    #: its one record was produced alone (:meth:`Producing._alone`): a refusal judges
+    #: that record (never set on the hot path: read with a default)
+    alone: bool
 
     def __call__(self, err: KafkaError | None, msg: Message) -> None:
         if err is None:
