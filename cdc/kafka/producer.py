@@ -175,6 +175,12 @@ class IdsInFlight(list[tuple[int, bytes]]):
         ids = unclaimed.get(hash((msg.key() or b"", msg.value() or b"")))
         return ids.popleft() if ids else None
 
+    def alike(self, msg: Message) -> list[bytes]:
+        """Every event id of a record alike to the one a failed report names (the same
+        key and value): which of them Kafka refused, the report cannot say."""
+        digest = hash((msg.key() or b"", msg.value() or b""))
+        return [event_id for d, event_id in self if d == digest]
+
 
 def discard_producer(producer: Producer, *, drain_s: float = DISCARD_DRAIN_S) -> None:
     """Purge, serve the purge reports, close: the end of a producer after a fatal error.

@@ -112,8 +112,18 @@ class _Run(IdsInFlight):
     acks: Acks
 
     def __call__(self, err: KafkaError | None, msg: Message) -> None:
-        if err is not None:
-            self.acks.failed(err, msg, self.event_id_of(msg) if is_record_error(err) else None)
+        if err is None:
+            return
+        if not is_record_error(err):
+            self.acks.failed(err, msg, None)
+            return
+        claimed = self.event_id_of(msg)
+        self.acks.failed(err, msg, claimed)
+        # (records alike in key and value: the report cannot say which one was refused,
+        # so each is judged again - else one could be taken for delivered, and be lost)
+        for event_id in self.alike(msg):
+            if event_id != claimed:
+                self.acks.failed(err, msg, event_id)
 
 
 #: librdkafka's "erroneous state": produce() into a transaction that failed already.
@@ -394,16 +404,18 @@ class Publisher:
         batch: they may be innocent batch-mates), are made again from their rows and
         produced alone, their reports served before the next record goes."""
         refused, self.acks.refused = self.acks.refused, []
-        suspects: list[str] = []
+        suspects: dict[str, None] = {}  # (an id once: alike records name each other)
         for err, record in refused:
-            self.sent -= 1  # the refused record is replaced by its dead letter, or again
-            if record.event_id and record.event_id not in self.alone and self.again:
-                suspects.append(record.event_id)
-            else:
+            event_id = record.event_id
+            if event_id and event_id not in self.alone and self.again:
+                suspects[event_id] = None
+            elif event_id not in suspects:
+                self.sent -= 1  # the refused record is replaced by its dead letter
                 self.send(_dead_letter_of(err, record, self.settings, self.origin))
+        self.sent -= len(suspects)  # (each is produced again)
         if suspects and self.again is not None:
             _refused_with_batch(len(suspects))
-            for record in self.again(suspects):
+            for record in self.again(list(suspects)):
                 self._produce_alone(record)
 
     def _produce_alone(self, record: KafkaRecord) -> KafkaRecord:

@@ -249,7 +249,6 @@ def test_a_dead_letter_produce_raising_buffer_error_holds_backs_off_and_retries(
             _bulk(cfg.db_dsn, "qfull", 5, per_tx=5, start=5)
             with psycopg.connect(cfg.db_dsn) as conn, conn.transaction():
                 conn.execute("SELECT pg_logical_emit_message(true, 'outbox', 'not json')")
-            _bulk(cfg.db_dsn, "qfull", 5, per_tx=5, start=10)
             cause = f"held: dead letter to {cfg.dlq_topic} not written: the producer's local"
 
             seen: list[tuple[int, str]] = []
@@ -264,6 +263,10 @@ def test_a_dead_letter_produce_raising_buffer_error_holds_backs_off_and_retries(
                 wait_until(held, 60, "/readyz to name the held dead letter")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}; /readyz said {seen}\n{relay.log_tail()}") from None
+            # Written once it holds: read in the malformed message's turn, these waited
+            # in the ordinary records' back-pressure (the queue full) before the turn's
+            # end could try the dead letter - /readyz said "backpressure" (pg18 lane, once).
+            _bulk(cfg.db_dsn, "qfull", 5, per_tx=5, start=10)
             wait_until(
                 lambda: metric(port, "outbox_relay_dead_letter_retries_total") >= 3,
                 60,

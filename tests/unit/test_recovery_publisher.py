@@ -342,3 +342,54 @@ def test_a_republished_dead_letter_carries_the_republishers_origin() -> None:
     assert headers[c.HEADER_ORIGIN] == ORIGIN[1]
     assert c.HEADER_LSN not in headers  # (no commit LSN is made up)
     assert headers[c.HEADER_RECOVERED] == b"verify"
+
+
+class BatchJudgingProducer(ReportingProducer):
+    """Refuses, when it reports them, every record served with one whose key is in
+    ``refuse`` - a batch judged whole, as Kafka does - and no other."""
+
+    def poll(self, timeout: float = 0) -> int:
+        pending, self.pending = self.pending, []
+        batch_refused = any(r.key() in self.refuse and r.topic() != DLQ for _, r in pending)
+        for callback, report in pending:
+            if batch_refused and report.topic() != DLQ:
+                callback(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE), report)
+        return len(pending)
+
+
+def test_a_refused_batch_is_judged_record_by_record_and_an_alike_record_is_not_lost() -> None:
+    """At-least-once republishing: a batch refused whole (one guilty record in it) names
+    suspects; each is made again from its row and produced alone, and only the guilty one
+    is dead-lettered. One suspect has an alike record (same key and value, another id)
+    delivered earlier in the same run: the report cannot say which of the two was
+    refused, so both are judged again - the refused one is not taken for delivered."""
+    producer = BatchJudgingProducer(refuse={b"k2"})
+    settings = Settings(pg_dsn="postgresql://x", kafka_bootstrap_servers="x:1", dlq_topic=DLQ)
+    records = [_record(n) for n in range(4)]
+    other = "00000009-5d1c-4f7e-9a53-0e6f3c1d2a10"
+    headers = [(c.HEADER_ID, other.encode()), *records[1].headers[1:]]
+    alike = dataclasses.replace(records[1], event_id=other, headers=headers)
+    rows = {r.event_id: r for r in [*records, alike]}
+    publisher = Publisher(
+        settings,
+        producer,  # type: ignore[arg-type]
+        FakeTopics(),  # type: ignore[arg-type]
+        Acks(),
+        again=lambda ids: [rows[i] for i in ids],
+    )
+    publisher.send(alike)
+    producer.poll()  # (alone in its batch: delivered)
+    for record in records:  # (one batch with the guilty k2: refused whole)
+        publisher.send(record)
+    publisher.wait_acked()
+
+    delivered = [
+        dict(headers)[c.HEADER_ID].decode()
+        for topic, key, headers in producer.produced
+        if topic != DLQ
+    ]
+    dead = [dict(h)[c.HEADER_ID].decode() for topic, _, h in producer.produced if topic == DLQ]
+    assert dead == [records[2].event_id]
+    assert set(delivered) == {r.event_id for r in [*records, alike]}
+    assert publisher.alone >= {r.event_id for r in records}, "each judged alone"
+    assert not producer.pending

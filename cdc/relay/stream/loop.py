@@ -209,7 +209,7 @@ class Relay:
             s,
             self.registry,
             self._stop,
-            publish=self.producing.send,
+            publish=self.producing.send_held,  # (a suspect among them goes alone)
             refused=self.producing.refused,
         )
         self.guard = SlotGuard(

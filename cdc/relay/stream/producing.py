@@ -176,13 +176,43 @@ class Producing:
         for - its batch holds nothing else, so Kafka judges the record itself. Refused
         again, it is remembered as refused alone (:meth:`report_failed`); its dead letter
         is made there (at-least-once) or when it is read again (exactly-once: the
-        refusal aborts the transaction)."""
+        refusal aborts the transaction). Delivered, it is forgotten. A record the mode
+        holds instead (standby-safe) is judged when it is released (:meth:`send_held`)."""
+        self._judged_alone(sess, event_id, lambda: self._record(sess, tx_id, record, event_id))
+
+    def send_held(
+        self,
+        sess: Session,
+        tx_id: int,
+        topic: str,
+        value: bytes,
+        key: bytes,
+        headers: list[tuple[str, bytes]],
+        timestamp_ms: int,
+        event_id: bytes,
+    ) -> None:
+        """:meth:`send` for a record standby-safe mode held and now releases: a suspect
+        among them still goes alone."""
+        found = self.poison.get(event_id) if self.poison else None
+        if found is None or found[2]:
+            self.send(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id)
+            return
+        send = self.send
+        self._judged_alone(
+            sess,
+            event_id,
+            lambda: send(sess, tx_id, topic, value, key, headers, timestamp_ms, event_id),
+        )
+
+    def _judged_alone(self, sess: Session, event_id: bytes, produce: Callable[[], None]) -> None:
+        """``produce`` (one record's step) with nothing else in the record's batch."""
         self._settle(sess)
         sess.reports = None
-        self._record(sess, tx_id, record, event_id)
+        produce()
         reports = sess.reports
-        if reports is not None:  # (None: not produced - covered, or refused locally)
-            reports.alone = True
+        if reports is None:  # not produced: held (standby-safe), covered, refused locally
+            return
+        reports.alone = True
         sess.reports = None
         self._settle(sess)
         found = self.poison.get(event_id)
