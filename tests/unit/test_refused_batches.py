@@ -16,6 +16,10 @@ clean, and then:
 * every innocent record was delivered to its topic;
 * it took at most one session more than the records there are (each session judges at
   least one suspect alone).
+
+A fault inside the machinery: Kafka away while the records before a suspect are waited
+for (at-least-once records never time out) - the relay answers the server at each step,
+says ``backpressure``, and a stop ends the wait.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cdc.errors import KafkaUnavailableError
-from cdc.relay.health.state import Session
+from cdc.relay.health.state import RelayState, Session
 from cdc.relay.stream import loop as relay_mod
 from cdc.relay.stream.loop import Relay
+from cdc.router import DeadLetterCode
 from cdc.settings import Settings
 from cdc.wal.lsn import LsnTracker
 from tests.unit.test_relay_routing import (
@@ -144,7 +149,11 @@ def _session(relay: Relay, txs: list[list[str]]) -> Session:
 class _Stream:
     wal_sender_timeout_ms = 60_000
 
+    def __init__(self) -> None:
+        self.statuses = 0
+
     def send_status(self, lsn: int, **_: Any) -> int:
+        self.statuses += 1
         return lsn
 
 
@@ -179,3 +188,49 @@ def test_only_the_guilty_are_dead_lettered_and_every_innocent_is_delivered(
     delivered = {dict(r.headers)["id"] for r in producer.delivered if r.topic == TOPIC}
     assert delivered == {i.encode() for i in every} - guilty
     assert all(entry[2] for entry in relay.poison.values()), "no suspect left unjudged"
+
+
+@dataclass
+class AwayProducer(BatchingProducer):
+    """Kafka away: nothing is ever reported; each flush waits its timeout out. The relay
+    is asked to stop after ``stop_after`` flushes."""
+
+    relay: Any = None
+    stop_after: int = 3
+    flushes: int = 0
+
+    def flush(self, timeout: float = 0) -> int:
+        self.flushes += 1
+        if self.flushes >= self.stop_after:
+            self.relay._stop.set()
+        return len(self.pending)
+
+    def poll(self, timeout: float = 0) -> int:
+        return 0
+
+
+def test_a_suspects_wait_while_kafka_is_away_answers_the_server_says_so_and_ends_at_a_stop(
+    make_relay: Any,
+) -> None:
+    """The wait for the records before a suspect (a fault inside the new machinery):
+    Kafka is away, at-least-once records never time out - the relay answers the server
+    at every step, says ``backpressure`` (not ``streaming``), and a stop ends the wait
+    (the session ends; nothing was acknowledged, so everything is read again)."""
+    suspect = "00000001-5d1c-4f7e-9a53-0e6f3c1d2a10"
+    producer = AwayProducer(set(), random.Random(0))
+    relay = make_relay(producer)
+    producer.relay = relay
+    relay.poison.suspect(suspect.encode(), DeadLetterCode.TOO_LARGE, "Broker: too large")
+    stream = _Stream()
+    sess = Session(stream=stream, tracker=LsnTracker(0))  # type: ignore[arg-type]
+    relay.decoder.on_change(sess, relation())
+    relay.decoder.on_change(sess, begin(0x1000))
+    relay.decoder.on_change(sess, insert(row(event_id="00000000-5d1c-4f7e-9a53-0e6f3c1d2a10")))
+    with pytest.raises(KafkaUnavailableError, match="stopping"):
+        relay.decoder.on_change(sess, insert(row(event_id=suspect)))
+    assert producer.flushes == 3 and stream.statuses == 3, "the server answered at each step"
+    assert relay._state is RelayState.BACKPRESSURE
+    assert [dict(r.headers)["id"].decode() for r in producer.pending] == [
+        "00000000-5d1c-4f7e-9a53-0e6f3c1d2a10"
+    ], "the suspect waits its turn: not produced while another record is in flight"
+    assert sess.tracker.in_flight == 1 and sess.tracker.confirmable == 0  # (the suspect: not added)

@@ -222,15 +222,23 @@ class Producing:
 
     def _settle(self, sess: Session) -> None:
         """Wait until no commit is under way and every record handed to Kafka has its
-        delivery report (bounded: each record by ``delivery.timeout.ms``, a commit by
-        its budget), serving the producer and answering the server meanwhile."""
+        delivery report, serving the producer and answering the server meanwhile. The
+        wait is the back-pressure wait's (:meth:`send`): exactly-once, each record is
+        bounded by ``message.timeout.ms`` (``CDC_TX_TIMEOUT_MS``) and a commit by its
+        budget; at-least-once records never time out (``message.timeout.ms`` 0: they wait
+        for Kafka) - a SIGTERM ends the wait, and a wait past its first step says
+        ``backpressure`` (not ``streaming``) until the loop takes over again."""
         producer = self.producer
         assert producer is not None
         mode = self.mode
+        first = True
         while True:
             mode.quiesce(sess)
             if not len(producer):
                 return
+            if not first:
+                self._set_state(RelayState.BACKPRESSURE)
+            first = False
             try:  # (flush, not poll: it sends what lingers at once, and returns when done)
                 producer.flush(c.BACKPRESSURE_POLL_S)
             except KafkaException as exc:
