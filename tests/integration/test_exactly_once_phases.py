@@ -255,4 +255,11 @@ def test_a_broker_killed_while_records_buffer_behind_a_commit_loses_and_repeats_
     )
     assert overlapped[0] > 0
     assert all(b > a for a, b in itertools.pairwise(overlapped))
-    assert (missing, duplicates) == (0, 0)
+    # (seen once in a loaded clean-clone CI: 42 duplicates, 1 transaction aborted - the
+    # relay's own account of its sessions, commits and aborts kept for the next one)
+    story = [
+        line
+        for line in relay.log_path.read_text(errors="replace").splitlines()
+        if line[24:31] in ("INFO   ", "WARNING", "ERROR  ") and " cdc" in line[:40]
+    ]
+    assert (missing, duplicates) == (0, 0), "\n".join(story[-80:])
