@@ -198,7 +198,13 @@ def test_a_real_fatal_producer_error_rebuilds_the_producer_and_every_event_arriv
                 120,
                 "a producer rebuild",
             )
-            msgs = read_topics(cfg.kafka, [topic], expect=4_000, timeout_s=240)
+            # (read until every id is in, bounded: the sessions the refusal ends read
+            # records again, and duplicates once made the count before the last events)
+            deadline = time.monotonic() + 240
+            while True:
+                msgs = read_topics(cfg.kafka, [topic], expect=4_000, timeout_s=240)
+                if set(before + after) <= ids_in(msgs) or time.monotonic() > deadline:
+                    break
             dead = read_topics(cfg.kafka, [cfg.dlq_topic], expect=2, timeout_s=120)
             wait_for_ready(relay, port, timeout_s=60)
         assert relay.alive(), relay.log_tail()
